@@ -1,0 +1,55 @@
+"""Attention backends: the paged-attention and KV-write functions the model calls.
+
+A backend is a pair (attention, write_kv) with the signatures of
+`kernels_pallas.reference`. The model picks one by name, statically:
+"reference" is plain jnp (the CPU serving path); "auto" picks the Pallas
+kernels on GPU and the reference elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+
+from kernels_pallas.reference import ragged_paged_attention_reference, write_kv_reference
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    attention: Callable
+    write_kv: Callable
+
+
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
+    "reference": lambda: AttentionBackend("reference", ragged_paged_attention_reference, write_kv_reference),
+}
+
+
+def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
+    _BACKENDS[name] = factory
+
+
+def backend_names() -> list[str]:
+    _load_kernels()
+    return sorted(_BACKENDS) + ["auto"]
+
+
+def _load_kernels() -> None:
+    # The Pallas kernels register themselves on import; they are optional so
+    # the reference path works even where Pallas cannot be imported.
+    try:
+        import kernels_pallas.kernels  # noqa: F401
+    except ImportError:
+        pass
+
+
+def get_backend(name: str = "auto") -> AttentionBackend:
+    _load_kernels()
+    if name == "auto":
+        name = "pallas" if jax.default_backend() == "gpu" and "pallas" in _BACKENDS else "reference"
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known: {backend_names()}")
+    return _BACKENDS[name]()

@@ -1,0 +1,90 @@
+"""Plain-`jnp` references for the paged-attention and KV-cache-write kernels.
+
+These define the semantics the Pallas kernels must match, and they are the
+attention path the CPU backend serves with (XLA compiles them well enough
+there; Pallas interpret mode is for tests only).
+
+Ragged batch convention, shared by every backend:
+  q            [T, q_heads, head_dim]     all sequences' new tokens, concatenated
+  k/v_pages    [num_pages, page_size, kv_heads, head_dim]
+  kv_lens      [S]   tokens in the cache for each sequence, new ones included
+  block_tables [S, P] page ids of each sequence, in order
+  cu_q_lens    [S+1] sequence i owns q rows cu_q_lens[i]:cu_q_lens[i+1]
+  num_seqs     []    sequences >= num_seqs are padding
+The j-th new token of sequence i sits at KV position
+`kv_lens[i] - q_len[i] + j` and attends causally to positions 0..itself.
+Rows that belong to no live sequence come out as zeros.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+TOKEN_CHUNK = 16
+
+
+def token_sequence_ids(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int):
+    """For every row: its sequence, its KV position offset data, and whether it is live."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    num_slots = cu_q_lens.shape[0] - 1
+    seq = jnp.searchsorted(cu_q_lens, t, side="right").astype(jnp.int32) - 1
+    seq = jnp.clip(seq, 0, num_slots - 1)
+    live = (t < cu_q_lens[num_seqs]) & (seq < num_seqs)
+    return seq, live
+
+
+def ragged_paged_attention_reference(
+    q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale: float | None = None
+):
+    T, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    pages_per_seq = block_tables.shape[1]
+    group = num_q_heads // num_kv_heads
+    max_len = pages_per_seq * page_size
+    if sm_scale is None:
+        sm_scale = head_dim**-0.5
+
+    seq, live = token_sequence_ids(cu_q_lens, num_seqs, T)
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    q_pos = kv_lens[seq] - q_len + (jnp.arange(T, dtype=jnp.int32) - cu_q_lens[seq])
+
+    chunk = min(TOKEN_CHUNK, T)
+    pad = (-T) % chunk
+    padded = lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+    qs = padded(q).reshape(-1, chunk, num_kv_heads, group, head_dim)
+    seqs = padded(seq).reshape(-1, chunk)
+    poss = padded(q_pos).reshape(-1, chunk)
+    lives = padded(live).reshape(-1, chunk)
+
+    def one_chunk(args):
+        qc, sc, pc, lc = args
+        pages = block_tables[sc]  # [C, P]
+        k = k_pages[pages].reshape(chunk, max_len, num_kv_heads, head_dim)
+        v = v_pages[pages].reshape(chunk, max_len, num_kv_heads, head_dim)
+        s = jnp.einsum("ckgd,clkd->ckgl", qc.astype(jnp.float32), k.astype(jnp.float32)) * sm_scale
+        j = jnp.arange(max_len, dtype=jnp.int32)
+        visible = (j[None, :] <= pc[:, None]) & (j[None, :] < kv_lens[sc][:, None]) & lc[:, None]
+        s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+        m = jnp.max(s, axis=-1, keepdims=True)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        p = jnp.exp(s - m)
+        denom = jnp.sum(p, axis=-1, keepdims=True)
+        o = jnp.einsum("ckgl,clkd->ckgd", p, v.astype(jnp.float32))
+        o = o / jnp.where(denom > 0, denom, 1.0)
+        return o.reshape(chunk, num_q_heads, head_dim).astype(q.dtype)
+
+    out = jax.lax.map(one_chunk, (qs, seqs, poss, lives))
+    return out.reshape(-1, num_q_heads, head_dim)[:T]
+
+
+def write_kv_reference(k_pages, v_pages, k_new, v_new, slot_mapping):
+    """Scatters new tokens' K/V into their cache slots; out-of-range slots are dropped."""
+    num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
+    flat = (num_pages * page_size, num_kv_heads, head_dim)
+
+    def write(pages, new):
+        out = pages.reshape(flat).at[slot_mapping].set(new.astype(pages.dtype), mode="drop")
+        return out.reshape(pages.shape)
+
+    return write(k_pages, k_new), write(v_pages, v_new)

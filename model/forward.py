@@ -1,0 +1,111 @@
+"""The Llama-3 forward pass over a flattened ragged token batch.
+
+One function serves prefill chunks and single-token decodes of many sequences
+in the same call: tokens `[T]` (padded to a bucket), their positions and the
+`BatchMetadata`. It writes each token's K/V into the paged cache, attends
+through the chosen backend, and returns logits for the requested rows only,
+together with the updated cache (donate it when jitting).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas import get_backend
+from model.cache import BatchMetadata, KVCache
+from model.config import LlamaConfig
+from model.params import Layer, Weights
+
+
+def rms_norm(x, weight, eps):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_frequencies(cfg: LlamaConfig) -> jax.Array:
+    """Inverse frequencies `[head_dim // 2]`, with Llama-3.1 scaling when configured."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    sc = cfg.rope_scaling
+    if sc is None:
+        return inv_freq
+    low_wavelen = sc.original_max_position_embeddings / sc.low_freq_factor
+    high_wavelen = sc.original_max_position_embeddings / sc.high_freq_factor
+    wavelen = 2 * jnp.pi / inv_freq
+    smooth = (sc.original_max_position_embeddings / wavelen - sc.low_freq_factor) / (
+        sc.high_freq_factor - sc.low_freq_factor
+    )
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / sc.factor, inv_freq)
+    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return jnp.where(mid, (1 - smooth) * inv_freq / sc.factor + smooth * inv_freq, scaled)
+
+
+def apply_rope(x, positions, inv_freq):
+    """HF's half-rotation convention: x = [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]."""
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, d/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, None, :]
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def attention_block(layer: Layer, x, k_pages, v_pages, md: BatchMetadata, inv_freq, cfg: LlamaConfig, backend):
+    h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+    q = jnp.einsum("te,ehd->thd", h, layer.wq)
+    k = jnp.einsum("te,ehd->thd", h, layer.wk)
+    v = jnp.einsum("te,ehd->thd", h, layer.wv)
+    q = apply_rope(q, md.positions, inv_freq)
+    k = apply_rope(k, md.positions, inv_freq)
+    k_pages, v_pages = backend.write_kv(k_pages, v_pages, k, v, md.slot_mapping)
+    o = backend.attention(
+        q, k_pages, v_pages, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,
+        sm_scale=cfg.head_dim**-0.5,
+    )
+    return x + jnp.einsum("thd,hde->te", o, layer.wo), k_pages, v_pages
+
+
+def mlp_block(layer: Layer, x, cfg: LlamaConfig):
+    h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
+    gate = jnp.einsum("te,ef->tf", h, layer.w_gate)
+    up = jnp.einsum("te,ef->tf", h, layer.w_up)
+    return x + jnp.einsum("tf,fe->te", jax.nn.silu(gate) * up, layer.w_down)
+
+
+def output_logits(params: Weights, x, cfg: LlamaConfig):
+    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    if params.lm_head is None:
+        return jnp.einsum("te,ve->tv", x, params.embed, preferred_element_type=jnp.float32)
+    return jnp.einsum("te,ev->tv", x, params.lm_head, preferred_element_type=jnp.float32)
+
+
+def forward_hidden(params: Weights, cache: KVCache, tokens, md: BatchMetadata, cfg: LlamaConfig,
+                   backend: str = "auto"):
+    """Runs every layer; returns the final hidden states `[T, embed]` and the new cache."""
+    impl = get_backend(backend)
+    inv_freq = rope_frequencies(cfg)
+    x = params.embed[tokens].astype(cfg.jnp_dtype)
+    new_k, new_v = [], []
+    for layer, k_pages, v_pages in zip(params.layers, cache.k, cache.v):
+        x, k_pages, v_pages = attention_block(layer, x, k_pages, v_pages, md, inv_freq, cfg, impl)
+        x = mlp_block(layer, x, cfg)
+        new_k.append(k_pages)
+        new_v.append(v_pages)
+    return x, KVCache(k=new_k, v=new_v)
+
+
+def forward(params: Weights, cache: KVCache, tokens, md: BatchMetadata, cfg: LlamaConfig,
+            backend: str = "auto"):
+    """Logits `[R, vocab]` (fp32) for rows `md.logits_indices`, and the updated cache."""
+    x, cache = forward_hidden(params, cache, tokens, md, cfg, backend)
+    return output_logits(params, x[md.logits_indices], cfg), cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnames=("cache",))
+def forward_jit(params, cache, tokens, md, cfg: LlamaConfig, backend: str = "auto"):
+    return forward(params, cache, tokens, md, cfg, backend)
