@@ -101,7 +101,7 @@ class Weights:
     def declare(cls, cfg: LlamaConfig) -> "Weights":
         h, v, dt = cfg.hidden_size, cfg.vocab_size, cfg.jnp_dtype
         return cls(
-            embed=ArrayInfo((v, h), dt, ("vocab", "embed"), normal_init(1)),
+            embed=ArrayInfo((v, h), dt, ("vocab", "embed"), normal_init(h)),
             layers=[Layer.declare(cfg) for _ in range(cfg.num_layers)],
             final_norm=ArrayInfo((h,), dt, ("norm",), ones_init),
             lm_head=None if cfg.tie_word_embeddings else ArrayInfo((h, v), dt, ("embed", "vocab"), normal_init(h)),

@@ -1,0 +1,64 @@
+"""Checkpoints: orbax save and sharded restore of the weights, with their config.
+
+A checkpoint directory holds:
+  model_config.json    the `LlamaConfig`
+  params/              an orbax checkpoint of the flat {"layers.0.wq": array} dict
+  tokenizer.json       (optional) a Hugging Face tokenizer; without it the byte tokenizer
+
+Restore builds abstract arrays carrying the target shardings and lets orbax
+read each shard straight onto its devices, so no host ever holds a full copy
+of the model.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import orbax.checkpoint as ocp
+
+from model.config import LlamaConfig
+from model.params import Weights, abstract_params, flatten_params, unflatten_params
+
+CONFIG_FILE = "model_config.json"
+PARAMS_DIR = "params"
+
+
+def save_checkpoint(directory: str, params: Weights, cfg: LlamaConfig, *, storage_dtype=None) -> None:
+    """Writes params (optionally cast to `storage_dtype`, e.g. bf16 to halve the size) and config."""
+    directory = os.path.abspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    flat = flatten_params(params)
+    if storage_dtype is not None:
+        flat = {k: v.astype(storage_dtype) for k, v in flat.items()}
+    path = os.path.join(directory, PARAMS_DIR)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path, flat, force=True)
+        ckptr.wait_until_finished()
+    cfg.save(os.path.join(directory, CONFIG_FILE))
+
+
+def load_config(directory: str) -> LlamaConfig:
+    path = os.path.join(directory, CONFIG_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{directory} is not a ridgeline checkpoint: {CONFIG_FILE} is missing")
+    return LlamaConfig.load(path)
+
+
+def load_checkpoint(directory: str, shardings: Weights | None = None, cfg: LlamaConfig | None = None):
+    """Returns (config, params). Weights are restored into `shardings` when given, and
+    into the config's dtype whatever dtype they were stored in."""
+    directory = os.path.abspath(directory)
+    cfg = cfg or load_config(directory)
+    target = flatten_params(abstract_params(cfg, shardings))
+    if shardings is None:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=device) for k, v in target.items()}
+    with ocp.StandardCheckpointer() as ckptr:
+        stored = ckptr.metadata(os.path.join(directory, PARAMS_DIR))
+        stored = getattr(stored, "item_metadata", stored)
+        # Read in the stored dtype, then cast: the cast keeps each array's sharding.
+        read_as = {k: jax.ShapeDtypeStruct(v.shape, stored[k].dtype, sharding=v.sharding) for k, v in target.items()}
+        flat = ckptr.restore(os.path.join(directory, PARAMS_DIR), read_as)
+    flat = {k: v.astype(target[k].dtype) if v.dtype != target[k].dtype else v for k, v in flat.items()}
+    return cfg, unflatten_params(cfg, flat)
