@@ -78,3 +78,51 @@ class BatchMetadata:
 
 def pad_slot(num_pages: int, page_size: int) -> int:
     return num_pages * page_size
+
+
+def pack_batch(chunks, *, page_size: int, num_pages: int, num_tokens: int, max_seqs: int, pages_per_seq: int,
+               logits_rows: int | None = None, all_logits: bool = False):
+    """Host-side packing of a ragged batch into padded numpy arrays.
+
+    `chunks` is a list of (token_ids, start_position, block_table): the new
+    tokens of one sequence, the position of the first of them, and the pages
+    holding the sequence. Returns (tokens [T], BatchMetadata of numpy arrays).
+    Logit rows are each sequence's last token (or every token with
+    `all_logits`), padded with row 0 up to `logits_rows`.
+    """
+    import numpy as np
+
+    total = sum(len(t) for t, _, _ in chunks)
+    if total > num_tokens or len(chunks) > max_seqs:
+        raise ValueError(f"batch of {total} tokens / {len(chunks)} seqs exceeds {num_tokens} / {max_seqs}")
+    tokens = np.zeros(num_tokens, np.int32)
+    positions = np.zeros(num_tokens, np.int32)
+    slots = np.full(num_tokens, pad_slot(num_pages, page_size), np.int32)
+    cu = np.zeros(max_seqs + 1, np.int32)
+    kv_lens = np.zeros(max_seqs, np.int32)
+    tables = np.zeros((max_seqs, pages_per_seq), np.int32)
+    rows = []
+    t = 0
+    for i, (ids, start, table) in enumerate(chunks):
+        n = len(ids)
+        if len(table) > pages_per_seq:
+            raise ValueError(f"block table of {len(table)} pages exceeds pages_per_seq={pages_per_seq}")
+        pos = np.arange(start, start + n, dtype=np.int32)
+        tokens[t:t + n] = ids
+        positions[t:t + n] = pos
+        table = np.asarray(table, np.int32)
+        slots[t:t + n] = table[pos // page_size] * page_size + pos % page_size
+        tables[i, :len(table)] = table
+        kv_lens[i] = start + n
+        rows.extend(range(t, t + n) if all_logits else [t + n - 1])
+        t += n
+        cu[i + 1] = t
+    cu[len(chunks) + 1:] = t
+    logits_rows = logits_rows or len(rows)
+    if len(rows) > logits_rows:
+        raise ValueError(f"{len(rows)} logit rows exceed logits_rows={logits_rows}")
+    logits_indices = np.zeros(logits_rows, np.int32)
+    logits_indices[:len(rows)] = rows
+    md = BatchMetadata(positions=positions, slot_mapping=slots, cu_q_lens=cu, kv_lens=kv_lens,
+                       block_tables=tables, num_seqs=np.int32(len(chunks)), logits_indices=logits_indices)
+    return tokens, md
