@@ -1,0 +1,231 @@
+"""The KV page pool on the host: free list, block tables, ref counts, prefix cache.
+
+Pages ("blocks") are identified by index into the device cache. Each live
+sequence owns a block table (list of page ids). A page's reference count is
+the number of block tables holding it; a page with count 0 sits in the free
+queue.
+
+Prefix caching. A *full* block is named by a chained digest of (the previous
+block's digest, this block's token ids), so equal digests mean equal prefixes
+(a cryptographic digest: a collision would serve one request another's KV).
+Full blocks are registered in `cached` once their K/V is written. A new
+sequence reuses every cached full block of its prompt. When a sequence ends,
+its pages return to the free queue *still registered*: they stay hittable
+until allocation pops them from the front of the queue, which evicts them
+(LRU). Unregistered pages go to the front (they are worth nothing), the tail
+block of a sequence before its head (a tail is less likely to be shared).
+
+Copy-on-write. Samples of one prompt (`n > 1`) share the prompt's pages (ref
+count > 1). Writing into a shared page first moves the writer onto a fresh
+page and returns the (src, dst) pair so the model runner copies it on device.
+Only a partially filled last page can ever be written, so that is the only
+page ever copied.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+from typing import Iterable, Optional
+
+import numpy as np
+
+
+def block_digest(parent: Optional[bytes], token_ids) -> bytes:
+    """Chained digest of one full block: H(parent digest, the block's token ids)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent or b"root")
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+class BlockManager:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref = [0] * num_pages
+        self.block_hash: list[Optional[bytes]] = [None] * num_pages
+        # Front = next to be allocated (and evicted). Values unused.
+        self.free: collections.OrderedDict[int, None] = collections.OrderedDict((i, None) for i in range(num_pages))
+        self.cached: dict[bytes, int] = {}
+        self.tables: dict[int, list[int]] = {}
+        self._registered: dict[int, int] = {}  # seq_id -> leading blocks already registered
+
+    # --- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_pages - len(self.free)
+
+    def usage(self) -> float:
+        """Fraction of pages held by live sequences (cached-but-free pages count as free)."""
+        return self.num_used_blocks / self.num_pages
+
+    def table(self, seq) -> list[int]:
+        return self.tables.get(seq.seq_id, [])
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def _hashes_upto(self, seq, num_blocks: int) -> list[bytes]:
+        """Extends `seq.block_hashes` to cover its first `num_blocks` full blocks."""
+        hashes, ps, toks = seq.block_hashes, self.page_size, seq.token_ids
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(block_digest(hashes[-1] if hashes else None, toks[i * ps:(i + 1) * ps]))
+        return hashes
+
+    def lookup_prefix(self, seq) -> list[int]:
+        """Cached pages holding the longest prefix of `seq`'s tokens; no side effects.
+
+        At most `(num_tokens - 1) // page_size` blocks: the last token is always
+        computed again so the step has logits to sample from.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        limit = (seq.num_tokens - 1) // self.page_size
+        hits = []
+        for h in self._hashes_upto(seq, limit):
+            b = self.cached.get(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    # --- allocation ----------------------------------------------------------------------
+    def allocate(self, seq, num_new_tokens: int, computed_blocks: Iterable[int] = ()) -> Optional[list]:
+        """Makes room for `num_new_tokens` more tokens of `seq` (after `computed_blocks`,
+        prefix-cache hits that are appended to its table first).
+
+        Returns the copy-on-write (src, dst) page pairs to perform before the
+        step, or None when the free pool cannot cover it, in which case nothing
+        changed.
+        """
+        computed_blocks = list(computed_blocks)
+        table = self.tables.get(seq.seq_id)
+        if table is None:
+            table = []
+        ps = self.page_size
+        start = seq.num_computed_tokens + len(computed_blocks) * ps
+        need = max(0, self.blocks_needed(start + num_new_tokens) - len(table) - len(computed_blocks))
+        write_block = start // ps
+        cow = num_new_tokens > 0 and write_block < len(table) and self.ref[table[write_block]] > 1
+        reclaimed = sum(1 for b in computed_blocks if self.ref[b] == 0)  # hits now sitting in the free queue
+        if need + cow > len(self.free) - reclaimed:
+            return None
+        for b in computed_blocks:
+            if self.ref[b] == 0:
+                del self.free[b]
+            self.ref[b] += 1
+        table.extend(computed_blocks)
+        self.tables[seq.seq_id] = table
+        if computed_blocks:
+            self._registered[seq.seq_id] = max(self._registered.get(seq.seq_id, 0), len(table))
+        copies = []
+        if cow:
+            old = table[write_block]
+            new = self._pop_free()
+            self.ref[old] -= 1
+            table[write_block] = new
+            copies.append((old, new))
+        for _ in range(need):
+            table.append(self._pop_free())
+        return copies
+
+    def _pop_free(self) -> int:
+        b, _ = self.free.popitem(last=False)
+        h = self.block_hash[b]
+        if h is not None:  # eviction from the prefix cache
+            if self.cached.get(h) == b:
+                del self.cached[h]
+            self.block_hash[b] = None
+        self.ref[b] = 1
+        return b
+
+    def fork(self, parent, child) -> None:
+        """`child` shares all of `parent`'s pages (copy-on-write on the first write)."""
+        table = list(self.tables.get(parent.seq_id, []))
+        for b in table:
+            self.ref[b] += 1
+        self.tables[child.seq_id] = table
+        self._registered[child.seq_id] = self._registered.get(parent.seq_id, 0)
+
+    def free_seq(self, seq) -> None:
+        """Drops `seq`'s hold on its pages; pages nobody holds go back to the free queue."""
+        table = self.tables.pop(seq.seq_id, None)
+        self._registered.pop(seq.seq_id, None)
+        if not table:
+            return
+        for b in reversed(table):
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.free[b] = None
+                if self.block_hash[b] is None:
+                    self.free.move_to_end(b, last=False)
+
+    def register_full_blocks(self, seq) -> None:
+        """Enters `seq`'s newly completed full blocks into the prefix cache.
+
+        Call after `seq.num_computed_tokens` advanced (their K/V is written).
+        A block whose digest is already cached under another page stays
+        unregistered (the cached copy serves future hits).
+        """
+        if not self.enable_prefix_caching:
+            return
+        table = self.tables.get(seq.seq_id)
+        if not table:
+            return
+        full = min(seq.num_computed_tokens // self.page_size, len(table))
+        done = self._registered.get(seq.seq_id, 0)
+        if full <= done:
+            return
+        hashes = self._hashes_upto(seq, full)
+        for i in range(done, full):
+            b, h = table[i], hashes[i]
+            if self.block_hash[b] is None and h not in self.cached:
+                self.cached[h] = b
+                self.block_hash[b] = h
+        self._registered[seq.seq_id] = full
+
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached block that no sequence holds; returns how many."""
+        n = 0
+        for b in list(self.free):
+            h = self.block_hash[b]
+            if h is not None:
+                if self.cached.get(h) == b:
+                    del self.cached[h]
+                self.block_hash[b] = None
+                self.free.move_to_end(b, last=False)
+                n += 1
+        return n
+
+    # --- checking ------------------------------------------------------------------------
+    def check_invariants(self, live_seq_ids: Optional[Iterable[int]] = None) -> None:
+        """Raises AssertionError when the pool's bookkeeping is inconsistent.
+
+        Every page is either free (count 0, in the free queue exactly once) or
+        held, and its count equals the number of tables holding it; no table
+        holds a page twice; the cache map and the per-page digests agree.
+        """
+        counts = [0] * self.num_pages
+        for sid, table in self.tables.items():
+            assert len(set(table)) == len(table), f"seq {sid} holds a page twice: {table}"
+            for b in table:
+                counts[b] += 1
+        assert counts == self.ref, "reference counts disagree with the block tables"
+        free = set(self.free)
+        assert len(free) == len(self.free)
+        for b in range(self.num_pages):
+            assert (b in free) == (self.ref[b] == 0), f"page {b}: ref {self.ref[b]}, free={b in free}"
+        for h, b in self.cached.items():
+            assert self.block_hash[b] == h, f"cache map points at page {b} with another digest"
+        if live_seq_ids is not None:
+            live = set(live_seq_ids)
+            assert set(self.tables) <= live, f"tables of dead sequences: {set(self.tables) - live}"

@@ -1,0 +1,59 @@
+"""What a request returns, in vLLM's shape: `RequestOutput.outputs[i].token_ids`, ...
+
+Logprobs follow vLLM: one dict per generated token mapping token id to a
+`Logprob(logprob, rank, decoded_token)`; it holds the sampled token and the
+top-k alternatives. `prompt_logprobs` has `None` for the first prompt token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+
+@dataclasses.dataclass
+class Logprob:
+    logprob: float
+    rank: Optional[int] = None  # 1 = the most likely token
+    decoded_token: Optional[str] = None
+
+
+SampleLogprobs = list  # list[dict[int, Logprob]]
+PromptLogprobs = list  # list[Optional[dict[int, Logprob]]]
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: Optional[float]
+    logprobs: Optional[SampleLogprobs]
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: Optional[int | str] = None  # the stop string or stop token id that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (time.monotonic) of one request's life."""
+
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    prompt_logprobs: Optional[PromptLogprobs]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: Optional[RequestMetrics] = None
+    num_cached_tokens: int = 0

@@ -1,0 +1,106 @@
+"""Per-request sampling parameters, with vLLM's field names and defaults.
+
+`validate()` is called when a request is added, before anything is queued, so
+a bad value is reported at once with the name of the offending field (the HTTP
+server turns `InvalidParameterError.param` into OpenAI's `error.param`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Union
+
+# The most top-k logprobs a request may ask for (OpenAI allows 20 for
+# `top_logprobs`). The step function always produces this many on device when
+# any row asks for logprobs, so it is a compile-time constant.
+MAX_LOGPROBS = 20
+
+
+class InvalidParameterError(ValueError):
+    """A request parameter is out of range; `param` names the field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How to sample one request. `temperature=0` is greedy.
+
+    `top_k` of 0 or -1 disables top-k (vLLM accepts both); `max_tokens=None`
+    generates up to the model's context window; `seed=None` draws a seed from
+    the engine's own generator so the request is still reproducible within one
+    engine run.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+        """Raises `InvalidParameterError` naming the first bad field; returns self."""
+
+        def bad(param, message):
+            raise InvalidParameterError(param, f"{param}: {message}")
+
+        def is_int(x):
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        def is_num(x):
+            return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+        if not is_int(self.n) or self.n < 1:
+            bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if not is_num(self.temperature) or not self.temperature >= 0.0 or self.temperature == float("inf"):
+            bad("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
+        if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not is_int(self.top_k) or self.top_k < -1:
+            bad("top_k", f"must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and (not is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
+            bad("seed", f"must be an integer (64-bit), got {self.seed!r}")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            bad("max_tokens", f"must be an integer >= 1 or None, got {self.max_tokens!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                bad(name, f"must be an integer in [0, {MAX_LOGPROBS}] or None, got {v!r}")
+        if not all(isinstance(s, str) for s in self.stop):
+            bad("stop", f"must be a string or a list of strings, got {self.stop!r}")
+        if any(s == "" for s in self.stop):
+            bad("stop", "stop strings must not be empty")
+        for t in self.stop_token_ids:
+            if not is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                bad("stop_token_ids", f"token id {t!r} is not in [0, {vocab_size})")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
+        return self
+
+    def clone(self, **changes) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,128 @@
+"""The host-side state of requests and of the sequences the scheduler moves.
+
+A `Request` is what a user submitted: one prompt, one `SamplingParams`, and
+`n` samples. The scheduler works on `Sequence`s: a request starts as one
+sequence that prefills the prompt once and carries `n` seats; when its prompt
+is done it forks into `n` sequences that share the prompt's KV pages
+(copy-on-write) and then decode independently.
+
+A sequence's progress is two numbers (vLLM V1's model): `token_ids` (prompt
+plus generated tokens) and `num_computed_tokens` (how many of them have their
+K/V in the cache). Each step it is given `len(token_ids) - num_computed_tokens`
+tokens or fewer; when the step reaches the end of `token_ids` the step samples
+the next token. Prefill, chunked prefill, decode and recompute after
+preemption are all that one rule.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import Optional
+
+from serving.outputs import Logprob, RequestMetrics
+from serving.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    __slots__ = (
+        "seq_id", "request", "sample_index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
+        "num_seats", "status", "finish_reason", "stop_reason", "logprobs", "cumulative_logprob",
+        "detokenizer", "num_cached_tokens", "block_hashes",
+    )
+
+    def __init__(self, request: "Request", token_ids: list[int], sample_index: int = 0, num_seats: int = 1):
+        self.seq_id = next(_seq_ids)
+        self.request = request
+        self.sample_index = sample_index
+        self.token_ids = token_ids
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Slots of `max_num_seqs` this sequence holds: n for a prompt that will
+        # fork into n samples, so the fork always has room.
+        self.num_seats = num_seats
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: Optional[str] = None
+        self.stop_reason = None
+        self.logprobs: Optional[list[dict[int, Logprob]]] = [] if request.params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.detokenizer = None  # set by the engine's output processor
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
+        self.block_hashes: list[int] = []  # chained hashes of this sequence's full blocks
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Only the first sample collects prompt logprobs, once, before any output exists."""
+        return (self.request.params.prompt_logprobs is not None and self.sample_index == 0
+                and self.num_output_tokens == 0)
+
+    def fork(self, sample_index: int) -> "Sequence":
+        """A sibling sample after the prompt: same tokens so far, its own future."""
+        child = Sequence(self.request, list(self.token_ids[:self.num_prompt_tokens]), sample_index)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.block_hashes = list(self.block_hashes)
+        child.num_cached_tokens = self.num_cached_tokens
+        child.status = self.status
+        return child
+
+    def __repr__(self):
+        return (f"Sequence(id={self.seq_id}, req={self.request.request_id!r}, sample={self.sample_index}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, {self.status.value})")
+
+
+class Request:
+    """One submitted prompt and its samples."""
+
+    def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
+                 params: SamplingParams, seed: int, arrival_time: float, eos_token_ids: tuple[int, ...] = ()):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.seed = seed  # the effective seed (drawn by the engine when params.seed is None)
+        self.eos_token_ids = eos_token_ids
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.prompt_logprobs: Optional[list] = [None] if params.prompt_logprobs is not None else None
+        first = Sequence(self, list(prompt_token_ids), 0, num_seats=params.n)
+        self.seqs: list[Sequence] = [first]
+        self.error: Optional[str] = None
+
+    @property
+    def is_finished(self) -> bool:
+        if len(self.seqs) < self.params.n:  # not forked yet: only an abort can end it now
+            return self.seqs[0].is_finished
+        return all(s.is_finished for s in self.seqs)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most tokens any one sample can hold: prompt + max_tokens."""
+        return len(self.prompt_token_ids) + (self.params.max_tokens or 0)
