@@ -142,6 +142,10 @@ def from_hf_config(hf: dict[str, Any], dtype: str | None = None) -> LlamaConfig:
             f"unsupported architecture: model_type={model_type!r}, architectures={archs}; "
             "only Llama-family checkpoints (LlamaForCausalLM) are supported"
         )
+    _check_llama_features(hf)
+    missing = [k for k in _HF_REQUIRED if hf.get(k) is None]
+    if missing:
+        raise ValueError(f"HF config lacks required fields: {missing}")
     # transformers 5 nests rope settings under `rope_parameters`; 4 keeps them flat.
     rope = hf.get("rope_parameters") or {}
     rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
@@ -182,3 +186,19 @@ def from_hf_config(hf: dict[str, Any], dtype: str | None = None) -> LlamaConfig:
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids,
     )
+
+
+_HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _check_llama_features(hf: dict[str, Any]) -> None:
+    """Rejects Llama variants whose weights would load but compute something else."""
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise UnsupportedModelError("unsupported Llama variant: projections with biases "
+                                    "(attention_bias / mlp_bias) are not implemented")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"unsupported activation hidden_act={act!r}; Llama uses 'silu'")
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"].get("quant_method", "?")
+        raise UnsupportedModelError(f"quantized checkpoints ({method}) are not supported; use a float checkpoint")

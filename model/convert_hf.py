@@ -1,0 +1,297 @@
+"""Converts a Hugging Face Llama checkpoint into a ridgeline checkpoint.
+
+    python -m model.convert_hf --hf_dir=DIR --out_dir=DIR [--dtype=bfloat16]
+
+Reads `config.json` and the safetensors weights (one `model.safetensors`, or
+shards listed by `model.safetensors.index.json`) tensor by tensor through
+`safetensors.safe_open`, so the input is never loaded whole. Every tensor's
+name and shape is checked against the config *before* any data is read, so a
+broken directory fails fast with one message. Each tensor is then renamed to
+our flat naming (`model.params.flatten_params`), re-laid out input-dim first
+and cast to the target dtype; the source tensor is dropped before the next one
+is read, so the converter holds one copy of the model (the converted one) plus
+one tensor in flight. The result is an orbax checkpoint written by
+`model.checkpoint.save_checkpoint`, plus `model_config.json` and the
+tokenizer files.
+
+Scaling note: the converted weights are collected in one host dict and written
+by a single orbax save, so host memory must hold the model once (16 GB for
+8B in bf16, 810 GB for 405B). Converting a 405B checkpoint on an ordinary host
+would need a streaming writer instead: create the orbax/tensorstore array for
+each weight up front (shapes are known from the config) and write every tensor
+into it as soon as it is converted, or split the work by layer across hosts,
+so that peak memory is one tensor rather than the model. Restore already reads
+each device's shard straight from disk, so only conversion has this limit.
+
+Layouts (HF stores `nn.Linear` weights as [out, in]; ours are input-dim first):
+    q_proj.weight [q_heads*head_dim, embed]  -> wq [embed, q_heads, head_dim]
+    k/v_proj.weight                          -> wk/wv [embed, kv_heads, head_dim]
+    o_proj.weight [embed, q_heads*head_dim]  -> wo [q_heads, head_dim, embed]
+    gate/up_proj.weight [ffw, embed]         -> w_gate/w_up [embed, ffw]
+    down_proj.weight [embed, ffw]            -> w_down [ffw, embed]
+    embed_tokens.weight [vocab, embed]       -> embed (unchanged)
+    lm_head.weight [vocab, embed]            -> lm_head [embed, vocab] (absent when tied)
+No q/k permutation is needed: HF checkpoints already use the half-rotation
+RoPE convention that `model.forward.apply_rope` implements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+from typing import Callable
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so safetensors' numpy reader can return it)
+import numpy as np
+from absl import app, flags, logging
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+
+from model.checkpoint import save_checkpoint
+from model.config import LlamaConfig, UnsupportedModelError, from_hf_config
+from model.params import unflatten_params
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+# Buffers some exporters keep in the state dict; they are recomputed, never read.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class ConversionError(ValueError):
+    """The input directory cannot be converted; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorPlan:
+    """How one HF tensor becomes one of our weights."""
+
+    ours: str  # flat name, e.g. "layers.0.wq"
+    hf: str  # e.g. "model.layers.0.self_attn.q_proj.weight"
+    hf_shape: tuple[int, ...]
+    relayout: Callable[[np.ndarray], np.ndarray]
+
+
+def _identity(w):
+    return w
+
+
+def _transpose(w):
+    return w.T
+
+
+def _heads_in(n: int, d: int):
+    return lambda w: w.T.reshape(w.shape[1], n, d)
+
+
+def _heads_out(n: int, d: int):
+    return lambda w: w.T.reshape(n, d, w.shape[0])
+
+
+def conversion_plan(cfg: LlamaConfig) -> list[TensorPlan]:
+    """Every tensor a Llama checkpoint of this config must contain, in our order."""
+    h, f, v, d = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    nq, nkv = cfg.num_heads, cfg.num_kv_heads
+    plan = [TensorPlan("embed", "model.embed_tokens.weight", (v, h), _identity)]
+    for i in range(cfg.num_layers):
+        p, a, m = f"layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        plan += [
+            TensorPlan(p + "attn_norm", f"model.layers.{i}.input_layernorm.weight", (h,), _identity),
+            TensorPlan(p + "wq", a + "q_proj.weight", (nq * d, h), _heads_in(nq, d)),
+            TensorPlan(p + "wk", a + "k_proj.weight", (nkv * d, h), _heads_in(nkv, d)),
+            TensorPlan(p + "wv", a + "v_proj.weight", (nkv * d, h), _heads_in(nkv, d)),
+            TensorPlan(p + "wo", a + "o_proj.weight", (h, nq * d), _heads_out(nq, d)),
+            TensorPlan(p + "mlp_norm", f"model.layers.{i}.post_attention_layernorm.weight", (h,), _identity),
+            TensorPlan(p + "w_gate", m + "gate_proj.weight", (f, h), _transpose),
+            TensorPlan(p + "w_up", m + "up_proj.weight", (f, h), _transpose),
+            TensorPlan(p + "w_down", m + "down_proj.weight", (h, f), _transpose),
+        ]
+    plan.append(TensorPlan("final_norm", "model.norm.weight", (h,), _identity))
+    if not cfg.tie_word_embeddings:
+        plan.append(TensorPlan("lm_head", "lm_head.weight", (v, h), _transpose))
+    return plan
+
+
+def read_hf_config(hf_dir: str, dtype: str | None = None) -> tuple[dict, LlamaConfig]:
+    if not os.path.isdir(hf_dir):
+        raise ConversionError(f"{hf_dir} is not a directory")
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ConversionError(f"{hf_dir} has no config.json; is it a Hugging Face model directory?")
+    try:
+        with open(path) as f:
+            hf = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConversionError(f"cannot read {path}: {e}") from None
+    if not isinstance(hf, dict):
+        raise ConversionError(f"{path} does not hold a JSON object")
+    try:
+        return hf, from_hf_config(hf, dtype=dtype)
+    except UnsupportedModelError as e:
+        raise ConversionError(str(e)) from None
+    except (ValueError, TypeError, KeyError) as e:
+        raise ConversionError(f"invalid config.json: {e}") from None
+
+
+def weight_files(hf_dir: str) -> dict[str, str]:
+    """Maps every stored tensor name to the safetensors file that holds it."""
+    index_path = os.path.join(hf_dir, INDEX_FILE)
+    if os.path.isfile(index_path):
+        try:
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ConversionError(f"cannot read {index_path}: {e!r}") from None
+        located = {name: os.path.join(hf_dir, fname) for name, fname in weight_map.items()}
+        absent = sorted({p for p in located.values() if not os.path.isfile(p)})
+        if absent:
+            raise ConversionError(f"{INDEX_FILE} lists shards that are missing: "
+                                  f"{[os.path.basename(p) for p in absent]}")
+        return located
+    single = os.path.join(hf_dir, SINGLE_FILE)
+    files = [single] if os.path.isfile(single) else sorted(
+        os.path.join(hf_dir, n) for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
+    if not files:
+        hint = ""
+        if any(n.endswith(".bin") or n.endswith(".pth") for n in os.listdir(hf_dir)):
+            hint = " (PyTorch .bin/.pth weights are not supported: re-save the model with safetensors)"
+        raise ConversionError(f"no safetensors weights in {hf_dir}: expected {SINGLE_FILE} or {INDEX_FILE}{hint}")
+    located = {}
+    for path in files:
+        with _open(path) as f:
+            names = list(f.keys())
+        for name in names:
+            if name in located:
+                raise ConversionError(f"tensor {name} appears in both {located[name]} and {path}")
+            located[name] = path
+    return located
+
+
+def _open(path: str):
+    try:
+        return safe_open(path, framework="numpy")
+    except (SafetensorError, OSError) as e:
+        raise ConversionError(f"cannot read {path}: {e}") from None
+
+
+def check_tensors(plan: list[TensorPlan], located: dict[str, str], cfg: LlamaConfig) -> None:
+    """Validates names, shapes and dtypes from the file headers alone (no tensor data is read)."""
+    wanted = {t.hf for t in plan}
+    missing = [t.hf for t in plan if t.hf not in located]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ConversionError(f"missing tensors for a {cfg.num_layers}-layer Llama: {missing[:5]}{more}")
+    unexpected = sorted(n for n in located if n not in wanted and not n.endswith(IGNORED_SUFFIXES)
+                        and not (n == "lm_head.weight" and cfg.tie_word_embeddings))
+    if unexpected:
+        more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
+        raise ConversionError(f"unexpected tensors (not part of a {cfg.num_layers}-layer Llama "
+                              f"as config.json describes it): {unexpected[:5]}{more}")
+    by_file: dict[str, list[TensorPlan]] = {}
+    for t in plan:
+        by_file.setdefault(located[t.hf], []).append(t)
+    for path, tensors in by_file.items():
+        with _open(path) as f:
+            for t in tensors:
+                info = f.get_slice(t.hf)
+                shape, dtype = tuple(info.get_shape()), info.get_dtype()
+                if shape != t.hf_shape:
+                    raise ConversionError(
+                        f"tensor {t.hf} in {os.path.basename(path)} has shape {list(shape)}, but config.json "
+                        f"implies {list(t.hf_shape)} (hidden={cfg.hidden_size}, heads={cfg.num_heads}, "
+                        f"kv_heads={cfg.num_kv_heads}, head_dim={cfg.head_dim}, "
+                        f"intermediate={cfg.intermediate_size}, vocab={cfg.vocab_size})")
+                if dtype not in FLOAT_DTYPES:
+                    raise ConversionError(f"tensor {t.hf} has dtype {dtype}; only float checkpoints "
+                                          f"({', '.join(FLOAT_DTYPES)}) are supported")
+
+
+def read_weights(plan: list[TensorPlan], located: dict[str, str], dtype, progress: bool = True) -> dict:
+    """Our flat {name: np.ndarray} in `dtype`, converted one tensor at a time."""
+    by_file: dict[str, list[TensorPlan]] = {}
+    for t in plan:
+        by_file.setdefault(located[t.hf], []).append(t)
+    flat = {}
+    with tqdm(total=len(plan), desc="converting", unit="tensor", disable=not progress) as bar:
+        for path, tensors in by_file.items():
+            bar.set_postfix_str(os.path.basename(path))
+            with _open(path) as f:
+                for t in tensors:
+                    try:
+                        source = f.get_tensor(t.hf)
+                    except (SafetensorError, OSError) as e:
+                        raise ConversionError(f"cannot read tensor {t.hf} from {path}: {e}") from None
+                    # One copy: relayout returns a view, np.array makes it C-contiguous in the target dtype.
+                    flat[t.ours] = np.array(t.relayout(source), dtype=dtype, order="C")
+                    del source
+                    bar.update(1)
+    return flat
+
+
+def copy_tokenizer(hf_dir: str, out_dir: str) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        src, dst = os.path.join(hf_dir, name), os.path.join(out_dir, name)
+        if os.path.isfile(src):
+            if not (os.path.exists(dst) and os.path.samefile(src, dst)):
+                shutil.copyfile(src, dst)
+            copied.append(name)
+    return copied
+
+
+def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool = True) -> LlamaConfig:
+    """Converts `hf_dir` into a ridgeline checkpoint at `out_dir`; returns its config.
+
+    `dtype` ("float32", "bfloat16", "float16") is both the stored dtype and the
+    config's compute dtype; by default it is the HF config's (`dtype` or `torch_dtype`).
+    Raises `ConversionError` for anything wrong with the input.
+    """
+    _, cfg = read_hf_config(hf_dir, dtype)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ConversionError(f"--out_dir {out_dir} exists and is not a directory")
+    plan = conversion_plan(cfg)
+    located = weight_files(hf_dir)
+    check_tensors(plan, located, cfg)
+    flat = read_weights(plan, located, np.dtype(cfg.jnp_dtype), progress)
+    params = unflatten_params(cfg, flat)
+    del flat
+    save_checkpoint(out_dir, params, cfg)
+    copied = copy_tokenizer(hf_dir, out_dir)
+    if "tokenizer.json" not in copied:
+        logging.warning("%s has no tokenizer.json: the checkpoint will fall back to the byte tokenizer", hf_dir)
+    return cfg
+
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("hf_dir", None, "Hugging Face model directory (config.json + *.safetensors).")
+flags.DEFINE_string("out_dir", None, "Where to write the ridgeline checkpoint.")
+flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"],
+                  "Stored and compute dtype; default: the dtype in config.json.")
+flags.DEFINE_bool("progress", True, "Show a progress bar.")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not os.environ.get("JAX_PLATFORMS"):
+        # Conversion is host work; do not claim (and preallocate) an accelerator.
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
+    try:
+        cfg = convert(FLAGS.hf_dir, FLAGS.out_dir, FLAGS.dtype, FLAGS.progress)
+    except ConversionError as e:
+        print(f"convert_hf: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {FLAGS.out_dir}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+          f"{cfg.num_params() / 1e6:.2f}M params, dtype {cfg.dtype}")
+    return 0
+
+
+if __name__ == "__main__":
+    flags.mark_flags_as_required(["hf_dir", "out_dir"])
+    app.run(main)
