@@ -5,6 +5,11 @@ in the same call: tokens `[T]` (padded to a bucket), their positions and the
 `BatchMetadata`. It writes each token's K/V into the paged cache, attends
 through the chosen backend, and returns logits for the requested rows only,
 together with the updated cache (donate it when jitting).
+
+Sharding is optional and outside the model: `layout` (default None) is any
+object with `constrain(x, logical_axes) -> x` and
+`attention_backend(backend, cfg) -> backend` (`sharding.Layout` is one). With
+None no sharding code runs and the program is exactly the single-device one.
 """
 
 from __future__ import annotations
@@ -55,11 +60,16 @@ def apply_rope(x, positions, inv_freq):
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-def attention_block(layer: Layer, x, k_pages, v_pages, md: BatchMetadata, inv_freq, cfg: LlamaConfig, backend):
+def _constrain(layout, x, logical_axes):
+    return x if layout is None else layout.constrain(x, logical_axes)
+
+
+def attention_block(layer: Layer, x, k_pages, v_pages, md: BatchMetadata, inv_freq, cfg: LlamaConfig, backend,
+                    layout=None):
     h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-    q = jnp.einsum("te,ehd->thd", h, layer.wq)
-    k = jnp.einsum("te,ehd->thd", h, layer.wk)
-    v = jnp.einsum("te,ehd->thd", h, layer.wv)
+    q = _constrain(layout, jnp.einsum("te,ehd->thd", h, layer.wq), ("tokens", "q_heads", "head_dim"))
+    k = _constrain(layout, jnp.einsum("te,ehd->thd", h, layer.wk), ("tokens", "kv_heads", "head_dim"))
+    v = _constrain(layout, jnp.einsum("te,ehd->thd", h, layer.wv), ("tokens", "kv_heads", "head_dim"))
     q = apply_rope(q, md.positions, inv_freq)
     k = apply_rope(k, md.positions, inv_freq)
     k_pages, v_pages = backend.write_kv(k_pages, v_pages, k, v, md.slot_mapping)
@@ -67,45 +77,56 @@ def attention_block(layer: Layer, x, k_pages, v_pages, md: BatchMetadata, inv_fr
         q, k_pages, v_pages, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,
         sm_scale=cfg.head_dim**-0.5,
     )
-    return x + jnp.einsum("thd,hde->te", o, layer.wo), k_pages, v_pages
+    out = x + jnp.einsum("thd,hde->te", o, layer.wo)
+    return _constrain(layout, out, ("tokens", "embed")), k_pages, v_pages
 
 
-def mlp_block(layer: Layer, x, cfg: LlamaConfig):
+def mlp_block(layer: Layer, x, cfg: LlamaConfig, layout=None):
     h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-    gate = jnp.einsum("te,ef->tf", h, layer.w_gate)
-    up = jnp.einsum("te,ef->tf", h, layer.w_up)
-    return x + jnp.einsum("tf,fe->te", jax.nn.silu(gate) * up, layer.w_down)
+    gate = _constrain(layout, jnp.einsum("te,ef->tf", h, layer.w_gate), ("tokens", "ffw"))
+    up = _constrain(layout, jnp.einsum("te,ef->tf", h, layer.w_up), ("tokens", "ffw"))
+    out = x + jnp.einsum("tf,fe->te", jax.nn.silu(gate) * up, layer.w_down)
+    return _constrain(layout, out, ("tokens", "embed"))
 
 
-def output_logits(params: Weights, x, cfg: LlamaConfig):
+def output_logits(params: Weights, x, cfg: LlamaConfig, layout=None):
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
     if params.lm_head is None:
-        return jnp.einsum("te,ve->tv", x, params.embed, preferred_element_type=jnp.float32)
-    return jnp.einsum("te,ev->tv", x, params.lm_head, preferred_element_type=jnp.float32)
+        logits = jnp.einsum("te,ve->tv", x, params.embed, preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("te,ev->tv", x, params.lm_head, preferred_element_type=jnp.float32)
+    return _constrain(layout, logits, ("tokens", "vocab"))
 
 
 def forward_hidden(params: Weights, cache: KVCache, tokens, md: BatchMetadata, cfg: LlamaConfig,
-                   backend: str = "auto"):
+                   backend: str = "auto", layout=None):
     """Runs every layer; returns the final hidden states `[T, embed]` and the new cache."""
     impl = get_backend(backend)
+    if layout is not None:
+        impl = layout.attention_backend(impl, cfg)
     inv_freq = rope_frequencies(cfg)
-    x = params.embed[tokens].astype(cfg.jnp_dtype)
+    with jax.named_scope("embed"):
+        x = _constrain(layout, params.embed[tokens].astype(cfg.jnp_dtype), ("tokens", "embed"))
     new_k, new_v = [], []
-    for layer, k_pages, v_pages in zip(params.layers, cache.k, cache.v):
-        x, k_pages, v_pages = attention_block(layer, x, k_pages, v_pages, md, inv_freq, cfg, impl)
-        x = mlp_block(layer, x, cfg)
+    for i, (layer, k_pages, v_pages) in enumerate(zip(params.layers, cache.k, cache.v)):
+        # The scope names each layer's ops in the compiled HLO (collectives per layer, profiles).
+        with jax.named_scope(f"layer_{i}"):
+            x, k_pages, v_pages = attention_block(layer, x, k_pages, v_pages, md, inv_freq, cfg, impl, layout)
+            x = mlp_block(layer, x, cfg, layout)
         new_k.append(k_pages)
         new_v.append(v_pages)
     return x, KVCache(k=new_k, v=new_v)
 
 
 def forward(params: Weights, cache: KVCache, tokens, md: BatchMetadata, cfg: LlamaConfig,
-            backend: str = "auto"):
+            backend: str = "auto", layout=None):
     """Logits `[R, vocab]` (fp32) for rows `md.logits_indices`, and the updated cache."""
-    x, cache = forward_hidden(params, cache, tokens, md, cfg, backend)
-    return output_logits(params, x[md.logits_indices], cfg), cache
+    x, cache = forward_hidden(params, cache, tokens, md, cfg, backend, layout)
+    with jax.named_scope("logits"):
+        logits = output_logits(params, x[md.logits_indices], cfg, layout)
+    return logits, cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnames=("cache",))
-def forward_jit(params, cache, tokens, md, cfg: LlamaConfig, backend: str = "auto"):
-    return forward(params, cache, tokens, md, cfg, backend)
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "layout"), donate_argnames=("cache",))
+def forward_jit(params, cache, tokens, md, cfg: LlamaConfig, backend: str = "auto", layout=None):
+    return forward(params, cache, tokens, md, cfg, backend, layout)

@@ -1,0 +1,106 @@
+"""The activation side of a layout: what the forward pass needs to run sharded.
+
+`model.forward` takes an optional `layout` (default None: no sharding code runs
+at all, so single-device programs are unchanged). A layout offers two things:
+
+* `constrain(x, logical_axes)`: `with_sharding_constraint` on an activation,
+  its spec resolved from the same rule table as the weights. The forward pins
+  the residual stream to replicated between blocks, which makes each
+  row-parallel projection (wo, w_down) end in exactly one all-reduce.
+* `attention_backend(impl, cfg)`: the attention backend wrapped in a
+  `shard_map` over the KV-head split. Attention and the KV write are
+  per-head computations, so each device runs the unmodified backend (jnp
+  reference or a Pallas kernel, which XLA could not partition by itself) on its
+  own heads and pages with no communication. When KV heads are replicated
+  (fewer than the TP degree) every device holds all of them and slices out
+  the one its query heads use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from model.cache import CACHE_AXES
+from model.config import LlamaConfig
+from sharding.mesh import mesh_axis_sizes
+from sharding.rules import Rules, load_rules, resolve_dims, spec_from_dims
+from sharding.shardings import _check_attention_groups
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A mesh plus a rule table. Hashable: pass it as a static argument of `jax.jit`."""
+
+    mesh: Mesh
+    rules: Rules
+
+    @classmethod
+    def create(cls, mesh: Mesh, rules="megatron") -> "Layout":
+        return cls(mesh, load_rules(rules))
+
+    @property
+    def axis_sizes(self) -> dict[str, int]:
+        return mesh_axis_sizes(self.mesh)
+
+    def spec(self, logical_axes, shape, where: str = "activation") -> PartitionSpec:
+        return spec_from_dims(resolve_dims(logical_axes, shape, self.rules, self.axis_sizes, where=where))
+
+    def sharding(self, logical_axes, shape) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(logical_axes, shape))
+
+    def constrain(self, x: jax.Array, logical_axes) -> jax.Array:
+        # The token dimension is padded per bucket; its size is not part of the rules' check.
+        shape = tuple(None if a == "tokens" else s for a, s in zip(logical_axes, x.shape))
+        return jax.lax.with_sharding_constraint(x, self.sharding(logical_axes, shape))
+
+    def attention_backend(self, impl, cfg: LlamaConfig):
+        """`impl` (an `AttentionBackend`) run per device on its own KV heads."""
+        _check_attention_groups(self.rules, cfg, self.axis_sizes)
+        q_dims = resolve_dims(("q_heads",), (cfg.num_heads,), self.rules, self.axis_sizes, where="q")[0]
+        kv_dims = resolve_dims(("kv_heads",), (cfg.num_kv_heads,), self.rules, self.axis_sizes, where="kv")[0]
+        q_ways = 1
+        for m in q_dims.mesh_axes:
+            q_ways *= self.axis_sizes[m]
+        if q_ways == 1:
+            return impl  # nothing is split: the backend runs as it is (GSPMD replicates it)
+        # Replicated KV heads with split query heads: device i's query heads all use
+        # KV head i // (q_ways // kv_heads) (q_ways is a multiple of kv_heads by the rules).
+        kv_replicated = not kv_dims.mesh_axes
+        q_spec = self.spec(("tokens", "q_heads", "head_dim"), (None, cfg.num_heads, cfg.head_dim))
+        kv_spec = self.spec(("tokens", "kv_heads", "head_dim"), (None, cfg.num_kv_heads, cfg.head_dim))
+        page_spec = self.spec(CACHE_AXES, (None, None, cfg.num_kv_heads, cfg.head_dim))
+        rep = PartitionSpec()
+        heads_per_kv_copy = q_ways // cfg.num_kv_heads if kv_replicated else 1
+        q_axes = q_dims.mesh_axes
+
+        def local_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale):
+            if kv_replicated:
+                kv_head = jax.lax.axis_index(q_axes) // heads_per_kv_copy
+                k_pages = jax.lax.dynamic_slice_in_dim(k_pages, kv_head, 1, axis=2)
+                v_pages = jax.lax.dynamic_slice_in_dim(v_pages, kv_head, 1, axis=2)
+            return impl.attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
+                                  sm_scale=sm_scale)
+
+        def attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale=None):
+            # check_vma=False: custom kernels inside need not carry replication rules; the
+            # specs below are exact (outputs vary only along the split head axis).
+            f = jax.shard_map(functools.partial(local_attention, sm_scale=sm_scale), mesh=self.mesh,
+                              in_specs=(q_spec, page_spec, page_spec, rep, rep, rep, rep),
+                              out_specs=q_spec, check_vma=False)
+            return f(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
+
+        def write_kv(k_pages, v_pages, k_new, v_new, slot_mapping):
+            f = jax.shard_map(impl.write_kv, mesh=self.mesh,
+                              in_specs=(page_spec, page_spec, kv_spec, kv_spec, rep),
+                              out_specs=(page_spec, page_spec), check_vma=False)
+            return f(k_pages, v_pages, k_new, v_new, slot_mapping)
+
+        return dataclasses.replace(impl, name=f"{impl.name}@tp{q_ways}", attention=attention, write_kv=write_kv)
+
+
+def make_layout(mesh: Mesh, rules="megatron") -> Layout:
+    return Layout.create(mesh, rules)
