@@ -1,0 +1,27 @@
+"""Registers the Pallas backends with `kernels_pallas.get_backend`.
+
+"pallas" runs the kernels compiled for the GPU; "pallas_interpret" runs the
+very same kernel bodies through Pallas' interpreter on any platform. The
+interpreter is slow and exists for tests: the CPU serving path is the
+reference ("auto" picks it off-GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from kernels_pallas import AttentionBackend, register_backend
+from kernels_pallas.kv_cache_write import write_kv
+from kernels_pallas.ragged_paged_attention import ragged_paged_attention
+
+
+def _backend(name: str, interpret: bool) -> AttentionBackend:
+    return AttentionBackend(
+        name,
+        functools.partial(ragged_paged_attention, interpret=interpret),
+        functools.partial(write_kv, interpret=interpret),
+    )
+
+
+register_backend("pallas", lambda: _backend("pallas", interpret=False))
+register_backend("pallas_interpret", lambda: _backend("pallas_interpret", interpret=True))
