@@ -57,8 +57,27 @@ def load_checkpoint(directory: str, shardings: Weights | None = None, cfg: Llama
     with ocp.StandardCheckpointer() as ckptr:
         stored = ckptr.metadata(os.path.join(directory, PARAMS_DIR))
         stored = getattr(stored, "item_metadata", stored)
+        stored = getattr(stored, "tree", stored)
+        _check_matches(directory, stored, target)
         # Read in the stored dtype, then cast: the cast keeps each array's sharding.
         read_as = {k: jax.ShapeDtypeStruct(v.shape, stored[k].dtype, sharding=v.sharding) for k, v in target.items()}
         flat = ckptr.restore(os.path.join(directory, PARAMS_DIR), read_as)
     flat = {k: v.astype(target[k].dtype) if v.dtype != target[k].dtype else v for k, v in flat.items()}
     return cfg, unflatten_params(cfg, flat)
+
+
+def _check_matches(directory: str, stored, target) -> None:
+    """One clear error when the stored weights do not fit the config (instead of orbax's)."""
+    missing = sorted(set(target) - set(stored))
+    extra = sorted(set(stored) - set(target))
+    wrong = [f"{k}: stored {tuple(stored[k].shape)}, config expects {target[k].shape}"
+             for k in sorted(set(target) & set(stored)) if tuple(stored[k].shape) != tuple(target[k].shape)]
+    problems = []
+    if missing:
+        problems.append(f"missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if extra:
+        problems.append(f"weights the config does not declare {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+    if wrong:
+        problems.append("shape mismatches: " + "; ".join(wrong[:5]) + (" ..." if len(wrong) > 5 else ""))
+    if problems:
+        raise ValueError(f"checkpoint {directory} does not match its model config: " + "; ".join(problems))
