@@ -1,0 +1,273 @@
+"""Layout arithmetic: memory, roofline times and communication of one layout, on paper.
+
+Everything here is a pure function of a model shape, a GPU from
+`sharding.hardware` and a layout. Per-device bytes come from the same weight
+and cache declarations and rule table that shard the real arrays, so the plan
+describes exactly what `param_shardings` / `cache_shardings` would place.
+
+Model of a step (stated once, used throughout):
+  * Decode streams every weight a device holds except an untied embedding
+    table (a lookup reads B rows of it, not the table), plus each sequence's
+    live KV cache at `context_len` tokens (the worst case: every sequence full).
+  * FLOPs are 2 per matmul parameter per token plus attention (QK^T and PV:
+    4 * q_heads * head_dim per token per cached position per layer; causal in
+    prefill).
+  * A phase's time on one device is max(bytes / HBM bandwidth, FLOPs / peak)
+    (prefill divides the peak by the stated MFU), plus its collectives, each
+    costing a latency floor plus ring traffic 2(p-1)/p * payload over the link.
+  * Tensor parallelism issues two all-reduces per layer (after wo and after
+    w_down) and one for the vocab-parallel embedding lookup, each carrying
+    tokens * hidden activations.
+  * Pipeline stages take contiguous runs of layers; stage 0 also holds the
+    embedding, the last stage the final norm and lm_head (the embedding again
+    when tied). With p stages and m microbatches a step lasts (m + p - 1) stage
+    slots of the slowest stage; the idle fraction is (p - 1) / (m + p - 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from model.config import LlamaConfig
+from sharding.hardware import GPU
+from sharding.rules import RuleError, load_rules, shard_count
+from sharding.shardings import cache_resolutions, check_rules, param_resolutions
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1, "fp8": 1, "int8": 1, "int4": 0.5}
+
+
+def dtype_bytes(name: str) -> float:
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {name!r}; known: {sorted(DTYPE_BYTES)}")
+    return DTYPE_BYTES[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanInputs:
+    cfg: LlamaConfig
+    gpu: GPU
+    tp: int = 1
+    pp: int = 1
+    microbatches: int = 1
+    context_len: int = 8192
+    batch: int = 1
+    prompt_len: int | None = None  # default: context_len
+    weight_dtype: str | None = None  # default: the model's dtype
+    kv_dtype: str | None = None  # default: the weight dtype
+    reserve_bytes: float = 4e9  # runtime, activations, allocator slack per device
+    mfu: float = 0.5  # fraction of peak that prefill reaches
+    interconnect: str | None = None  # "nvlink" or "pcie"; default NVLink when the GPU has it
+    rules: str = "megatron"
+    model_name: str = ""
+
+    @property
+    def w_dtype(self) -> str:
+        return self.weight_dtype or self.cfg.dtype
+
+    @property
+    def kv_dt(self) -> str:
+        return self.kv_dtype or self.w_dtype
+
+    @property
+    def link(self) -> str:
+        return self.interconnect or ("nvlink" if self.gpu.nvlink_bandwidth else "pcie")
+
+
+def stage_layers(num_layers: int, pp: int) -> list[range]:
+    """Contiguous layer ranges per stage, earlier stages taking the remainder."""
+    base, extra = divmod(num_layers, pp)
+    out, start = [], 0
+    for s in range(pp):
+        n = base + (1 if s < extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def _stage_of(name: str, stages: list[range], tied: bool) -> list[int]:
+    """Which stages hold a weight, by its flat name."""
+    last = len(stages) - 1
+    if name.startswith("layers."):
+        i = int(name.split(".")[1])
+        return [s for s, r in enumerate(stages) if i in r]
+    if name == "embed":
+        return sorted({0, last}) if tied else [0]
+    return [last]  # final_norm, lm_head
+
+
+def _collective(payload_bytes: float, tp: int, bandwidth: float, latency: float) -> float:
+    """Seconds for one ring all-reduce of `payload_bytes` over `tp` devices."""
+    if tp == 1:
+        return 0.0
+    return latency + 2 * (tp - 1) / tp * payload_bytes / bandwidth
+
+
+def plan(inp: PlanInputs) -> dict:
+    """The whole plan as a JSON-ready dict; `fits` and `problems` say whether it works."""
+    cfg, gpu, tp, pp, m = inp.cfg, inp.gpu, inp.tp, inp.pp, inp.microbatches
+    problems: list[str] = []
+    for name, v in (("tp", tp), ("pp", pp), ("microbatches", m), ("batch", inp.batch),
+                    ("context_len", inp.context_len)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    if pp > cfg.num_layers:
+        raise ValueError(f"pp={pp} exceeds the model's {cfg.num_layers} layers")
+    wb, kvb = dtype_bytes(inp.w_dtype), dtype_bytes(inp.kv_dt)
+    act_b = 2 if wb < 4 else 4  # activations travel in bf16 unless the model runs in fp32
+    sizes = {"data": 1, "pipeline": pp, "tensor": tp}
+    rules = load_rules(inp.rules)
+    prompt_len = inp.prompt_len or inp.context_len
+    tied = cfg.tie_word_embeddings
+
+    try:
+        notes = check_rules(rules, cfg, sizes)
+    except RuleError as e:
+        return {"inputs": _inputs(inp), "fits": False, "problems": [f"layout is invalid: {e}"]}
+
+    stages = stage_layers(cfg.num_layers, pp)
+    st_bytes = [0.0] * pp  # weight bytes per device, per stage
+    st_stream = [0.0] * pp  # bytes decode streams per device
+    st_mm = [0.0] * pp  # matmul params per device
+    total_params = 0
+    for name, (info, dims) in param_resolutions(cfg, sizes, rules).items():
+        n = math.prod(info.shape)
+        total_params += n
+        per_dev = n / shard_count(dims, sizes)
+        lookup_only = name == "embed" and not tied
+        for s in _stage_of(name, stages, tied):
+            st_bytes[s] += per_dev * wb
+            if not lookup_only and not (name == "embed" and tied and s == 0 and pp > 1):
+                st_stream[s] += per_dev * wb
+                st_mm[s] += per_dev
+
+    # KV: one cache array per layer and K/V; per-device share from the cache rules.
+    _, kv_dims = next(iter(cache_resolutions(cfg, sizes, rules, 1, 1).values()))
+    kv_ways = shard_count(kv_dims, sizes)
+    kv_layer_token = 2 * cfg.num_kv_heads * cfg.head_dim * kvb  # K and V, one layer, whole model
+    kv_token_total = kv_layer_token * cfg.num_layers
+    st_kv_token = [kv_layer_token * len(r) / kv_ways for r in stages]
+    q_ways = shard_count(param_resolutions(cfg, sizes, rules)["layers.0.wq"][1], sizes)
+    attn_flops_layer = 4 * cfg.num_heads * cfg.head_dim / q_ways  # per token per cached position per device
+
+    free = [gpu.hbm_bytes - inp.reserve_bytes - b for b in st_bytes]
+    worst = max(range(pp), key=lambda s: st_bytes[s])
+    if free[worst] <= 0:
+        problems.append(
+            f"weights need {_gb(st_bytes[worst])} per device{_stage_txt(worst, pp)}, more than "
+            f"{_gb(gpu.hbm_bytes)} of HBM minus the {_gb(inp.reserve_bytes)} runtime reserve "
+            f"({gpu.name}, tp={tp}, pp={pp})")
+    seq_dev = [t * inp.context_len for t in st_kv_token]
+    max_seqs = min(int(max(f, 0) // s) if s > 0 else 0 for f, s in zip(free, seq_dev))
+    if free[worst] > 0 and max_seqs == 0:
+        s = min(range(pp), key=lambda i: free[i] / seq_dev[i])
+        problems.append(f"no room for one sequence of {inp.context_len} tokens: its KV needs "
+                        f"{_gb(seq_dev[s])} per device, only {_gb(free[s])} is free after weights and reserve")
+    elif max_seqs and inp.batch > max_seqs:
+        problems.append(f"batch {inp.batch} exceeds the {max_seqs} sequences of {inp.context_len} tokens "
+                        "whose KV fits")
+    if m > inp.batch:
+        problems.append(f"cannot cut a batch of {inp.batch} sequences into {m} microbatches")
+
+    link_bw, link_lat = gpu.link(inp.link) if (tp > 1 or pp > 1) else (float("inf"), 0.0)
+    hidden_bytes = cfg.hidden_size * act_b
+
+    def stage_time(s, tokens, kv_positions, flops_peak, causal):
+        """(time, memory time, compute time, comm time, flops, bytes) of stage s on `tokens` tokens."""
+        layers = len(stages[s])
+        if causal:  # prefill of one sequence: position j attends to j + 1 keys
+            attn = attn_flops_layer * layers * tokens * (tokens + 1) / 2
+        else:
+            attn = attn_flops_layer * layers * tokens * kv_positions
+        flops = 2 * st_mm[s] * tokens + attn
+        kv_bytes = st_kv_token[s] * (tokens if causal else tokens * kv_positions)
+        byts = st_stream[s] + kv_bytes
+        mem, comp = byts / gpu.hbm_bandwidth, flops / flops_peak
+        n_ar = 2 * layers + (1 if s == 0 else 0)
+        comm = n_ar * _collective(tokens * hidden_bytes, tp, link_bw, link_lat)
+        if pp > 1 and s < pp - 1:
+            comm += link_lat + tokens * hidden_bytes / link_bw  # activation handoff to the next stage
+        return max(mem, comp) + comm, mem, comp, comm, flops, byts
+
+    # Decode: B sequences, one token each, cut into m microbatches.
+    mb = math.ceil(inp.batch / m)
+    dec = [stage_time(s, mb, inp.context_len, gpu.bf16_flops, False) for s in range(pp)]
+    slow = max(range(pp), key=lambda s: dec[s][0])
+    step = (m + pp - 1) * dec[slow][0]
+    d_int = dec[slow][4] / dec[slow][5]
+    # Prefill: one prompt through every stage in turn.
+    pre = [stage_time(s, prompt_len, prompt_len, gpu.bf16_flops * inp.mfu, True) for s in range(pp)]
+    p_time = sum(p[0] for p in pre)
+    p_int = pre[0][4] / pre[0][5]
+
+    def comm_table(tokens, repeats=1):
+        """TP all-reduces of a step whose every microbatch carries `tokens` tokens."""
+        out = {}
+        for link in ("nvlink", "pcie"):
+            if link == "nvlink" and gpu.nvlink_bandwidth is None:
+                out[link] = None
+                continue
+            bw, lat = gpu.link(link)
+            n = (2 * cfg.num_layers + 1) * repeats if tp > 1 else 0
+            traffic = 2 * (tp - 1) / tp * tokens * hidden_bytes if tp > 1 else 0.0
+            out[link] = {"bytes_per_gpu": n * traffic, "wire_time_s": n * traffic / bw,
+                         "latency_floor_s": n * lat, "time_s": n * (traffic / bw + lat)}
+        return out
+
+    return {
+        "inputs": _inputs(inp),
+        "model": {"params": total_params, "weight_bytes_total": total_params * wb,
+                  "matmul_flops_per_token": 2 * (total_params - (0 if tied else cfg.vocab_size * cfg.hidden_size))},
+        "layout": {"devices": tp * pp, "tp": tp, "pp": pp, "rules": rules.name, "notes": notes,
+                   "layers_per_stage": [len(r) for r in stages], "kv_heads_per_device":
+                   cfg.num_kv_heads // kv_ways},
+        "memory": {
+            "hbm_bytes": gpu.hbm_bytes, "reserve_bytes": inp.reserve_bytes,
+            "weight_bytes_per_device": max(st_bytes),
+            "kv_bytes_per_token": kv_token_total, "kv_bytes_per_token_per_device": max(st_kv_token),
+            "kv_bytes_per_sequence": kv_token_total * inp.context_len,
+            "kv_bytes_per_sequence_per_device": max(seq_dev),
+            "kv_free_bytes_per_device": min(free), "max_concurrent_sequences": max_seqs,
+        },
+        "roofline": {"peak_flops": gpu.bf16_flops, "hbm_bandwidth": gpu.hbm_bandwidth,
+                     "ridge_point": gpu.ridge_point},
+        "decode": {
+            "batch": inp.batch, "microbatch": mb, "context_len": inp.context_len,
+            "bytes_per_device": dec[slow][5], "flops_per_device": dec[slow][4],
+            "memory_time_s": dec[slow][1], "compute_time_s": dec[slow][2], "comm_time_s": dec[slow][3],
+            "step_time_s": step, "tokens_per_s": inp.batch / step, "intensity": d_int,
+            "bound": "memory" if d_int < gpu.ridge_point else "compute",
+        },
+        "prefill": {
+            "prompt_len": prompt_len, "mfu": inp.mfu, "flops_per_device": sum(p[4] for p in pre),
+            "compute_time_s": sum(p[2] for p in pre), "memory_time_s": sum(p[1] for p in pre),
+            "comm_time_s": sum(p[3] for p in pre), "time_s": p_time, "intensity": p_int,
+            "bound": "memory" if p_int < gpu.ridge_point else "compute",
+        },
+        "collectives": {
+            "interconnect": inp.link if (tp > 1 or pp > 1) else None,
+            "all_reduces_per_layer": 2 if tp > 1 else 0,
+            "all_reduces_per_step": 2 * cfg.num_layers + 1 if tp > 1 else 0,
+            "payload_bytes_per_token": hidden_bytes,
+            "decode_step": comm_table(mb, m), "prefill": comm_table(prompt_len),
+        },
+        "pipeline": {"stages": pp, "microbatches": m, "bubble_fraction": (pp - 1) / (m + pp - 1)},
+        "fits": not problems,
+        "problems": problems,
+    }
+
+
+def _inputs(inp: PlanInputs) -> dict:
+    return {"model": inp.model_name, "device": inp.gpu.name, "tp": inp.tp, "pp": inp.pp,
+            "microbatches": inp.microbatches, "context_len": inp.context_len, "batch": inp.batch,
+            "prompt_len": inp.prompt_len or inp.context_len, "weight_dtype": inp.w_dtype,
+            "kv_dtype": inp.kv_dt, "reserve_bytes": inp.reserve_bytes, "mfu": inp.mfu, "rules": inp.rules}
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.2f} GB"
+
+
+def _stage_txt(s: int, pp: int) -> str:
+    return f" (stage {s})" if pp > 1 else ""
+
