@@ -28,7 +28,7 @@ from model.cache import CACHE_AXES
 from model.config import LlamaConfig
 from sharding.mesh import mesh_axis_sizes
 from sharding.rules import Rules, load_rules, resolve_dims, spec_from_dims
-from sharding.shardings import _check_attention_groups
+from sharding.shardings import check_attention_groups, cache_shardings, param_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +46,24 @@ class Layout:
     def axis_sizes(self) -> dict[str, int]:
         return mesh_axis_sizes(self.mesh)
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.axis_sizes.get("tensor", 1)
+
+    def param_shardings(self, cfg: LlamaConfig):
+        """`Weights` of NamedSharding: pass to `init_params` / `load_checkpoint`."""
+        return param_shardings(cfg, self.mesh, self.rules)
+
+    def cache_shardings(self, cfg: LlamaConfig, num_pages: int, page_size: int, dtype=None):
+        """`KVCache` of NamedSharding: pass to `init_cache`."""
+        return cache_shardings(cfg, self.mesh, self.rules, num_pages, page_size, dtype)
+
+    @property
+    def replicated(self) -> NamedSharding:
+        """For host inputs (tokens, metadata): placing them with one fixed sharding every
+        step keeps the jitted step from recompiling on a sharding change."""
+        return NamedSharding(self.mesh, PartitionSpec())
+
     def spec(self, logical_axes, shape, where: str = "activation") -> PartitionSpec:
         return spec_from_dims(resolve_dims(logical_axes, shape, self.rules, self.axis_sizes, where=where))
 
@@ -59,7 +77,7 @@ class Layout:
 
     def attention_backend(self, impl, cfg: LlamaConfig):
         """`impl` (an `AttentionBackend`) run per device on its own KV heads."""
-        _check_attention_groups(self.rules, cfg, self.axis_sizes)
+        check_attention_groups(self.rules, cfg, self.axis_sizes)
         q_dims = resolve_dims(("q_heads",), (cfg.num_heads,), self.rules, self.axis_sizes, where="q")[0]
         kv_dims = resolve_dims(("kv_heads",), (cfg.num_kv_heads,), self.rules, self.axis_sizes, where="kv")[0]
         q_ways = 1
@@ -75,11 +93,11 @@ class Layout:
         page_spec = self.spec(CACHE_AXES, (None, None, cfg.num_kv_heads, cfg.head_dim))
         rep = PartitionSpec()
         heads_per_kv_copy = q_ways // cfg.num_kv_heads if kv_replicated else 1
-        q_axes = q_dims.mesh_axes
+        q_axis = q_dims.mesh_axes[0] if len(q_dims.mesh_axes) == 1 else q_dims.mesh_axes
 
         def local_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale):
             if kv_replicated:
-                kv_head = jax.lax.axis_index(q_axes) // heads_per_kv_copy
+                kv_head = jax.lax.axis_index(q_axis) // heads_per_kv_copy
                 k_pages = jax.lax.dynamic_slice_in_dim(k_pages, kv_head, 1, axis=2)
                 v_pages = jax.lax.dynamic_slice_in_dim(v_pages, kv_head, 1, axis=2)
             return impl.attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,

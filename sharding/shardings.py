@@ -53,11 +53,11 @@ def check_rules(rules, cfg: LlamaConfig, mesh_or_sizes, *, num_pages: int = 1, p
             if d.replicated_fallback and (d.logical, d.size) not in seen:
                 seen.add((d.logical, d.size))
                 notes.append(f"{d.logical} (size {d.size}) is replicated: fewer than the devices of its mesh axes")
-    _check_attention_groups(load_rules(rules), cfg, mesh_axis_sizes(mesh_or_sizes))
+    check_attention_groups(load_rules(rules), cfg, mesh_axis_sizes(mesh_or_sizes))
     return notes
 
 
-def _check_attention_groups(rules: Rules, cfg: LlamaConfig, sizes: Mapping[str, int]) -> None:
+def check_attention_groups(rules: Rules, cfg: LlamaConfig, sizes: Mapping[str, int]) -> None:
     """Query heads may be split only if each device's query heads share their KV heads' split."""
     q = resolve_dims(("q_heads",), (cfg.num_heads,), rules, sizes, where="wq")[0]
     kv = resolve_dims(("kv_heads",), (cfg.num_kv_heads,), rules, sizes, where="wk")[0]
@@ -73,7 +73,7 @@ def _named(mesh: Mesh, resolved) -> list[NamedSharding]:
 def param_shardings(cfg: LlamaConfig, mesh: Mesh, rules="megatron") -> Weights:
     """A `Weights` pytree of `NamedSharding`, one per declared weight."""
     rules = load_rules(rules)
-    _check_attention_groups(rules, cfg, mesh_axis_sizes(mesh))
+    check_attention_groups(rules, cfg, mesh_axis_sizes(mesh))
     decl = Weights.declare(cfg)
     treedef = jax.tree_util.tree_structure(decl, is_leaf=is_array_info)
     return jax.tree_util.tree_unflatten(treedef, _named(mesh, param_resolutions(cfg, mesh, rules)))

@@ -162,3 +162,18 @@ def test_layout_is_hashable_and_absent_layout_adds_no_sharding_ops():
     layout = sharding.Layout.create(mesh)
     tp = str(jax.make_jaxpr(lambda *a: forward(*a, cfg, "reference", layout))(params, cache, tokens, md))
     assert "sharding_constraint" in tp and "shard_map" in tp
+
+
+def test_checkpoint_restores_straight_into_tp_shardings(tmp_path):
+    from model.checkpoint import load_checkpoint, save_checkpoint
+
+    cfg = tp_config(num_layers=1)
+    rng = np.random.default_rng(1)
+    host = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(np.float32), abstract_params(cfg))
+    save_checkpoint(str(tmp_path / "ckpt"), host, cfg)
+    layout = sharding.Layout.create(sharding.make_mesh(tensor=4))
+    _, params = load_checkpoint(str(tmp_path / "ckpt"), shardings=layout.param_shardings(cfg))
+    assert params.layers[0].w_up.sharding.spec == P(None, "tensor")
+    assert {s.data.shape for s in params.layers[0].w_up.addressable_shards} == {(64, 32)}
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(host)):
+        np.testing.assert_array_equal(np.asarray(a), b)
