@@ -37,7 +37,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "request", "sample_index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "num_seats", "status", "finish_reason", "stop_reason", "logprobs", "cumulative_logprob",
-        "detokenizer", "num_cached_tokens", "block_hashes",
+        "detokenizer", "num_cached_tokens", "block_hashes", "text", "last_token_time",
     )
 
     def __init__(self, request: "Request", token_ids: list[int], sample_index: int = 0, num_seats: int = 1):
@@ -57,7 +57,9 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.detokenizer = None  # set by the engine's output processor
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
-        self.block_hashes: list[int] = []  # chained hashes of this sequence's full blocks
+        self.block_hashes: list[bytes] = []  # chained digests of this sequence's full blocks
+        self.text = ""  # detokenized output so far (cut at a stop string)
+        self.last_token_time: Optional[float] = None
 
     @property
     def params(self) -> SamplingParams:
@@ -115,6 +117,8 @@ class Request:
         first = Sequence(self, list(prompt_token_ids), 0, num_seats=params.n)
         self.seqs: list[Sequence] = [first]
         self.error: Optional[str] = None
+        self.stream = False  # emit an output every step (else only when finished)
+        self.sampling_row = None  # packed sampling parameters, set by the engine
 
     @property
     def is_finished(self) -> bool:

@@ -1,0 +1,167 @@
+"""`AsyncEngine`: the engine loop on a background thread, for asyncio callers (the HTTP server).
+
+    engine = AsyncEngine(LLM(...).engine)
+    async for out in engine.generate(prompt, SamplingParams(...), request_id):
+        ...   # cumulative RequestOutputs; the last one has out.finished
+
+Callers never touch engine state directly: requests and aborts go through a
+locked inbox that the loop drains between steps, and outputs come back through
+each request's asyncio queue (`loop.call_soon_threadsafe`), so the HTTP side
+never blocks the loop and the loop never blocks the event loop.
+
+Validation runs in the caller (`generate` raises `InvalidParameterError` at
+once, before anything is queued). A generator that is closed or cancelled
+before its request finished (a client disconnect) aborts the request, which
+frees its KV pages at the next loop iteration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import AsyncIterator, Optional
+
+from serving.engine import Engine, PromptType
+from serving.outputs import RequestOutput
+from serving.sampling_params import SamplingParams
+from serving.stats import EngineStats
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an error; no request can make progress."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, start: bool = True):
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._inbox: list[tuple[str, object]] = []
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._loop, name="ridgeline-engine", daemon=True)
+        if start:
+            self._thread.start()
+
+    @classmethod
+    def from_llm(cls, llm) -> "AsyncEngine":
+        return cls(llm.engine)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    def start(self) -> None:
+        if not self._thread.is_alive():
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # --- the caller side -------------------------------------------------------------------------
+    async def generate(self, prompt: PromptType, params: Optional[SamplingParams] = None,
+                       request_id: str = "") -> AsyncIterator[RequestOutput]:
+        """Yields cumulative outputs of one request until it finishes.
+
+        Raises `InvalidParameterError` (bad prompt or parameter, nothing queued),
+        `ValueError` (request id in use) or `EngineDeadError`.
+        """
+        if self._error is not None:
+            raise EngineDeadError("the engine loop has stopped") from self._error
+        req = self.engine.make_request(request_id, prompt, params)
+        req.stream = True
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = (loop, queue)
+            self._inbox.append(("add", req))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Aborts a request (no-op if unknown or done); its pages are freed before the next step."""
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        """Engine counters; requests still in the inbox count as waiting."""
+        s = self.engine.stats()
+        with self._lock:
+            s.num_waiting += sum(1 for kind, _ in self._inbox if kind == "add")
+        return s
+
+    def add_stats_listener(self, fn) -> None:
+        """`fn(IterationStats)` is called on the engine thread after every step."""
+        self.engine.stats_log.add_listener(fn)
+
+    # --- the engine thread -----------------------------------------------------------------------
+    def _deliver(self, request_id: str, item) -> None:
+        with self._lock:
+            entry = self._streams.get(request_id)
+        if entry is None:
+            return
+        loop, queue = entry
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed
+            pass
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            items, self._inbox = self._inbox, []
+        for kind, x in items:
+            if kind == "add":
+                try:
+                    self.engine.enqueue(x)
+                except ValueError as e:
+                    self._deliver(x.request_id, e)
+            else:
+                self.engine.abort_request(x)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop:
+                self._drain_inbox()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
+        except BaseException as e:  # a bug or a device failure: fail every stream loudly
+            log.exception("engine loop failed")
+            self._error = e
+            with self._lock:
+                ids = list(self._streams)
+            for rid in ids:
+                err = EngineDeadError(f"engine loop failed: {e!r}")
+                err.__cause__ = e
+                self._deliver(rid, err)

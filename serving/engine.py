@@ -1,0 +1,365 @@
+"""The synchronous engine core: requests in, one batched step at a time, outputs out.
+
+`Engine.step()` schedules (scheduler + block manager), packs the batch
+(input_batch), runs the jitted step (model_runner), then processes what came
+back on the host: appends tokens, detokenizes, checks stop conditions, frees
+finished sequences, records stats. It holds no thread of its own;
+`AsyncEngine` runs it in a loop on a background thread, `LLM.generate` runs it
+until everything is done.
+
+Bad input is rejected by `make_request` before anything is queued, with an
+`InvalidParameterError` naming the field, so one bad request never disturbs
+the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Optional, Sequence as Seq, Union
+
+import jax
+import numpy as np
+
+from model.config import LlamaConfig
+from serving.block_manager import BlockManager
+from serving.detokenizer import make_detokenizer
+from serving.input_batch import Buckets, pack_step, sampling_row
+from serving.model_runner import ModelRunner
+from serving.outputs import CompletionOutput, Logprob, RequestOutput
+from serving.sampling_params import InvalidParameterError, SamplingParams
+from serving.scheduler import Scheduler, SchedulerConfig
+from serving.sequence import Request, Sequence
+from serving.stats import EngineStats, FinishedRequestStats, IterationStats, StatsLog
+
+log = logging.getLogger(__name__)
+
+PromptType = Union[str, list, dict]
+
+
+class ContextLengthError(InvalidParameterError):
+    """The prompt plus the requested tokens do not fit the context window."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    page_size: int = 16
+    num_pages: Optional[int] = None  # None: size the pool from the memory budget
+    max_model_len: Optional[int] = None  # None: the model's, capped by the pool
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    seed: int = 0
+    kv_cache_memory_fraction: float = 0.9  # of device memory, on devices that report it
+    host_kv_cache_bytes: int = 512 * 2**20  # pool budget where the device reports no memory (CPU)
+    min_token_bucket: int = 1
+
+
+def default_num_pages(cfg: LlamaConfig, config: EngineConfig, max_model_len: int, cache_dtype=None) -> int:
+    """Pages that fit the memory budget, and no more than `max_num_seqs` full-length sequences need."""
+    itemsize = np.dtype(cache_dtype or cfg.jnp_dtype).itemsize
+    page_bytes = cfg.kv_bytes_per_token(itemsize) * config.page_size
+    stats = None
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # some backends do not implement it
+        pass
+    if stats and stats.get("bytes_limit"):
+        budget = stats["bytes_limit"] * config.kv_cache_memory_fraction - stats.get("bytes_in_use", 0)
+    else:
+        budget = config.host_kv_cache_bytes
+    wanted = config.max_num_seqs * -(-max_model_len // config.page_size)
+    return max(1, min(wanted, int(budget // page_bytes)))
+
+
+class Engine:
+    def __init__(self, cfg: LlamaConfig, params, tokenizer=None, config: EngineConfig = EngineConfig(), *,
+                 runner=None, param_shardings=None, cache_shardings=None):
+        self.cfg = cfg
+        self.config = config
+        self.tokenizer = tokenizer
+        ps = config.page_size
+        model_len = config.max_model_len or cfg.max_position_embeddings
+        num_pages = config.num_pages or default_num_pages(cfg, config, model_len)
+        if model_len > num_pages * ps:
+            if config.max_model_len is not None:
+                raise ValueError(f"max_model_len={model_len} needs {-(-model_len // ps)} pages of {ps} tokens but "
+                                 f"the KV pool has {num_pages}; raise num_pages or lower max_model_len")
+            log.warning("KV pool of %d pages holds %d tokens: max_model_len lowered from %d", num_pages,
+                        num_pages * ps, model_len)
+            model_len = num_pages * ps
+        self.max_model_len = model_len
+        self.num_pages = num_pages
+        self.buckets = Buckets(config.max_num_batched_tokens, config.max_num_seqs, -(-model_len // ps),
+                               config.min_token_bucket)
+        self.runner = runner or ModelRunner(cfg, params, num_pages=num_pages, page_size=ps, buckets=self.buckets,
+                                            backend=config.attention_backend, param_shardings=param_shardings,
+                                            cache_shardings=cache_shardings)
+        self.block_manager = BlockManager(num_pages, ps, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, model_len),
+                                   self.block_manager)
+        self.eos_token_ids = tuple(sorted(set(cfg.eos_token_ids) | set(getattr(tokenizer, "eos_ids", ()) or ())))
+        self.requests: dict[str, Request] = {}
+        self.stats_log = StatsLog()
+        self._rng = np.random.default_rng(config.seed)
+        self._lock = threading.Lock()  # guards the seed generator (make_request may run on any thread)
+        self._pending_finished: list[FinishedRequestStats] = []
+        self._step_count = 0
+
+    # --- requests ------------------------------------------------------------------------------
+    def make_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
+                     arrival_time: Optional[float] = None) -> Request:
+        """Validates and tokenizes a request without queueing it (thread-safe)."""
+        params = (params or SamplingParams()).clone()
+        params.validate(self.cfg.vocab_size)
+        text, ids = self._prompt_ids(prompt)
+        if params.n > self.config.max_num_seqs:
+            raise InvalidParameterError("n", f"n: {params.n} samples exceed max_num_seqs={self.config.max_num_seqs}")
+        limit = self.max_model_len
+        if len(ids) >= limit:
+            raise ContextLengthError("prompt", f"This model's maximum context length is {limit} tokens, and the "
+                                               f"prompt has {len(ids)} tokens (at least one must be generated).")
+        if params.max_tokens is None:
+            params.max_tokens = limit - len(ids)
+        elif len(ids) + params.max_tokens > limit:
+            raise ContextLengthError(
+                "max_tokens", f"This model's maximum context length is {limit} tokens. However, you requested "
+                              f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, "
+                              f"{params.max_tokens} for the completion).")
+        with self._lock:
+            seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
+        req = Request(request_id, text, ids, params, seed, arrival_time or time.monotonic(), self.eos_token_ids)
+        req.sampling_row = sampling_row(req)
+        return req
+
+    def _prompt_ids(self, prompt) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidParameterError("prompt", "prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidParameterError("prompt", "prompt: this model has no tokenizer; pass token ids")
+            ids = self.tokenizer.encode(prompt)
+            text = prompt
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+            if bad or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+                raise InvalidParameterError("prompt", f"prompt: token ids must be integers in [0, "
+                                                      f"{self.cfg.vocab_size}), got {bad[:5] or prompt[:5]}")
+            text = None
+        else:
+            raise InvalidParameterError("prompt", f"prompt: expected a string or a list of token ids, "
+                                                  f"got {type(prompt).__name__}")
+        if not ids:
+            raise InvalidParameterError("prompt", "prompt: must not be empty")
+        return text, ids
+
+    def enqueue(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.scheduler.add(req.seqs[0])
+
+    def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
+                    arrival_time: Optional[float] = None, stream: bool = False) -> Request:
+        req = self.make_request(request_id, prompt, params, arrival_time)
+        req.stream = stream
+        self.enqueue(req)
+        return req
+
+    def abort_request(self, request_ids) -> None:
+        """Ends the requests at once and frees their pages; unknown ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "abort")
+            self.stats_log.count_finished("abort")
+            self._pending_finished.append(self._finished_stats(req, "abort", time.monotonic()))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # --- the step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduled batch; returns outputs of finished requests and of streaming ones that progressed."""
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for seq in out.errored:
+            req = seq.request
+            req.error = (f"request {req.request_id} can never be scheduled: {seq.num_tokens} tokens need more than "
+                         f"the {self.num_pages} pages of the KV pool")
+            self.scheduler.finish(seq, "error")
+            touched[req.request_id] = req
+        it = IterationStats(step=self._step_count, num_tokens=out.num_batched_tokens, num_seqs=len(out.scheduled),
+                            num_prompt_tokens=0, num_generation_tokens=0, kv_tokens_read=0, host_seconds=0.0,
+                            device_seconds=0.0, num_preemptions=len(out.preempted))
+        t1 = t2 = t0
+        if not out.is_empty:
+            for item in out.scheduled:
+                m = item.seq.request.metrics
+                if m.first_scheduled_time is None:
+                    m.first_scheduled_time = now
+                it.num_prompt_tokens += max(0, min(item.start + item.num_new_tokens, item.seq.num_prompt_tokens)
+                                            - item.start)
+            if out.copies:
+                self.runner.copy_pages(out.copies)
+            batch = pack_step(out, self.block_manager.tables, self.buckets, self.config.page_size, self.num_pages)
+            it.kv_tokens_read = batch.kv_tokens
+            t1 = time.perf_counter()
+            result = self.runner.execute(batch)
+            t2 = time.perf_counter()
+            new_tokens = self.scheduler.update(out, result.ids[:len(batch.sample_rows)].tolist())
+            now = time.monotonic()
+            for seq, row, p0, p1 in batch.prompt_rows:
+                self._prompt_logprobs(seq, result, row, p0, p1)
+            for seq, tok, row in new_tokens:
+                self._on_token(seq, tok, row, result, now, it)
+                touched[seq.request.request_id] = seq.request
+            it.num_generation_tokens = len(new_tokens)
+        outputs = []
+        for req in touched.values():
+            finished = req.is_finished
+            if finished:
+                reason = req.error and "error" or req.seqs[0].finish_reason
+                req.metrics.finished_time = now
+                it.finished.append(self._finished_stats(req, reason, now))
+                self.stats_log.count_finished(reason)
+                self.requests.pop(req.request_id, None)
+            if finished or req.stream:
+                outputs.append(self.make_output(req))
+        it.finished.extend(self._pending_finished)
+        self._pending_finished = []
+        it.host_seconds = (t1 - t0) + (time.perf_counter() - t2)
+        it.device_seconds = t2 - t1
+        self._step_count += 1
+        self.stats_log.record(it)
+        return outputs
+
+    def _finished_stats(self, req: Request, reason: str, now: float) -> FinishedRequestStats:
+        m = req.metrics
+        queue = None if m.first_scheduled_time is None else m.first_scheduled_time - m.arrival_time
+        return FinishedRequestStats(req.request_id, reason, now - m.arrival_time, queue, len(req.prompt_token_ids),
+                                    sum(s.num_output_tokens for s in req.seqs))
+
+    def _on_token(self, seq: Sequence, tok: int, row: int, result, now: float, it: IterationStats) -> None:
+        req = seq.request
+        p = req.params
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+            it.time_to_first_tokens.append(now - req.metrics.arrival_time)
+            self.stats_log.prompt_tokens += len(req.prompt_token_ids)
+        elif seq.last_token_time is not None:
+            it.inter_token_latencies.append(now - seq.last_token_time)
+        seq.last_token_time = req.metrics.last_token_time = now
+        if seq.logprobs is not None:
+            seq.logprobs.append(self._logprob_entry(result, row, tok, p.logprobs))
+            seq.cumulative_logprob += float(result.chosen_logprob[row])
+        reason = stop_reason = None
+        if not p.ignore_eos and tok in req.eos_token_ids:
+            reason = "stop"
+        elif tok in p.stop_token_ids:
+            reason, stop_reason = "stop", tok
+        elif self.tokenizer is not None:
+            if seq.detokenizer is None:
+                seq.detokenizer = make_detokenizer(self.tokenizer, req.prompt_token_ids)
+            delta = seq.detokenizer.push(tok)
+            if delta:
+                seq.text = seq.detokenizer.text
+                if p.stop:
+                    hit = _find_stop(seq.text, len(delta), p.stop)
+                    if hit is not None:
+                        at, s = hit
+                        seq.text = seq.text[:at + len(s)] if p.include_stop_str_in_output else seq.text[:at]
+                        reason, stop_reason = "stop", s
+        if reason is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            if stop_reason is None or not isinstance(stop_reason, str):
+                if seq.detokenizer is not None and seq.detokenizer.flush():
+                    seq.text = seq.detokenizer.text
+            self.scheduler.finish(seq, reason, stop_reason)
+
+    def _token_text(self, tok: int) -> Optional[str]:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.token_text(int(tok))
+
+    def _logprob_entry(self, result, row: int, tok: int, k: int) -> dict:
+        entry = {tok: Logprob(float(result.chosen_logprob[row]), int(result.rank[row]), self._token_text(tok))}
+        for j in range(k):
+            tid = int(result.top_ids[row, j])
+            if tid not in entry:
+                entry[tid] = Logprob(float(result.top_logprobs[row, j]), j + 1, self._token_text(tid))
+        return entry
+
+    def _prompt_logprobs(self, seq: Sequence, result, row: int, p0: int, p1: int) -> None:
+        req = seq.request
+        k = req.params.prompt_logprobs
+        for j in range(p1 - p0):
+            target = req.prompt_token_ids[p0 + j + 1]
+            req.prompt_logprobs.append(self._logprob_entry(result, row + j, target, k))
+
+    # --- outputs and stats ---------------------------------------------------------------------
+    def make_output(self, req: Request) -> RequestOutput:
+        finished = req.is_finished
+        outs = []
+        holdback = max((len(s) for s in req.params.stop), default=1) - 1
+        for seq in sorted(req.seqs, key=lambda s: s.sample_index):
+            text = seq.text
+            if holdback and not seq.is_finished:
+                text = text[:max(0, len(text) - holdback)]  # may be the start of a stop string
+            outs.append(CompletionOutput(
+                index=seq.sample_index, text=text, token_ids=seq.token_ids[seq.num_prompt_tokens:],
+                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        plp = list(req.prompt_logprobs) if req.prompt_logprobs is not None else None
+        return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), plp, outs, finished,
+                             req.metrics, req.seqs[0].num_cached_tokens)
+
+    def stats(self) -> EngineStats:
+        """A snapshot of gauges and counters; safe to call from another thread."""
+        running = {s.request.request_id for s in list(self.scheduler.running)}
+        waiting = {s.request.request_id for s in list(self.scheduler.waiting)} - running
+        log_ = self.stats_log
+        return EngineStats(
+            num_running=len(running), num_waiting=len(waiting),
+            kv_pages_used=self.block_manager.num_used_blocks, kv_pages_total=self.num_pages,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queried_tokens=self.scheduler.prefix_queried_tokens,
+            prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens,
+            prompt_tokens=log_.prompt_tokens, generation_tokens=log_.generation_tokens,
+            finished_by_reason=dict(log_.finished_by_reason), num_steps=log_.num_steps)
+
+    def warm_up(self) -> dict:
+        """Compiles every step shape now, so serving never compiles."""
+        return self.runner.warm_up()
+
+    def reset_prefix_cache(self) -> int:
+        return self.block_manager.reset_prefix_cache()
+
+
+def _find_stop(text: str, delta_len: int, stops: Seq[str]):
+    """The earliest stop string that ends inside the newly added text, as (index, string)."""
+    best = None
+    for s in stops:
+        start = max(0, len(text) - delta_len - len(s) + 1)
+        i = text.find(s, start)
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, s)
+    return best

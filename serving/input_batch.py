@@ -1,0 +1,226 @@
+"""Host-side packing of one scheduled step into the step function's padded inputs.
+
+Shapes are padded to buckets so the jitted step compiles once per bucket:
+T tokens (powers of two up to `max_num_batched_tokens`), S = min(T,
+`max_num_seqs`) sequences and logit rows, P pages per sequence (powers of
+two up to the pages of `max_model_len`).
+
+Everything integer goes into ONE int32 buffer and everything float into ONE
+float32 buffer (offsets fixed by (T, S, P)), so a step costs two host-to-device
+transfers however many fields it has. Packing is vectorised numpy: the only
+Python loops are over scheduled sequences and logit rows, never over tokens.
+
+Logit rows: first one row per sample drawn this step (at the sequence's last
+token), then one row per prompt position whose prompt logprob is wanted.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+import numpy as np
+
+from serving.scheduler import SchedulerOutput
+from serving.sequence import Sequence
+
+NUM_FLAGS = 3  # any_random, any_filter, want_logprobs
+
+
+def _powers_of_two(limit: int, start: int = 1) -> list[int]:
+    out, b = [], max(1, start)
+    while b < limit:
+        out.append(b)
+        b *= 2
+    out.append(limit)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """The padded shapes the step is compiled for."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_pages_per_seq: int
+    min_tokens: int = 1
+
+    def __post_init__(self):
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                             f"max_num_seqs ({self.max_num_seqs})")
+
+    @property
+    def token_sizes(self) -> list[int]:
+        return _powers_of_two(self.max_num_batched_tokens, self.min_tokens)
+
+    @property
+    def page_sizes(self) -> list[int]:
+        return _powers_of_two(self.max_pages_per_seq)
+
+    def tokens_for(self, n: int) -> int:
+        sizes = self.token_sizes
+        i = bisect.bisect_left(sizes, n)
+        if i == len(sizes):
+            raise ValueError(f"{n} tokens exceed max_num_batched_tokens={self.max_num_batched_tokens}")
+        return sizes[i]
+
+    def seqs_for(self, num_tokens_bucket: int) -> int:
+        return min(num_tokens_bucket, self.max_num_seqs)
+
+    def pages_for(self, n: int) -> int:
+        sizes = self.page_sizes
+        i = bisect.bisect_left(sizes, n)
+        if i == len(sizes):
+            raise ValueError(f"{n} pages exceed the {self.max_pages_per_seq} pages of max_model_len")
+        return sizes[i]
+
+    def all_shapes(self) -> list[tuple[int, int, int]]:
+        return [(t, self.seqs_for(t), p) for t in self.token_sizes for p in self.page_sizes]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Offsets of every field inside the int32 and float32 buffers for one (T, S, P)."""
+
+    T: int
+    S: int
+    P: int
+
+    @property
+    def int_fields(self):
+        T, S, P = self.T, self.S, self.P
+        return (("tokens", T), ("positions", T), ("slots", T), ("cu_q_lens", S + 1), ("kv_lens", S),
+                ("block_tables", S * P), ("num_seqs", 1), ("logits_indices", S), ("top_k", S),
+                ("key_data", 2 * S), ("sample_index", S), ("token_index", S), ("target", S),
+                ("flags", NUM_FLAGS))
+
+    @property
+    def float_fields(self):
+        return (("temperature", self.S), ("top_p", self.S), ("min_p", self.S))
+
+    def offsets(self, fields):
+        out, o = {}, 0
+        for name, n in fields:
+            out[name] = (o, n)
+            o += n
+        return out, o
+
+    def split(self, ibuf, fbuf) -> dict:
+        """Named views (numpy or jax) of the two buffers."""
+        views = {}
+        for buf, fields in ((ibuf, self.int_fields), (fbuf, self.float_fields)):
+            offs, _ = self.offsets(fields)
+            for name, (o, n) in offs.items():
+                views[name] = buf[o:o + n]
+        views["block_tables"] = views["block_tables"].reshape(self.S, self.P)
+        views["key_data"] = views["key_data"].reshape(self.S, 2)
+        return views
+
+    def empty(self, pad_slot: int):
+        ibuf = np.zeros(self.offsets(self.int_fields)[1], np.int32)
+        fbuf = np.zeros(self.offsets(self.float_fields)[1], np.float32)
+        v = self.split(ibuf, fbuf)
+        v["slots"][:] = pad_slot
+        v["target"][:] = -1
+        v["top_p"][:] = 1.0
+        return ibuf, fbuf, v
+
+
+@dataclasses.dataclass
+class StepBatch:
+    layout: Layout
+    ibuf: np.ndarray
+    fbuf: np.ndarray
+    num_tokens: int
+    num_seqs: int
+    sample_rows: list  # [(Sequence, sample_index)] for rows 0..len-1
+    prompt_rows: list  # [(Sequence, first_row, p0, p1)]: rows for prompt positions p0..p1-1
+    want_logprobs: bool
+    kv_tokens: int  # tokens of K/V attended over (for bandwidth accounting)
+
+
+def _as_int32(x: int) -> int:
+    return ((x + 2**31) % 2**32) - 2**31
+
+
+def sampling_row(request) -> tuple:
+    """(temperature, top_k, top_p, min_p, key_hi, key_lo), computed once per request."""
+    p = request.params
+    seed = request.seed % 2**64
+    return (float(p.temperature), int(p.top_k if p.top_k > 0 else 0), float(p.top_p), float(p.min_p),
+            _as_int32(seed >> 32), _as_int32(seed & 0xFFFFFFFF))
+
+
+def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: int, num_pages: int) -> StepBatch:
+    items = out.scheduled
+    n = len(items)
+    n_new = np.fromiter((it.num_new_tokens for it in items), np.int64, n)
+    starts = np.fromiter((it.start for it in items), np.int64, n)
+    total = int(n_new.sum())
+    num_rows = sum(it.num_rows for it in items)
+    T = buckets.tokens_for(max(total, num_rows, 1))
+    S = buckets.seqs_for(T)
+    seq_tables = [tables[it.seq.seq_id] for it in items]
+    P = buckets.pages_for(max((len(t) for t in seq_tables), default=1))
+    layout = Layout(T, S, P)
+    ibuf, fbuf, v = layout.empty(num_pages * page_size)
+
+    toks: list[int] = []
+    for it in items:
+        toks += it.seq.token_ids[it.start:it.start + it.num_new_tokens]
+    v["tokens"][:total] = toks
+    cu = np.cumsum(n_new)
+    v["cu_q_lens"][1:n + 1] = cu
+    v["cu_q_lens"][n + 1:] = total
+    seq_of = np.repeat(np.arange(n), n_new)
+    first = cu - n_new
+    pos = np.arange(total) - first[seq_of] + starts[seq_of]
+    v["positions"][:total] = pos
+    tbl = v["block_tables"]
+    for i, t in enumerate(seq_tables):
+        tbl[i, :len(t)] = t
+    v["slots"][:total] = tbl[seq_of, pos // page_size] * page_size + pos % page_size
+    kv_lens = starts + n_new
+    v["kv_lens"][:n] = kv_lens
+    v["num_seqs"][0] = n
+
+    sample_rows: list[tuple[Sequence, int]] = []
+    prompt_rows = []
+    want_logprobs = False
+    any_random = any_filter = False
+    row = 0
+    li, tk, kd, si, ti = v["logits_indices"], v["top_k"], v["key_data"], v["sample_index"], v["token_index"]
+    temp, top_p, min_p = v["temperature"], v["top_p"], v["min_p"]
+    for i, it in enumerate(items):
+        if not it.sample_indices:
+            continue
+        seq = it.seq
+        req = seq.request
+        row_params = req.sampling_row
+        t, k, p, m, hi, lo = row_params
+        if t > 0:
+            any_random = True
+            any_filter = any_filter or k > 0 or p < 1.0
+        if req.params.logprobs is not None:
+            want_logprobs = True
+        tok_index = seq.num_output_tokens
+        for s in it.sample_indices:
+            li[row] = cu[i] - 1
+            temp[row], tk[row], top_p[row], min_p[row] = t, k, p, m
+            kd[row, 0], kd[row, 1] = hi, lo
+            si[row], ti[row] = s, tok_index
+            sample_rows.append((seq, s))
+            row += 1
+    for i, it in enumerate(items):
+        if it.prompt_logprob_end > it.prompt_logprob_start:
+            want_logprobs = True
+            cnt = it.prompt_logprob_end - it.prompt_logprob_start
+            base = int(first[i]) + it.prompt_logprob_start - it.start
+            li[row:row + cnt] = np.arange(base, base + cnt)
+            prompt = it.seq.token_ids
+            v["target"][row:row + cnt] = prompt[it.prompt_logprob_start + 1:it.prompt_logprob_end + 1]
+            prompt_rows.append((it.seq, row, it.prompt_logprob_start, it.prompt_logprob_end))
+            row += cnt
+    v["flags"][:] = (any_random, any_filter, want_logprobs)
+    return StepBatch(layout, ibuf, fbuf, total, n, sample_rows, prompt_rows, want_logprobs, int(kv_lens.sum()))

@@ -1,0 +1,104 @@
+"""`LLM`: the offline, programmatic API (`llm.generate(prompts, params)`)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from typing import Optional, Sequence, Union
+
+from model.checkpoint import load_checkpoint
+from model.tokenizer import ByteTokenizer, load_tokenizer
+from serving.engine import Engine, EngineConfig
+from serving.outputs import RequestOutput
+from serving.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def default_checkpoint_dir() -> str:
+    """The embedded byte-level model shipped inside the `model` package."""
+    import model
+
+    return os.path.join(os.path.dirname(os.path.abspath(model.__file__)), "default")
+
+
+def _default_tokenizer(cfg):
+    return ByteTokenizer(cfg.vocab_size) if cfg.vocab_size >= 258 else None
+
+
+class LLM:
+    """A model plus an engine. With no checkpoint, the embedded default model.
+
+    `config`/`params` (and optionally `tokenizer`) serve an in-memory model
+    instead of a checkpoint directory, e.g. random weights in tests and
+    benchmarks. `warmup=True` compiles every step shape up front (a server
+    wants that; a short script usually does not).
+    """
+
+    def __init__(self, checkpoint: Optional[str] = None, *, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 512, page_size: int = 16, num_pages: Optional[int] = None,
+                 enable_prefix_caching: bool = True, attention_backend: str = "auto",
+                 tensor_parallel_size: int = 1, max_model_len: Optional[int] = None, seed: int = 0,
+                 config=None, params=None, tokenizer=None, warmup: bool = False, **engine_kwargs):
+        if tensor_parallel_size != 1:
+            raise NotImplementedError(
+                f"tensor_parallel_size={tensor_parallel_size}: tensor parallelism is not wired into the engine yet; "
+                "ModelRunner.place accepts param/cache shardings for it")
+        t0 = time.perf_counter()
+        if (config is None) != (params is None):
+            raise ValueError("pass both config and params (an in-memory model) or neither")
+        if config is None:
+            directory = checkpoint or default_checkpoint_dir()
+            if not os.path.isdir(directory):
+                raise FileNotFoundError(f"no checkpoint at {directory}"
+                                        + ("" if checkpoint else " (the embedded default model is missing)"))
+            config, params = load_checkpoint(directory)
+            tokenizer = tokenizer or load_tokenizer(directory, config.vocab_size)
+            self.checkpoint = directory
+        else:
+            tokenizer = tokenizer or _default_tokenizer(config)
+            self.checkpoint = None
+        self.config = config
+        self.tokenizer = tokenizer
+        engine_config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                     page_size=page_size, num_pages=num_pages,
+                                     enable_prefix_caching=enable_prefix_caching,
+                                     attention_backend=attention_backend, max_model_len=max_model_len, seed=seed,
+                                     **engine_kwargs)
+        self.engine = Engine(config, params, tokenizer, engine_config)
+        self.load_seconds = time.perf_counter() - t0
+        self.warmup_info = self.engine.warm_up() if warmup else None
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts: Union[str, list, dict, Sequence],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in prompt order.
+
+        A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]}.
+        Every request is validated before any is queued, so one bad prompt or
+        parameter raises (`InvalidParameterError`) without running the others.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                 and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        elif len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        engine = self.engine
+        reqs = [engine.make_request(f"llm-{next(self._ids)}", p, sp) for p, sp in zip(prompts, sampling_params)]
+        for r in reqs:
+            engine.enqueue(r)
+        done: dict[str, RequestOutput] = {}
+        want = {r.request_id for r in reqs}
+        while want - done.keys():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[r.request_id] for r in reqs]

@@ -1,0 +1,160 @@
+"""Owns the model on the device: params, the paged KV cache, and the one jitted step.
+
+The step is `forward + sampling` over a flattened ragged batch, compiled once
+per bucket (see `input_batch.Buckets`), with the cache donated so each layer's
+K/V update is in place. Only the sampled ids (and logprobs when a request
+asked for them) come back to the host.
+
+Device placement of params and cache happens in exactly one place,
+`ModelRunner.place`, which takes optional shardings. Tensor parallelism plugs
+in there: pass `param_shardings` / `cache_shardings` (NamedShardings built
+from a mesh and the logical-axis rules) and everything downstream follows the
+arrays' shardings.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model.cache import BatchMetadata, KVCache, cache_bytes, init_cache
+from model.config import LlamaConfig
+from model.forward import forward
+from model.params import param_bytes
+from serving.input_batch import Buckets, Layout, StepBatch
+from serving.sampler import SamplingInputs, sample
+
+
+def _step(params, cache, ibuf, fbuf, *, cfg: LlamaConfig, backend: str, layout: Layout):
+    v = layout.split(ibuf, fbuf)
+    md = BatchMetadata(positions=v["positions"], slot_mapping=v["slots"], cu_q_lens=v["cu_q_lens"],
+                       kv_lens=v["kv_lens"], block_tables=v["block_tables"], num_seqs=v["num_seqs"][0],
+                       logits_indices=v["logits_indices"])
+    logits, cache = forward(params, cache, v["tokens"], md, cfg, backend)
+    flags = v["flags"]
+    s = SamplingInputs(
+        temperature=v["temperature"], top_k=v["top_k"], top_p=v["top_p"], min_p=v["min_p"],
+        key_data=jax.lax.bitcast_convert_type(v["key_data"], jnp.uint32),
+        sample_index=v["sample_index"], token_index=v["token_index"], target=v["target"],
+        any_random=flags[0] != 0, any_filter=flags[1] != 0, want_logprobs=flags[2] != 0,
+    )
+    ids, logprobs = sample(logits, s)
+    return cache, ids, logprobs
+
+
+# Module level, so engines with the same model and buckets share compilations.
+_step_jit = jax.jit(_step, static_argnames=("cfg", "backend", "layout"), donate_argnums=(1,))
+
+
+def _copy_pages(cache: KVCache, src, dst):
+    """Copies whole pages src[i] -> dst[i] in every layer; dst == num_pages is padding (dropped)."""
+    k = [x.at[dst].set(x[src], mode="drop") for x in cache.k]
+    v = [x.at[dst].set(x[src], mode="drop") for x in cache.v]
+    return KVCache(k=k, v=v)
+
+
+_copy_jit = jax.jit(_copy_pages, donate_argnums=(0,))
+
+
+def compilation_count() -> int:
+    """Executables compiled so far for the step and page-copy functions (all runners)."""
+    return _step_jit._cache_size() + _copy_jit._cache_size()
+
+
+class StepResult:
+    """The host copy of what one step produced."""
+
+    __slots__ = ("ids", "chosen_logprob", "rank", "top_ids", "top_logprobs")
+
+    def __init__(self, ids, lp=None):
+        self.ids = ids
+        if lp is None:
+            self.chosen_logprob = self.rank = self.top_ids = self.top_logprobs = None
+        else:
+            self.chosen_logprob, self.rank, self.top_ids, self.top_logprobs = lp
+
+
+class ModelRunner:
+    def __init__(self, cfg: LlamaConfig, params, *, num_pages: int, page_size: int, buckets: Buckets,
+                 backend: str = "auto", cache_dtype=None, param_shardings=None, cache_shardings=None):
+        self.cfg = cfg
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.buckets = buckets
+        self.backend = backend
+        self.params, self.cache = self.place(params, cache_dtype, param_shardings, cache_shardings)
+        self.copy_sizes = [s for s in _pow2_upto(buckets.max_num_seqs)]
+
+    # --- placement: the one hook for shardings -----------------------------------------------
+    def place(self, params, cache_dtype=None, param_shardings=None, cache_shardings=None):
+        """Puts params and a fresh KV cache on device(s).
+
+        Without shardings everything lives on the default device. With
+        `param_shardings` (a pytree of `jax.sharding.Sharding` matching
+        `params`) and `cache_shardings` (matching `KVCache`), the arrays are
+        laid out accordingly and the jitted step follows their shardings.
+        """
+        if param_shardings is not None:
+            params = jax.device_put(params, param_shardings)
+        else:
+            params = jax.device_put(params, jax.devices()[0])
+        cache = init_cache(self.cfg, self.num_pages, self.page_size, cache_dtype, shardings=cache_shardings)
+        return params, cache
+
+    @property
+    def param_bytes(self) -> int:
+        return param_bytes(self.params)
+
+    @property
+    def cache_bytes(self) -> int:
+        return cache_bytes(self.cache)
+
+    # --- execution ---------------------------------------------------------------------------
+    def execute(self, batch: StepBatch) -> StepResult:
+        """Runs one step; blocks only on copying the sampled ids (and logprobs) back."""
+        self.cache, ids, lp = _step_jit(self.params, self.cache, batch.ibuf, batch.fbuf,
+                                        cfg=self.cfg, backend=self.backend, layout=batch.layout)
+        if batch.want_logprobs:
+            return StepResult(np.asarray(ids), tuple(np.asarray(x) for x in lp))
+        return StepResult(np.asarray(ids))
+
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicates pages on device before the step that writes them."""
+        for i in range(0, len(copies), self.copy_sizes[-1]):
+            chunk = copies[i:i + self.copy_sizes[-1]]
+            size = next(s for s in self.copy_sizes if s >= len(chunk))
+            src = np.zeros(size, np.int32)
+            dst = np.full(size, self.num_pages, np.int32)
+            src[:len(chunk)] = [c[0] for c in chunk]
+            dst[:len(chunk)] = [c[1] for c in chunk]
+            self.cache = _copy_jit(self.cache, src, dst)
+
+    def warm_up(self) -> dict:
+        """Compiles (and runs once, on empty batches) every bucket; returns what it did."""
+        t0 = time.perf_counter()
+        before = compilation_count()
+        pad = self.num_pages * self.page_size
+        for T, S, P in self.buckets.all_shapes():
+            layout = Layout(T, S, P)
+            ibuf, fbuf, _ = layout.empty(pad)
+            self.cache, ids, _ = _step_jit(self.params, self.cache, ibuf, fbuf,
+                                           cfg=self.cfg, backend=self.backend, layout=layout)
+        for size in self.copy_sizes:
+            self.cache = _copy_jit(self.cache, np.zeros(size, np.int32), np.full(size, self.num_pages, np.int32))
+        jax.block_until_ready(self.cache)
+        return {"seconds": time.perf_counter() - t0, "compiled": compilation_count() - before,
+                "shapes": len(self.buckets.all_shapes()) + len(self.copy_sizes)}
+
+
+def _pow2_upto(n: int) -> list[int]:
+    out, b = [], 1
+    while b < n:
+        out.append(b)
+        b *= 4
+    out.append(n)
+    return out

@@ -1,0 +1,253 @@
+"""Iteration-level scheduling under one token budget (vLLM V1's model).
+
+Every step hands out `max_num_batched_tokens` tokens: first to running
+sequences in admission order (a decode takes one token, a sequence still
+prefilling takes as much of its remaining prompt as the budget allows), then
+to waiting sequences, admitted in arrival order while the budget, the
+`max_num_seqs` cap and free pages allow. There are no prefill and decode
+phases: a long prompt is chunked simply because the budget truncates it.
+
+When a running sequence needs a page and none is free, the most recently
+admitted sequence is preempted: its pages are freed and it goes back to the
+front of the queue, to be recomputed later (its tokens are kept, only their
+K/V is dropped). No admission happens in a step that preempted.
+
+Logit rows are a second, smaller budget (`max_logit_rows`): a sequence that
+completes its tokens this step needs one row per sample it draws (n at the
+end of a prompt with `n > 1`), and a prompt that asked for `prompt_logprobs`
+needs one row per prompt position.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Optional
+
+from serving.block_manager import BlockManager
+from serving.sequence import Sequence, SequenceStatus
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    max_logit_rows: int | None = None  # defaults to max_num_seqs
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def logit_rows(self) -> int:
+        return self.max_logit_rows or self.max_num_seqs
+
+
+@dataclasses.dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # num_computed_tokens before this step
+    num_new_tokens: int
+    sample_indices: tuple  # samples drawn from this step's last row ((), (i,), or range(n) at a fork)
+    prompt_logprob_start: int = 0  # prompt positions [start, end) get a logprob row
+    prompt_logprob_end: int = 0
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.sample_indices) + self.prompt_logprob_end - self.prompt_logprob_start
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    copies: list[tuple[int, int]]  # copy-on-write page pairs to copy before the step
+    num_batched_tokens: int
+    preempted: list[Sequence]
+    errored: list[Sequence]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.bm = block_manager
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        # Counters (cumulative).
+        self.num_preemptions = 0
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    # --- queue management ----------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
+        """Ends a sequence (stop, length, abort, error) and frees its pages at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.bm.free_seq(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+
+    @property
+    def num_seats_running(self) -> int:
+        return sum(s.num_seats for s in self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- one step --------------------------------------------------------------------------
+    def _plan(self, seq: Sequence, start: int, budget: int, rows_left: int) -> Optional[ScheduledSeq]:
+        """How many of `seq`'s tokens to run this step (None: none fit)."""
+        remaining = seq.num_tokens - start
+        n = min(remaining, budget)
+        plp_done = plp_last = 0
+        if seq.wants_prompt_logprobs:
+            # Row for position p gives the logprob of prompt token p + 1.
+            plp_done = len(seq.request.prompt_logprobs) - 1
+            plp_last = seq.num_prompt_tokens - 1
+
+        def rows(k):
+            plp = max(0, min(start + k, plp_last) - max(start, plp_done))
+            return plp + (seq.num_seats if start + k == seq.num_tokens else 0)
+
+        if rows(n) > rows_left:
+            n = min(n, rows_left)  # prompt-logprob rows bound the chunk
+            if start + n == seq.num_tokens and rows(n) > rows_left:
+                n = remaining - 1  # not enough rows to sample yet: stop one short
+                n = min(n, rows_left) if rows(n) > rows_left else n
+        if n <= 0:
+            return None
+        complete = start + n == seq.num_tokens
+        samples = (tuple(range(seq.num_seats)) if seq.num_seats > 1 else (seq.sample_index,)) if complete else ()
+        p0 = max(start, plp_done)
+        p1 = max(p0, min(start + n, plp_last))
+        return ScheduledSeq(seq, start, n, samples, p0, p1)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.bm.free_seq(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        rows_left = cfg.logit_rows
+        scheduled: list[ScheduledSeq] = []
+        copies: list[tuple[int, int]] = []
+        preempted: list[Sequence] = []
+        errored: list[Sequence] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0 and rows_left > 0:
+            seq = self.running[i]
+            item = self._plan(seq, seq.num_computed_tokens, budget, rows_left)
+            if item is None:
+                i += 1
+                continue
+            while True:
+                got = self.bm.allocate(seq, item.num_new_tokens)
+                if got is not None:
+                    break
+                victim = self.running.pop()  # the most recently admitted
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if got is None:
+                break  # `seq` preempted itself: it was the last running sequence
+            copies.extend(got)
+            scheduled.append(item)
+            budget -= item.num_new_tokens
+            rows_left -= item.num_rows
+            i += 1
+
+        seats = self.num_seats_running
+        while self.waiting and not preempted and budget > 0 and rows_left > 0:
+            seq = self.waiting[0]
+            if seats + seq.num_seats > cfg.max_num_seqs:
+                break
+            hits = [] if seq.wants_prompt_logprobs else self.bm.lookup_prefix(seq)
+            start = len(hits) * self.bm.page_size
+            item = self._plan(seq, start, budget, rows_left)
+            if item is None:
+                break
+            got = self.bm.allocate(seq, item.num_new_tokens, hits)
+            if got is None:
+                if not self.running and self.bm.num_free_blocks == self.bm.num_pages:
+                    # Even an empty pool cannot hold this chunk: it can never run.
+                    self.waiting.popleft()
+                    self.bm.free_seq(seq)
+                    errored.append(seq)
+                    continue
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = start
+            if seq.request.metrics.first_scheduled_time is None:
+                seq.num_cached_tokens = start
+            self.prefix_queried_tokens += seq.num_tokens
+            self.prefix_hit_tokens += start
+            copies.extend(got)
+            scheduled.append(item)
+            seats += seq.num_seats
+            budget -= item.num_new_tokens
+            rows_left -= item.num_rows
+
+        return SchedulerOutput(scheduled, copies, cfg.max_num_batched_tokens - budget, preempted, errored)
+
+    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[tuple[Sequence, int, int]]:
+        """Advances every scheduled sequence past the step it just ran.
+
+        `sampled` holds the drawn tokens in row order: scheduled sequences in
+        order, each contributing one token per entry of its `sample_indices`.
+        Appends the token to each sequence that completed, forks `n > 1`
+        prompts into their samples, and registers newly full blocks in the
+        prefix cache. Returns (sequence, token, row) for every sequence that
+        received a token, forked children included.
+        """
+        new_tokens = []
+        row = 0
+        for item in out.scheduled:
+            seq = item.seq
+            first_row = row
+            row += len(item.sample_indices)
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # finished (aborted) while the step ran
+            seq.num_computed_tokens = item.start + item.num_new_tokens
+            self.bm.register_full_blocks(seq)
+            if not item.sample_indices:
+                continue
+            if seq.num_seats > 1:
+                seq.num_seats = 1
+                pos = self.running.index(seq) + 1
+                children = []
+                for j, k in enumerate(item.sample_indices[1:], start=1):
+                    child = seq.fork(k)
+                    self.bm.fork(seq, child)
+                    tok = sampled[first_row + j]
+                    child.token_ids.append(tok)
+                    children.append(child)
+                    new_tokens.append((child, tok, first_row + j))
+                seq.request.seqs.extend(children)
+                self.running[pos:pos] = children
+            tok = sampled[first_row]
+            seq.token_ids.append(tok)
+            new_tokens.append((seq, tok, first_row))
+        return new_tokens
