@@ -107,10 +107,18 @@ def pack_batch(chunks, *, page_size: int, num_pages: int, num_tokens: int, max_s
         n = len(ids)
         if len(table) > pages_per_seq:
             raise ValueError(f"block table of {len(table)} pages exceeds pages_per_seq={pages_per_seq}")
+        table = np.asarray(table, np.int32)
+        # Broken chunks would otherwise index out of bounds or silently write nowhere.
+        if n == 0 or start < 0:
+            raise ValueError(f"chunk {i}: needs at least one token and start >= 0 (got {n} tokens at {start})")
+        if start + n > len(table) * page_size:
+            raise ValueError(f"chunk {i}: position {start + n - 1} is beyond its {len(table)} pages of {page_size}")
+        used = table[:(start + n + page_size - 1) // page_size]
+        if used.min() < 0 or used.max() >= num_pages:
+            raise ValueError(f"chunk {i}: block table {table.tolist()} has page ids outside [0, {num_pages})")
         pos = np.arange(start, start + n, dtype=np.int32)
         tokens[t:t + n] = ids
         positions[t:t + n] = pos
-        table = np.asarray(table, np.int32)
         slots[t:t + n] = table[pos // page_size] * page_size + pos % page_size
         tables[i, :len(table)] = table
         kv_lens[i] = start + n
