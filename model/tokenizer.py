@@ -56,8 +56,11 @@ class HFTokenizer:
 
         self._tok = Tokenizer.from_file(os.path.join(directory, "tokenizer.json"))
         conf_path = os.path.join(directory, "tokenizer_config.json")
-        conf = json.load(open(conf_path)) if os.path.exists(conf_path) else {}
-        self.chat_template = conf.get("chat_template")
+        conf = {}
+        if os.path.exists(conf_path):
+            with open(conf_path) as f:
+                conf = json.load(f)
+        self.chat_template = _chat_template(directory, conf)
         self.vocab_size = self._tok.get_vocab_size()
         self._bos = self._token_id(conf.get("bos_token"))
         eos = self._token_id(conf.get("eos_token"))
@@ -86,6 +89,20 @@ class HFTokenizer:
 
     def token_text(self, token_id: int) -> str:
         return self._tok.id_to_token(int(token_id)) or f"<{token_id}>"
+
+
+def _chat_template(directory: str, conf: dict):
+    """The template from tokenizer_config.json, else from chat_template.jinja (newer transformers
+    write it there); a list of named templates yields the "default" one."""
+    template = conf.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    path = os.path.join(directory, "chat_template.jinja")
+    if template is None and os.path.exists(path):
+        with open(path) as f:
+            template = f.read()
+    return template
 
 
 def _token_str(token):
