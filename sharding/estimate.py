@@ -22,6 +22,8 @@ Model of a step (stated once, used throughout):
     embedding, the last stage the final norm and lm_head (the embedding again
     when tied). With p stages and m microbatches a step lasts (m + p - 1) stage
     slots of the slowest stage; the idle fraction is (p - 1) / (m + p - 1).
+    Decode bytes / FLOPs / times are one device's share of one such slot;
+    prefill sums its stages (one prompt passes through them in turn).
 """
 
 from __future__ import annotations
@@ -201,14 +203,15 @@ def plan(inp: PlanInputs) -> dict:
     p_int = pre[0][4] / pre[0][5]
 
     def comm_table(tokens, repeats=1):
-        """TP all-reduces of a step whose every microbatch carries `tokens` tokens."""
+        """TP all-reduces one GPU of the busiest stage (stage 0: most layers, and the embedding)
+        takes part in during a step of `repeats` microbatches of `tokens` tokens."""
         out = {}
         for link in ("nvlink", "pcie"):
             if link == "nvlink" and gpu.nvlink_bandwidth is None:
                 out[link] = None
                 continue
             bw, lat = gpu.link(link)
-            n = (2 * cfg.num_layers + 1) * repeats if tp > 1 else 0
+            n = (2 * len(stages[0]) + 1) * repeats if tp > 1 else 0
             traffic = 2 * (tp - 1) / tp * tokens * hidden_bytes if tp > 1 else 0.0
             out[link] = {"bytes_per_gpu": n * traffic, "wire_time_s": n * traffic / bw,
                          "latency_floor_s": n * lat, "time_s": n * (traffic / bw + lat)}
