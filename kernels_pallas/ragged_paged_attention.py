@@ -82,6 +82,7 @@ below 2**31 elements (Triton computes offsets in int32).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -96,30 +97,54 @@ from kernels_pallas.reference import token_sequence_ids
 NUM_SMS = 132  # H100/H200; only steers the split-K default.
 MIN_TOKENS_PER_SPLIT = 512
 MAX_SPLITS = 16
-_META_FIELDS = 5  # seq, first row, valid rows, KV position of first token, KV end
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _default_rows(num_tokens: int, max_seqs: int, group_pad: int) -> int:
-    """Rows (tokens x padded group) per query tile: small for decode-heavy shapes."""
-    rows = 16 if num_tokens <= max_seqs else 64
-    return max(rows, group_pad)
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """The static tiling of one call: rows per query tile, KV tokens per step, KV splits, grid items."""
+
+    rows: int
+    block_kv: int
+    num_kv_splits: int
+    num_items: int
+    group_pad: int
+
+    @property
+    def block_q(self) -> int:
+        return self.rows // self.group_pad
 
 
-def _default_splits(num_items: int, num_kv_heads: int, max_kv_len: int) -> int:
-    programs = num_items * num_kv_heads
+def kernel_config(num_tokens: int, max_seqs: int, pages_per_seq: int, page_size: int, num_q_heads: int,
+                  num_kv_heads: int, dtype, *, rows: int | None = None, block_kv: int | None = None,
+                  num_kv_splits: int | None = None) -> KernelConfig:
+    """Fills in the tuning knobs left as None from the static shapes of a call."""
+    group_pad = _next_pow2(num_q_heads // num_kv_heads)
+    if rows is None:
+        # Decode-heavy buckets (no more tokens than sequences) get short tiles.
+        rows = max(16 if num_tokens <= max_seqs else 64, group_pad)
+    if rows < 16 or rows & (rows - 1) or rows % group_pad:
+        raise ValueError(f"rows={rows} must be a power of two >= 16 and >= the padded group {group_pad}")
+    if block_kv is None:
+        block_kv = 32 if jnp.dtype(dtype) == jnp.float32 else 64
+    if block_kv < 16 or block_kv & (block_kv - 1):
+        raise ValueError(f"block_kv={block_kv} must be a power of two >= 16")
+    block_q = rows // group_pad
+    num_items = max(1, min(num_tokens, (num_tokens + max_seqs * (block_q - 1)) // block_q))
+    if num_kv_splits is None:
+        num_kv_splits = _default_splits(num_items * num_kv_heads, pages_per_seq * page_size)
+    return KernelConfig(rows, block_kv, num_kv_splits, num_items, group_pad)
+
+
+def _default_splits(programs: int, max_kv_len: int) -> int:
     if programs >= 2 * NUM_SMS:
         return 1
     want = -(-2 * NUM_SMS // programs)
     cap = max(1, max_kv_len // MIN_TOKENS_PER_SPLIT)
     return max(1, min(want, cap, MAX_SPLITS))
-
-
-def _num_items(num_tokens: int, max_seqs: int, block_q: int) -> int:
-    return max(1, min(num_tokens, (num_tokens + max_seqs * (block_q - 1)) // block_q))
 
 
 def _item_metadata(cu_q_lens, kv_lens, num_seqs, *, num_items, block_q, group_pad, max_kv_len):
@@ -239,23 +264,17 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     max_seqs, pages_per_seq = block_tables.shape
     group = num_q_heads // num_kv_heads
-    group_pad = _next_pow2(group)
     exact = jnp.dtype(k_pages.dtype) == jnp.float32
-    rows = rows or _default_rows(num_tokens, max_seqs, group_pad)
-    if rows < 16 or rows & (rows - 1) or rows % group_pad:
-        raise ValueError(f"rows={rows} must be a power of two >= 16 and >= the padded group {group_pad}")
-    block_q = rows // group_pad
-    block_kv = block_kv or (32 if exact else 64)
-    max_kv_len = pages_per_seq * page_size
-    num_items = _num_items(num_tokens, max_seqs, block_q)
-    splits = num_kv_splits or _default_splits(num_items, num_kv_heads, max_kv_len)
+    cfg = kernel_config(num_tokens, max_seqs, pages_per_seq, page_size, num_q_heads, num_kv_heads, k_pages.dtype,
+                        rows=rows, block_kv=block_kv, num_kv_splits=num_kv_splits)
+    group_pad, splits, max_kv_len = cfg.group_pad, cfg.num_kv_splits, pages_per_seq * page_size
     if sm_scale is None:
         sm_scale = head_dim**-0.5
 
     cu_q_lens = cu_q_lens.astype(jnp.int32)
     kv_lens = kv_lens.astype(jnp.int32)
-    meta = _item_metadata(cu_q_lens, kv_lens, jnp.asarray(num_seqs, jnp.int32), num_items=num_items,
-                          block_q=block_q, group_pad=group_pad, max_kv_len=max_kv_len)
+    meta = _item_metadata(cu_q_lens, kv_lens, jnp.asarray(num_seqs, jnp.int32), num_items=cfg.num_items,
+                          block_q=cfg.block_q, group_pad=group_pad, max_kv_len=max_kv_len)
     # [T, Hq, D] -> [Hkv, T * group_pad, D]: one tile row per (token, query head of the group).
     qg = q.astype(k_pages.dtype).reshape(num_tokens, num_kv_heads, group, head_dim)
     if group_pad != group:
@@ -268,13 +287,13 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     if splits > 1:
         out_shape.append(jax.ShapeDtypeStruct(part_rows, jnp.float32))
     kernel = functools.partial(
-        _attention_kernel, rows=rows, group_pad=group_pad, block_kv=block_kv, page_size=page_size,
+        _attention_kernel, rows=cfg.rows, group_pad=group_pad, block_kv=cfg.block_kv, page_size=page_size,
         num_pages=num_pages, pages_per_seq=pages_per_seq, num_splits=splits,
         scale_log2=float(sm_scale) * math.log2(math.e), exact=bool(exact))
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(num_items, num_kv_heads, splits),
+        grid=(cfg.num_items, num_kv_heads, splits),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention",

@@ -1,7 +1,9 @@
 """The Pallas kernels lower for the `cuda` platform, checked on a CPU-only machine.
 
 `jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))` runs the whole
-Pallas -> Triton lowering (compute capability 9.0 when no GPU is present).
+Pallas -> Triton lowering. It targets an abstract H200 (compute capability
+9.0): jax 0.10 falls back to 9.0 without a GPU anyway, while jax 0.11 asks the
+abstract mesh's device for the GPU kind and refuses to lower without one.
 On top of that we parse the Triton module carried by the custom call, run the
 MLIR verifier on it and check its shape: two `tt.dot`s (Q K^T and P V), the
 KV loop as an `scf.for` (Triton only software-pipelines `scf.for`, a
@@ -27,7 +29,10 @@ from jax._src.lib.triton import dialect as tt_dialect
 from kernels_pallas.kv_cache_write import write_kv
 from kernels_pallas.ragged_paged_attention import ragged_paged_attention
 
-TRITON_TARGET = "__gpu$xla.gpu.triton"
+from jax.experimental.pallas import triton as pltriton
+
+TRITON_TARGET = getattr(pltriton, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
+H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=None)
 sds = jax.ShapeDtypeStruct
 
 
@@ -44,7 +49,9 @@ def _custom_calls(op, found):
 
 def lower_for_cuda(fn, *args, donate_argnums=()):
     """Lowers `fn` for cuda; returns (stablehlo text, [verified Triton module text per kernel])."""
-    lowered = jax.jit(fn, donate_argnums=donate_argnums).trace(*args).lower(lowering_platforms=("cuda",))
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=H200)):
+        traced = jax.jit(fn, donate_argnums=donate_argnums).trace(*args)
+        lowered = traced.lower(lowering_platforms=("cuda",))
     kernels = []
     for op in _custom_calls(lowered.compiler_ir("stablehlo").operation, []):
         if ir.StringAttr(op.attributes["call_target_name"]).value != TRITON_TARGET:

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One prepared check for a lent NVIDIA GPU (sized for an H200, < 8 minutes end to end):
+# device copy bandwidth and bf16 matmul rate, Pallas kernel parity with the references,
+# then achieved bandwidth of the attention kernel vs the XLA-compiled reference for
+# decode and mixed batches (Llama-3-8B attention shapes). See benchmarks/kernel_bench.py.
+#
+#   bash benchmarks/gpu_check.sh [OUT_DIR]          # default: $OUT, else benchmarks/results
+#   bash benchmarks/gpu_check.sh --smoke [OUT_DIR]  # CPU: tiny shapes, interpret-mode kernels
+#
+# Writes OUT_DIR/kernel_bench.json and OUT_DIR/kernel_bench.log. Exit status: 0 when every
+# parity check passed, 1 when one failed, 2 when no GPU-enabled jax was found.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+SMOKE=()
+if [ "${1:-}" = "--smoke" ]; then
+  SMOKE=(--smoke)
+  shift
+fi
+OUT_DIR="${1:-${OUT:-benchmarks/results}}"
+mkdir -p "$OUT_DIR"
+
+# The first interpreter whose jax sees a GPU (a carried CPU-only venv is skipped).
+PY="${PYTHON:-}"
+if [ -z "$PY" ] && [ ${#SMOKE[@]} -gt 0 ]; then
+  PY=python3
+  [ -x .venv/bin/python ] && PY=.venv/bin/python
+fi
+if [ -z "$PY" ]; then
+  for cand in .venv/bin/python python3 python; do
+    if command -v "$cand" >/dev/null 2>&1 &&
+       "$cand" -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")' >/dev/null 2>&1; then
+      PY="$cand"
+      break
+    fi
+  done
+fi
+if [ -z "$PY" ]; then
+  echo "gpu_check: no python with a GPU-enabled jax (pip install -e '.[cuda12]')" >&2
+  exit 2
+fi
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv 2>/dev/null || true
+"$PY" -c 'import jax, jaxlib; print("jax", jax.__version__, "jaxlib", jaxlib.__version__, jax.devices())'
+
+# Leave the allocator room for the reference's gathers at the largest case (~8 GB of K/V).
+export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+# The script stops starting cases after --budget-s; the timeout is the hard stop.
+timeout 450 "$PY" -u benchmarks/kernel_bench.py "${SMOKE[@]}" --out "$OUT_DIR" --budget-s 360 2>&1 |
+  tee "$OUT_DIR/kernel_bench${SMOKE:+_smoke}.log"
+status=${PIPESTATUS[0]}
+if [ "$status" = 124 ]; then
+  echo "gpu_check: hit the 450 s timeout; partial results in the log under $OUT_DIR" >&2
+fi
+exit "$status"
