@@ -326,8 +326,8 @@ def print_table(title: str, rows: list[dict]) -> None:
             print(f"{r['case']:<34}  {r.get('error') or r.get('skipped')}"[:160])
             continue
         unsplit = r.get("kernel_unsplit_frac_copy", float("nan"))
-        print(f"{r['case']:<34}{r['kernel_us']:>10.1f}{r['ref_us']:>10.1f}{r["kernel_GBps"]:>11.1f}"
-              f"{r["ref_GBps"]:>10.1f}{r['kernel_frac_copy']:>10.2f}{unsplit:>9.2f}{r['speedup_vs_ref']:>9.2f}"
+        print(f"{r['case']:<34}{r['kernel_us']:>10.1f}{r['ref_us']:>10.1f}{r['kernel_GBps']:>11.1f}"
+              f"{r['ref_GBps']:>10.1f}{r['kernel_frac_copy']:>10.2f}{unsplit:>9.2f}{r['speedup_vs_ref']:>9.2f}"
               f"{r['kernel_max_err']:>9.1e}")
 
 
