@@ -92,8 +92,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kernels_pallas.reference import token_sequence_ids
-
 NUM_SMS = 132  # H100/H200; only steers the split-K default.
 MIN_TOKENS_PER_SPLIT = 512
 MAX_SPLITS = 16
@@ -155,7 +153,9 @@ def _item_metadata(cu_q_lens, kv_lens, num_seqs, *, num_items, block_q, group_pa
     blocks = (q_lens + block_q - 1) // block_q
     cu_blocks = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(blocks, dtype=jnp.int32)])
     items = jnp.arange(num_items, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu_blocks, items, side="right").astype(jnp.int32) - 1, 0, num_slots - 1)
+    # compare_all: one small fusion; the default binary search is a loop of tiny kernels on GPU.
+    seq = jnp.searchsorted(cu_blocks, items, side="right", method="compare_all").astype(jnp.int32) - 1
+    seq = jnp.clip(seq, 0, num_slots - 1)
     live = items < cu_blocks[-1]
     j = items - cu_blocks[seq]
     tokens = jnp.where(live, jnp.clip(q_lens[seq] - j * block_q, 0, block_q), 0)
@@ -302,6 +302,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     out = outs[0][0] if splits == 1 else _merge_splits(outs[0], outs[1])
     out = out.reshape(num_kv_heads, num_tokens, group_pad, head_dim)[:, :, :group]
     out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
-    # Rows of no live sequence were never written: the contract says zeros.
-    _, live = token_sequence_ids(cu_q_lens, jnp.asarray(num_seqs, jnp.int32), num_tokens)
+    # Rows of no live sequence were never written: the contract says zeros. Live
+    # sequences own a prefix of the rows (cu_q_lens is non-decreasing).
+    live = jnp.arange(num_tokens, dtype=jnp.int32) < cu_q_lens[jnp.asarray(num_seqs, jnp.int32)]
     return jnp.where(live[:, None, None], out, jnp.zeros((), q.dtype))
