@@ -10,7 +10,8 @@ Measures, in one process on one device:
      heads, 8 KV heads, head_dim 128, bf16, page 16), for the kernel (default
      split-K heuristic, and unsplit when that differs) and the reference
      compiled by XLA on the same device;
-  4. a small sweep of kernel tuning knobs at batch 64 / 4K context.
+  4. a small sweep of kernel tuning knobs at batch 64 / 4K context (KV splits x
+     KV block, then Triton stages / warps and query-tile rows one at a time).
 
 Achieved bandwidth counts the bytes an ideal kernel must move: every live
 sequence's K and V once, plus q read and the output written; reported in GB/s
@@ -81,6 +82,7 @@ def gpu_plan() -> Plan:
         "1x2048-prefill@2K": [(2048, 2048)],
     }
     sweep = tuple(dict(num_kv_splits=s, block_kv=b) for s in (1, 2, 4) for b in (32, 64, 128))
+    sweep += (dict(num_stages=3), dict(num_warps=8), dict(rows=64))
     return Plan(Shape(), (1, 8, 64, 256), (1024, 4096, 16384, 32768), mixed, max_kv_tokens=2**21,
                 copy_bytes=2**31, matmul_n=8192, iters=20, sweep=sweep, kernel_backend="pallas")
 

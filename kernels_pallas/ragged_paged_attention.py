@@ -9,8 +9,7 @@ Lowering: Triton (`jax.experimental.pallas.triton.CompilerParams`), not Mosaic G
 --------------------------------------------------------------------------------
 Mosaic GPU is Pallas' default GPU backend and Triton is deprecated (JAX 0.11
 warns when it lowers a Triton kernel), so Mosaic GPU is where this kernel must
-end up. We checked what a Mosaic GPU version needs under the pinned jax
-(0.10.2) before choosing:
+end up. What a Mosaic GPU version meets under the pinned jax (0.10.2):
 
 * The block-table gather itself is fine on Mosaic GPU: a `plgpu.kernel` that
   reads a page id from a GMEM block table with a dynamic index and TMA-copies
@@ -19,7 +18,7 @@ end up. We checked what a Mosaic GPU version needs under the pinned jax
   error, far from the fp32 contract of ~1e-5) and Mosaic GPU only allows
   transposed operands for 16-bit types, which P @ V with row-major pages needs.
 * It cannot be tested on CPU with any fidelity: the Mosaic GPU interpreter
-  (`InterpretGPUParams`, in 0.10.2 and still in 0.11.x) has no `run_state`
+  (`InterpretGPUParams`, in 0.10.2 and still in 0.11.1) has no `run_state`
   accumulators, no `layout_cast` and no transposed wgmma operands, which every
   flash-attention structure uses; the generic `interpret=True` path cannot run
   Mosaic GPU primitives at all. With no GPU in CI, an untestable kernel is a
@@ -74,7 +73,8 @@ Design
   default (`_default_splits`) is computed from static shapes only: enough
   programs for about two per SM, never splitting below 512 KV tokens per part.
   That this pays off, and where the crossover lies, is for
-  `benchmarks/kernel_bench.py` to measure (it runs both settings).
+  `benchmarks/kernel_bench.py` to measure: it times every small-batch case
+  with and without splits and sweeps the split count at batch 64.
 
 Limits (clear errors): head_dim a power of two >= 16; each K/V page array
 below 2**31 elements (Triton computes offsets in int32).
