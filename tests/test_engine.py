@@ -1,0 +1,250 @@
+"""The engine on a real (tiny, random-weight) model: equivalence is the test.
+
+Greedy output of every request must be identical whether it runs alone or
+batched with others arriving at random steps, under chunked prefill at
+several budgets, with preemption, and from a warm prefix cache. All engines
+here share one model, page size, pool and bucket set, so the jitted step
+compiles once per bucket for the whole module.
+"""
+
+import random
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from model.cache import pack_batch
+from model.forward import forward_jit
+from model.params import init_params
+from serving import LLM, SamplingParams
+from serving.model_runner import compilation_count
+
+CFG = tiny_config()  # vocab 97, 2 layers, hidden 64, EOS 2
+PAGE = 8
+MAX_LEN = 64
+NUM_PAGES = 64
+COMMON = dict(page_size=PAGE, max_model_len=MAX_LEN, num_pages=NUM_PAGES, min_token_bucket=8,
+              attention_backend="reference")
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(CFG, jax.random.key(42))
+
+
+def make_llm(params, budget=32, max_num_seqs=16, caching=True, **kw):
+    return LLM(config=CFG, params=params, max_num_seqs=min(max_num_seqs, budget), max_num_batched_tokens=budget,
+               enable_prefix_caching=caching, **{**COMMON, **kw})
+
+
+def workload(n, seed, min_prompt=1, max_prompt=40, max_out=24):
+    rng = random.Random(seed)
+    jobs = []
+    for i in range(n):
+        plen = rng.randint(min_prompt, max_prompt)
+        prompt = [1] + [rng.randrange(3, CFG.vocab_size) for _ in range(plen - 1)]
+        sp = SamplingParams(temperature=0.0, max_tokens=rng.randint(1, min(max_out, MAX_LEN - plen)),
+                            ignore_eos=rng.random() < 0.5)
+        jobs.append((f"q{i}", prompt, sp))
+    return jobs
+
+
+def run_with_arrivals(llm, jobs, seed, spread=30):
+    """Adds each job at a random step; returns {request_id: [token ids of each sample]}."""
+    rng = random.Random(seed)
+    arrivals = {}
+    for job in jobs:
+        arrivals.setdefault(rng.randint(0, spread), []).append(job)
+    engine = llm.engine
+    done, step = {}, 0
+    while len(done) < len(jobs):
+        for rid, prompt, sp in arrivals.get(step, []):
+            engine.add_request(rid, prompt, sp)
+        for out in engine.step():
+            done[out.request_id] = [c.token_ids for c in out.outputs]
+        step += 1
+        assert step < 20_000
+    assert engine.stats().kv_pages_used == 0
+    return done
+
+
+@pytest.fixture(scope="module")
+def alone(params):
+    """Every job of the module's workloads, each run by itself (no batching, no prefix cache)."""
+    llm = make_llm(params, caching=False)
+    cache = {}
+
+    def get(job):
+        rid, prompt, sp = job
+        key = (tuple(prompt), sp.max_tokens, sp.ignore_eos, sp.temperature, sp.seed, sp.n)
+        if key not in cache:
+            out = llm.generate([prompt], sp)[0]
+            cache[key] = [c.token_ids for c in out.outputs]
+        return cache[key]
+
+    return get
+
+
+def test_greedy_batched_with_random_arrivals_equals_alone(params, alone):
+    jobs = workload(50, seed=0)
+    llm = make_llm(params)
+    got = run_with_arrivals(llm, jobs, seed=1)
+    assert sum(len(t[0]) for t in got.values()) > 200  # a real amount of decoding happened
+    mismatched = [rid for rid, prompt, sp in jobs if got[rid] != alone((rid, prompt, sp))]
+    assert not mismatched
+    # The batch really was a batch: many sequences shared steps.
+    steps = llm.engine.stats_log.drain()
+    assert max(s.num_seqs for s in steps) >= 8
+
+
+@pytest.mark.parametrize("budget", [8, 16])
+def test_chunked_prefill_at_small_budgets_equals_alone(params, alone, budget):
+    jobs = workload(16, seed=2, min_prompt=20, max_prompt=44, max_out=12)
+    llm = make_llm(params, budget=budget)
+    got = run_with_arrivals(llm, jobs, seed=3, spread=10)
+    steps = llm.engine.stats_log.drain()
+    assert max(s.num_tokens for s in steps) <= budget
+    assert all(got[rid] == alone((rid, p, sp)) for rid, p, sp in jobs)
+
+
+def test_preemption_under_a_small_pool_equals_alone(params, alone):
+    # 16 sequences of ~60 tokens want ~120 pages of 8; the pool has 64.
+    jobs = [(rid, p, sp.clone(ignore_eos=True, max_tokens=MAX_LEN - len(p)))
+            for rid, p, sp in workload(24, seed=4, min_prompt=24, max_prompt=36)]
+    llm = make_llm(params)
+    got = run_with_arrivals(llm, jobs, seed=5, spread=4)
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0
+    assert all(got[rid] == alone((rid, p, sp)) for rid, p, sp in jobs)
+    assert stats.kv_pages_used == 0
+
+
+def test_prefix_cache_warm_equals_cold(params, alone):
+    rng = random.Random(6)
+    system = [1] + [rng.randrange(3, 97) for _ in range(27)]  # 3.5 pages shared by every prompt
+    jobs = [(f"p{i}", system + [rng.randrange(3, 97) for _ in range(rng.randint(1, 10))],
+             SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)) for i in range(12)]
+    llm = make_llm(params)
+    cold = {rid: [c.token_ids for c in o.outputs]
+            for (rid, _, _), o in zip(jobs, llm.generate([p for _, p, _ in jobs[:1]], jobs[0][2]))}
+    before = llm.engine.stats()
+    warm = run_with_arrivals(llm, jobs, seed=7, spread=5)
+    after = llm.engine.stats()
+    hits = after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens
+    assert hits >= 11 * 3 * PAGE  # every later prompt reused the system prompt's 3 full pages
+    assert after.prefix_cache_queried_tokens > before.prefix_cache_queried_tokens
+    assert cold["p0"] == warm["p0"]
+    assert all(warm[rid] == alone((rid, p, sp)) for rid, p, sp in jobs)
+
+
+def test_seeded_sampling_same_alone_and_batched(params, alone):
+    rng = random.Random(8)
+    sampled = [(f"s{i}", [1] + [rng.randrange(3, 97) for _ in range(rng.randint(2, 30))],
+                SamplingParams(temperature=0.9, top_k=rng.choice([0, 20]), top_p=rng.choice([1.0, 0.8]),
+                               min_p=rng.choice([0.0, 0.05]), seed=1000 + i, max_tokens=16, ignore_eos=True))
+               for i in range(10)]
+    jobs = sampled + workload(20, seed=9)
+    llm = make_llm(params)
+    got = run_with_arrivals(llm, jobs, seed=10, spread=12)
+    assert all(got[rid] == alone((rid, p, sp)) for rid, p, sp in jobs)
+    # Different seeds really draw differently.
+    assert len({tuple(got[rid][0]) for rid, _, _ in sampled}) == len(sampled)
+
+
+def test_n_samples_share_the_prompt_pages_copy_on_write(params, alone):
+    llm = make_llm(params)
+    copies = []
+    runner = llm.engine.runner
+    original = runner.copy_pages
+    runner.copy_pages = lambda c: (copies.extend(c), original(c))
+    prompt = [1] + list(range(10, 30))  # 21 tokens: the last page is shared and partly full
+    greedy = llm.generate([prompt], SamplingParams(temperature=0.0, n=3, max_tokens=20, ignore_eos=True))[0]
+    single = alone(("x", prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)))[0]
+    assert [c.token_ids for c in greedy.outputs] == [single] * 3
+    assert copies  # the samples wrote into copies of the shared page
+    sp = SamplingParams(temperature=1.0, n=3, seed=77, max_tokens=20, ignore_eos=True)
+    multi = llm.generate([prompt], sp)[0]
+    one = llm.generate([prompt], sp.clone(n=1))[0]
+    assert multi.outputs[0].token_ids == one.outputs[0].token_ids
+    assert len({tuple(c.token_ids) for c in multi.outputs}) == 3
+    assert llm.engine.stats().kv_pages_used == 0
+
+
+def reference_logprobs(params, tokens):
+    """log_softmax of the logits at every position of `tokens`, from one plain forward pass."""
+    from model.cache import init_cache
+
+    n = len(tokens)
+    pages = -(-n // PAGE)
+    toks, md = pack_batch([(tokens, 0, list(range(pages)))], page_size=PAGE, num_pages=pages, num_tokens=n,
+                          max_seqs=1, pages_per_seq=pages, all_logits=True)
+    logits, _ = forward_jit(params, init_cache(CFG, pages, PAGE), toks, md, cfg=CFG, backend="reference")
+    return np.asarray(jax.nn.log_softmax(logits, -1))
+
+
+def test_logprobs_and_prompt_logprobs_match_a_plain_forward(params):
+    llm = make_llm(params, budget=16)  # the 30-token prompt is prefilled in two chunks
+    prompt = [1] + list(range(40, 69))
+    sp = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+    out = llm.generate([prompt], sp)[0]
+    c = out.outputs[0]
+    ref = reference_logprobs(params, prompt + c.token_ids)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for p in range(1, len(prompt)):
+        entry = out.prompt_logprobs[p]
+        tok = prompt[p]
+        assert entry[tok].logprob == pytest.approx(ref[p - 1, tok], abs=1e-4)
+        assert entry[tok].rank == 1 + int(np.sum(ref[p - 1] > ref[p - 1, tok]))
+        assert len(entry) <= 3
+    assert len(c.logprobs) == len(c.token_ids) == 6
+    for j, (tok, entry) in enumerate(zip(c.token_ids, c.logprobs)):
+        row = ref[len(prompt) - 1 + j]
+        assert entry[tok].rank == 1 and entry[tok].logprob == pytest.approx(row.max(), abs=1e-4)
+        top = sorted(entry.values(), key=lambda l: l.rank)
+        np.testing.assert_allclose([l.logprob for l in top], np.sort(row)[::-1][:3], atol=1e-4)
+    assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)))
+
+
+def test_stop_token_ids_and_abort_free_everything(params):
+    llm = make_llm(params)
+    prompt = [1, 5, 6, 7]
+    free_run = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+    stop_tok = free_run.outputs[0].token_ids[4]
+    first = free_run.outputs[0].token_ids.index(stop_tok)
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                stop_token_ids=[stop_tok]))[0].outputs[0]
+    assert out.token_ids == free_run.outputs[0].token_ids[:first + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_tok)
+    engine = llm.engine
+    for i in range(6):
+        engine.add_request(f"a{i}", [1] + list(range(3, 30)), SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.stats().kv_pages_used > 0
+    engine.abort_request([f"a{i}" for i in range(6)])
+    s = engine.stats()
+    assert (s.num_running, s.num_waiting, s.kv_pages_used) == (0, 0, 0)
+    assert s.finished_by_reason["abort"] == 6 and not engine.has_unfinished_requests()
+
+
+def test_no_recompilation_after_warm_up(params):
+    events = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: events.append(name) if "backend_compile" in name else None)
+    llm = make_llm(params, warmup=True)
+    assert llm.warmup_info["shapes"] > 0
+    compiled, seen = compilation_count(), len(events)
+    rng = random.Random(11)
+    mix = []
+    for i in range(40):  # greedy, sampled, filtered, logprobs, n > 1, long chunked prompts, stops
+        plen = rng.randint(1, 50)
+        prompt = [1] + [rng.randrange(3, 97) for _ in range(plen - 1)]
+        mix.append((f"m{i}", prompt, SamplingParams(
+            temperature=rng.choice([0.0, 0.7]), top_k=rng.choice([0, 5]), top_p=rng.choice([1.0, 0.9]),
+            n=rng.choice([1, 1, 2]), seed=i, logprobs=rng.choice([None, 2]),
+            prompt_logprobs=rng.choice([None, None, 1]), stop_token_ids=[rng.randrange(3, 97)],
+            max_tokens=rng.randint(1, MAX_LEN - plen))))
+    run_with_arrivals(llm, mix, seed=12, spread=20)
+    assert compilation_count() == compiled
+    assert len(events) == seen, "a backend compile happened after warm-up"
