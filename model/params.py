@@ -15,6 +15,7 @@ program a stacked scan would run on GPU.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable
 
@@ -110,15 +111,23 @@ class Weights:
 
 def init_params(cfg: LlamaConfig, key: jax.Array, shardings=None) -> Weights:
     """Random weights from the declarations (jit-compiled, optionally straight into shardings)."""
+    sharding_leaves = None if shardings is None else tuple(jax.tree.leaves(shardings))
+    return _init_fn(cfg, sharding_leaves)(key)
+
+
+@functools.lru_cache(maxsize=16)
+def _init_fn(cfg: LlamaConfig, sharding_leaves):
+    # Cached per (config, shardings) so repeated initialisation compiles once.
     decl = Weights.declare(cfg)
     leaves, treedef = jax.tree_util.tree_flatten(decl, is_leaf=is_array_info)
-    keys = jax.random.split(key, len(leaves))
+    out_shardings = None if sharding_leaves is None else jax.tree_util.tree_unflatten(treedef, sharding_leaves)
 
-    def build(keys):
+    def build(key):
+        keys = jax.random.split(key, len(leaves))
         arrays = [info.initializer(k, info.shape, info.dtype) for info, k in zip(leaves, keys)]
         return jax.tree_util.tree_unflatten(treedef, arrays)
 
-    return jax.jit(build, out_shardings=shardings)(keys)
+    return jax.jit(build, out_shardings=out_shardings)
 
 
 def abstract_params(cfg: LlamaConfig, shardings=None) -> Weights:

@@ -177,14 +177,19 @@ def train(cfg: LlamaConfig, out_dir: str, steps: int, batch_size: int, seq_len: 
 
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("config", "tiny", "Model shape: a name under configs/ or a JSON path.")
-flags.DEFINE_string("out_dir", "model/default", "Where to write the checkpoint.")
-flags.DEFINE_integer("steps", 1500, "Optimizer steps.")
-flags.DEFINE_integer("batch_size", 16, "Windows per step.")
-flags.DEFINE_integer("seq_len", 256, "Tokens per window.")
-flags.DEFINE_float("lr", 3e-3, "Peak learning rate.")
-flags.DEFINE_integer("seed", 0, "Initialisation and shuffling seed.")
-flags.DEFINE_float("time_budget_s", 0.0, "Stop early after this many seconds (0: no limit).")
+
+
+def define_flags():
+    """Flags are defined only when run as a program, so importing this module
+    (the tests do) never clashes with another absl program's flags."""
+    flags.DEFINE_string("config", "tiny", "Model shape: a name under configs/ or a JSON path.")
+    flags.DEFINE_string("out_dir", "model/default", "Where to write the checkpoint.")
+    flags.DEFINE_integer("steps", 1500, "Optimizer steps.")
+    flags.DEFINE_integer("batch_size", 16, "Windows per step.")
+    flags.DEFINE_integer("seq_len", 256, "Tokens per window.")
+    flags.DEFINE_float("lr", 3e-3, "Peak learning rate.")
+    flags.DEFINE_integer("seed", 0, "Initialisation and shuffling seed.")
+    flags.DEFINE_float("time_budget_s", 0.0, "Stop early after this many seconds (0: no limit).")
 
 
 def main(argv):
@@ -196,4 +201,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
