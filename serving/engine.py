@@ -54,7 +54,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0
     kv_cache_memory_fraction: float = 0.9  # of device memory, on devices that report it
-    host_kv_cache_bytes: int = 512 * 2**20  # pool budget where the device reports no memory (CPU)
+    host_kv_cache_bytes: int = 256 * 2**20  # pool budget where the device reports no memory (CPU)
     min_token_bucket: int = 1
 
 
