@@ -80,11 +80,13 @@ def ragged_paged_attention_reference(
 
 def write_kv_reference(k_pages, v_pages, k_new, v_new, slot_mapping):
     """Scatters new tokens' K/V into their cache slots; out-of-range slots are dropped."""
-    num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
-    flat = (num_pages * page_size, num_kv_heads, head_dim)
+    page_size = k_pages.shape[1]
+    # Index (page, offset) rather than a flattened [slots, ...] view: XLA CPU
+    # copies the whole donated cache around a scatter into a reshaped view
+    # (every step, every layer), but updates the 4-D array in place.
+    page, offset = slot_mapping // page_size, slot_mapping % page_size
 
     def write(pages, new):
-        out = pages.reshape(flat).at[slot_mapping].set(new.astype(pages.dtype), mode="drop")
-        return out.reshape(pages.shape)
+        return pages.at[page, offset].set(new.astype(pages.dtype), mode="drop")
 
     return write(k_pages, k_new), write(v_pages, v_new)
