@@ -1,0 +1,514 @@
+"""The OpenAI-compatible HTTP API: a FastAPI app over an `AsyncEngine`.
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`,
+`GET /health`, `GET /metrics`.
+
+The app never runs model code: the engine loop lives in its own thread, and a
+handler only tokenizes, checks the request, submits it and awaits outputs, so
+a slow client or a burst of requests can only queue, never stall the engine.
+Every prompt of a request (and every one of its `n` samples, which the engine
+forks from one prompt) is one engine request; when the client goes away (a
+streaming connection closes, or a non-streaming one disconnects while it
+waits) every one of them is aborted, which frees its KV pages at once.
+
+Errors leave as OpenAI's envelope with HTTP 400 (`http_protocol.APIError`);
+the `param` of a bad sampling value is the request field the client wrote.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from serving import http_protocol as P
+from serving.chat_template import ChatTemplateError, encode_chat
+from serving.async_engine import EngineDeadError
+from serving.engine import ContextLengthError
+from serving.sampling_params import InvalidParameterError, SamplingParams
+
+log = logging.getLogger("ridgeline.http")
+
+_DISCONNECT_POLL_S = 0.25
+
+
+class ServingContext:
+    """What the routes need: the engine, the tokenizer, the name and the context window."""
+
+    def __init__(self, engine, tokenizer, model_name: str, max_model_len: int, metrics=None):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.metrics = metrics
+        self.vocab_size = getattr(tokenizer, "vocab_size", None)
+
+    # --- request checks --------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise P.APIError(f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                             param="model", code="model_not_found")
+
+    def completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+        """(text, token ids) of each prompt in a completions request."""
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            prompt = [prompt]
+        if not prompt:
+            raise P.APIError("prompt must not be empty", param="prompt", code="invalid_value")
+        out = []
+        for p in prompt:
+            if isinstance(p, str):
+                if not p:
+                    raise P.APIError("prompt must not be an empty string", param="prompt", code="invalid_value")
+                out.append((p, self.tokenizer.encode(p)))
+            else:
+                ids = list(p)
+                if not ids:
+                    raise P.APIError("a token-id prompt must not be empty", param="prompt", code="invalid_value")
+                bad = [t for t in ids if not 0 <= t < (self.vocab_size or 2**31)]
+                if bad:
+                    raise P.APIError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                                     param="prompt", code="invalid_value")
+                out.append((None, ids))
+        return out
+
+    def chat_prompt(self, req: P.ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            return encode_chat(messages, self.tokenizer, req.add_generation_prompt)
+        except ChatTemplateError as e:
+            raise P.APIError(str(e), param="messages", code="invalid_value") from e
+
+    def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None, prompt_field: str,
+                           max_tokens_field: str) -> int:
+        """The request's max_tokens, checked against the context window (both lengths in the message)."""
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise P.APIError(f"{max_tokens_field} must be an integer >= 1, got {max_tokens!r}",
+                             param=max_tokens_field, code="invalid_value")
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise P.APIError(
+                f"This model's maximum context length is {limit} tokens, but the prompt has {prompt_len} tokens, "
+                f"leaving no room for a completion.", param=prompt_field, code="context_length_exceeded")
+        if max_tokens is None:
+            return limit - prompt_len
+        if prompt_len + max_tokens > limit:
+            raise P.APIError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the completion "
+                f"via {max_tokens_field}). Please reduce the prompt or {max_tokens_field}.",
+                param=max_tokens_field, code="context_length_exceeded")
+        return max_tokens
+
+    def sampling_params(self, req: P._SamplingFields, kind: str, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None) -> SamplingParams:
+        defaults = SamplingParams()
+        params = SamplingParams(
+            n=req.n,
+            temperature=defaults.temperature if req.temperature is None else req.temperature,
+            top_p=defaults.top_p if req.top_p is None else req.top_p,
+            top_k=defaults.top_k if req.top_k is None else req.top_k,
+            min_p=defaults.min_p if req.min_p is None else req.min_p,
+            seed=req.seed,
+            stop=req.stop_list(),
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+        try:
+            return params.validate(self.vocab_size)
+        except InvalidParameterError as e:
+            raise self.api_error(e, kind) from e
+
+    @staticmethod
+    def api_error(e: InvalidParameterError, kind: str) -> P.APIError:
+        """The engine's parameter error, named as the client named the field."""
+        field = P.API_PARAM_NAMES[kind].get(e.param, e.param)
+        code = "context_length_exceeded" if isinstance(e, ContextLengthError) else "invalid_value"
+        return P.APIError(str(e).replace(e.param, field, 1), param=field, code=code)
+
+    # --- running requests ------------------------------------------------------------------
+
+    async def stream_outputs(self, prompts: list[list[int]], params: SamplingParams, base_id: str,
+                             kind: str) -> AsyncIterator[tuple[int, object]]:
+        """Cumulative RequestOutputs of every prompt, interleaved as they come: (prompt index, output).
+
+        Closing this iterator (the client went away) aborts every engine request still running.
+        """
+        queue: asyncio.Queue = asyncio.Queue()
+        ids = [f"{base_id}-{i}" for i in range(len(prompts))]
+        done = object()
+
+        async def pump(i: int):
+            try:
+                async for out in self.engine.generate(prompts[i], params, ids[i]):
+                    queue.put_nowait((i, out))
+            except InvalidParameterError as e:
+                queue.put_nowait((i, self.api_error(e, kind)))
+            except EngineDeadError as e:
+                queue.put_nowait((i, P.APIError(f"the engine has stopped: {e}", status=503, type="server_error",
+                                                code="engine_dead")))
+            except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+                queue.put_nowait((i, e))
+            finally:
+                queue.put_nowait((i, done))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(prompts))]
+        remaining = len(prompts)
+        try:
+            while remaining:
+                i, item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
+            for rid in ids:
+                self.engine.abort(rid)
+
+    async def final_outputs(self, request: Request, prompts, params, base_id, kind) -> list:
+        """The last output of every prompt; aborts them all if the client disconnects meanwhile."""
+        finals: list = [None] * len(prompts)
+
+        async def collect():
+            async for i, out in self.stream_outputs(prompts, params, base_id, kind):
+                finals[i] = out
+
+        await until_disconnect(request, collect())
+        return finals
+
+
+async def until_disconnect(request: Request, awaitable):
+    """Awaits `awaitable`, cancelling it (and raising ClientGone) if the client disconnects first."""
+    task = asyncio.ensure_future(awaitable)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise ClientGone()
+
+
+async def primed_stream(request: Request, agen):
+    """A StreamingResponse over `agen`, started only once its first event exists.
+
+    Errors the engine raises while accepting the request (a parameter it
+    rejects) thus still become an HTTP 400 instead of an in-band error after a
+    200; the first event is ready no later than the first token would have been
+    sent anyway.
+    """
+    try:
+        first = await until_disconnect(request, agen.__anext__())
+    except StopAsyncIteration:
+        first = None
+    except ClientGone:
+        await agen.aclose()
+        return Response(status_code=499)
+
+    async def chained():
+        try:
+            if first is not None:
+                yield first
+                async for event in agen:
+                    yield event
+        finally:
+            await agen.aclose()
+
+    return StreamingResponse(chained(), media_type="text/event-stream")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its non-streaming response was ready."""
+
+
+def _token_bytes(tokenizer, token_id: int, text: str) -> list[int]:
+    if type(tokenizer).__name__ == "ByteTokenizer" and 0 <= token_id < 256:
+        return [token_id]
+    return list(text.encode("utf-8"))
+
+
+def _token_str(tokenizer, token_id: int, lp) -> str:
+    return lp.decoded_token if getattr(lp, "decoded_token", None) is not None else tokenizer.token_text(token_id)
+
+
+def completion_logprobs(tokenizer, token_ids, logprobs, start_offset: int = 0,
+                        prompt: bool = False) -> P.CompletionLogprobs:
+    """OpenAI's legacy layout. Each entry of `logprobs` maps token id -> Logprob (None for the first prompt token)."""
+    out = P.CompletionLogprobs()
+    offset = start_offset
+    for tid, entry in zip(token_ids, logprobs):
+        lp = entry.get(tid) if entry else None
+        tok = _token_str(tokenizer, tid, lp)
+        out.tokens.append(tok)
+        out.token_logprobs.append(None if lp is None else float(lp.logprob))
+        out.top_logprobs.append(None if not entry else {
+            _token_str(tokenizer, k, v): float(v.logprob) for k, v in entry.items()})
+        out.text_offset.append(offset)
+        offset += len(tok)
+    return out
+
+
+def chat_logprobs(tokenizer, token_ids, logprobs, top_n: int) -> P.ChatLogprobs:
+    content = []
+    for tid, entry in zip(token_ids, logprobs):
+        lp = entry.get(tid)
+        tok = _token_str(tokenizer, tid, lp)
+        ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30,
+                                                       -kv[1].logprob))
+        tops = [P.TopLogprob(token=_token_str(tokenizer, k, v), logprob=float(v.logprob),
+                             bytes=_token_bytes(tokenizer, k, _token_str(tokenizer, k, v)))
+                for k, v in ranked if v.rank is not None and v.rank <= top_n][:top_n]
+        content.append(P.TokenLogprob(token=tok, logprob=float(lp.logprob), bytes=_token_bytes(tokenizer, tid, tok),
+                                      top_logprobs=tops))
+    return P.ChatLogprobs(content=content)
+
+
+class _DeltaTracker:
+    """Turns cumulative outputs into stream deltas for one choice.
+
+    The engine already withholds text that may still change (an incomplete
+    UTF-8 character, a tail that could begin a stop string), so its text only
+    grows; as a second line of defence a trailing U+FFFD is not sent before
+    the finish, since a sent character can never be taken back.
+    """
+
+    def __init__(self):
+        self.sent_text = 0
+        self.sent_tokens = 0
+        self.logprob_offset = 0  # text_offset of the next token in the completions logprobs layout
+
+    def step(self, text: str, num_tokens: int, finished: bool) -> tuple[str, int, int]:
+        end = len(text)
+        if not finished:
+            while end > self.sent_text and text[end - 1] == "\ufffd":
+                end -= 1
+        delta = text[self.sent_text:end]
+        first_tok, self.sent_tokens = self.sent_tokens, num_tokens
+        self.sent_text = max(self.sent_text, end)
+        return delta, first_tok, num_tokens
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> P.Usage:
+    return P.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+def _finish_reason(reason):
+    return None if reason is None else ("stop" if reason == "abort" else reason)
+
+
+def _in_band_error(e: Exception) -> dict:
+    if isinstance(e, P.APIError):
+        return e.body()
+    return P.error_body(str(e), type="server_error")
+
+
+def _error_response(err: P.APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=None) -> FastAPI:
+    """The FastAPI app serving `engine` (an `AsyncEngine`) under the name `model_name`."""
+    ctx = ServingContext(engine, tokenizer, model_name, max_model_len, metrics)
+    app = FastAPI(title="Ridgeline OpenAI-compatible API")
+    app.state.ctx = ctx
+
+    @app.exception_handler(P.APIError)
+    async def _api_error(_request, err: P.APIError):
+        return _error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request, err: RequestValidationError):
+        first = err.errors()[0] if err.errors() else {}
+        if first.get("type") == "json_invalid":
+            return _error_response(P.APIError(f"The request body is not valid JSON: {first.get('msg', '')}",
+                                              code="invalid_json"))
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        # Union members show up in loc as type names ("str", "list[int]"); the field is the first element.
+        param = loc[0] if loc else None
+        msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body')}: {e.get('msg')}"
+                        for e in err.errors()[:3])
+        return _error_response(P.APIError(f"Invalid request: {msg}", param=param, code="invalid_value"))
+
+    @app.exception_handler(ValueError)
+    async def _value_error(_request, err: ValueError):
+        return _error_response(P.APIError(str(err), param=getattr(err, "param", None), code="invalid_value"))
+
+    @app.get("/health")
+    async def health():
+        if not getattr(engine, "is_running", True):
+            return JSONResponse(P.error_body("the engine loop has stopped", type="server_error", code="engine_dead"),
+                                status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models():
+        return P.ModelList(data=[P.ModelCard(id=model_name, max_model_len=max_model_len)])
+
+    @app.get("/metrics")
+    async def metrics_route():
+        if metrics is None:
+            return Response(status_code=404)
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.post("/v1/completions")
+    async def completions(req: P.CompletionRequest, request: Request):
+        ctx.check_model(req.model)
+        prompts = ctx.completion_prompts(req.prompt)
+        lengths = [len(ids) for _, ids in prompts]
+        max_tokens = min(ctx.resolve_max_tokens(n, req.max_tokens, "prompt", "max_tokens") for n in lengths)
+        echo_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
+        params = ctx.sampling_params(req, "completions", max_tokens, req.logprobs, echo_lp)
+        base_id = f"cmpl-{uuid.uuid4().hex}"
+        token_prompts = [ids for _, ids in prompts]
+        texts = [t if t is not None else tokenizer.decode(ids) for t, ids in prompts]
+        if req.stream:
+            return await primed_stream(request, _stream_completion(ctx, req, token_prompts, texts, params, base_id))
+        try:
+            finals = await ctx.final_outputs(request, token_prompts, params, base_id, "completions")
+        except ClientGone:
+            return Response(status_code=499)
+        choices, completion_tokens = [], 0
+        for i, out in enumerate(finals):
+            for o in out.outputs:
+                completion_tokens += len(o.token_ids)
+                prefix = texts[i] if req.echo else ""
+                lps = None
+                if req.logprobs is not None:
+                    ids, entries = list(o.token_ids), list(o.logprobs or [])
+                    if req.echo:
+                        ids = list(out.prompt_token_ids) + ids
+                        entries = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + entries
+                    lps = completion_logprobs(tokenizer, ids, entries)
+                choices.append(P.CompletionChoice(index=i * req.n + o.index, text=prefix + o.text, logprobs=lps,
+                                                  finish_reason=_finish_reason(o.finish_reason)))
+        return P.CompletionResponse(id=base_id, model=model_name, choices=choices,
+                                    usage=_usage(sum(lengths), completion_tokens))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: P.ChatCompletionRequest, request: Request):
+        ctx.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise P.APIError("top_logprobs requires logprobs to be true", param="top_logprobs",
+                             code="invalid_value")
+        ids = ctx.chat_prompt(req)
+        max_tokens = ctx.resolve_max_tokens(len(ids), req.requested_max_tokens(), "messages", req.max_tokens_field())
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = ctx.sampling_params(req, "chat", max_tokens, logprobs, None)
+        base_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            return await primed_stream(request, _stream_chat(ctx, req, ids, params, base_id))
+        try:
+            (out,) = await ctx.final_outputs(request, [ids], params, base_id, "chat")
+        except ClientGone:
+            return Response(status_code=499)
+        choices = []
+        for o in out.outputs:
+            lps = chat_logprobs(tokenizer, o.token_ids, o.logprobs or [], logprobs) if req.logprobs else None
+            choices.append(P.ChatChoice(index=o.index, message=P.ChatResponseMessage(content=o.text), logprobs=lps,
+                                        finish_reason=_finish_reason(o.finish_reason)))
+        usage = _usage(len(ids), sum(len(o.token_ids) for o in out.outputs))
+        return P.ChatCompletionResponse(id=base_id, model=model_name, choices=choices, usage=usage)
+
+    return app
+
+
+async def _stream_completion(ctx: ServingContext, req: P.CompletionRequest, prompts, texts, params, base_id):
+    """SSE chunks of a completions request: one choice entry per index and chunk, as OpenAI sends them."""
+    trackers: dict[int, _DeltaTracker] = {}
+    tok = ctx.tokenizer
+    completion_tokens: dict[int, int] = {}
+    try:
+        async for i, out in ctx.stream_outputs(prompts, params, base_id, "completions"):
+            choices = []
+            for o in out.outputs:
+                index = i * req.n + o.index
+                tr = trackers.get(index)
+                head, head_lps = "", None
+                if tr is None:
+                    tr = trackers[index] = _DeltaTracker()
+                    if req.echo:  # the prompt goes out in front of the first delta
+                        head = texts[i]
+                        if req.logprobs is not None and out.prompt_logprobs is not None:
+                            head_lps = completion_logprobs(tok, out.prompt_token_ids, out.prompt_logprobs)
+                            tr.logprob_offset = sum(len(t) for t in head_lps.tokens)
+                finished = o.finish_reason is not None
+                delta, t0, t1 = tr.step(o.text, len(o.token_ids), finished)
+                completion_tokens[index] = len(o.token_ids)
+                if not (head or delta or finished or t0 != t1):
+                    continue
+                lps = head_lps
+                if req.logprobs is not None and o.logprobs is not None:
+                    new = completion_logprobs(tok, o.token_ids[t0:t1], o.logprobs[t0:t1], tr.logprob_offset)
+                    tr.logprob_offset += sum(len(t) for t in new.tokens)
+                    lps = new if lps is None else P.CompletionLogprobs(
+                        tokens=lps.tokens + new.tokens, token_logprobs=lps.token_logprobs + new.token_logprobs,
+                        top_logprobs=lps.top_logprobs + new.top_logprobs, text_offset=lps.text_offset + new.text_offset)
+                choices.append(P.CompletionChoice(index=index, text=head + delta, logprobs=lps,
+                                                  finish_reason=_finish_reason(o.finish_reason)))
+            if choices:
+                yield P.sse(P.CompletionResponse(id=base_id, model=ctx.model_name, choices=choices))
+        if req.include_usage():
+            usage = _usage(sum(len(p) for p in prompts), sum(completion_tokens.values()))
+            yield P.sse(P.CompletionResponse(id=base_id, model=ctx.model_name, choices=[], usage=usage))
+    except Exception as e:  # noqa: BLE001
+        if not trackers:
+            raise  # nothing sent yet: primed_stream turns it into an HTTP error
+        log.exception("stream %s failed", base_id)
+        yield P.sse(_in_band_error(e))
+    yield P.SSE_DONE
+
+
+async def _stream_chat(ctx: ServingContext, req: P.ChatCompletionRequest, ids, params, base_id):
+    trackers: dict[int, _DeltaTracker] = {}
+    completion_tokens: dict[int, int] = {}
+    top_n = params.logprobs or 0
+    try:
+        async for _, out in ctx.stream_outputs([ids], params, base_id, "chat"):
+            choices = []
+            for o in out.outputs:
+                tr = trackers.get(o.index)
+                first = tr is None
+                if first:
+                    tr = trackers[o.index] = _DeltaTracker()
+                finished = o.finish_reason is not None
+                delta, t0, t1 = tr.step(o.text, len(o.token_ids), finished)
+                completion_tokens[o.index] = len(o.token_ids)
+                if not (first or delta or finished or t0 != t1):
+                    continue
+                lps = None
+                if req.logprobs and o.logprobs is not None and t1 > t0:
+                    lps = chat_logprobs(ctx.tokenizer, o.token_ids[t0:t1], o.logprobs[t0:t1], top_n)
+                # The first chunk of a choice carries the role, as OpenAI's do.
+                d = P.ChatDelta(role="assistant", content=delta) if first else P.ChatDelta(content=delta or None)
+                choices.append(P.ChatChunkChoice(index=o.index, delta=d, logprobs=lps,
+                                                 finish_reason=_finish_reason(o.finish_reason)))
+            if choices:
+                yield P.sse(P.ChatCompletionChunk(id=base_id, model=ctx.model_name, choices=choices))
+        if req.include_usage():
+            usage = _usage(len(ids), sum(completion_tokens.values()))
+            yield P.sse(P.ChatCompletionChunk(id=base_id, model=ctx.model_name, choices=[], usage=usage))
+    except Exception as e:  # noqa: BLE001
+        if not trackers:
+            raise
+        log.exception("stream %s failed", base_id)
+        yield P.sse(_in_band_error(e))
+    yield P.SSE_DONE

@@ -1,0 +1,248 @@
+"""Request and response bodies of the OpenAI-compatible HTTP API, and its error envelope.
+
+The pydantic models accept what the OpenAI clients send (plus the vLLM
+extensions people rely on: `top_k`, `min_p`, `ignore_eos`) and check only the
+*shape* of a request: types, and which fields may appear together. Whether a
+value is sensible (temperature >= 0, top_p in (0, 1], ...) is decided by
+`SamplingParams.validate()` in the engine, so that the HTTP API and
+`LLM.generate` can never disagree about what is valid; the HTTP layer only
+translates the engine's parameter names back to the API's (see
+`API_PARAM_NAMES`).
+
+Every error leaves the server as OpenAI's envelope
+`{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# --- errors -----------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    """An error with an HTTP status that the app turns into OpenAI's error envelope."""
+
+    def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# Engine (SamplingParams) field -> the request field a client wrote, where they differ.
+API_PARAM_NAMES = {
+    "completions": {"logprobs": "logprobs", "prompt_logprobs": "logprobs"},
+    "chat": {"logprobs": "top_logprobs", "prompt_logprobs": "top_logprobs"},
+}
+
+# --- requests ----------------------------------------------------------------------------
+
+
+class _Request(BaseModel):
+    # Unknown fields are ignored, as OpenAI-compatible servers commonly do: clients send
+    # fields (user, presence_penalty=0, ...) that have no effect here.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    """Fields shared by both endpoints; defaults follow OpenAI's."""
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    n: int = 1
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    seed: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    echo: bool = False
+    ignore_eos: bool = False
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+PromptType = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: PromptType
+    logprobs: Optional[int] = None
+    max_tokens: Optional[int] = 16  # OpenAI's default for /v1/completions
+
+
+class TextPart(_Request):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ChatMessage(_Request):
+    role: str
+    content: Optional[Union[str, list[TextPart]]] = None
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    add_generation_prompt: bool = True
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+
+# --- responses ---------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions layout: parallel lists, one entry per token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: Optional[list[TokenLogprob]] = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: Optional[str] = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Optional[Usage] = None
+
+
+class ChatDelta(BaseModel):
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "ridgeline"
+    max_model_len: Optional[int] = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def sse(payload: BaseModel | dict | str) -> str:
+    """One server-sent event: `data: <json>` and a blank line."""
+    if isinstance(payload, BaseModel):
+        payload = payload.model_dump_json(exclude_unset=False)
+    elif isinstance(payload, dict):
+        import json
+
+        payload = json.dumps(payload)
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

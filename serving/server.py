@@ -1,0 +1,221 @@
+"""`python -m serving.server`: the OpenAI-compatible HTTP server.
+
+    python -m serving.server --port 8000                       # the embedded byte model
+    python -m serving.server --checkpoint /ckpt/llama3-8b --max_num_seqs 256 \\
+        --max_num_batched_tokens 4096 --page_size 16
+
+Startup builds the `LLM` (loading the checkpoint), compiles every step shape
+(so serving never compiles), starts the engine loop on its own thread
+(`AsyncEngine`) and serves the FastAPI app from `serving.http_app` with
+uvicorn. The log says what was loaded, how big the KV pool is (pages, tokens,
+bytes) and how long loading and warm-up took.
+
+`ServerThread` runs the same stack inside a Python process (tests, benchmarks,
+notebooks): uvicorn on a background thread, bound to loopback by default.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from typing import Optional
+
+from absl import app as absl_app
+from absl import flags
+
+log = logging.getLogger("ridgeline.server")
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("checkpoint", None, "Checkpoint directory; none serves the embedded default model.")
+flags.DEFINE_string("host", "127.0.0.1", "Address to bind (0.0.0.0 to serve other machines).")
+flags.DEFINE_integer("port", 8000, "Port to listen on.")
+flags.DEFINE_string("served_model_name", None, "The model name clients send (default: the checkpoint's).")
+flags.DEFINE_integer("max_num_seqs", 64, "Most sequences in one step.")
+flags.DEFINE_integer("max_num_batched_tokens", 512, "Token budget of one step (prefill chunks + decodes).")
+flags.DEFINE_integer("min_token_bucket", 1, "Smallest padded token count of a step (fewer shapes to compile).")
+flags.DEFINE_integer("page_size", 16, "Tokens per KV-cache page.")
+flags.DEFINE_integer("num_pages", None, "KV pool size in pages; default: sized from device memory.")
+flags.DEFINE_integer("max_model_len", None, "Context window; default: the model's, capped by the pool.")
+flags.DEFINE_boolean("enable_prefix_caching", True, "Reuse cached KV pages of shared prompt prefixes.")
+flags.DEFINE_integer("tensor_parallel_size", 1, "Devices to shard the model over (tensor parallelism).")
+flags.DEFINE_string("attention_backend", "auto", "Attention backend: auto, reference, pallas, pallas_interpret.")
+flags.DEFINE_integer("seed", 0, "Engine seed (for requests that give none).")
+flags.DEFINE_float("peak_bandwidth_gbps", None, "Device memory bandwidth for MBU, GB/s (default: GPU table).")
+flags.DEFINE_float("peak_tflops", None, "Device dense bf16 TFLOP/s for MFU (default: GPU table).")
+flags.DEFINE_float("metrics_window_s", 10.0, "Window of the MBU/MFU gauges, seconds.")
+flags.DEFINE_enum("log_level", "info", ["debug", "info", "warning", "error"], "Log level of the server.")
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def default_model_name(llm) -> str:
+    import os
+
+    return os.path.basename(os.path.normpath(llm.checkpoint)) if llm.checkpoint else "ridgeline-random"
+
+
+def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window_s: float = 10.0):
+    """(FastAPI app, AsyncEngine, ServerMetrics) over an `LLM` whose engine is not yet running.
+
+    The engine thread starts here; stop it with `async_engine.shutdown()`.
+    """
+    from serving.async_engine import AsyncEngine
+    from serving.http_app import create_app
+    from serving.http_metrics import ModelCost, ServerMetrics
+
+    model_name = model_name or default_model_name(llm)
+    engine = llm.engine
+    runner = engine.runner
+    cost = ModelCost.from_config(llm.config, weight_bytes=_param_bytes(runner),
+                                 kv_bytes_per_element=None, num_devices=1)
+    async_engine = AsyncEngine(engine)
+    metrics = ServerMetrics(async_engine, model_name, cost, peak, metrics_window_s,
+                            engine.config.max_num_batched_tokens).attach()
+    fastapi_app = create_app(async_engine, llm.tokenizer, model_name, engine.max_model_len, metrics)
+    return fastapi_app, async_engine, metrics
+
+
+def _param_bytes(runner) -> float | None:
+    from model.params import param_bytes
+
+    params = getattr(runner, "params", None)
+    return float(param_bytes(params)) if params is not None else None
+
+
+def describe_startup(llm) -> list[str]:
+    """The startup log lines: model, KV pool, load and warm-up time."""
+    from model.cache import cache_bytes
+
+    cfg, engine = llm.config, llm.engine
+    runner = engine.runner
+    lines = [
+        f"model: {llm.checkpoint or 'in-memory weights'}; {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+        f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads, vocab {cfg.vocab_size}, dtype {cfg.dtype}; "
+        f"{cfg.num_params() / 1e6:.1f}M parameters, {_human_bytes(_param_bytes(runner) or 0)} of weights; "
+        f"tokenizer {type(llm.tokenizer).__name__}",
+    ]
+    pool_bytes = cache_bytes(runner.cache) if getattr(runner, "cache", None) is not None else 0
+    lines.append(
+        f"KV pool: {engine.num_pages} pages x {engine.config.page_size} tokens = "
+        f"{engine.num_pages * engine.config.page_size} tokens, {_human_bytes(pool_bytes)} "
+        f"({_human_bytes(cfg.kv_bytes_per_token())} per token); max_model_len {engine.max_model_len}; "
+        f"max_num_seqs {engine.config.max_num_seqs}, max_num_batched_tokens {engine.config.max_num_batched_tokens}, "
+        f"prefix caching {'on' if engine.config.enable_prefix_caching else 'off'}")
+    lines.append(f"loaded in {llm.load_seconds:.1f} s")
+    if llm.warmup_info:
+        w = llm.warmup_info
+        lines.append(f"warm-up: compiled {w.get('compiled')} executables for {w.get('shapes')} step shapes "
+                     f"in {w.get('seconds', 0.0):.1f} s")
+    return lines
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """The whole server (engine thread + uvicorn) inside this process, for tests and benchmarks.
+
+        with ServerThread(llm, model_name="tiny") as srv:
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+    """
+
+    def __init__(self, llm, model_name: str | None = None, host: str = "127.0.0.1", port: int | None = None,
+                 peak=None, log_level: str = "warning"):
+        import uvicorn
+
+        self.app, self.async_engine, self.metrics = build_stack(llm, model_name, peak=peak)
+        self.model_name = model_name or default_model_name(llm)
+        self.host, self.port = host, port or free_port(host)
+        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level=log_level,
+                                timeout_keep_alive=30, lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="ridgeline-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> "ServerThread":
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the HTTP server did not start on {self.url}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+        self.async_engine.shutdown()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def make_llm_from_flags():
+    from serving.llm import LLM
+
+    return LLM(FLAGS.checkpoint, max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+               page_size=FLAGS.page_size, num_pages=FLAGS.num_pages, max_model_len=FLAGS.max_model_len,
+               enable_prefix_caching=FLAGS.enable_prefix_caching, attention_backend=FLAGS.attention_backend,
+               tensor_parallel_size=FLAGS.tensor_parallel_size, seed=FLAGS.seed,
+               min_token_bucket=FLAGS.min_token_bucket, warmup=True)
+
+
+def _peak_from_flags():
+    from serving.http_metrics import device_peak
+
+    bw = FLAGS.peak_bandwidth_gbps * 1e9 if FLAGS.peak_bandwidth_gbps else None
+    fl = FLAGS.peak_tflops * 1e12 if FLAGS.peak_tflops else None
+    peak = device_peak(bandwidth=bw, flops=fl)
+    if peak is None:
+        log.info("device peak figures unknown (not in the GPU table, no --peak_* flags): MBU/MFU gauges are off")
+    else:
+        log.info("device peaks for MBU/MFU: %s, %.0f GB/s, %.0f TFLOP/s", peak.name, peak.bandwidth / 1e9,
+                 peak.flops / 1e12)
+    return peak
+
+
+def main(argv) -> None:
+    del argv
+    import uvicorn
+
+    level = getattr(logging, FLAGS.log_level.upper())
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(level)
+    log.info("loading %s", FLAGS.checkpoint or "the embedded default model")
+    llm = make_llm_from_flags()
+    for line in describe_startup(llm):
+        log.info("%s", line)
+    fastapi_app, async_engine, _ = build_stack(llm, FLAGS.served_model_name, peak=_peak_from_flags(),
+                                               metrics_window_s=FLAGS.metrics_window_s)
+    name = FLAGS.served_model_name or default_model_name(llm)
+    log.info("serving %r on http://%s:%d (OpenAI API under /v1, metrics at /metrics)", name, FLAGS.host, FLAGS.port)
+    try:
+        uvicorn.run(fastapi_app, host=FLAGS.host, port=FLAGS.port, log_level=FLAGS.log_level, lifespan="off",
+                    timeout_keep_alive=30)
+    finally:
+        async_engine.shutdown()
+
+
+def run() -> None:
+    absl_app.run(main)
+
+
+if __name__ == "__main__":
+    run()
