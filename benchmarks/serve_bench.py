@@ -401,6 +401,7 @@ def main(argv=None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peer-base-url", default=None, help="a second server given the identical workload")
     p.add_argument("--peer-model", default=None)
+    p.add_argument("--note", default=None, help="free text stored in the JSON (e.g. how the servers were started)")
     p.add_argument("--result-file", default=None)
     args = p.parse_args(argv)
 
@@ -420,6 +421,7 @@ def main(argv=None) -> dict:
             print(f"{'ratio server/peer ' + key + ':':<50}{ratios[key] if ratios[key] is None else round(ratios[key], 3)}")
     result = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "note": args.note,
         "config": {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()},
         "runs": runs,
         "ratios": ratios,

@@ -28,24 +28,29 @@ from absl import flags
 log = logging.getLogger("ridgeline.server")
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("checkpoint", None, "Checkpoint directory; none serves the embedded default model.")
-flags.DEFINE_string("host", "127.0.0.1", "Address to bind (0.0.0.0 to serve other machines).")
-flags.DEFINE_integer("port", 8000, "Port to listen on.")
-flags.DEFINE_string("served_model_name", None, "The model name clients send (default: the checkpoint's).")
-flags.DEFINE_integer("max_num_seqs", 64, "Most sequences in one step.")
-flags.DEFINE_integer("max_num_batched_tokens", 512, "Token budget of one step (prefill chunks + decodes).")
-flags.DEFINE_integer("min_token_bucket", 1, "Smallest padded token count of a step (fewer shapes to compile).")
-flags.DEFINE_integer("page_size", 16, "Tokens per KV-cache page.")
-flags.DEFINE_integer("num_pages", None, "KV pool size in pages; default: sized from device memory.")
-flags.DEFINE_integer("max_model_len", None, "Context window; default: the model's, capped by the pool.")
-flags.DEFINE_boolean("enable_prefix_caching", True, "Reuse cached KV pages of shared prompt prefixes.")
-flags.DEFINE_integer("tensor_parallel_size", 1, "Devices to shard the model over (tensor parallelism).")
-flags.DEFINE_string("attention_backend", "auto", "Attention backend: auto, reference, pallas, pallas_interpret.")
-flags.DEFINE_integer("seed", 0, "Engine seed (for requests that give none).")
-flags.DEFINE_float("peak_bandwidth_gbps", None, "Device memory bandwidth for MBU, GB/s (default: GPU table).")
-flags.DEFINE_float("peak_tflops", None, "Device dense bf16 TFLOP/s for MFU (default: GPU table).")
-flags.DEFINE_float("metrics_window_s", 10.0, "Window of the MBU/MFU gauges, seconds.")
-flags.DEFINE_enum("log_level", "info", ["debug", "info", "warning", "error"], "Log level of the server.")
+
+
+def define_flags() -> None:
+    """The command-line flags, defined only when the server runs as a program (importing this module from
+    tests or other binaries must not claim flag names such as --seed or --checkpoint)."""
+    flags.DEFINE_string("checkpoint", None, "Checkpoint directory; none serves the embedded default model.")
+    flags.DEFINE_string("host", "127.0.0.1", "Address to bind (0.0.0.0 to serve other machines).")
+    flags.DEFINE_integer("port", 8000, "Port to listen on.")
+    flags.DEFINE_string("served_model_name", None, "The model name clients send (default: the checkpoint's).")
+    flags.DEFINE_integer("max_num_seqs", 64, "Most sequences in one step.")
+    flags.DEFINE_integer("max_num_batched_tokens", 512, "Token budget of one step (prefill chunks + decodes).")
+    flags.DEFINE_integer("min_token_bucket", 1, "Smallest padded token count of a step (fewer shapes to compile).")
+    flags.DEFINE_integer("page_size", 16, "Tokens per KV-cache page.")
+    flags.DEFINE_integer("num_pages", None, "KV pool size in pages; default: sized from device memory.")
+    flags.DEFINE_integer("max_model_len", None, "Context window; default: the model's, capped by the pool.")
+    flags.DEFINE_boolean("enable_prefix_caching", True, "Reuse cached KV pages of shared prompt prefixes.")
+    flags.DEFINE_integer("tensor_parallel_size", 1, "Devices to shard the model over (tensor parallelism).")
+    flags.DEFINE_string("attention_backend", "auto", "Attention backend: auto, reference, pallas, pallas_interpret.")
+    flags.DEFINE_integer("seed", 0, "Engine seed (for requests that give none).")
+    flags.DEFINE_float("peak_bandwidth_gbps", None, "Device memory bandwidth for MBU, GB/s (default: GPU table).")
+    flags.DEFINE_float("peak_tflops", None, "Device dense bf16 TFLOP/s for MFU (default: GPU table).")
+    flags.DEFINE_float("metrics_window_s", 10.0, "Window of the MBU/MFU gauges, seconds.")
+    flags.DEFINE_enum("log_level", "info", ["debug", "info", "warning", "error"], "Log level of the server.")
 
 
 def _human_bytes(n: float) -> str:
@@ -196,8 +201,10 @@ def main(argv) -> None:
     import uvicorn
 
     level = getattr(logging, FLAGS.log_level.upper())
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger().setLevel(level)
+    if level > logging.DEBUG:  # checkpoint and backend chatter only when debugging
+        for noisy in ("absl", "jax", "orbax"):
+            logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
     log.info("loading %s", FLAGS.checkpoint or "the embedded default model")
     llm = make_llm_from_flags()
     for line in describe_startup(llm):
@@ -214,6 +221,7 @@ def main(argv) -> None:
 
 
 def run() -> None:
+    define_flags()
     absl_app.run(main)
 
 
