@@ -351,6 +351,12 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
     async def _value_error(_request, err: ValueError):
         return _error_response(P.APIError(str(err), param=getattr(err, "param", None), code="invalid_value"))
 
+    @app.exception_handler(Exception)
+    async def _unexpected(_request, err: Exception):
+        log.exception("request failed")
+        return JSONResponse(P.error_body(f"internal error: {type(err).__name__}: {err}", type="server_error"),
+                            status_code=500)
+
     @app.get("/health")
     async def health():
         if not getattr(engine, "is_running", True):

@@ -67,7 +67,8 @@ def default_model_name(llm) -> str:
     return os.path.basename(os.path.normpath(llm.checkpoint)) if llm.checkpoint else "ridgeline-random"
 
 
-def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window_s: float = 10.0):
+def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window_s: float = 10.0,
+                num_devices: int = 1):
     """(FastAPI app, AsyncEngine, ServerMetrics) over an `LLM` whose engine is not yet running.
 
     The engine thread starts here; stop it with `async_engine.shutdown()`.
@@ -80,7 +81,7 @@ def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window
     engine = llm.engine
     runner = engine.runner
     cost = ModelCost.from_config(llm.config, weight_bytes=_param_bytes(runner),
-                                 kv_bytes_per_element=None, num_devices=1)
+                                 kv_bytes_per_element=None, num_devices=num_devices)
     async_engine = AsyncEngine(engine)
     metrics = ServerMetrics(async_engine, model_name, cost, peak, metrics_window_s,
                             engine.config.max_num_batched_tokens).attach()
@@ -210,7 +211,8 @@ def main(argv) -> None:
     for line in describe_startup(llm):
         log.info("%s", line)
     fastapi_app, async_engine, _ = build_stack(llm, FLAGS.served_model_name, peak=_peak_from_flags(),
-                                               metrics_window_s=FLAGS.metrics_window_s)
+                                               metrics_window_s=FLAGS.metrics_window_s,
+                                               num_devices=FLAGS.tensor_parallel_size)
     name = FLAGS.served_model_name or default_model_name(llm)
     log.info("serving %r on http://%s:%d (OpenAI API under /v1, metrics at /metrics)", name, FLAGS.host, FLAGS.port)
     try:
