@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from model.tokenizer import ByteTokenizer
 from serving import http_protocol as P
 from serving.chat_template import ChatTemplateError, encode_chat
 from serving.async_engine import EngineDeadError
@@ -40,13 +41,15 @@ _DISCONNECT_POLL_S = 0.25
 class ServingContext:
     """What the routes need: the engine, the tokenizer, the name and the context window."""
 
-    def __init__(self, engine, tokenizer, model_name: str, max_model_len: int, metrics=None):
+    def __init__(self, engine, tokenizer, model_name: str, max_model_len: int, metrics=None,
+                 vocab_size: int | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.metrics = metrics
-        self.vocab_size = getattr(tokenizer, "vocab_size", None)
+        # The model's vocabulary (often padded beyond the tokenizer's): the range of valid token ids.
+        self.vocab_size = vocab_size or getattr(tokenizer, "vocab_size", None)
 
     # --- request checks --------------------------------------------------------------------
 
@@ -239,7 +242,8 @@ class ClientGone(Exception):
 
 
 def _token_bytes(tokenizer, token_id: int, text: str) -> list[int]:
-    if type(tokenizer).__name__ == "ByteTokenizer" and 0 <= token_id < 256:
+    """A token's UTF-8 bytes (for the byte model, the byte itself, which may be part of a character)."""
+    if isinstance(tokenizer, ByteTokenizer) and 0 <= token_id < 256:
         return [token_id]
     return list(text.encode("utf-8"))
 
@@ -248,8 +252,7 @@ def _token_str(tokenizer, token_id: int, lp) -> str:
     return lp.decoded_token if getattr(lp, "decoded_token", None) is not None else tokenizer.token_text(token_id)
 
 
-def completion_logprobs(tokenizer, token_ids, logprobs, start_offset: int = 0,
-                        prompt: bool = False) -> P.CompletionLogprobs:
+def completion_logprobs(tokenizer, token_ids, logprobs, start_offset: int = 0) -> P.CompletionLogprobs:
     """OpenAI's legacy layout. Each entry of `logprobs` maps token id -> Logprob (None for the first prompt token)."""
     out = P.CompletionLogprobs()
     offset = start_offset
@@ -324,9 +327,10 @@ def _error_response(err: P.APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status)
 
 
-def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=None) -> FastAPI:
+def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=None,
+               vocab_size: int | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (an `AsyncEngine`) under the name `model_name`."""
-    ctx = ServingContext(engine, tokenizer, model_name, max_model_len, metrics)
+    ctx = ServingContext(engine, tokenizer, model_name, max_model_len, metrics, vocab_size)
     app = FastAPI(title="Ridgeline OpenAI-compatible API")
     app.state.ctx = ctx
 

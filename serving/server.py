@@ -85,7 +85,8 @@ def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window
     async_engine = AsyncEngine(engine)
     metrics = ServerMetrics(async_engine, model_name, cost, peak, metrics_window_s,
                             engine.config.max_num_batched_tokens).attach()
-    fastapi_app = create_app(async_engine, llm.tokenizer, model_name, engine.max_model_len, metrics)
+    fastapi_app = create_app(async_engine, llm.tokenizer, model_name, engine.max_model_len, metrics,
+                             vocab_size=llm.config.vocab_size)
     return fastapi_app, async_engine, metrics
 
 
