@@ -39,7 +39,7 @@ def define_flags() -> None:
     flags.DEFINE_string("served_model_name", None, "The model name clients send (default: the checkpoint's).")
     flags.DEFINE_integer("max_num_seqs", 64, "Most sequences in one step.")
     flags.DEFINE_integer("max_num_batched_tokens", 512, "Token budget of one step (prefill chunks + decodes).")
-    flags.DEFINE_integer("min_token_bucket", 1, "Smallest padded token count of a step (fewer shapes to compile).")
+    flags.DEFINE_integer("min_token_bucket", 16, "Smallest padded token count of a step (fewer shapes to compile).")
     flags.DEFINE_integer("page_size", 16, "Tokens per KV-cache page.")
     flags.DEFINE_integer("num_pages", None, "KV pool size in pages; default: sized from device memory.")
     flags.DEFINE_integer("max_model_len", None, "Context window; default: the model's, capped by the pool.")
