@@ -51,7 +51,12 @@ def test_forward_pallas_interpret_equals_reference():
         # Decodes of the first two, and the second chunk of the third (continues mid-page).
         [(tok(1), 11, tables[0]), (tok(1), 3, tables[1]), (tok(13), 8, tables[2])],
     ]
-    run = jax.jit(forward, static_argnames=("cfg", "backend"))
+    # A function of this test's own, so its compilation cache counts only this test's calls
+    # (jit caches are shared by every `jax.jit(forward)` in the process).
+    def step(params, cache, tokens, md, cfg, backend):
+        return forward(params, cache, tokens, md, cfg, backend)
+
+    run = jax.jit(step, static_argnames=("cfg", "backend"))
     caches = {"reference": cache, "pallas_interpret": cache}
     for chunks in steps:
         tokens, md = pack(chunks)
