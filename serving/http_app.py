@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API: a FastAPI app over an `AsyncEngine`.
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`,
-`GET /health`, `GET /metrics`.
+`GET /health`, `GET /metrics`, and `POST /start_profile` / `POST /stop_profile`
+(a JAX profiler trace of the running server, written under `profile_dir`).
 
 The app never runs model code: the engine loop lives in its own thread, and a
 handler only tokenizes, checks the request, submits it and awaits outputs, so
@@ -29,6 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from model.tokenizer import ByteTokenizer
 from serving import http_protocol as P
 from serving.chat_template import ChatTemplateError, encode_chat
+from serving.profiling import TraceControl
 from serving.async_engine import EngineDeadError
 from serving.engine import ContextLengthError
 from serving.sampling_params import InvalidParameterError, SamplingParams
@@ -328,11 +330,12 @@ def _error_response(err: P.APIError) -> JSONResponse:
 
 
 def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=None,
-               vocab_size: int | None = None) -> FastAPI:
+               vocab_size: int | None = None, profile_dir: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (an `AsyncEngine`) under the name `model_name`."""
     ctx = ServingContext(engine, tokenizer, model_name, max_model_len, metrics, vocab_size)
     app = FastAPI(title="Ridgeline OpenAI-compatible API")
     app.state.ctx = ctx
+    profiler = app.state.profiler = TraceControl(profile_dir)
 
     @app.exception_handler(P.APIError)
     async def _api_error(_request, err: P.APIError):
@@ -378,6 +381,14 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
             return Response(status_code=404)
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
+
+    @app.post("/start_profile")
+    async def start_profile():
+        return await asyncio.to_thread(profiler.start)  # starting a profiler session blocks briefly
+
+    @app.post("/stop_profile")
+    async def stop_profile():
+        return await asyncio.to_thread(profiler.stop)  # writing the trace takes a moment
 
     @app.post("/v1/completions")
     async def completions(req: P.CompletionRequest, request: Request):

@@ -4,11 +4,14 @@
     python -m serving.server --checkpoint /ckpt/llama3-8b --max_num_seqs 256 \\
         --max_num_batched_tokens 4096 --page_size 16
 
-Startup builds the `LLM` (loading the checkpoint), compiles every step shape
-(so serving never compiles), starts the engine loop on its own thread
-(`AsyncEngine`) and serves the FastAPI app from `serving.http_app` with
-uvicorn. The log says what was loaded, how big the KV pool is (pages, tokens,
-bytes) and how long loading and warm-up took.
+Startup turns on JAX's persistent compilation cache (`serving.compile_cache`;
+`--compilation_cache_dir`, default `~/.cache/ridgeline/jax`), builds the `LLM`
+(loading the checkpoint), compiles every step shape (so serving never
+compiles; with a warm cache they are loaded from disk instead), starts the
+engine loop on its own thread (`AsyncEngine`) and serves the FastAPI app from
+`serving.http_app` with uvicorn. The log says what was loaded, how big the KV
+pool is (pages, tokens, bytes), how long loading and warm-up took and how many
+executables warm-up compiled or found in the cache.
 
 `ServerThread` runs the same stack inside a Python process (tests, benchmarks,
 notebooks): uvicorn on a background thread, bound to loopback by default.
@@ -50,6 +53,11 @@ def define_flags() -> None:
     flags.DEFINE_float("peak_bandwidth_gbps", None, "Device memory bandwidth for MBU, GB/s (default: GPU table).")
     flags.DEFINE_float("peak_tflops", None, "Device dense bf16 TFLOP/s for MFU (default: GPU table).")
     flags.DEFINE_float("metrics_window_s", 10.0, "Window of the MBU/MFU gauges, seconds.")
+    flags.DEFINE_string("compilation_cache_dir", None,
+                        "Persistent compilation cache directory ('' turns it off); default: "
+                        "$RIDGELINE_COMPILATION_CACHE_DIR, else ~/.cache/ridgeline/jax.")
+    flags.DEFINE_string("profile_dir", None, "Directory for /start_profile and /stop_profile traces "
+                                             "(unset: those routes answer 400).")
     flags.DEFINE_enum("log_level", "info", ["debug", "info", "warning", "error"], "Log level of the server.")
 
 
@@ -68,10 +76,11 @@ def default_model_name(llm) -> str:
 
 
 def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window_s: float = 10.0,
-                num_devices: int = 1):
+                num_devices: int = 1, profile_dir: str | None = None):
     """(FastAPI app, AsyncEngine, ServerMetrics) over an `LLM` whose engine is not yet running.
 
-    The engine thread starts here; stop it with `async_engine.shutdown()`.
+    The engine thread starts here; stop it with `async_engine.shutdown()`. `profile_dir` enables
+    `/start_profile` and `/stop_profile` (traces land there).
     """
     from serving.async_engine import AsyncEngine
     from serving.http_app import create_app
@@ -86,7 +95,7 @@ def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window
     metrics = ServerMetrics(async_engine, model_name, cost, peak, metrics_window_s,
                             engine.config.max_num_batched_tokens).attach()
     fastapi_app = create_app(async_engine, llm.tokenizer, model_name, engine.max_model_len, metrics,
-                             vocab_size=llm.config.vocab_size)
+                             vocab_size=llm.config.vocab_size, profile_dir=profile_dir)
     return fastapi_app, async_engine, metrics
 
 
@@ -98,7 +107,7 @@ def _param_bytes(runner) -> float | None:
 
 
 def describe_startup(llm) -> list[str]:
-    """The startup log lines: model, KV pool, load and warm-up time."""
+    """The startup log lines: model, KV pool, load and warm-up time, compilation cache."""
     from model.cache import cache_bytes
 
     cfg, engine = llm.config, llm.engine
@@ -118,9 +127,9 @@ def describe_startup(llm) -> list[str]:
         f"prefix caching {'on' if engine.config.enable_prefix_caching else 'off'}")
     lines.append(f"loaded in {llm.load_seconds:.1f} s")
     if llm.warmup_info:
-        w = llm.warmup_info
-        lines.append(f"warm-up: compiled {w.get('compiled')} executables for {w.get('shapes')} step shapes "
-                     f"in {w.get('seconds', 0.0):.1f} s")
+        from serving.compile_cache import describe_warmup
+
+        lines.append(describe_warmup(llm.warmup_info, getattr(llm, "compilation_cache_dir", None)))
     return lines
 
 
@@ -138,10 +147,11 @@ class ServerThread:
     """
 
     def __init__(self, llm, model_name: str | None = None, host: str = "127.0.0.1", port: int | None = None,
-                 peak=None, log_level: str = "warning"):
+                 peak=None, log_level: str = "warning", profile_dir: str | None = None):
         import uvicorn
 
-        self.app, self.async_engine, self.metrics = build_stack(llm, model_name, peak=peak)
+        self.app, self.async_engine, self.metrics = build_stack(llm, model_name, peak=peak,
+                                                                profile_dir=profile_dir)
         self.model_name = model_name or default_model_name(llm)
         self.host, self.port = host, port or free_port(host)
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level=log_level,
@@ -165,6 +175,7 @@ class ServerThread:
     def stop(self) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=30)
+        self.app.state.profiler.stop_if_running()
         self.async_engine.shutdown()
 
     def __enter__(self):
@@ -207,19 +218,27 @@ def main(argv) -> None:
     if level > logging.DEBUG:  # checkpoint and backend chatter only when debugging
         for noisy in ("absl", "jax", "orbax"):
             logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
+    from serving import compile_cache
+
+    cache_dir = compile_cache.enable(FLAGS.compilation_cache_dir)  # before anything compiles
+    log.info("persistent compilation cache: %s", cache_dir or "off")
     log.info("loading %s", FLAGS.checkpoint or "the embedded default model")
     llm = make_llm_from_flags()
     for line in describe_startup(llm):
         log.info("%s", line)
     fastapi_app, async_engine, _ = build_stack(llm, FLAGS.served_model_name, peak=_peak_from_flags(),
                                                metrics_window_s=FLAGS.metrics_window_s,
-                                               num_devices=FLAGS.tensor_parallel_size)
+                                               num_devices=FLAGS.tensor_parallel_size,
+                                               profile_dir=FLAGS.profile_dir)
+    if FLAGS.profile_dir:
+        log.info("profiling: POST /start_profile and /stop_profile write traces under %s", FLAGS.profile_dir)
     name = FLAGS.served_model_name or default_model_name(llm)
     log.info("serving %r on http://%s:%d (OpenAI API under /v1, metrics at /metrics)", name, FLAGS.host, FLAGS.port)
     try:
         uvicorn.run(fastapi_app, host=FLAGS.host, port=FLAGS.port, log_level=FLAGS.log_level, lifespan="off",
                     timeout_keep_alive=30)
     finally:
+        fastapi_app.state.profiler.stop_if_running()
         async_engine.shutdown()
 
 
