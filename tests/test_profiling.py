@@ -50,8 +50,10 @@ def test_profile_routes_write_a_trace_of_the_running_server(tmp_path):
             trace_json = next(f for f in files if f.endswith(".trace.json.gz") and "perfetto" not in f)
             with gzip.open(trace_json) as f:
                 events = json.load(f)["traceEvents"]
-            # The engine's jitted step ran while the trace was on.
-            assert any("_step" in str(e.get("name", "")) for e in events), sorted({e.get("name") for e in events})[:50]
+            # The engine thread's steps ran while the trace was on (Python calls are named "$file:line function").
+            names = {str(e.get("name", "")) for e in events}
+            assert any(n.startswith("$engine.py:") and n.endswith(" step") for n in names), sorted(names)[:80]
+            assert "PjitFunction(_step)" in names  # the dispatch of the jitted step
 
             # Stopped means stopped; a new trace can start and stop again.
             assert _error(c.post("/stop_profile"))["code"] == "profile_not_started"
