@@ -89,6 +89,10 @@ class AsyncEngine:
             self._streams[request_id] = (loop, queue)
             self._inbox.append(("add", req))
         self._wake.set()
+        if self._error is not None:  # the loop died between the check above and now
+            with self._lock:
+                self._streams.pop(request_id, None)
+            raise EngineDeadError("the engine loop has stopped") from self._error
         finished = False
         try:
             while True:

@@ -77,7 +77,7 @@ def default_num_pages(cfg: LlamaConfig, config: EngineConfig, max_model_len: int
 
 class Engine:
     def __init__(self, cfg: LlamaConfig, params, tokenizer=None, config: EngineConfig = EngineConfig(), *,
-                 runner=None, param_shardings=None, cache_shardings=None):
+                 runner=None, layout=None):
         self.cfg = cfg
         self.config = config
         self.tokenizer = tokenizer
@@ -96,8 +96,7 @@ class Engine:
         self.buckets = Buckets(config.max_num_batched_tokens, config.max_num_seqs, -(-model_len // ps),
                                config.min_token_bucket)
         self.runner = runner or ModelRunner(cfg, params, num_pages=num_pages, page_size=ps, buckets=self.buckets,
-                                            backend=config.attention_backend, param_shardings=param_shardings,
-                                            cache_shardings=cache_shardings)
+                                            backend=config.attention_backend, layout=layout)
         self.block_manager = BlockManager(num_pages, ps, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, model_len),
                                    self.block_manager)
@@ -347,8 +346,22 @@ class Engine:
             finished_by_reason=dict(log_.finished_by_reason), num_steps=log_.num_steps)
 
     def warm_up(self) -> dict:
-        """Compiles every step shape now, so serving never compiles."""
+        """Compiles every step shape now, so serving never compiles; returns seconds and counts."""
         return self.runner.warm_up()
+
+    def describe(self) -> dict:
+        """What is loaded and how big the KV pool is (for startup logs and MBU/MFU arithmetic)."""
+        cfg, ps = self.cfg, self.config.page_size
+        kv_per_token = cfg.kv_bytes_per_token()
+        return {
+            "num_params": cfg.num_params(), "param_bytes": getattr(self.runner, "param_bytes", None),
+            "kv_bytes_per_token": kv_per_token, "kv_pages": self.num_pages, "page_size": ps,
+            "kv_pool_tokens": self.num_pages * ps, "kv_pool_bytes": self.num_pages * ps * kv_per_token,
+            "max_model_len": self.max_model_len, "max_num_seqs": self.config.max_num_seqs,
+            "max_num_batched_tokens": self.config.max_num_batched_tokens,
+            "prefix_caching": self.config.enable_prefix_caching, "attention_backend": self.config.attention_backend,
+            "step_shapes": len(self.buckets.all_shapes()),
+        }
 
     def reset_prefix_cache(self) -> int:
         return self.block_manager.reset_prefix_cache()

@@ -80,7 +80,7 @@ class Buckets:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class StepShape:
     """Offsets of every field inside the int32 and float32 buffers for one (T, S, P)."""
 
     T: int
@@ -129,7 +129,7 @@ class Layout:
 
 @dataclasses.dataclass
 class StepBatch:
-    layout: Layout
+    shape: StepShape
     ibuf: np.ndarray
     fbuf: np.ndarray
     num_tokens: int
@@ -163,8 +163,8 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
     S = buckets.seqs_for(T)
     seq_tables = [tables[it.seq.seq_id] for it in items]
     P = buckets.pages_for(max((len(t) for t in seq_tables), default=1))
-    layout = Layout(T, S, P)
-    ibuf, fbuf, v = layout.empty(num_pages * page_size)
+    shape = StepShape(T, S, P)
+    ibuf, fbuf, v = shape.empty(num_pages * page_size)
 
     toks: list[int] = []
     for it in items:
@@ -223,4 +223,4 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
             prompt_rows.append((it.seq, row, it.prompt_logprob_start, it.prompt_logprob_end))
             row += cnt
     v["flags"][:] = (any_random, any_filter, want_logprobs)
-    return StepBatch(layout, ibuf, fbuf, total, n, sample_rows, prompt_rows, want_logprobs, int(kv_lens.sum()))
+    return StepBatch(shape, ibuf, fbuf, total, n, sample_rows, prompt_rows, want_logprobs, int(kv_lens.sum()))

@@ -6,17 +6,16 @@ K/V update is in place. Only the sampled ids (and logprobs when a request
 asked for them) come back to the host.
 
 Device placement of params and cache happens in exactly one place,
-`ModelRunner.place`, which takes optional shardings. Tensor parallelism plugs
-in there: pass `param_shardings` / `cache_shardings` (NamedShardings built
-from a mesh and the logical-axis rules) and everything downstream follows the
-arrays' shardings.
+`ModelRunner.place`. Tensor parallelism plugs in through `layout`: any object
+with `param_shardings(cfg)`, `cache_shardings(cfg, num_pages, page_size,
+dtype)`, `replicated` (the sharding of host inputs) and what `model.forward`
+accepts as its `layout` (`sharding.Layout` is one). With `layout=None`
+everything lives on the default device and no sharding code runs.
 """
 
 from __future__ import annotations
 
-import functools
 import time
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -26,16 +25,16 @@ from model.cache import BatchMetadata, KVCache, cache_bytes, init_cache
 from model.config import LlamaConfig
 from model.forward import forward
 from model.params import param_bytes
-from serving.input_batch import Buckets, Layout, StepBatch
+from serving.input_batch import Buckets, StepShape, StepBatch
 from serving.sampler import SamplingInputs, sample
 
 
-def _step(params, cache, ibuf, fbuf, *, cfg: LlamaConfig, backend: str, layout: Layout):
-    v = layout.split(ibuf, fbuf)
+def _step(params, cache, ibuf, fbuf, *, cfg: LlamaConfig, backend: str, shape: StepShape, layout=None):
+    v = shape.split(ibuf, fbuf)
     md = BatchMetadata(positions=v["positions"], slot_mapping=v["slots"], cu_q_lens=v["cu_q_lens"],
                        kv_lens=v["kv_lens"], block_tables=v["block_tables"], num_seqs=v["num_seqs"][0],
                        logits_indices=v["logits_indices"])
-    logits, cache = forward(params, cache, v["tokens"], md, cfg, backend)
+    logits, cache = forward(params, cache, v["tokens"], md, cfg, backend, layout)
     flags = v["flags"]
     s = SamplingInputs(
         temperature=v["temperature"], top_k=v["top_k"], top_p=v["top_p"], min_p=v["min_p"],
@@ -48,7 +47,7 @@ def _step(params, cache, ibuf, fbuf, *, cfg: LlamaConfig, backend: str, layout: 
 
 
 # Module level, so engines with the same model and buckets share compilations.
-_step_jit = jax.jit(_step, static_argnames=("cfg", "backend", "layout"), donate_argnums=(1,))
+_step_jit = jax.jit(_step, static_argnames=("cfg", "backend", "shape", "layout"), donate_argnums=(1,))
 
 
 def _copy_pages(cache: KVCache, src, dst):
@@ -81,30 +80,34 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, cfg: LlamaConfig, params, *, num_pages: int, page_size: int, buckets: Buckets,
-                 backend: str = "auto", cache_dtype=None, param_shardings=None, cache_shardings=None):
+                 backend: str = "auto", cache_dtype=None, layout=None):
         self.cfg = cfg
         self.num_pages = num_pages
         self.page_size = page_size
         self.buckets = buckets
         self.backend = backend
-        self.params, self.cache = self.place(params, cache_dtype, param_shardings, cache_shardings)
-        self.copy_sizes = [s for s in _pow2_upto(buckets.max_num_seqs)]
+        self.layout = layout
+        self.params, self.cache = self.place(params, cache_dtype)
+        self.copy_sizes = _pow4_upto(buckets.max_num_seqs)  # buckets of copy-on-write pairs per step
 
     # --- placement: the one hook for shardings -----------------------------------------------
-    def place(self, params, cache_dtype=None, param_shardings=None, cache_shardings=None):
-        """Puts params and a fresh KV cache on device(s).
-
-        Without shardings everything lives on the default device. With
-        `param_shardings` (a pytree of `jax.sharding.Sharding` matching
-        `params`) and `cache_shardings` (matching `KVCache`), the arrays are
-        laid out accordingly and the jitted step follows their shardings.
-        """
-        if param_shardings is not None:
-            params = jax.device_put(params, param_shardings)
-        else:
+    def place(self, params, cache_dtype=None):
+        """Puts params and a fresh (zeroed) KV cache on the device(s) of `self.layout`."""
+        if self.layout is None:
             params = jax.device_put(params, jax.devices()[0])
+            cache_shardings = None
+        else:
+            params = jax.device_put(params, self.layout.param_shardings(self.cfg))
+            cache_shardings = self.layout.cache_shardings(self.cfg, self.num_pages, self.page_size, cache_dtype)
         cache = init_cache(self.cfg, self.num_pages, self.page_size, cache_dtype, shardings=cache_shardings)
         return params, cache
+
+    def _run(self, ibuf, fbuf, shape):
+        if self.layout is not None:  # one fixed input sharding, so the step never recompiles for it
+            ibuf, fbuf = jax.device_put((ibuf, fbuf), self.layout.replicated)
+        self.cache, ids, lp = _step_jit(self.params, self.cache, ibuf, fbuf, cfg=self.cfg, backend=self.backend,
+                                        shape=shape, layout=self.layout)
+        return ids, lp
 
     @property
     def param_bytes(self) -> int:
@@ -117,8 +120,7 @@ class ModelRunner:
     # --- execution ---------------------------------------------------------------------------
     def execute(self, batch: StepBatch) -> StepResult:
         """Runs one step; blocks only on copying the sampled ids (and logprobs) back."""
-        self.cache, ids, lp = _step_jit(self.params, self.cache, batch.ibuf, batch.fbuf,
-                                        cfg=self.cfg, backend=self.backend, layout=batch.layout)
+        ids, lp = self._run(batch.ibuf, batch.fbuf, batch.shape)
         if batch.want_logprobs:
             return StepResult(np.asarray(ids), tuple(np.asarray(x) for x in lp))
         return StepResult(np.asarray(ids))
@@ -140,10 +142,9 @@ class ModelRunner:
         before = compilation_count()
         pad = self.num_pages * self.page_size
         for T, S, P in self.buckets.all_shapes():
-            layout = Layout(T, S, P)
-            ibuf, fbuf, _ = layout.empty(pad)
-            self.cache, ids, _ = _step_jit(self.params, self.cache, ibuf, fbuf,
-                                           cfg=self.cfg, backend=self.backend, layout=layout)
+            shape = StepShape(T, S, P)
+            ibuf, fbuf, _ = shape.empty(pad)
+            self._run(ibuf, fbuf, shape)
         for size in self.copy_sizes:
             self.cache = _copy_jit(self.cache, np.zeros(size, np.int32), np.full(size, self.num_pages, np.int32))
         jax.block_until_ready(self.cache)
@@ -151,7 +152,7 @@ class ModelRunner:
                 "shapes": len(self.buckets.all_shapes()) + len(self.copy_sizes)}
 
 
-def _pow2_upto(n: int) -> list[int]:
+def _pow4_upto(n: int) -> list[int]:
     out, b = [], 1
     while b < n:
         out.append(b)

@@ -60,7 +60,7 @@ class FakeRunner:
 
     def execute(self, batch) -> StepResult:
         self.steps += 1
-        v = batch.layout.split(batch.ibuf, batch.fbuf)
+        v = batch.shape.split(batch.ibuf, batch.fbuf)
         n = batch.num_tokens
         slots = v["slots"][:n]
         pad = len(self.cache)
@@ -70,7 +70,7 @@ class FakeRunner:
             assert bm.ref[s] == 1, f"write into page {s} held {bm.ref[s]} times (missed copy-on-write)"
         self.cache[slots] = v["tokens"][:n]
         cu = v["cu_q_lens"]
-        ids = np.zeros(batch.layout.S, np.int32)
+        ids = np.zeros(batch.shape.S, np.int32)
         for r, (seq, sample_index) in enumerate(batch.sample_rows):
             t = v["logits_indices"][r]
             i = int(np.searchsorted(cu, t, side="right") - 1)

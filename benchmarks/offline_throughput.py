@@ -1,0 +1,310 @@
+"""Offline throughput of `LLM.generate` against transformers' `generate`, same weights, same run.
+
+    python benchmarks/offline_throughput.py [--out benchmarks/results/offline_throughput.json] [--quick]
+
+Model: a Llama shape of ~125M parameters (vocab 32000, hidden 768, 12 layers,
+12 heads, 4 KV heads, intermediate 2048) with random fp32 weights; the
+transformers model is built from the very same arrays (and checked against
+ours on one prompt).
+
+Sections, all in one process:
+  1. read bandwidth of this machine (a jitted sum over a 512 MiB fp32 array);
+  2. mixed workload: 32 requests, prompt lengths uniform in 16-256 and output
+     lengths uniform in 16-256 (seeded), greedy with ignore_eos. Ridgeline runs
+     them through continuous batching (after one untimed run that compiles the
+     shapes the workload uses); transformers runs its best static setup,
+     trying one batch of 32 and batches of 8 sorted by length. Only the tokens
+     each request needed count. Prints both and the ratio;
+  3. batch-1 decode: tokens/s and bandwidth utilization = weight bytes read
+     per step x steps/s / the measured read bandwidth (ridgeline and
+     transformers);
+  4. host time per step (scheduling, packing, output processing: everything
+     but the jitted step) at 1, 32 and 256 running sequences in steady decode,
+     as a fraction of the whole step.
+
+CPU numbers on a shared machine are noisy: the JSON records the load average
+before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from model.cache import init_cache, pack_batch  # noqa: E402
+from model.config import LlamaConfig  # noqa: E402
+from model.forward import forward_jit  # noqa: E402
+from model.params import init_params, param_bytes  # noqa: E402
+from serving import LLM, SamplingParams  # noqa: E402
+
+SHAPE_125M = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12, num_heads=12,
+                  num_kv_heads=4, head_dim=64, rope_theta=10000.0, dtype="float32", max_position_embeddings=2048,
+                  bos_token_id=1, eos_token_ids=(2,))
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def read_bandwidth(mib: int = 512, repeats: int = 7) -> float:
+    """Bytes/s this machine reads from memory under jitted JAX: the best of a full
+    reduction and a matrix-vector product (a decode step's access pattern) over a
+    large fp32 array, best of several runs each."""
+    n = mib * 2**20 // 4
+    x = jnp.ones((n,), jnp.float32)
+    m = x.reshape(-1, 1024)
+    v = jnp.ones((1024,), jnp.float32)
+    best = float("inf")
+    for f, args in ((jax.jit(jnp.sum), (x,)), (jax.jit(lambda a, b: a @ b), (m, v))):
+        f(*args).block_until_ready()
+        for _ in range(repeats):
+            t = time.perf_counter()
+            f(*args).block_until_ready()
+            best = min(best, time.perf_counter() - t)
+    return x.nbytes / best
+
+
+def decode_weight_bytes(cfg: LlamaConfig, params) -> int:
+    """Weight bytes one decode step reads: everything but the embedding table (one row of it)."""
+    row = cfg.hidden_size * params.embed.dtype.itemsize
+    return param_bytes(params) - params.embed.nbytes + row
+
+
+def workload(n: int, seed: int, vocab: int, lo: int = 16, hi: int = 256):
+    rng = random.Random(seed)
+    jobs = []
+    for _ in range(n):
+        plen, olen = rng.randint(lo, hi), rng.randint(lo, hi)
+        jobs.append(([1] + [rng.randrange(3, vocab) for _ in range(plen - 1)], olen))
+    return jobs
+
+
+# --- transformers ---------------------------------------------------------------------------------
+
+def hf_model_from(cfg: LlamaConfig, params):
+    import torch
+    import transformers
+
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=False,
+        bos_token_id=cfg.bos_token_id, eos_token_id=None, pad_token_id=0)
+    model = transformers.LlamaForCausalLM(hf_cfg).eval()
+    e, h, d = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(np.asarray(a, np.float32)))
+    sd = {"model.embed_tokens.weight": t(params.embed), "model.norm.weight": t(params.final_norm),
+          "lm_head.weight": t(np.asarray(params.lm_head).T)}
+    for i, L in enumerate(params.layers):
+        p = f"model.layers.{i}."
+        sd[p + "input_layernorm.weight"] = t(L.attn_norm)
+        sd[p + "post_attention_layernorm.weight"] = t(L.mlp_norm)
+        sd[p + "self_attn.q_proj.weight"] = t(np.asarray(L.wq).reshape(e, -1).T)
+        sd[p + "self_attn.k_proj.weight"] = t(np.asarray(L.wk).reshape(e, -1).T)
+        sd[p + "self_attn.v_proj.weight"] = t(np.asarray(L.wv).reshape(e, -1).T)
+        sd[p + "self_attn.o_proj.weight"] = t(np.asarray(L.wo).reshape(h * d, e).T)
+        sd[p + "mlp.gate_proj.weight"] = t(np.asarray(L.w_gate).T)
+        sd[p + "mlp.up_proj.weight"] = t(np.asarray(L.w_up).T)
+        sd[p + "mlp.down_proj.weight"] = t(np.asarray(L.w_down).T)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def logits_gap(cfg, params, hf, prompt) -> float:
+    """Max |ours - transformers| over the prompt's logits: proof both run the same weights."""
+    import torch
+
+    n, ps = len(prompt), 16
+    pages = -(-n // ps)
+    toks, md = pack_batch([(prompt, 0, list(range(pages)))], page_size=ps, num_pages=pages, num_tokens=n,
+                          max_seqs=1, pages_per_seq=pages, all_logits=True)
+    ours, _ = forward_jit(params, init_cache(cfg, pages, ps), toks, md, cfg=cfg, backend="reference")
+    with torch.no_grad():
+        theirs = hf(torch.tensor([prompt])).logits[0].numpy()
+    return float(np.abs(np.asarray(ours) - theirs).max())
+
+
+def hf_generate(hf, batch):
+    """Greedy, left-padded static batch; every row runs to the batch's longest output."""
+    import torch
+
+    width = max(len(p) for p, _ in batch)
+    ids = torch.zeros((len(batch), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, _) in enumerate(batch):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    new = max(o for _, o in batch)
+    with torch.no_grad():
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                          do_sample=False)
+    assert out.shape[1] == width + new
+    return out[:, width:]
+
+
+def hf_run(hf, jobs, batch_size, sort):
+    order = sorted(jobs, key=lambda j: len(j[0]) + j[1]) if sort else list(jobs)
+    t = time.perf_counter()
+    for i in range(0, len(order), batch_size):
+        hf_generate(hf, order[i:i + batch_size])
+    return time.perf_counter() - t
+
+
+# --- ridgeline ------------------------------------------------------------------------------------
+
+def ridgeline_run(llm, jobs):
+    sps = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in jobs]
+    llm.engine.stats_log.drain()
+    t = time.perf_counter()
+    outs = llm.generate([p for p, _ in jobs], sps)
+    wall = time.perf_counter() - t
+    assert [len(o.outputs[0].token_ids) for o in outs] == [o for _, o in jobs]
+    return wall, outs, llm.engine.stats_log.drain()
+
+
+def steady_decode(llm, n, prompt_len=16, max_tokens=24, seed=0):
+    """Host and device time of decode steps with exactly n running sequences."""
+    jobs = [(p, max_tokens) for p, _ in workload(n, seed, llm.config.vocab_size, prompt_len, prompt_len)]
+    ridgeline_run(llm, jobs)  # compile what this batch size uses
+    _, _, steps = ridgeline_run(llm, jobs)
+    dec = [s for s in steps if s.num_seqs == n and s.num_tokens == n]
+    host = statistics.median(s.host_seconds for s in dec)
+    dev = statistics.median(s.device_seconds for s in dec)
+    return {"running_sequences": n, "decode_steps": len(dec), "host_ms_per_step": host * 1e3,
+            "step_ms": (host + dev) * 1e3, "host_fraction": host / (host + dev)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                  "offline_throughput.json"))
+    ap.add_argument("--quick", action="store_true", help="8 requests, 4 layers: checks the script runs")
+    ap.add_argument("--num_requests", type=int, default=32)
+    args = ap.parse_args()
+
+    shape = dict(SHAPE_125M)
+    n_req = args.num_requests
+    if args.quick:
+        shape.update(num_layers=2, vocab_size=4096)
+        n_req = min(n_req, 8)
+    cfg = LlamaConfig(**shape)
+    load_before = os.getloadavg()
+    result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": {
+        "cpus": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
+        "device": str(jax.devices()[0]), "loadavg_before": load_before}}
+    import torch
+    import transformers
+    result["machine"].update(torch=torch.__version__, transformers=transformers.__version__,
+                             torch_threads=torch.get_num_threads())
+
+    log(f"model: {cfg.num_params() / 1e6:.1f}M params, fp32")
+    params = init_params(cfg, jax.random.key(0))
+    result["model"] = {"shape": {k: v for k, v in shape.items() if k not in ("eos_token_ids",)},
+                       "params_millions": cfg.num_params() / 1e6, "param_bytes": param_bytes(params)}
+
+    bw = read_bandwidth(128 if args.quick else 512)
+    log(f"measured read bandwidth: {bw / 1e9:.2f} GB/s")
+    result["read_bandwidth_GBps"] = bw / 1e9
+
+    hf = hf_model_from(cfg, params)
+    gap = logits_gap(cfg, params, hf, [1] + list(range(100, 131)))
+    log(f"same weights: max |logit difference| ours vs transformers = {gap:.2e}")
+    result["logits_max_abs_diff_vs_transformers"] = gap
+
+    # --- 2. mixed workload -------------------------------------------------------------------
+    jobs = workload(n_req, 1234, cfg.vocab_size)
+    useful = sum(o for _, o in jobs)
+    llm = LLM(config=cfg, params=params, max_num_seqs=n_req, max_num_batched_tokens=512, page_size=16,
+              num_pages=n_req * 512 // 16, max_model_len=512, enable_prefix_caching=False)
+    t = time.perf_counter()
+    ridgeline_run(llm, jobs)
+    log(f"ridgeline: untimed first run (compiles the shapes it uses) {time.perf_counter() - t:.1f}s")
+    wall, outs, steps = ridgeline_run(llm, jobs)
+    ours_tps = useful / wall
+    log(f"ridgeline: {useful} tokens in {wall:.1f}s = {ours_tps:.1f} output tok/s over {len(steps)} steps")
+    hf_runs = {}
+    for name, bs, sort in (("one_batch_of_%d" % n_req, n_req, False), ("batches_of_8_sorted", 8, True)):
+        w = hf_run(hf, jobs, bs, sort)
+        hf_runs[name] = {"seconds": w, "useful_output_tok_per_s": useful / w}
+        log(f"transformers {name}: {w:.1f}s = {useful / w:.1f} useful tok/s")
+    best = max(hf_runs, key=lambda k: hf_runs[k]["useful_output_tok_per_s"])
+    ratio = ours_tps / hf_runs[best]["useful_output_tok_per_s"]
+    log(f"mixed workload: ridgeline {ours_tps:.1f} vs transformers ({best}) "
+        f"{hf_runs[best]['useful_output_tok_per_s']:.1f} useful tok/s -> ratio {ratio:.2f}x (target >= 4x)")
+    host = sum(s.host_seconds for s in steps)
+    result["mixed_workload"] = {
+        "requests": n_req, "prompt_tokens": sum(len(p) for p, _ in jobs), "useful_output_tokens": useful,
+        "ridgeline": {"seconds": wall, "output_tok_per_s": ours_tps, "steps": len(steps),
+                      "host_seconds": host, "host_fraction_of_wall": host / wall,
+                      "max_num_batched_tokens": 512, "page_size": 16},
+        "transformers": hf_runs, "transformers_best": best, "ratio_vs_best_transformers": ratio}
+
+    # --- 3. batch-1 decode -------------------------------------------------------------------
+    n_dec = 64 if args.quick else 256
+    one = [([1] + list(range(500, 515)), n_dec)]
+    ridgeline_run(llm, one)
+    _, _, steps = ridgeline_run(llm, one)
+    dec = [s for s in steps if s.num_tokens == 1]
+    step_s = statistics.median(s.host_seconds + s.device_seconds for s in dec)
+    wbytes = decode_weight_bytes(cfg, params)
+    ours_bw = wbytes / step_s
+    import torch
+
+    with torch.no_grad():
+        ids = torch.tensor([one[0][0]])
+        hf.generate(input_ids=ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        t = time.perf_counter()
+        hf.generate(input_ids=ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+        prefill = time.perf_counter() - t
+        t = time.perf_counter()
+        hf.generate(input_ids=ids, max_new_tokens=n_dec, min_new_tokens=n_dec, do_sample=False)
+        hf_step = (time.perf_counter() - t - prefill) / (n_dec - 1)
+    result["batch1_decode"] = {
+        "weight_bytes_per_step": wbytes, "decode_tokens": n_dec,
+        "ridgeline": {"tok_per_s": 1 / step_s, "ms_per_step": step_s * 1e3,
+                      "bandwidth_utilization": ours_bw / bw},
+        "transformers": {"tok_per_s": 1 / hf_step, "ms_per_step": hf_step * 1e3,
+                         "bandwidth_utilization": wbytes / hf_step / bw}}
+    log(f"batch-1 decode: ridgeline {1 / step_s:.1f} tok/s ({ours_bw / bw:.2f} of read bandwidth), "
+        f"transformers {1 / hf_step:.1f} tok/s ({wbytes / hf_step / bw:.2f}) (target >= 0.6)")
+    del hf
+
+    # --- 4. host overhead --------------------------------------------------------------------
+    sizes = (1, 8, 32) if args.quick else (1, 32, 256)
+    big = LLM(config=cfg, params=params, max_num_seqs=sizes[-1], max_num_batched_tokens=max(512, sizes[-1]),
+              page_size=16, num_pages=sizes[-1] * 3 + 16, max_model_len=48, enable_prefix_caching=False)
+    overhead = []
+    for n in sizes:
+        r = steady_decode(big, n)
+        overhead.append(r)
+        log(f"host time at {n} running: {r['host_ms_per_step']:.2f} ms of a {r['step_ms']:.1f} ms step "
+            f"({100 * r['host_fraction']:.1f}%, target < 5%)")
+    result["host_overhead"] = overhead
+    result["machine"]["loadavg_after"] = os.getloadavg()
+
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
