@@ -10,6 +10,7 @@ from typing import Optional, Sequence, Union
 
 from model.checkpoint import load_checkpoint
 from model.tokenizer import ByteTokenizer, load_tokenizer
+from serving import compile_cache
 from serving.engine import Engine, EngineConfig
 from serving.outputs import RequestOutput
 from serving.sampling_params import SamplingParams
@@ -34,19 +35,24 @@ class LLM:
     `config`/`params` (and optionally `tokenizer`) serve an in-memory model
     instead of a checkpoint directory, e.g. random weights in tests and
     benchmarks. `warmup=True` compiles every step shape up front (a server
-    wants that; a short script usually does not).
+    wants that; a short script usually does not). `compilation_cache_dir`
+    points JAX's persistent compilation cache somewhere (None: the default
+    location, see `serving.compile_cache`; "": off), so a second start loads
+    its executables instead of compiling them.
     """
 
     def __init__(self, checkpoint: Optional[str] = None, *, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, page_size: int = 16, num_pages: Optional[int] = None,
                  enable_prefix_caching: bool = True, attention_backend: str = "auto",
                  tensor_parallel_size: int = 1, max_model_len: Optional[int] = None, seed: int = 0,
-                 config=None, params=None, tokenizer=None, warmup: bool = False, **engine_kwargs):
+                 config=None, params=None, tokenizer=None, warmup: bool = False,
+                 compilation_cache_dir: Optional[str] = None, **engine_kwargs):
         if tensor_parallel_size != 1:
             raise NotImplementedError(
                 f"tensor_parallel_size={tensor_parallel_size}: tensor parallelism is not wired into the engine yet; "
                 "ModelRunner.place accepts param/cache shardings for it")
         t0 = time.perf_counter()
+        self.compilation_cache_dir = compile_cache.enable(compilation_cache_dir)
         if (config is None) != (params is None):
             raise ValueError("pass both config and params (an in-memory model) or neither")
         if config is None:
@@ -69,7 +75,15 @@ class LLM:
                                      **engine_kwargs)
         self.engine = Engine(config, params, tokenizer, engine_config)
         self.load_seconds = time.perf_counter() - t0
-        self.warmup_info = self.engine.warm_up() if warmup else None
+        log.info("loaded in %.1f s (persistent compilation cache: %s)", self.load_seconds,
+                 self.compilation_cache_dir or "off")
+        self.warmup_info = None
+        if warmup:
+            before = compile_cache.compile_counts()
+            self.warmup_info = self.engine.warm_up()
+            done = compile_cache.compile_counts() - before
+            self.warmup_info.update(xla_compiled=done.compiled, cache_hits=done.cache_hits)
+            log.info("%s", compile_cache.describe_warmup(self.warmup_info, self.compilation_cache_dir))
         self._ids = itertools.count()
 
     def get_tokenizer(self):
