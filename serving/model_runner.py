@@ -100,6 +100,8 @@ class ModelRunner:
             params = jax.device_put(params, self.layout.param_shardings(self.cfg))
             cache_shardings = self.layout.cache_shardings(self.cfg, self.num_pages, self.page_size, cache_dtype)
         cache = init_cache(self.cfg, self.num_pages, self.page_size, cache_dtype, shardings=cache_shardings)
+        if self.layout is None:  # committed like the step's output, or the first step shape compiles twice
+            cache = jax.device_put(cache, jax.devices()[0])
         return params, cache
 
     def _run(self, ibuf, fbuf, shape):
