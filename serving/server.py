@@ -192,7 +192,8 @@ def make_llm_from_flags():
                page_size=FLAGS.page_size, num_pages=FLAGS.num_pages, max_model_len=FLAGS.max_model_len,
                enable_prefix_caching=FLAGS.enable_prefix_caching, attention_backend=FLAGS.attention_backend,
                tensor_parallel_size=FLAGS.tensor_parallel_size, seed=FLAGS.seed,
-               min_token_bucket=FLAGS.min_token_bucket, warmup=True)
+               min_token_bucket=FLAGS.min_token_bucket, compilation_cache_dir=FLAGS.compilation_cache_dir,
+               warmup=True)
 
 
 def _peak_from_flags():

@@ -1,0 +1,145 @@
+"""The persistent compilation cache: a second start with a warm cache compiles nothing.
+
+Each start is a fresh Python process (the in-memory jit caches die with it),
+so only the persistent cache can carry executables from one start to the
+next. Compilations are counted from JAX's monitoring events
+(`serving.compile_cache.compile_counts`), never by timing.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+from serving import compile_cache
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# One start: enable the cache (unless told "off"), build and warm up an LLM over random weights, generate greedily,
+# and report what was compiled or loaded over the whole process.
+START = r"""
+import json, sys
+sys.path.insert(0, "tests")
+cache_dir = sys.argv[1]
+from serving import compile_cache
+compile_cache.enable(cache_dir)  # before anything compiles, so the whole process is counted
+before = compile_cache.compile_counts()
+import jax
+from conftest import tiny_config
+from model.params import init_params
+from serving import LLM, SamplingParams
+cfg = tiny_config()
+llm = LLM(config=cfg, params=init_params(cfg, jax.random.key(3)), max_num_seqs=4, max_num_batched_tokens=16,
+          min_token_bucket=16, page_size=8, num_pages=8, max_model_len=16, attention_backend="reference",
+          compilation_cache_dir=cache_dir, warmup=True)
+outs = llm.generate([[1, 5, 9, 4], [1] + list(range(10, 19))],
+                    SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+total = compile_cache.compile_counts() - before
+print("RESULT " + json.dumps({
+    "requests": total.requests, "xla_compiled": total.compiled, "cache_hits": total.cache_hits,
+    "cache_writes": total.cache_writes, "warmup": llm.warmup_info, "cache_dir": llm.compilation_cache_dir,
+    "entries": compile_cache.cache_entries(llm.compilation_cache_dir),
+    "tokens": [list(o.outputs[0].token_ids) for o in outs]}))
+"""
+
+
+def start(cache_dir: str) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # one CPU device: a quicker start
+    env.pop(compile_cache.ENV_VAR, None)
+    proc = subprocess.run([sys.executable, "-c", START, cache_dir], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def test_a_second_start_with_a_warm_cache_compiles_nothing(tmp_path):
+    cache_dir = str(tmp_path / "jax-cache")
+    cold = start(cache_dir)
+    assert cold["cache_dir"] == cache_dir
+    assert cold["xla_compiled"] > 0 and cold["cache_hits"] == 0
+    assert cold["cache_writes"] == cold["xla_compiled"]  # even the small CPU executables are written
+    assert cold["entries"] == cold["cache_writes"]
+    assert cold["warmup"]["xla_compiled"] == cold["warmup"]["compiled"] > 0
+
+    warm = start(cache_dir)
+    assert warm["requests"] == cold["requests"]  # the same executables were needed...
+    assert warm["xla_compiled"] == 0 and warm["cache_writes"] == 0  # ...and none was compiled
+    assert warm["cache_hits"] == cold["requests"]
+    assert warm["warmup"]["xla_compiled"] == 0
+    assert warm["warmup"]["cache_hits"] == warm["warmup"]["compiled"] == cold["warmup"]["compiled"]
+    assert warm["entries"] == cold["entries"]
+    assert warm["tokens"] == cold["tokens"]  # executables loaded from disk compute the same thing
+
+
+def test_an_empty_directory_turns_the_cache_off(tmp_path):
+    import jax
+    import numpy as np
+
+    from conftest import tiny_config
+    from model.params import init_params
+    from serving import LLM
+
+    previous = jax.config.jax_compilation_cache_dir
+    try:
+        on = str(tmp_path / "on")
+        assert compile_cache.enable(on) == on
+        before = compile_cache.compile_counts()
+        jax.jit(lambda x: x * 3 + 1)(np.arange(5)).block_until_ready()
+        assert (compile_cache.compile_counts() - before).cache_writes == 1
+        assert compile_cache.cache_entries(on) == 1
+
+        cfg = tiny_config()
+        llm = LLM(config=cfg, params=init_params(cfg, jax.random.key(0)), max_num_seqs=2, max_num_batched_tokens=8,
+                  num_pages=4, page_size=8, max_model_len=16, compilation_cache_dir="")
+        assert llm.compilation_cache_dir is None and jax.config.jax_compilation_cache_dir is None
+        entries = compile_cache.cache_entries(on)  # init_params compiled (and cached) before LLM turned it off
+        before = compile_cache.compile_counts()
+        jax.jit(lambda x: x * 5 - 2)(np.arange(7)).block_until_ready()
+        done = compile_cache.compile_counts() - before
+        assert done.compiled == 1 and done.cache_writes == 0 and compile_cache.cache_entries(on) == entries
+    finally:
+        compile_cache.enable(previous or "")
+
+
+def test_cache_directory_precedence(monkeypatch, tmp_path):
+    import jax
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv(compile_cache.ENV_VAR, raising=False)
+    assert compile_cache.default_cache_dir() == str(tmp_path / "xdg" / "ridgeline" / "jax")
+    previous = jax.config.jax_compilation_cache_dir
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        assert compile_cache.resolve_cache_dir(None) == compile_cache.default_cache_dir()
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jaxcfg"))
+        assert compile_cache.resolve_cache_dir(None) == str(tmp_path / "jaxcfg")  # JAX's own setting is kept
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous)
+    assert compile_cache.resolve_cache_dir("") is None
+    assert compile_cache.resolve_cache_dir(str(tmp_path / "a")) == str(tmp_path / "a")
+    monkeypatch.setenv(compile_cache.ENV_VAR, str(tmp_path / "env"))
+    assert compile_cache.resolve_cache_dir(None) == str(tmp_path / "env")
+    assert compile_cache.resolve_cache_dir(str(tmp_path / "a")) == str(tmp_path / "a")  # explicit wins
+    monkeypatch.setenv(compile_cache.ENV_VAR, "")
+    assert compile_cache.resolve_cache_dir(None) is None  # "" in the environment turns it off
+
+
+def test_describe_warmup_says_what_the_cache_did():
+    info = {"compiled": 12, "shapes": 12, "seconds": 3.25, "xla_compiled": 2, "cache_hits": 10}
+    line = compile_cache.describe_warmup(info, "/c")
+    assert line.startswith("warm-up: compiled 12 executables for 12 step shapes in 3.2 s")
+    assert "XLA compiled 2 and 10 were loaded from the persistent compilation cache /c" in line
+    assert compile_cache.describe_warmup(info, None).endswith("(persistent compilation cache off)")
+
+
+def test_an_unwritable_directory_turns_the_cache_off_instead_of_failing():
+    import jax
+
+    previous = jax.config.jax_compilation_cache_dir
+    try:
+        assert compile_cache.enable("/proc/ridgeline-cannot-create-this") is None
+        assert jax.config.jax_compilation_cache_dir is None
+    finally:
+        compile_cache.enable(previous or "")
