@@ -55,7 +55,8 @@ class EngineConfig:
     seed: int = 0
     kv_cache_memory_fraction: float = 0.9  # of device memory, on devices that report it
     host_kv_cache_bytes: int = 256 * 2**20  # pool budget where the device reports no memory (CPU)
-    min_token_bucket: int = 1
+    min_token_bucket: int = 1  # smallest padded token count per step
+    min_context_bucket: int = 64  # smallest padded context (tokens) attention reads per sequence
 
 
 def default_num_pages(cfg: LlamaConfig, config: EngineConfig, max_model_len: int, cache_dtype=None) -> int:
@@ -94,7 +95,7 @@ class Engine:
         self.max_model_len = model_len
         self.num_pages = num_pages
         self.buckets = Buckets(config.max_num_batched_tokens, config.max_num_seqs, -(-model_len // ps),
-                               config.min_token_bucket)
+                               config.min_token_bucket, -(-config.min_context_bucket // ps))
         self.runner = runner or ModelRunner(cfg, params, num_pages=num_pages, page_size=ps, buckets=self.buckets,
                                             backend=config.attention_backend, layout=layout)
         self.block_manager = BlockManager(num_pages, ps, config.enable_prefix_caching)

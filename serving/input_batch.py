@@ -1,9 +1,11 @@
 """Host-side packing of one scheduled step into the step function's padded inputs.
 
 Shapes are padded to buckets so the jitted step compiles once per bucket:
-T tokens (powers of two up to `max_num_batched_tokens`), S = min(T,
-`max_num_seqs`) sequences and logit rows, P pages per sequence (powers of
-two up to the pages of `max_model_len`).
+T tokens (powers of two from `min_tokens` up to `max_num_batched_tokens`),
+S = min(T, `max_num_seqs`) sequences and logit rows, P pages per sequence
+(powers of two from `min_pages` up to the pages of `max_model_len`). S is
+tied to T because padding sequences costs almost nothing; P is a bucket of
+its own because the jnp attention reads P pages for every token.
 
 Everything integer goes into ONE int32 buffer and everything float into ONE
 float32 buffer (offsets fixed by (T, S, P)), so a step costs two host-to-device
@@ -44,6 +46,7 @@ class Buckets:
     max_num_seqs: int
     max_pages_per_seq: int
     min_tokens: int = 1
+    min_pages: int = 1
 
     def __post_init__(self):
         if self.max_num_seqs > self.max_num_batched_tokens:
@@ -56,7 +59,7 @@ class Buckets:
 
     @property
     def page_sizes(self) -> list[int]:
-        return _powers_of_two(self.max_pages_per_seq)
+        return _powers_of_two(self.max_pages_per_seq, min(self.min_pages, self.max_pages_per_seq))
 
     def tokens_for(self, n: int) -> int:
         sizes = self.token_sizes

@@ -26,7 +26,7 @@ CFG = tiny_config()  # vocab 97, 2 layers, hidden 64, EOS 2
 PAGE = 8
 MAX_LEN = 64
 NUM_PAGES = 64
-COMMON = dict(page_size=PAGE, max_model_len=MAX_LEN, num_pages=NUM_PAGES, min_token_bucket=8,
+COMMON = dict(page_size=PAGE, max_model_len=MAX_LEN, num_pages=NUM_PAGES, min_token_bucket=8, min_context_bucket=16,
               attention_backend="reference")
 
 
