@@ -71,7 +71,8 @@ def load_model(args):
 
     directory = args.checkpoint or default_checkpoint_dir()
     cfg, params = load_checkpoint(directory)
-    return cfg, params, load_tokenizer(directory, cfg.vocab_size), directory
+    name = "embedded model (model/default)" if not args.checkpoint else directory
+    return cfg, params, load_tokenizer(directory, cfg.vocab_size), name
 
 
 def make_workload(args, vocab_size: int, bos: int):
@@ -195,15 +196,15 @@ def main():
     ap.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the embedded model)")
     ap.add_argument("--random_config", default=None, help="a named shape (configs/) or JSON path, random weights")
     ap.add_argument("--max_num_seqs", type=int_list, default=int_list("1,2,4,8,16,32"))
-    ap.add_argument("--token_budgets", type=int_list, default=int_list("128"),
+    ap.add_argument("--token_budgets", type=int_list, default=int_list("64"),
                     help="max_num_batched_tokens values (comma-separated)")
     ap.add_argument("--num_requests", type=int, default=32)
-    ap.add_argument("--prompt_len", type=int_list, default=int_list("16,64"), help="min,max prompt tokens")
-    ap.add_argument("--output_len", type=int_list, default=int_list("16,48"), help="min,max output tokens")
-    ap.add_argument("--num_pages", type=int, default=48, help="KV pool size (small, so large batches saturate it)")
+    ap.add_argument("--prompt_len", type=int_list, default=int_list("8,40"), help="min,max prompt tokens")
+    ap.add_argument("--output_len", type=int_list, default=int_list("16,40"), help="min,max output tokens")
+    ap.add_argument("--num_pages", type=int, default=32, help="KV pool size (small, so large batches saturate it)")
     ap.add_argument("--page_size", type=int, default=16)
-    ap.add_argument("--max_model_len", type=int, default=128)
-    ap.add_argument("--min_token_bucket", type=int, default=8)
+    ap.add_argument("--max_model_len", type=int, default=96)
+    ap.add_argument("--min_token_bucket", type=int, default=16)
     ap.add_argument("--attention_backend", default="auto")
     ap.add_argument("--knee_usage", type=float, default=0.95)
     ap.add_argument("--seed", type=int, default=0)
