@@ -1,11 +1,15 @@
 """Test configuration: 8 CPU devices for sharding tests, set before jax is imported."""
 
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+
+# Engines started by the tests cache compilations in a fresh directory, never the user's.
+os.environ.setdefault("RIDGELINE_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="ridgeline-jax-cache-"))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
