@@ -8,7 +8,7 @@ import os
 import time
 from typing import Optional, Sequence, Union
 
-from model.checkpoint import load_checkpoint
+from model.checkpoint import load_checkpoint, load_config
 from model.tokenizer import ByteTokenizer, load_tokenizer
 from serving import compile_cache
 from serving.engine import Engine, EngineConfig
@@ -23,6 +23,17 @@ def default_checkpoint_dir() -> str:
     import model
 
     return os.path.join(os.path.dirname(os.path.abspath(model.__file__)), "default")
+
+
+def tensor_parallel_layout(tensor_parallel_size: int):
+    """The Megatron layout over the first `tensor_parallel_size` devices; None for one device."""
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    if tensor_parallel_size == 1:
+        return None
+    import sharding
+
+    return sharding.Layout.create(sharding.make_mesh(tensor=tensor_parallel_size), "megatron")
 
 
 def _default_tokenizer(cfg):
@@ -47,10 +58,6 @@ class LLM:
                  tensor_parallel_size: int = 1, max_model_len: Optional[int] = None, seed: int = 0,
                  config=None, params=None, tokenizer=None, warmup: bool = False,
                  compilation_cache_dir: Optional[str] = None, **engine_kwargs):
-        if tensor_parallel_size != 1:
-            raise NotImplementedError(
-                f"tensor_parallel_size={tensor_parallel_size}: tensor parallelism is not wired into the engine yet; "
-                "ModelRunner.place accepts param/cache shardings for it")
         t0 = time.perf_counter()
         self.compilation_cache_dir = compile_cache.enable(compilation_cache_dir)
         if (config is None) != (params is None):
@@ -60,12 +67,18 @@ class LLM:
             if not os.path.isdir(directory):
                 raise FileNotFoundError(f"no checkpoint at {directory}"
                                         + ("" if checkpoint else " (the embedded default model is missing)"))
-            config, params = load_checkpoint(directory)
+            config = load_config(directory)
+            layout = tensor_parallel_layout(tensor_parallel_size)
+            # With a layout, every device reads only its own shards from the checkpoint.
+            config, params = load_checkpoint(directory, None if layout is None else layout.param_shardings(config),
+                                             config)
             tokenizer = tokenizer or load_tokenizer(directory, config.vocab_size)
             self.checkpoint = directory
         else:
+            layout = tensor_parallel_layout(tensor_parallel_size)
             tokenizer = tokenizer or _default_tokenizer(config)
             self.checkpoint = None
+        self.layout = layout
         self.config = config
         self.tokenizer = tokenizer
         engine_config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -73,7 +86,7 @@ class LLM:
                                      enable_prefix_caching=enable_prefix_caching,
                                      attention_backend=attention_backend, max_model_len=max_model_len, seed=seed,
                                      **engine_kwargs)
-        self.engine = Engine(config, params, tokenizer, engine_config)
+        self.engine = Engine(config, params, tokenizer, engine_config, layout=layout)
         self.load_seconds = time.perf_counter() - t0
         log.info("loaded in %.1f s (persistent compilation cache: %s)", self.load_seconds,
                  self.compilation_cache_dir or "off")
