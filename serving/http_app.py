@@ -400,7 +400,9 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
         params = ctx.sampling_params(req, "completions", max_tokens, req.logprobs, echo_lp)
         base_id = f"cmpl-{uuid.uuid4().hex}"
         token_prompts = [ids for _, ids in prompts]
-        texts = [t if t is not None else tokenizer.decode(ids) for t, ids in prompts]
+        # A model served without a tokenizer takes token ids only; its prompt text is empty.
+        texts = [t if t is not None else (tokenizer.decode(ids) if tokenizer is not None else "")
+                 for t, ids in prompts]
         if req.stream:
             return await primed_stream(request, _stream_completion(ctx, req, token_prompts, texts, params, base_id))
         try:
