@@ -93,9 +93,9 @@ def test_generate_validates_everything_before_running_anything(llm):
     assert llm.engine.stats().num_steps == before and not llm.engine.has_unfinished_requests()
 
 
-def test_tensor_parallel_is_not_wired_yet():
-    with pytest.raises(NotImplementedError, match="tensor_parallel_size=2"):
-        LLM(tensor_parallel_size=2)
+def test_tensor_parallel_size_below_one_is_rejected():
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(tensor_parallel_size=0)
 
 
 def test_embedded_default_model_text_and_stop_strings():
