@@ -14,7 +14,8 @@ Sections, all in one process:
      them through continuous batching (after one untimed run that compiles the
      shapes the workload uses); transformers runs its best static setup,
      trying one batch of 32 and batches of 8 sorted by length. Only the tokens
-     each request needed count. Prints both and the ratio;
+     each request needed count. The contenders alternate for `--rounds`
+     rounds and each keeps its best time. Prints both and the ratio;
   3. batch-1 decode: tokens/s and bandwidth utilization = weight bytes read
      per step x steps/s / the measured read bandwidth (ridgeline and
      transformers);
@@ -60,7 +61,7 @@ def log(msg):
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def read_bandwidth(mib: int = 512, repeats: int = 7) -> float:
+def read_bandwidth(mib: int = 512, repeats: int = 20) -> float:
     """Bytes/s this machine reads from memory under jitted JAX: the best of a full
     reduction and a matrix-vector product (a decode step's access pattern) over a
     large fp32 array, best of several runs each."""
@@ -198,6 +199,7 @@ def main():
                                                   "offline_throughput.json"))
     ap.add_argument("--quick", action="store_true", help="8 requests, 4 layers: checks the script runs")
     ap.add_argument("--num_requests", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2, help="alternating timed runs per contender; best counts")
     args = ap.parse_args()
 
     shape = dict(SHAPE_125M)
@@ -220,9 +222,9 @@ def main():
     result["model"] = {"shape": {k: v for k, v in shape.items() if k not in ("eos_token_ids",)},
                        "params_millions": cfg.num_params() / 1e6, "param_bytes": param_bytes(params)}
 
-    bw = read_bandwidth(128 if args.quick else 512)
-    log(f"measured read bandwidth: {bw / 1e9:.2f} GB/s")
-    result["read_bandwidth_GBps"] = bw / 1e9
+    bw_mib = 128 if args.quick else 512
+    bw = read_bandwidth(bw_mib)
+    log(f"measured read bandwidth: {bw / 1e9:.2f} GB/s (measured again before the batch-1 section; the max is used)")
 
     hf = hf_model_from(cfg, params)
     gap = logits_gap(cfg, params, hf, [1] + list(range(100, 131)))
@@ -237,46 +239,66 @@ def main():
     t = time.perf_counter()
     ridgeline_run(llm, jobs)
     log(f"ridgeline: untimed first run (compiles the shapes it uses) {time.perf_counter() - t:.1f}s")
-    wall, outs, steps = ridgeline_run(llm, jobs)
+    # Contenders alternate, `--rounds` times, and each keeps its best time: on a shared machine
+    # that is the fairest estimate of what each can do (load comes and goes during a run).
+    configs = (("one_batch_of_%d" % n_req, n_req, False), ("batches_of_8_sorted", 8, True))
+    ours_times, hf_times, steps = [], {name: [] for name, _, _ in configs}, None
+    for r in range(args.rounds):
+        wall, _, round_steps = ridgeline_run(llm, jobs)
+        if not ours_times or wall < min(ours_times):
+            steps = round_steps
+        ours_times.append(wall)
+        log(f"round {r}: ridgeline {useful} tokens in {wall:.1f}s = {useful / wall:.1f} output tok/s "
+            f"over {len(round_steps)} steps")
+        for name, bs, sort in configs:
+            w = hf_run(hf, jobs, bs, sort)
+            hf_times[name].append(w)
+            log(f"round {r}: transformers {name}: {w:.1f}s = {useful / w:.1f} useful tok/s")
+    wall = min(ours_times)
     ours_tps = useful / wall
-    log(f"ridgeline: {useful} tokens in {wall:.1f}s = {ours_tps:.1f} output tok/s over {len(steps)} steps")
-    hf_runs = {}
-    for name, bs, sort in (("one_batch_of_%d" % n_req, n_req, False), ("batches_of_8_sorted", 8, True)):
-        w = hf_run(hf, jobs, bs, sort)
-        hf_runs[name] = {"seconds": w, "useful_output_tok_per_s": useful / w}
-        log(f"transformers {name}: {w:.1f}s = {useful / w:.1f} useful tok/s")
+    hf_runs = {name: {"seconds": min(ts), "seconds_all_rounds": ts, "useful_output_tok_per_s": useful / min(ts)}
+               for name, ts in hf_times.items()}
     best = max(hf_runs, key=lambda k: hf_runs[k]["useful_output_tok_per_s"])
     ratio = ours_tps / hf_runs[best]["useful_output_tok_per_s"]
-    log(f"mixed workload: ridgeline {ours_tps:.1f} vs transformers ({best}) "
+    log(f"mixed workload (best of {args.rounds}): ridgeline {ours_tps:.1f} vs transformers ({best}) "
         f"{hf_runs[best]['useful_output_tok_per_s']:.1f} useful tok/s -> ratio {ratio:.2f}x (target >= 4x)")
     host = sum(s.host_seconds for s in steps)
     result["mixed_workload"] = {
         "requests": n_req, "prompt_tokens": sum(len(p) for p, _ in jobs), "useful_output_tokens": useful,
-        "ridgeline": {"seconds": wall, "output_tok_per_s": ours_tps, "steps": len(steps),
-                      "host_seconds": host, "host_fraction_of_wall": host / wall,
+        "rounds": args.rounds,
+        "ridgeline": {"seconds": wall, "seconds_all_rounds": ours_times, "output_tok_per_s": ours_tps,
+                      "steps": len(steps), "host_seconds": host, "host_fraction_of_wall": host / wall,
                       "max_num_batched_tokens": 512, "page_size": 16},
         "transformers": hf_runs, "transformers_best": best, "ratio_vs_best_transformers": ratio}
 
     # --- 3. batch-1 decode -------------------------------------------------------------------
+    # The machine is shared: a second bandwidth measurement, and the better of the two is the ceiling.
+    bw2 = read_bandwidth(bw_mib)
+    result["read_bandwidth_GBps_samples"] = [bw / 1e9, bw2 / 1e9]
+    bw = max(bw, bw2)
+    result["read_bandwidth_GBps"] = bw / 1e9
+    log(f"read bandwidth again: {bw2 / 1e9:.2f} GB/s; using {bw / 1e9:.2f} GB/s")
     n_dec = 64 if args.quick else 256
     one = [([1] + list(range(500, 515)), n_dec)]
     ridgeline_run(llm, one)
-    _, _, steps = ridgeline_run(llm, one)
-    dec = [s for s in steps if s.num_tokens == 1]
-    step_s = statistics.median(s.host_seconds + s.device_seconds for s in dec)
     wbytes = decode_weight_bytes(cfg, params)
-    ours_bw = wbytes / step_s
     import torch
 
+    step_s = hf_step = float("inf")
     with torch.no_grad():
         ids = torch.tensor([one[0][0]])
         hf.generate(input_ids=ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
-        t = time.perf_counter()
-        hf.generate(input_ids=ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
-        prefill = time.perf_counter() - t
-        t = time.perf_counter()
-        hf.generate(input_ids=ids, max_new_tokens=n_dec, min_new_tokens=n_dec, do_sample=False)
-        hf_step = (time.perf_counter() - t - prefill) / (n_dec - 1)
+        for _ in range(args.rounds):
+            _, _, steps = ridgeline_run(llm, one)
+            dec = [s for s in steps if s.num_tokens == 1]
+            step_s = min(step_s, statistics.median(s.host_seconds + s.device_seconds for s in dec))
+            t = time.perf_counter()
+            hf.generate(input_ids=ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+            prefill = time.perf_counter() - t
+            t = time.perf_counter()
+            hf.generate(input_ids=ids, max_new_tokens=n_dec, min_new_tokens=n_dec, do_sample=False)
+            hf_step = min(hf_step, (time.perf_counter() - t - prefill) / (n_dec - 1))
+    ours_bw = wbytes / step_s
     result["batch1_decode"] = {
         "weight_bytes_per_step": wbytes, "decode_tokens": n_dec,
         "ridgeline": {"tok_per_s": 1 / step_s, "ms_per_step": step_s * 1e3,

@@ -107,11 +107,16 @@ class BlockManager:
         step, or None when the free pool cannot cover it, in which case nothing
         changed.
         """
-        computed_blocks = list(computed_blocks)
         table = self.tables.get(seq.seq_id)
+        ps = self.page_size
+        if table is not None and not computed_blocks:  # fast path: a decode inside its last page
+            start = seq.num_computed_tokens
+            if start + num_new_tokens <= len(table) * ps and (
+                    num_new_tokens == 0 or self.ref[table[start // ps]] == 1):
+                return []
+        computed_blocks = list(computed_blocks)
         if table is None:
             table = []
-        ps = self.page_size
         start = seq.num_computed_tokens + len(computed_blocks) * ps
         need = max(0, self.blocks_needed(start + num_new_tokens) - len(table) - len(computed_blocks))
         write_block = start // ps

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -53,11 +54,11 @@ class Buckets:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                              f"max_num_seqs ({self.max_num_seqs})")
 
-    @property
+    @functools.cached_property
     def token_sizes(self) -> list[int]:
         return _powers_of_two(self.max_num_batched_tokens, self.min_tokens)
 
-    @property
+    @functools.cached_property
     def page_sizes(self) -> list[int]:
         return _powers_of_two(self.max_pages_per_seq, min(self.min_pages, self.max_pages_per_seq))
 
@@ -102,18 +103,22 @@ class StepShape:
     def float_fields(self):
         return (("temperature", self.S), ("top_p", self.S), ("min_p", self.S))
 
-    def offsets(self, fields):
+    @staticmethod
+    def offsets(fields):
         out, o = {}, 0
         for name, n in fields:
             out[name] = (o, n)
             o += n
         return out, o
 
+    @functools.cached_property
+    def _offsets(self):
+        return self.offsets(self.int_fields), self.offsets(self.float_fields)
+
     def split(self, ibuf, fbuf) -> dict:
         """Named views (numpy or jax) of the two buffers."""
         views = {}
-        for buf, fields in ((ibuf, self.int_fields), (fbuf, self.float_fields)):
-            offs, _ = self.offsets(fields)
+        for buf, (offs, _) in zip((ibuf, fbuf), self._offsets):
             for name, (o, n) in offs.items():
                 views[name] = buf[o:o + n]
         views["block_tables"] = views["block_tables"].reshape(self.S, self.P)
@@ -121,8 +126,9 @@ class StepShape:
         return views
 
     def empty(self, pad_slot: int):
-        ibuf = np.zeros(self.offsets(self.int_fields)[1], np.int32)
-        fbuf = np.zeros(self.offsets(self.float_fields)[1], np.float32)
+        (_, isize), (_, fsize) = self._offsets
+        ibuf = np.zeros(isize, np.int32)
+        fbuf = np.zeros(fsize, np.float32)
         v = self.split(ibuf, fbuf)
         v["slots"][:] = pad_slot
         v["target"][:] = -1

@@ -113,6 +113,8 @@ class Scheduler:
     def _plan(self, seq: Sequence, start: int, budget: int, rows_left: int) -> Optional[ScheduledSeq]:
         """How many of `seq`'s tokens to run this step (None: none fit)."""
         remaining = seq.num_tokens - start
+        if remaining == 1 and seq.num_seats == 1:  # a decode (the caller guarantees budget and a row)
+            return ScheduledSeq(seq, start, 1, (seq.sample_index,))
         n = min(remaining, budget)
         plp_done = plp_last = 0
         if seq.wants_prompt_logprobs:
