@@ -121,32 +121,3 @@ def test_embedded_default_model_text_and_stop_strings():
     u = llm.generate("# café — ünïcode ✓\n", SamplingParams(temperature=0.0, max_tokens=8))[0]
     assert u.prompt_token_ids[1:] == list("# café — ünïcode ✓\n".encode("utf-8"))
     assert u.outputs[0].text == llm.tokenizer.decode(u.outputs[0].token_ids)
-
-
-def test_sharding_hook_places_params_and_cache_on_a_tensor_mesh():
-    """The runner's `layout` hook: on a 2-way tensor mesh the engine gives the same greedy tokens
-    and the KV pool is split over KV heads (what `tensor_parallel_size` will build on)."""
-    import sharding
-    from conftest import tiny_config
-    from serving.engine import Engine, EngineConfig
-
-    cfg = tiny_config(vocab_size=96)  # the vocab splits over the mesh
-    params = init_params(cfg, jax.random.key(3))
-    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, page_size=8, num_pages=16, max_model_len=64,
-                          min_token_bucket=8, attention_backend="reference")
-
-    def run(layout):
-        engine = Engine(cfg, params, None, config, layout=layout)
-        for i in range(3):
-            engine.add_request(f"r{i}", [1] + list(range(3, 9 + 6 * i)),
-                               SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-        outs = {}
-        while engine.has_unfinished_requests():
-            outs.update({o.request_id: o.outputs[0].token_ids for o in engine.step()})
-        return outs, engine
-
-    single, _ = run(None)
-    sharded, engine = run(sharding.Layout.create(sharding.make_mesh(tensor=2)))
-    assert sharded == single
-    k = engine.runner.cache.k[0]
-    assert len(k.sharding.device_set) == 2 and k.addressable_shards[0].data.shape[2] == cfg.num_kv_heads // 2
