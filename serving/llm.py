@@ -62,20 +62,19 @@ class LLM:
         self.compilation_cache_dir = compile_cache.enable(compilation_cache_dir)
         if (config is None) != (params is None):
             raise ValueError("pass both config and params (an in-memory model) or neither")
+        layout = tensor_parallel_layout(tensor_parallel_size)
         if config is None:
             directory = checkpoint or default_checkpoint_dir()
             if not os.path.isdir(directory):
                 raise FileNotFoundError(f"no checkpoint at {directory}"
                                         + ("" if checkpoint else " (the embedded default model is missing)"))
             config = load_config(directory)
-            layout = tensor_parallel_layout(tensor_parallel_size)
             # With a layout, every device reads only its own shards from the checkpoint.
             config, params = load_checkpoint(directory, None if layout is None else layout.param_shardings(config),
                                              config)
             tokenizer = tokenizer or load_tokenizer(directory, config.vocab_size)
             self.checkpoint = directory
         else:
-            layout = tensor_parallel_layout(tensor_parallel_size)
             tokenizer = tokenizer or _default_tokenizer(config)
             self.checkpoint = None
         self.layout = layout
