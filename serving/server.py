@@ -48,6 +48,10 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_model_len", None, "Context window; default: the model's, capped by the pool.")
     flags.DEFINE_boolean("enable_prefix_caching", True, "Reuse cached KV pages of shared prompt prefixes.")
     flags.DEFINE_integer("tensor_parallel_size", 1, "Devices to shard the model over (tensor parallelism).")
+    flags.DEFINE_integer("pipeline_parallel_size", 1, "Pipeline stages (contiguous layers each), each stage "
+                                                      "tensor_parallel_size devices.")
+    flags.DEFINE_integer("num_microbatches", 1, "Microbatches a step's tokens are cut into so pipeline stages "
+                                                "overlap (needs pipeline_parallel_size > 1).")
     flags.DEFINE_string("attention_backend", "auto", "Attention backend: auto, reference, pallas, pallas_interpret.")
     flags.DEFINE_integer("seed", 0, "Engine seed (for requests that give none).")
     flags.DEFINE_float("peak_bandwidth_gbps", None, "Device memory bandwidth for MBU, GB/s (default: GPU table).")
@@ -191,7 +195,8 @@ def make_llm_from_flags():
     return LLM(FLAGS.checkpoint, max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
                page_size=FLAGS.page_size, num_pages=FLAGS.num_pages, max_model_len=FLAGS.max_model_len,
                enable_prefix_caching=FLAGS.enable_prefix_caching, attention_backend=FLAGS.attention_backend,
-               tensor_parallel_size=FLAGS.tensor_parallel_size, seed=FLAGS.seed,
+               tensor_parallel_size=FLAGS.tensor_parallel_size, pipeline_parallel_size=FLAGS.pipeline_parallel_size,
+               num_microbatches=FLAGS.num_microbatches, seed=FLAGS.seed,
                min_token_bucket=FLAGS.min_token_bucket, compilation_cache_dir=FLAGS.compilation_cache_dir,
                warmup=True)
 
@@ -229,7 +234,7 @@ def main(argv) -> None:
         log.info("%s", line)
     fastapi_app, async_engine, _ = build_stack(llm, FLAGS.served_model_name, peak=_peak_from_flags(),
                                                metrics_window_s=FLAGS.metrics_window_s,
-                                               num_devices=FLAGS.tensor_parallel_size,
+                                               num_devices=FLAGS.tensor_parallel_size * FLAGS.pipeline_parallel_size,
                                                profile_dir=FLAGS.profile_dir)
     if FLAGS.profile_dir:
         log.info("profiling: POST /start_profile and /stop_profile write traces under %s", FLAGS.profile_dir)
