@@ -2,8 +2,8 @@
 
 Same step, same buckets, same host inputs as `ModelRunner`; what differs is
 the device state: params are `StagedWeights` (each layer on its stage's
-devices) and the KV cache holds, per stage-local layer, one `[p, pages, ...]`
-array sharded over `pipeline`. The block manager is unchanged: page ids are
+devices) and the KV cache holds, per stage-local layer, one `[p * pages, ...]`
+array whose page axis is split over `pipeline`. The block manager is unchanged: page ids are
 the same on every stage, each stage holding those pages for its own layers.
 The step itself is `model_runner`'s: the layout supplies the forward pass.
 """
@@ -15,19 +15,12 @@ import time
 import jax
 import numpy as np
 
-from model.cache import KVCache
+from sharding.pipeline import copy_staged_pages
 from serving.input_batch import StepShape
 from serving.model_runner import ModelRunner
 
 
-def _copy_staged_pages(cache: KVCache, src, dst):
-    """Copy-on-write of whole pages on every stage ([p, pages, ...]: the page axis is 1)."""
-    k = [x.at[:, dst].set(x[:, src], mode="drop") for x in cache.k]
-    v = [x.at[:, dst].set(x[:, src], mode="drop") for x in cache.v]
-    return KVCache(k=k, v=v)
-
-
-_copy_staged_jit = jax.jit(_copy_staged_pages, donate_argnums=(0,))
+_copy_staged_jit = jax.jit(copy_staged_pages, static_argnames=("layout",), donate_argnums=(0,))
 
 
 class PipelineRunner(ModelRunner):
@@ -39,7 +32,7 @@ class PipelineRunner(ModelRunner):
         return staged, cache
 
     def _copy(self, src, dst):
-        self.cache = _copy_staged_jit(self.cache, src, dst)
+        self.cache = _copy_staged_jit(self.cache, src, dst, layout=self.layout)
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         for i in range(0, len(copies), self.copy_sizes[-1]):

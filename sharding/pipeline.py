@@ -2,14 +2,20 @@
 
 Placement. With `p` stages and `L` layers, stage `s` owns global layers
 `s*L/p .. (s+1)*L/p - 1`. The stage weights are held per stage-local layer
-`j`: each weight is one array with a leading `[p]` dimension (entry `s` is
-global layer `s*L/p + j`) sharded over `pipeline`, and over `tensor` inside a
-stage exactly as the rule table says for the unstaged weight. So every device
-holds only its stage's layers (and only its tensor shard of them); the jitted
-step indexes nothing across stages and copies no weight. The paged KV cache
-is staged the same way: per stage-local layer, `[p, pages, page_size,
-kv_heads, head_dim]`, with the same page ids on every stage (the block manager
-is unchanged; each stage holds the pages of its own layers).
+`j`: each weight is one array holding the `p` stages' copies of that weight
+concatenated along its first dimension (rows `s*n .. (s+1)*n - 1` are global
+layer `s*L/p + j`), that dimension sharded over `pipeline` first and then over
+whatever the rule table gives it (`tensor` for `wo` and `w_down`), the other
+dimensions exactly as for the unstaged weight. So every device holds only its
+stage's layers (and only its tensor shard of them), and inside the pipeline's
+`shard_map` each stage sees its own weight with the unstaged shape: nothing is
+indexed, reshaped or copied per step. (A separate leading `[p]` dimension
+would need a squeeze inside the stage; with one KV head per device, XLA then
+copied the whole KV pool in and out of the step, as layouts of two size-1
+dimensions did not match.) The paged KV cache is staged the same way: per
+stage-local layer, `[p * pages, page_size, kv_heads, head_dim]` with the page
+axis split over `pipeline`, so every stage has pages `0 .. pages-1` of its own
+layers under the same page ids (the block manager is unchanged).
 
 The embedding table, the final norm and the `lm_head` are replicated over
 stages (and split over `tensor` as usual). That costs each device one extra
@@ -68,7 +74,8 @@ class PipelineError(ValueError):
 @pytree_dataclass
 class StagedWeights:
     """Weights with the layers regrouped by stage: `stages[j]` is a `Layer` whose every
-    array has a leading `[p]` dimension (stage `s` holds global layer `s * L/p + j`).
+    array is the `p` stages' copies concatenated along the first dimension (stage `s`'s
+    block is global layer `s * L/p + j`).
     `embed`, `final_norm` and `lm_head` keep the names of `model.params.Weights`, so the
     model's `output_logits` applies to them unchanged."""
 
@@ -155,8 +162,13 @@ class PipelineLayout:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
 
-    def _tp_spec(self, info, where: str) -> PartitionSpec:
-        return self.tensor_layout.spec(info.logical_axes, info.shape, where=where)
+    def _staged_spec(self, info, where: str) -> PartitionSpec:
+        """The unstaged spec with `pipeline` put in front of the first dimension's mesh axes."""
+        spec = tuple(self.tensor_layout.spec(info.logical_axes, info.shape, where=where))
+        spec += (None,) * (len(info.shape) - len(spec))
+        first = spec[0]
+        first = () if first is None else (first,) if isinstance(first, str) else tuple(first)
+        return PartitionSpec((PIPELINE,) + first if first else PIPELINE, *spec[1:])
 
     def param_shardings(self, cfg: LlamaConfig) -> Weights:
         """Shardings of the unstaged `Weights` (e.g. to restore a checkpoint into): each layer on
@@ -171,13 +183,14 @@ class PipelineLayout:
         return dataclasses.replace(full, layers=layers)
 
     def staged_shardings(self, cfg: LlamaConfig) -> StagedWeights:
-        """Shardings of the `StagedWeights`: a leading `pipeline` dimension on every layer weight."""
+        """Shardings of the `StagedWeights`: every layer weight's first dimension split over
+        `pipeline` (then over its own mesh axes)."""
         self.check(cfg)
         decl = Weights.declare(cfg)
         layer_decl = decl.layers[0]
 
         def staged(info, name):
-            return NamedSharding(self.mesh, PartitionSpec(PIPELINE, *self._tp_spec(info, name)))
+            return NamedSharding(self.mesh, self._staged_spec(info, name))
 
         stage_layer = Layer(**{f.name: staged(getattr(layer_decl, f.name), f"layers.{f.name}")
                                for f in dataclasses.fields(Layer)})
@@ -186,9 +199,10 @@ class PipelineLayout:
                              final_norm=full.final_norm, lm_head=full.lm_head)
 
     def cache_shardings(self, cfg: LlamaConfig, num_pages: int, page_size: int, dtype=None) -> KVCache:
-        """Shardings of the staged cache: per stage-local layer `[p, pages, slot, kv_heads, head_dim]`."""
+        """Shardings of the staged cache: per stage-local layer `[p * pages, slot, kv_heads, head_dim]`,
+        the page axis split over `pipeline`."""
         info = KVCache.declare(cfg, num_pages, page_size, dtype).k[0]
-        sh = NamedSharding(self.mesh, PartitionSpec(PIPELINE, *self._tp_spec(info, "cache")))
+        sh = NamedSharding(self.mesh, self._staged_spec(info, "cache"))
         n = self.layers_per_stage(cfg)
         return KVCache(k=[sh] * n, v=[sh] * n)
 
@@ -196,8 +210,8 @@ class PipelineLayout:
     def stage_params(self, cfg: LlamaConfig, params: Weights) -> StagedWeights:
         """Regroups `Weights` by stage. Each layer is first put on its stage's devices (a no-op
         for weights restored with `param_shardings`); the `[p]` arrays are then assembled from
-        those per-device buffers, so nothing crosses stages and no device ever holds
-        another stage's layers."""
+        those per-device buffers (no copy), so nothing crosses stages and no device ever
+        holds another stage's layers."""
         params = jax.device_put(params, self.param_shardings(cfg))
         targets = self.staged_shardings(cfg)
         per_stage, p = self.layers_per_stage(cfg), self.pipeline_parallel_size
@@ -211,7 +225,7 @@ class PipelineLayout:
 
     def init_cache(self, cfg: LlamaConfig, num_pages: int, page_size: int, dtype=None) -> KVCache:
         info = KVCache.declare(cfg, num_pages, page_size, dtype).k[0]
-        shape = (self.pipeline_parallel_size,) + info.shape
+        shape = (self.pipeline_parallel_size * num_pages,) + info.shape[1:]
         shardings = self.cache_shardings(cfg, num_pages, page_size, dtype)
 
         def build():
@@ -228,13 +242,14 @@ class PipelineLayout:
 
 
 def _stack_stage_arrays(arrays, target: NamedSharding) -> jax.Array:
-    """One `[p, ...]` array from p arrays, array `s` living on stage `s`'s devices."""
-    shape = (len(arrays),) + arrays[0].shape
+    """One array from p arrays concatenated along dimension 0, array `s` living on stage `s`'s
+    devices: the staged array is assembled from the very same device buffers."""
+    shape = (len(arrays) * arrays[0].shape[0],) + arrays[0].shape[1:]
     by_device = {}
     for a in arrays:
         for shard in a.addressable_shards:
             by_device[shard.device] = shard.data
-    pieces = [jnp.expand_dims(by_device[d], 0) for d in target.addressable_devices_indices_map(shape)]
+    pieces = [by_device[d] for d in target.addressable_devices_indices_map(shape)]
     return jax.make_array_from_single_device_arrays(shape, target, pieces)
 
 
@@ -294,7 +309,7 @@ def pipeline_forward(params: StagedWeights, cache: KVCache, tokens, md: BatchMet
     T = tokens.shape[0]
     mb_tokens = -(-T // m)
     padded = mb_tokens * m
-    pages, page_size = cache.k[0].shape[1], cache.k[0].shape[2]
+    pages, page_size = cache.k[0].shape[0] // p, cache.k[0].shape[1]
     drop_slot = pages * page_size  # one past the end: every cache write drops it
     tokens = _pad_to(tokens, padded, 0)
     md = dataclasses.replace(md, positions=_pad_to(md.positions, padded, 0),
@@ -309,8 +324,7 @@ def pipeline_forward(params: StagedWeights, cache: KVCache, tokens, md: BatchMet
         inner = _StageLayout(jax.sharding.get_abstract_mesh(), layout.rules)
         impl = inner.attention_backend(get_backend(backend), cfg)
         inv_freq = rope_frequencies(cfg)
-        layers = [jax.tree.map(lambda a: a[0], layer) for layer in stages]
-        ks, vs = [k[0] for k in k_cache], [v[0] for v in v_cache]
+        layers, ks, vs = stages, k_cache, v_cache  # this stage's own blocks, unstaged shapes
 
         def tick(t, carry):
             state, outs, ks, vs = carry
@@ -342,7 +356,7 @@ def pipeline_forward(params: StagedWeights, cache: KVCache, tokens, md: BatchMet
         # share them with every stage (an all-reduce of [rows, embed] over `pipeline`).
         rows = outs.reshape(padded, cfg.hidden_size)[mmd.logits_indices]
         rows = jax.lax.psum(jnp.where(stage == p - 1, rows, jnp.zeros_like(rows)), PIPELINE)
-        return rows, [k[None] for k in ks], [v[None] for v in vs]
+        return rows, ks, vs
 
     staged = PartitionSpec(PIPELINE)
     rep = PartitionSpec()
@@ -352,6 +366,21 @@ def pipeline_forward(params: StagedWeights, cache: KVCache, tokens, md: BatchMet
     with jax.named_scope("logits"):
         logits = output_logits(params, tp.constrain(rows, ("tokens", "embed")), cfg, tp)
     return logits, KVCache(k=new_k, v=new_v)
+
+
+def copy_staged_pages(cache: KVCache, src, dst, layout: PipelineLayout) -> KVCache:
+    """Copy-on-write of whole pages src[i] -> dst[i] on every stage, each stage in its own
+    block of the page axis (dst == pages is padding and dropped)."""
+
+    def local(k, v):
+        k = [x.at[dst].set(x[src], mode="drop") for x in k]
+        v = [x.at[dst].set(x[src], mode="drop") for x in v]
+        return k, v
+
+    staged = PartitionSpec(PIPELINE)
+    k, v = jax.shard_map(local, mesh=layout.mesh, axis_names={PIPELINE}, check_vma=False,
+                         in_specs=(staged, staged), out_specs=(staged, staged))(cache.k, cache.v)
+    return KVCache(k=k, v=v)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "layout", "num_ticks"), donate_argnames=("cache",))
