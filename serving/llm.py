@@ -69,6 +69,11 @@ class LLM:
     points JAX's persistent compilation cache somewhere (None: the default
     location, see `serving.compile_cache`; "": off), so a second start loads
     its executables instead of compiling them.
+
+    `tensor_parallel_size=T` shards every layer over T devices;
+    `pipeline_parallel_size=P` splits the layers into P stages of T devices
+    each, and `num_microbatches=M` cuts each step's tokens into M microbatches
+    that flow through the stages (docs/sharding.md, "Pipeline parallelism").
     """
 
     def __init__(self, checkpoint: Optional[str] = None, *, max_num_seqs: int = 64,

@@ -10,7 +10,10 @@ Device placement of params and cache happens in exactly one place,
 with `param_shardings(cfg)`, `cache_shardings(cfg, num_pages, page_size,
 dtype)`, `replicated` (the sharding of host inputs) and what `model.forward`
 accepts as its `layout` (`sharding.Layout` is one). With `layout=None`
-everything lives on the default device and no sharding code runs.
+everything lives on the default device and no sharding code runs. A layout
+with a `forward` method of its own (`sharding.pipeline.PipelineLayout`) runs
+the model through it instead; its staged params and cache are placed by
+`serving.pipeline_runner.PipelineRunner`.
 """
 
 from __future__ import annotations
