@@ -26,7 +26,7 @@ lookup and the logits run outside the pipelined region under ordinary
 tensor-parallel sharding.
 
 Schedule (`pipeline_forward`). The padded token batch `[T]` is cut into `m`
-contiguous microbatches of `ceil(T/m)` tokens (token ranges, not sequences,
+(at most `T`) contiguous microbatches of `ceil(T/m)` tokens (token ranges, not sequences,
 so every microbatch has the same static shape and equal work). Per-microbatch
 attention metadata is derived on the device from the step's `BatchMetadata`
 (`microbatch_metadata`), so the host packer and what is broadcast to other
@@ -56,10 +56,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kernels_pallas import get_backend
-from model.cache import CACHE_AXES, BatchMetadata, KVCache
+from model.cache import BatchMetadata, KVCache
 from model.config import LlamaConfig
 from model.forward import attention_block, mlp_block, output_logits, rope_frequencies
-from model.params import Layer, Weights, is_array_info, pytree_dataclass
+from model.params import Layer, Weights, pytree_dataclass
 from sharding.layout import Layout
 from sharding.mesh import MeshError, make_mesh, mesh_axis_sizes
 from sharding.rules import RuleError, Rules, load_rules
@@ -303,10 +303,11 @@ def pipeline_forward(params: StagedWeights, cache: KVCache, tokens, md: BatchMet
     times a schedule without the fill/drain ticks to measure what they cost; any other
     value gives wrong results.
     """
-    p, m = layout.pipeline_parallel_size, layout.num_microbatches
+    T = tokens.shape[0]
+    # More microbatches than tokens would only add empty ticks (small decode buckets).
+    p, m = layout.pipeline_parallel_size, min(layout.num_microbatches, T)
     ticks = m + p - 1 if num_ticks is None else num_ticks
     tp = layout.tensor_layout
-    T = tokens.shape[0]
     mb_tokens = -(-T // m)
     padded = mb_tokens * m
     pages, page_size = cache.k[0].shape[0] // p, cache.k[0].shape[1]

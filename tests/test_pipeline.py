@@ -62,7 +62,7 @@ def pipelined(pp, tp, m):
     return llm, greedy(llm, prompts(CFG.vocab_size))
 
 
-@pytest.mark.parametrize("pp,tp,m", [(2, 4, 1), (2, 4, 3), (4, 2, 1), (4, 2, 4)])
+@pytest.mark.parametrize("pp,tp,m", [(2, 4, 1), (2, 4, 3), (4, 2, 4)])
 def test_greedy_tokens_identical_to_single_device(pp, tp, m):
     want = single_device_tokens()
     assert sum(map(len, want)) == 48 and len({tuple(t) for t in want}) == 6  # not vacuous
@@ -144,14 +144,28 @@ def reference_logits():
                      init_cache(CFG, 16, 4))
 
 
-@pytest.mark.parametrize("pp,tp,m", [(2, 4, 3), (4, 2, 16), (2, 1, 5)])
+@pytest.mark.parametrize("pp,tp,m", [(2, 4, 3), (4, 2, 16), (2, 1, 5), (2, 2, 64)])
 def test_pipelined_forward_logits_match(pp, tp, m):
     """m=3 and 5 do not divide the 16 tokens (padded microbatches); m=16 is one token each,
-    so every multi-token chunk is cut across microbatches."""
+    so every multi-token chunk is cut across microbatches; m=64 is capped at the 16 tokens."""
     layout = make_pipeline_layout(pp, tp, m)
     fn = lambda p, c, t, md: pipeline_forward_jit(p, c, t, md, CFG, "reference", layout)
     got = run_steps(fn, layout.stage_params(CFG, params()), layout.init_cache(CFG, 16, 4))
     for a, b in zip(got, reference_logits()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_pallas_kernels_run_inside_the_stages():
+    """The Pallas kernels (interpreted) inside each stage's tensor-parallel shard_map, fed the
+    derived per-microbatch metadata (sequences with no token in a microbatch in the middle of
+    the batch). TP=4 over 2 KV heads: each device slices its replicated KV head."""
+    cfg = tiny_config(vocab_size=128, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=16)
+    host = init_params(cfg, jax.random.key(3))
+    want = run_steps(lambda p, c, t, md: forward_jit(p, c, t, md, cfg, "reference"), host, init_cache(cfg, 16, 4))
+    layout = make_pipeline_layout(2, 4, 3)
+    fn = lambda p, c, t, md: pipeline_forward_jit(p, c, t, md, cfg, "pallas_interpret", layout)
+    got = run_steps(fn, layout.stage_params(cfg, host), layout.init_cache(cfg, 16, 4))
+    for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
@@ -199,11 +213,11 @@ def test_embedded_checkpoint_restores_into_stages_and_nothing_compiles_after_war
     events = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda name, secs, **kw: events.append(name) if "backend_compile" in name else None)
-    common = dict(COMMON, min_token_bucket=8)  # 8-token steps: 3 microbatches of 3 tokens, padded
+    common = dict(COMMON, min_token_bucket=16)  # 16-token steps: 3 microbatches of 6 tokens, padded
     batch = prompts(256, n=4, seed=1)
     want = greedy(LLM(**common), batch)
     llm = LLM(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=3, warmup=True, **common)
-    assert llm.warmup_info["shapes"] >= 3
+    assert llm.warmup_info["shapes"] >= 2
     # Restored straight onto the stages: layer 3 of the checkpoint is stage 1's second layer.
     up = llm.engine.runner.params.stages[1].w_up
     assert len(up.sharding.device_set) == 4
