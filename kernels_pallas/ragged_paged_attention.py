@@ -274,11 +274,12 @@ def check_supported(q, k_pages, v_pages, block_tables):
 @functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "rows", "block_kv", "num_kv_splits",
                                              "num_warps", "num_stages"))
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-                           sm_scale: float | None = None, k_scale=None, v_scale=None, interpret: bool = False, rows: int | None = None,
-                           block_kv: int | None = None, num_kv_splits: int | None = None,
+                           sm_scale: float | None = None, k_scale=None, v_scale=None, interpret: bool = False,
+                           rows: int | None = None, block_kv: int | None = None, num_kv_splits: int | None = None,
                            num_warps: int = 4, num_stages: int = 2):
     """Pallas ragged paged attention; same contract as the reference.
 
+    `k_scale` / `v_scale`: per-token scales of int8 / fp8 pages (None: float pages).
     Tuning knobs (static): `rows` per query tile (tokens x padded group, a
     power of two >= 16), `block_kv` KV tokens per loop step, `num_kv_splits`
     (None: from shapes), Triton `num_warps` / `num_stages`.
