@@ -147,7 +147,8 @@ def describe_startup(llm) -> list[str]:
     lines.append(
         f"KV pool: {engine.num_pages} pages x {engine.config.page_size} tokens = "
         f"{engine.num_pages * engine.config.page_size} tokens, {_human_bytes(pool_bytes)} "
-        f"({_human_bytes(_kv_bytes_per_token(engine) or cfg.kv_bytes_per_token())} per token, {kv_dtype}); max_model_len {engine.max_model_len}; "
+        f"({_human_bytes(_kv_bytes_per_token(engine) or cfg.kv_bytes_per_token())} per token, {kv_dtype}); "
+        f"max_model_len {engine.max_model_len}; "
         f"max_num_seqs {engine.config.max_num_seqs}, max_num_batched_tokens {engine.config.max_num_batched_tokens}, "
         f"prefix caching {'on' if engine.config.enable_prefix_caching else 'off'}")
     lines.append(f"loaded in {llm.load_seconds:.1f} s")
