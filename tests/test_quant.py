@@ -342,3 +342,25 @@ def test_backend_without_quantized_kv_support_is_refused():
         _forward(params, cache, tokens, md, cfg=cfg, backend="plain_float_only")
     logits, cache = _forward(params, cache, tokens, md, cfg=cfg, backend="reference")
     assert np.isfinite(np.asarray(logits)).all() and float(jnp.abs(cache.k[0].scale).sum()) > 0
+
+
+def test_plan_counts_real_quantized_bytes():
+    from model.config import config_by_name
+    from sharding.estimate import PlanInputs, plan
+    from sharding.hardware import get_gpu
+
+    cfg = config_by_name("llama3-8b")
+    bf16 = plan(PlanInputs(cfg=cfg, gpu=get_gpu("h200")))
+    q = plan(PlanInputs(cfg=cfg, gpu=get_gpu("h200"), weight_dtype="int8", kv_dtype="int8"))
+    h, f, v, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
+    d, nq, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    linear = L * (h * d * (2 * nq + 2 * nkv) + 3 * h * f) + h * v  # one byte each (lm_head included)
+    scales = 4 * (L * (d * (nq + 2 * nkv) + h + 2 * f + h) + v)  # fp32, one per output channel
+    floats = 2 * (v * h + (2 * L + 1) * h)  # bf16 embedding table and norms
+    assert q["model"]["weight_bytes_total"] == linear + scales + floats
+    assert q["model"]["params"] == bf16["model"]["params"] == cfg.num_params()
+    assert q["memory"]["kv_bytes_per_token"] == 2 * L * nkv * (d + 4)
+    assert q["inputs"]["kv_dtype"] == "int8"
+    assert plan(PlanInputs(cfg=cfg, gpu=get_gpu("h200"), weight_dtype="int8"))["inputs"]["kv_dtype"] == "bfloat16"
+    # Decode at batch 1 streams about half the bytes, so its ceiling nearly doubles.
+    assert 1.8 < q["decode"]["tokens_per_s"] / bf16["decode"]["tokens_per_s"] < 2.0
