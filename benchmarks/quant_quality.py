@@ -142,7 +142,12 @@ def main(argv=None) -> int:
     ap.add_argument("--num_windows", type=int, default=128, help="held-out windows of 256 bytes per variant")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--checkpoint", default=None, help="default: the embedded model")
+    ap.add_argument("--table_from", metavar="JSON", default=None, help="only print the table of a results file")
     args = ap.parse_args(argv)
+    if args.table_from:
+        with open(args.table_from) as f:
+            print(markdown(json.load(f)))
+        return 0
 
     from serving.llm import default_checkpoint_dir
 
@@ -196,12 +201,12 @@ def main(argv=None) -> int:
 
 def markdown(r: dict) -> str:
     v = r["variants"]
-    lines = ["| variant | loss (nats/byte) | vs fp32 (± paired s.e.) | perplexity | top-1 = fp32 | weight bytes | streamed / step "
+    lines = ["| variant | loss (nats/byte) | vs fp32, millinats/byte (± paired s.e.) | perplexity | top-1 = fp32 | weight bytes | streamed / step "
              "| KV bytes/token | KV pool tokens (256 MiB) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, x in v.items():
-        lines.append(f"| {name} | {x['loss_nats_per_byte']:.4f} | {x['loss_delta_vs_fp32']:+.4f} "
-                     f"± {x['loss_delta_stderr']:.4f} | "
+        lines.append(f"| {name} | {x['loss_nats_per_byte']:.4f} | {x['loss_delta_vs_fp32'] * 1e3:+.2f} "
+                     f"± {x['loss_delta_stderr'] * 1e3:.2f} | "
                      f"{x['perplexity']:.4f} | {x['top1_agreement_with_fp32']:.2%} | {x['weight_bytes'] / 1e6:.2f} MB "
                      f"| {x['streamed_weight_bytes'] / 1e6:.2f} MB | {x['kv_bytes_per_token']:,} | "
                      f"{x['kv_pool_tokens']:,} |")
