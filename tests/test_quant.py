@@ -269,6 +269,7 @@ def test_quantized_forward_matches_full_precision_on_the_embedded_model(embedded
 
 def test_llm_generate_with_int8_weights_and_int8_kv(embedded):
     from serving.llm import LLM
+    from serving.model_runner import compilation_count
     from serving.sampling_params import SamplingParams
 
     prompts = ["def main(", "import os\nimport ", "class Foo:\n    def __init__(self", "for i in range(",
@@ -276,13 +277,15 @@ def test_llm_generate_with_int8_weights_and_int8_kv(embedded):
     sp = SamplingParams(temperature=0.0, max_tokens=12)
     # One step shape (16 tokens, 4 sequences, 4 pages) keeps compilation to one program per engine.
     kw = dict(max_num_seqs=4, max_num_batched_tokens=16, min_token_bucket=16, num_pages=48, max_model_len=64)
-    llm = LLM(weight_dtype="int8", kv_cache_dtype="int8", **kw)
+    llm = LLM(weight_dtype="int8", kv_cache_dtype="int8", warmup=True, **kw)
     assert llm.config.weight_dtype == "int8"
     assert llm.engine.runner.params.layers[0].wq.data.dtype == jnp.int8
     assert llm.engine.runner.cache.k[0].data.dtype == jnp.int8
+    compiled = compilation_count()
     batched = llm.generate(prompts, sp)
     alone = llm.generate(prompts[2], sp)[0]
     assert alone.outputs[0].token_ids == batched[2].outputs[0].token_ids
+    assert compilation_count() == compiled  # warm-up covered every step shape of the quantized model
     assert all(len(o.outputs[0].token_ids) == 12 for o in batched)
     # Against the float model: greedy continuations agree on most prompts' first tokens.
     ref = LLM(**kw).generate(prompts, sp)
@@ -364,3 +367,19 @@ def test_plan_counts_real_quantized_bytes():
     assert plan(PlanInputs(cfg=cfg, gpu=get_gpu("h200"), weight_dtype="int8"))["inputs"]["kv_dtype"] == "bfloat16"
     # Decode at batch 1 streams about half the bytes, so its ceiling nearly doubles.
     assert 1.8 < q["decode"]["tokens_per_s"] / bf16["decode"]["tokens_per_s"] < 2.0
+
+
+def test_copy_on_write_copies_quantized_pages_and_their_scales():
+    from serving.model_runner import _copy_jit
+
+    cfg = tiny_config(num_layers=1)
+    rng = np.random.RandomState(5)
+    cache = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape) * 50, x.dtype),
+                         init_cache(cfg, 6, 4, "fp8"))
+    before = jax.tree.map(np.asarray, cache)
+    out = _copy_jit(cache, np.array([1, 3], np.int32), np.array([4, 6], np.int32))  # 6 = padding: dropped
+    for got, old in zip(jax.tree.leaves(out), jax.tree.leaves(before)):
+        got = np.asarray(got)
+        np.testing.assert_array_equal(got[4], old[1])
+        np.testing.assert_array_equal(np.delete(got, 4, axis=0), np.delete(old, 4, axis=0))
+    assert isinstance(out.k[0], QuantizedArray) and out.k[0].scale.shape == (6, 4, cfg.num_kv_heads)
