@@ -80,7 +80,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="alternating rounds; each variant keeps its best")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--variants", default="bf16,int8,fp8")
+    ap.add_argument("--budget-s", type=float, default=180.0,
+                    help="stop compiling further variants after this many seconds (the rest are reported skipped)")
     args = ap.parse_args(argv)
+    start = time.perf_counter()
     smoke = args.smoke
     model = args.model or ("tiny" if smoke else "llama3-8b")
     context = args.context or (64 if smoke else 1024)
@@ -106,8 +109,12 @@ def main(argv=None) -> int:
 
     pages, tokens, md = decode_inputs(context)
     kv_read = context * quant.kv_bytes_per_token(cfg)
-    caches, best, logits_of, compile_s = {}, {}, {}, {}
-    for name, (c, p) in variants.items():  # compile and warm up each variant once
+    caches, best, logits_of, compile_s, skipped = {}, {}, {}, {}, []
+    for name, (c, p) in list(variants.items()):  # compile and warm up each variant once
+        if time.perf_counter() - start > args.budget_s:
+            skipped.append(name)
+            del variants[name]
+            continue
         t0 = time.perf_counter()
         cache = init_cache(c, pages, PAGE)
         logits, caches[name] = forward_jit(p, cache, tokens, md, c, backend)
@@ -142,11 +149,13 @@ def main(argv=None) -> int:
               f"{r.get('speedup_vs_bf16', float('nan')):>8.2f} {r.get('byte_ratio_vs_bf16', float('nan')):>8.2f}")
     result = {"model": model, "batch": 1, "context": context, "steps": steps, "rounds": rounds, "backend": backend,
               "device": jax.devices()[0].device_kind, "jax": jax.__version__, "smoke": smoke, "variants": rows,
-              "ok": ok}
+              "skipped_over_budget": skipped, "ok": ok}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"gpu_quant_decode{'_smoke' if smoke else ''}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
+    if skipped:
+        print(f"skipped (over the {args.budget_s:.0f} s budget): {', '.join(skipped)}")
     print(f"wrote {path}")
     return 0 if ok else 1
 
