@@ -296,6 +296,16 @@ def test_llm_generate_with_int8_weights_and_int8_kv(embedded):
     assert llm.engine.describe()["kv_bytes_per_token"] == 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + 4)
     float_bytes = quant.streamed_weight_bytes(embedded[1], embedded[0])
     assert quant.streamed_weight_bytes(llm.engine.runner.params, cfg) < 0.45 * float_bytes
+    # The MBU gauge's cost model and the startup log use those real counts.
+    from serving import server
+    from serving.http_metrics import ModelCost
+
+    cost = ModelCost.from_config(cfg, streamed_weight_bytes=server._streamed_weight_bytes(llm.engine.runner, cfg),
+                                 kv_bytes_per_token=server._kv_bytes_per_token(llm.engine))
+    assert cost.weight_bytes == quant.streamed_weight_bytes(llm.engine.runner.params, cfg)
+    assert cost.kv_bytes_per_token == llm.engine.describe()["kv_bytes_per_token"]
+    log = "\n".join(server.describe_startup(llm))
+    assert "linear weights int8" in log and "(1.1 KiB per token, int8)" in log
 
 
 def test_kv_pool_sizing_uses_real_bytes_per_token():
