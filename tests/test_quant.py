@@ -287,6 +287,10 @@ def test_llm_generate_with_int8_weights_and_int8_kv(embedded):
     assert alone.outputs[0].token_ids == batched[2].outputs[0].token_ids
     assert compilation_count() == compiled  # warm-up covered every step shape of the quantized model
     assert all(len(o.outputs[0].token_ids) == 12 for o in batched)
+    # Tensor parallelism over 4 devices (2 KV heads: replicated, each device slices its head's
+    # pages and scales): the same greedy tokens.
+    tp = LLM(weight_dtype="int8", kv_cache_dtype="int8", tensor_parallel_size=4, **kw).generate(prompts, sp)
+    assert [o.outputs[0].token_ids for o in tp] == [o.outputs[0].token_ids for o in batched]
     # Against the float model: greedy continuations agree on most prompts' first tokens.
     ref = LLM(**kw).generate(prompts, sp)
     same = sum(a.outputs[0].token_ids[:6] == b.outputs[0].token_ids[:6] for a, b in zip(ref, batched))
