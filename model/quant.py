@@ -197,7 +197,7 @@ def quantize_params(params, cfg, weight_dtype: str, shardings=None):
     """
     from model.params import Weights, is_array_info
 
-    check_weight_dtype(weight_dtype)
+    weight_dtype = check_weight_dtype(weight_dtype)
     if weight_dtype == "auto":
         return cfg, params
     if cfg.weight_dtype == weight_dtype:
