@@ -165,7 +165,7 @@ def _hf_dir(tmp_path, cfg, params):
 def test_convert_hf_weight_dtype_writes_a_quantized_checkpoint(tmp_path):
     from model.convert_hf import ConversionError, convert
 
-    cfg = tiny_config()
+    cfg = tiny_config(vocab_size=96)  # divisible by the tensor split below
     params = init_params(cfg, jax.random.key(2))
     hf_dir = _hf_dir(tmp_path / "hf", cfg, params)
     out = convert(hf_dir, str(tmp_path / "out"), progress=False, weight_dtype="int8")
@@ -174,6 +174,15 @@ def test_convert_hf_weight_dtype_writes_a_quantized_checkpoint(tmp_path):
     _, want = quant.quantize_params(params, cfg, "int8")
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(loaded), strict=True):
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+    # Restored straight into tensor-parallel shardings: each device reads its columns and their scales.
+    from sharding.mesh import make_mesh
+    from sharding.shardings import param_shardings
+
+    _, sharded = load_checkpoint(str(tmp_path / "out"), param_shardings(out, make_mesh(tensor=2)))
+    wq = sharded.layers[1].wq
+    assert wq.scale.sharding.spec == jax.sharding.PartitionSpec("tensor")
+    assert wq.data.addressable_shards[0].data.shape == (cfg.hidden_size, cfg.num_heads // 2, cfg.head_dim)
+    np.testing.assert_array_equal(np.asarray(wq.scale), np.asarray(want.layers[1].wq.scale))
     with pytest.raises(ConversionError, match="weight_dtype"):
         convert(hf_dir, str(tmp_path / "bad"), progress=False, weight_dtype="int4")
 
