@@ -53,4 +53,5 @@ status=${PIPESTATUS[0]}
 if [ "$status" = 124 ]; then
   echo "gpu_check: hit the 450 s timeout; partial results in the log under $OUT_DIR" >&2
 fi
+timeout 300 "$PY" -u benchmarks/gpu_quant_decode.py "${SMOKE[@]}" --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/gpu_quant_decode${SMOKE:+_smoke}.log"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
 exit "$status"

@@ -21,10 +21,14 @@ class AttentionBackend:
     name: str
     attention: Callable
     write_kv: Callable
+    # Whether attention / write_kv accept the optional k_scale / v_scale of an int8 / fp8
+    # cache (see `reference`). A backend without it is refused for a quantized cache.
+    quantized_kv: bool = False
 
 
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
-    "reference": lambda: AttentionBackend("reference", ragged_paged_attention_reference, write_kv_reference),
+    "reference": lambda: AttentionBackend("reference", ragged_paged_attention_reference, write_kv_reference,
+                                          quantized_kv=True),
 }
 
 

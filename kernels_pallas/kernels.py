@@ -20,6 +20,7 @@ def _backend(name: str, interpret: bool) -> AttentionBackend:
         name,
         functools.partial(ragged_paged_attention, interpret=interpret),
         functools.partial(write_kv, interpret=interpret),
+        quantized_kv=True,
     )
 
 

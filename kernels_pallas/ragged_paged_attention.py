@@ -76,6 +76,14 @@ Design
   `benchmarks/kernel_bench.py` to measure: it times every small-batch case
   with and without splits and sweeps the split count at batch 64.
 
+Quantized KV (int8 / fp8 pages with per-token fp32 scales `k_scale` /
+`v_scale`, see `model.quant`): the kernel loads one byte per element plus one
+scale per key, widens the block to the query's dtype (exact for both
+formats) and folds the scales into the math instead of into the data:
+`s = (q . k_int) * k_scale * sm_scale` per key column, and
+`p . (v_int * v_scale) = (p * v_scale) . v_int`, so dequantization costs one
+multiply per score, not per element. fp32 queries keep the exact fp32 dots.
+
 Limits (clear errors): head_dim a power of two >= 16; each K/V page array
 below 2**31 elements (Triton computes offsets in int32).
 """
@@ -91,6 +99,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+from kernels_pallas.reference import check_kv_scales
 
 NUM_SMS = 132  # H100/H200; only steers the split-K default.
 MIN_TOKENS_PER_SPLIT = 512
@@ -167,8 +177,11 @@ def _item_metadata(cu_q_lens, kv_lens, num_seqs, *, num_items, block_q, group_pa
     return jnp.stack([m.astype(jnp.int32) for m in meta], axis=1)
 
 
-def _attention_kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *lse_ref, rows, group_pad, block_kv,
-                      page_size, num_pages, pages_per_seq, num_splits, scale_log2, exact):
+def _attention_kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, *refs, rows, group_pad, block_kv,
+                      page_size, num_pages, pages_per_seq, num_splits, scale_log2, exact, quantized):
+    if quantized:
+        ks_ref, vs_ref, *refs = refs
+    o_ref, *lse_ref = refs
     item, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq = meta_ref[item, 0]
     row0 = meta_ref[item, 1]
@@ -196,9 +209,18 @@ def _attention_kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *lse_ref, ro
         page = bt_ref[seq, jnp.minimum(pos // page_size, pages_per_seq - 1)]
         page = jnp.clip(page, 0, num_pages - 1)[:, None]
         off = (pos % page_size)[:, None]
-        k = pltriton.load(k_ref.at[page, off, head, d], mask=pos_ok[:, None], other=0)
-        v = pltriton.load(v_ref.at[page, off, head, d], mask=pos_ok[:, None], other=0)
-        s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32) * scale_log2
+        # A float fill: Triton casts an integer 0 to fp8 pages' type only via float.
+        fill = 0.0 if quantized and jnp.issubdtype(k_ref.dtype, jnp.floating) else 0
+        k = pltriton.load(k_ref.at[page, off, head, d], mask=pos_ok[:, None], other=fill)
+        v = pltriton.load(v_ref.at[page, off, head, d], mask=pos_ok[:, None], other=fill)
+        if quantized:  # widen to the query dtype (exact); the scales multiply scores and probabilities
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
+            k_sc = pltriton.load(ks_ref.at[page[:, 0], off[:, 0], head], mask=pos_ok, other=0)
+            v_sc = pltriton.load(vs_ref.at[page[:, 0], off[:, 0], head], mask=pos_ok, other=0)
+            s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32) * (
+                k_sc * scale_log2)[None, :]
+        else:
+            s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32) * scale_log2
         visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
         s = jnp.where(visible, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -206,6 +228,8 @@ def _attention_kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *lse_ref, ro
         alpha = jnp.exp2(m - m_safe)
         p = jnp.exp2(s - m_safe[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
+        if quantized:
+            p = p * v_sc[None, :]  # after the row sum: the denominator counts unscaled probabilities
         pv = jnp.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
         return m_new, l, acc * alpha[:, None] + pv
 
@@ -250,22 +274,26 @@ def check_supported(q, k_pages, v_pages, block_tables):
 @functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "rows", "block_kv", "num_kv_splits",
                                              "num_warps", "num_stages"))
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-                           sm_scale: float | None = None, interpret: bool = False, rows: int | None = None,
-                           block_kv: int | None = None, num_kv_splits: int | None = None,
+                           sm_scale: float | None = None, k_scale=None, v_scale=None, interpret: bool = False,
+                           rows: int | None = None, block_kv: int | None = None, num_kv_splits: int | None = None,
                            num_warps: int = 4, num_stages: int = 2):
     """Pallas ragged paged attention; same contract as the reference.
 
+    `k_scale` / `v_scale`: per-token scales of int8 / fp8 pages (None: float pages).
     Tuning knobs (static): `rows` per query tile (tokens x padded group, a
     power of two >= 16), `block_kv` KV tokens per loop step, `num_kv_splits`
     (None: from shapes), Triton `num_warps` / `num_stages`.
     """
     check_supported(q, k_pages, v_pages, block_tables)
+    quantized = check_kv_scales(k_pages, v_pages, k_scale, v_scale, "attention")
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     max_seqs, pages_per_seq = block_tables.shape
     group = num_q_heads // num_kv_heads
-    exact = jnp.dtype(k_pages.dtype) == jnp.float32
-    cfg = kernel_config(num_tokens, max_seqs, pages_per_seq, page_size, num_q_heads, num_kv_heads, k_pages.dtype,
+    # The dtype the dots run in: the pages', or for quantized pages the queries'.
+    compute_dtype = q.dtype if quantized else k_pages.dtype
+    exact = jnp.dtype(compute_dtype) == jnp.float32
+    cfg = kernel_config(num_tokens, max_seqs, pages_per_seq, page_size, num_q_heads, num_kv_heads, compute_dtype,
                         rows=rows, block_kv=block_kv, num_kv_splits=num_kv_splits)
     group_pad, splits, max_kv_len = cfg.group_pad, cfg.num_kv_splits, pages_per_seq * page_size
     if sm_scale is None:
@@ -276,7 +304,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     meta = _item_metadata(cu_q_lens, kv_lens, jnp.asarray(num_seqs, jnp.int32), num_items=cfg.num_items,
                           block_q=cfg.block_q, group_pad=group_pad, max_kv_len=max_kv_len)
     # [T, Hq, D] -> [Hkv, T * group_pad, D]: one tile row per (token, query head of the group).
-    qg = q.astype(k_pages.dtype).reshape(num_tokens, num_kv_heads, group, head_dim)
+    qg = q.astype(compute_dtype).reshape(num_tokens, num_kv_heads, group, head_dim)
     if group_pad != group:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
     qg = qg.transpose(1, 0, 2, 3).reshape(num_kv_heads, num_tokens * group_pad, head_dim)
@@ -289,7 +317,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     kernel = functools.partial(
         _attention_kernel, rows=cfg.rows, group_pad=group_pad, block_kv=cfg.block_kv, page_size=page_size,
         num_pages=num_pages, pages_per_seq=pages_per_seq, num_splits=splits,
-        scale_log2=float(sm_scale) * math.log2(math.e), exact=bool(exact))
+        scale_log2=float(sm_scale) * math.log2(math.e), exact=bool(exact), quantized=quantized)
+    scales = (k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)) if quantized else ()
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -297,7 +326,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(meta, block_tables.astype(jnp.int32), qg, k_pages, v_pages)
+    )(meta, block_tables.astype(jnp.int32), qg, k_pages, v_pages, *scales)
 
     out = outs[0][0] if splits == 1 else _merge_splits(outs[0], outs[1])
     out = out.reshape(num_kv_heads, num_tokens, group_pad, head_dim)[:, :, :group]

@@ -14,6 +14,12 @@ Ragged batch convention, shared by every backend:
 The j-th new token of sequence i sits at KV position
 `kv_lens[i] - q_len[i] + j` and attends causally to positions 0..itself.
 Rows that belong to no live sequence come out as zeros.
+
+Quantized KV (optional, `model.quant`): int8 / fp8 pages come with fp32
+scales `k/v_scale [num_pages, page_size, kv_heads]`, one per token and KV
+head; the stored value is `page * scale`. `write_kv_*` then takes the scale
+arrays too and returns them updated, and attention dequantizes what it reads.
+With scales None (the default) nothing changes.
 """
 
 from __future__ import annotations
@@ -21,7 +27,28 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.kv_quant import is_quantized_dtype, quantize_kv
+
 TOKEN_CHUNK = 16
+
+
+def check_kv_scales(k_pages, v_pages, k_scale, v_scale, where: str) -> bool:
+    """Whether the cache is quantized; a clear error when pages and scales disagree."""
+    quantized = is_quantized_dtype(k_pages.dtype)
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError(f"{where}: pass both k_scale and v_scale or neither")
+    if quantized and k_scale is None:
+        raise ValueError(f"{where}: {k_pages.dtype} KV pages need their scales (k_scale / v_scale); "
+                         "reading them as values would be garbage")
+    if k_scale is not None:
+        if not quantized:
+            raise ValueError(f"{where}: KV scales were given for {k_pages.dtype} pages; only int8 / fp8 pages "
+                             "carry scales")
+        want = tuple(k_pages.shape[:3])
+        if tuple(k_scale.shape) != want or tuple(v_scale.shape) != want:
+            raise ValueError(f"{where}: KV scales must be {list(want)} (pages, page_size, kv_heads); got "
+                             f"{list(k_scale.shape)} and {list(v_scale.shape)}")
+    return k_scale is not None
 
 
 def token_sequence_ids(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int):
@@ -35,7 +62,8 @@ def token_sequence_ids(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: in
 
 
 def ragged_paged_attention_reference(
-    q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale: float | None = None
+    q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale: float | None = None,
+    k_scale=None, v_scale=None,
 ):
     T, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
@@ -44,6 +72,7 @@ def ragged_paged_attention_reference(
     max_len = pages_per_seq * page_size
     if sm_scale is None:
         sm_scale = head_dim**-0.5
+    quantized = check_kv_scales(k_pages, v_pages, k_scale, v_scale, "attention")
 
     seq, live = token_sequence_ids(cu_q_lens, num_seqs, T)
     q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
@@ -62,6 +91,9 @@ def ragged_paged_attention_reference(
         pages = block_tables[sc]  # [C, P]
         k = k_pages[pages].reshape(chunk, max_len, num_kv_heads, head_dim)
         v = v_pages[pages].reshape(chunk, max_len, num_kv_heads, head_dim)
+        if quantized:
+            k = k.astype(jnp.float32) * k_scale[pages].reshape(chunk, max_len, num_kv_heads, 1)
+            v = v.astype(jnp.float32) * v_scale[pages].reshape(chunk, max_len, num_kv_heads, 1)
         s = jnp.einsum("ckgd,clkd->ckgl", qc.astype(jnp.float32), k.astype(jnp.float32)) * sm_scale
         j = jnp.arange(max_len, dtype=jnp.int32)
         visible = (j[None, :] <= pc[:, None]) & (j[None, :] < kv_lens[sc][:, None]) & lc[:, None]
@@ -78,9 +110,14 @@ def ragged_paged_attention_reference(
     return out.reshape(-1, num_q_heads, head_dim)[:T]
 
 
-def write_kv_reference(k_pages, v_pages, k_new, v_new, slot_mapping):
-    """Scatters new tokens' K/V into their cache slots; out-of-range slots are dropped."""
+def write_kv_reference(k_pages, v_pages, k_new, v_new, slot_mapping, k_scale=None, v_scale=None):
+    """Scatters new tokens' K/V into their cache slots; out-of-range slots are dropped.
+
+    Returns (k_pages, v_pages), or with scales (quantized pages) (k_pages, v_pages,
+    k_scale, v_scale): each token's row is quantized with its own scale.
+    """
     page_size = k_pages.shape[1]
+    quantized = check_kv_scales(k_pages, v_pages, k_scale, v_scale, "write_kv")
     # Index (page, offset) rather than a flattened [slots, ...] view: XLA CPU
     # copies the whole donated cache around a scatter into a reshaped view
     # (every step, every layer), but updates the 4-D array in place.
@@ -89,4 +126,8 @@ def write_kv_reference(k_pages, v_pages, k_new, v_new, slot_mapping):
     def write(pages, new):
         return pages.at[page, offset].set(new.astype(pages.dtype), mode="drop")
 
-    return write(k_pages, k_new), write(v_pages, v_new)
+    if not quantized:
+        return write(k_pages, k_new), write(v_pages, v_new)
+    kq, ks = quantize_kv(k_new, k_pages.dtype)
+    vq, vs = quantize_kv(v_new, v_pages.dtype)
+    return write(k_pages, kq), write(v_pages, vq), write(k_scale, ks), write(v_scale, vs)

@@ -20,19 +20,26 @@ import jax.numpy as jnp
 
 from model.config import LlamaConfig
 from model.params import ArrayInfo, is_array_info, pytree_dataclass
+from model.quant import SCALE_DTYPE, QuantizedArray, is_quantized_dtype, kv_cache_dtype
 
 CACHE_AXES = ("pages", "page_slot", "kv_heads", "head_dim")
+SCALE_AXES = CACHE_AXES[:3]  # one scale per (page, slot, kv head) of a quantized cache
 
 
 @pytree_dataclass
 class KVCache:
-    k: list  # per layer [num_pages, page_size, kv_heads, head_dim]
+    k: list  # per layer [num_pages, page_size, kv_heads, head_dim], or a QuantizedArray of that and its scales
     v: list
 
     @classmethod
     def declare(cls, cfg: LlamaConfig, num_pages: int, page_size: int, dtype=None) -> "KVCache":
-        dt = dtype or cfg.jnp_dtype
-        info = ArrayInfo((num_pages, page_size, cfg.num_kv_heads, cfg.head_dim), dt, CACHE_AXES)
+        """`dtype` int8 / fp8 (or "int8" / "fp8") declares each layer's pages as a `QuantizedArray`:
+        the pages in that dtype plus fp32 scales `[num_pages, page_size, kv_heads]` (`model.quant`)."""
+        dt = kv_cache_dtype(cfg, dtype) if isinstance(dtype, str) else (dtype or cfg.jnp_dtype)
+        shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        info = ArrayInfo(shape, dt, CACHE_AXES)
+        if is_quantized_dtype(dt):
+            info = QuantizedArray(data=info, scale=ArrayInfo(shape[:3], SCALE_DTYPE, SCALE_AXES))
         return cls(k=[info] * cfg.num_layers, v=[info] * cfg.num_layers)
 
     @property

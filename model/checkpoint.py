@@ -2,7 +2,9 @@
 
 A checkpoint directory holds:
   model_config.json    the `LlamaConfig`
-  params/              an orbax checkpoint of the flat {"layers.0.wq": array} dict
+  params/              an orbax checkpoint of the flat {"layers.0.wq": array} dict; with
+                       quantized weights (`weight_dtype` in the config) the int8 / fp8 data and
+                       fp32 scales as "layers.0.wq.data" / "layers.0.wq.scale"
   tokenizer.json       (optional) a Hugging Face tokenizer; without it the byte tokenizer
 
 Restore builds abstract arrays carrying the target shardings and lets orbax
@@ -19,18 +21,22 @@ import orbax.checkpoint as ocp
 
 from model.config import LlamaConfig
 from model.params import Weights, abstract_params, flatten_params, unflatten_params
+from model.quant import is_quantized
 
 CONFIG_FILE = "model_config.json"
 PARAMS_DIR = "params"
 
 
 def save_checkpoint(directory: str, params: Weights, cfg: LlamaConfig, *, storage_dtype=None) -> None:
-    """Writes params (optionally cast to `storage_dtype`, e.g. bf16 to halve the size) and config."""
+    """Writes params (optionally cast to `storage_dtype`, e.g. bf16 to halve the size) and config.
+
+    Quantized weights are stored as they are (the cast applies to float weights only)."""
     directory = os.path.abspath(directory)
     os.makedirs(directory, exist_ok=True)
-    flat = flatten_params(params)
     if storage_dtype is not None:
-        flat = {k: v.astype(storage_dtype) for k, v in flat.items()}
+        params = jax.tree.map(lambda x: x if is_quantized(x) else x.astype(storage_dtype), params,
+                              is_leaf=is_quantized)
+    flat = flatten_params(params)
     path = os.path.join(directory, PARAMS_DIR)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(path, flat, force=True)

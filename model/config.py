@@ -50,10 +50,15 @@ class LlamaConfig:
     dtype: str = "bfloat16"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Storage of the linear layers' weights: None (the compute dtype) or "int8" / "fp8"
+    # with per-output-channel scales (model.quant). Compute stays in `dtype`.
+    weight_dtype: str | None = None
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.weight_dtype not in (None, "int8", "fp8"):
+            raise ValueError(f"weight_dtype must be None, 'int8' or 'fp8', got {self.weight_dtype!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
@@ -91,6 +96,8 @@ class LlamaConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        if d["weight_dtype"] is None:  # float checkpoints keep the config file they always had
+            del d["weight_dtype"]
         return d
 
     @classmethod

@@ -1,6 +1,6 @@
 """Converts a Hugging Face Llama checkpoint into a ridgeline checkpoint.
 
-    python -m model.convert_hf --hf_dir=DIR --out_dir=DIR [--dtype=bfloat16]
+    python -m model.convert_hf --hf_dir=DIR --out_dir=DIR [--dtype=bfloat16] [--weight_dtype=int8|fp8]
 
 Reads `config.json` and the safetensors weights (one `model.safetensors`, or
 shards listed by `model.safetensors.index.json`) tensor by tensor through
@@ -35,6 +35,12 @@ Layouts (HF stores `nn.Linear` weights as [out, in]; ours are input-dim first):
     lm_head.weight [vocab, embed]            -> lm_head [embed, vocab] (absent when tied)
 No q/k permutation is needed: HF checkpoints already use the half-rotation
 RoPE convention that `model.forward.apply_rope` implements.
+
+`--weight_dtype=int8|fp8` quantizes the linear layers after conversion
+(`model.quant`: per-output-channel scales, computed from the float weights
+read in fp32 when `--dtype` is float32, else from the converted dtype) and
+stores the quantized form; `model_config.json` records it, so `LLM` and the
+server load it as it is, at half the bytes of bf16.
 """
 
 from __future__ import annotations
@@ -245,13 +251,17 @@ def copy_tokenizer(hf_dir: str, out_dir: str) -> list[str]:
     return copied
 
 
-def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool = True) -> LlamaConfig:
+def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool = True,
+            weight_dtype: str | None = None) -> LlamaConfig:
     """Converts `hf_dir` into a ridgeline checkpoint at `out_dir`; returns its config.
 
     `dtype` ("float32", "bfloat16", "float16") is both the stored dtype and the
     config's compute dtype; by default it is the HF config's (`dtype` or `torch_dtype`).
+    `weight_dtype` ("int8", "fp8"; None keeps floats) stores the linear layers quantized.
     Raises `ConversionError` for anything wrong with the input.
     """
+    if weight_dtype not in (None, "auto", "int8", "fp8"):
+        raise ConversionError(f"--weight_dtype must be int8 or fp8 (or unset), got {weight_dtype!r}")
     _, cfg = read_hf_config(hf_dir, dtype)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ConversionError(f"--out_dir {out_dir} exists and is not a directory")
@@ -261,6 +271,10 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
     flat = read_weights(plan, located, np.dtype(cfg.jnp_dtype), progress)
     params = unflatten_params(cfg, flat)
     del flat
+    if weight_dtype not in (None, "auto"):
+        from model.quant import quantize_params
+
+        cfg, params = quantize_params(params, cfg, weight_dtype)
     save_checkpoint(out_dir, params, cfg)
     copied = copy_tokenizer(hf_dir, out_dir)
     if "tokenizer.json" not in copied:
@@ -278,6 +292,8 @@ def define_flags() -> None:
     flags.DEFINE_string("out_dir", None, "Where to write the ridgeline checkpoint.")
     flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"],
                       "Stored and compute dtype; default: the dtype in config.json.")
+    flags.DEFINE_enum("weight_dtype", None, ["int8", "fp8"],
+                      "Store the linear layers quantized (per-output-channel scales); default: float.")
     flags.DEFINE_bool("progress", True, "Show a progress bar.")
     flags.mark_flags_as_required(["hf_dir", "out_dir"])
 
@@ -291,12 +307,13 @@ def main(argv):
 
         jax.config.update("jax_platforms", "cpu")
     try:
-        cfg = convert(FLAGS.hf_dir, FLAGS.out_dir, FLAGS.dtype, FLAGS.progress)
+        cfg = convert(FLAGS.hf_dir, FLAGS.out_dir, FLAGS.dtype, FLAGS.progress, FLAGS.weight_dtype)
     except ConversionError as e:
         print(f"convert_hf: error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {FLAGS.out_dir}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-          f"{cfg.num_params() / 1e6:.2f}M params, dtype {cfg.dtype}")
+          f"{cfg.num_params() / 1e6:.2f}M params, dtype {cfg.dtype}"
+          + (f", linear weights {cfg.weight_dtype}" if cfg.weight_dtype else ""))
     return 0
 
 

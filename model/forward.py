@@ -23,6 +23,7 @@ from kernels_pallas import get_backend
 from model.cache import BatchMetadata, KVCache
 from model.config import LlamaConfig
 from model.params import Layer, Weights
+from model.quant import QuantizedArray, linear
 
 
 def rms_norm(x, weight, eps):
@@ -64,28 +65,45 @@ def _constrain(layout, x, logical_axes):
     return x if layout is None else layout.constrain(x, logical_axes)
 
 
+def paged_attention(backend, q, k, v, k_pages, v_pages, md: BatchMetadata, cfg: LlamaConfig):
+    """Writes this step's K/V into the cache and attends; returns (o, k_pages, v_pages).
+
+    Pages are arrays, or `QuantizedArray`s (int8 / fp8 data + per-token scales)
+    whose scales travel through the backend's optional `k_scale` / `v_scale`.
+    """
+    if not isinstance(k_pages, QuantizedArray):
+        k_pages, v_pages = backend.write_kv(k_pages, v_pages, k, v, md.slot_mapping)
+        o = backend.attention(q, k_pages, v_pages, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,
+                              sm_scale=cfg.head_dim**-0.5)
+        return o, k_pages, v_pages
+    if not getattr(backend, "quantized_kv", False):
+        raise ValueError(f"attention backend {backend.name!r} cannot read a quantized ({k_pages.dtype}) KV cache; "
+                         "use kv_cache_dtype='auto' or a backend that supports it (reference, pallas)")
+    kd, vd, ks, vs = backend.write_kv(k_pages.data, v_pages.data, k, v, md.slot_mapping,
+                                      k_scale=k_pages.scale, v_scale=v_pages.scale)
+    o = backend.attention(q, kd, vd, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,
+                          sm_scale=cfg.head_dim**-0.5, k_scale=ks, v_scale=vs)
+    return o, QuantizedArray(kd, ks), QuantizedArray(vd, vs)
+
+
 def attention_block(layer: Layer, x, k_pages, v_pages, md: BatchMetadata, inv_freq, cfg: LlamaConfig, backend,
                     layout=None):
     h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-    q = _constrain(layout, jnp.einsum("te,ehd->thd", h, layer.wq), ("tokens", "q_heads", "head_dim"))
-    k = _constrain(layout, jnp.einsum("te,ehd->thd", h, layer.wk), ("tokens", "kv_heads", "head_dim"))
-    v = _constrain(layout, jnp.einsum("te,ehd->thd", h, layer.wv), ("tokens", "kv_heads", "head_dim"))
+    q = _constrain(layout, linear("te,ehd->thd", h, layer.wq), ("tokens", "q_heads", "head_dim"))
+    k = _constrain(layout, linear("te,ehd->thd", h, layer.wk), ("tokens", "kv_heads", "head_dim"))
+    v = _constrain(layout, linear("te,ehd->thd", h, layer.wv), ("tokens", "kv_heads", "head_dim"))
     q = apply_rope(q, md.positions, inv_freq)
     k = apply_rope(k, md.positions, inv_freq)
-    k_pages, v_pages = backend.write_kv(k_pages, v_pages, k, v, md.slot_mapping)
-    o = backend.attention(
-        q, k_pages, v_pages, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,
-        sm_scale=cfg.head_dim**-0.5,
-    )
-    out = x + jnp.einsum("thd,hde->te", o, layer.wo)
+    o, k_pages, v_pages = paged_attention(backend, q, k, v, k_pages, v_pages, md, cfg)
+    out = x + linear("thd,hde->te", o, layer.wo)
     return _constrain(layout, out, ("tokens", "embed")), k_pages, v_pages
 
 
 def mlp_block(layer: Layer, x, cfg: LlamaConfig, layout=None):
     h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-    gate = _constrain(layout, jnp.einsum("te,ef->tf", h, layer.w_gate), ("tokens", "ffw"))
-    up = _constrain(layout, jnp.einsum("te,ef->tf", h, layer.w_up), ("tokens", "ffw"))
-    out = x + jnp.einsum("tf,fe->te", jax.nn.silu(gate) * up, layer.w_down)
+    gate = _constrain(layout, linear("te,ef->tf", h, layer.w_gate), ("tokens", "ffw"))
+    up = _constrain(layout, linear("te,ef->tf", h, layer.w_up), ("tokens", "ffw"))
+    out = x + linear("tf,fe->te", jax.nn.silu(gate) * up, layer.w_down)
     return _constrain(layout, out, ("tokens", "embed"))
 
 
@@ -94,7 +112,7 @@ def output_logits(params: Weights, x, cfg: LlamaConfig, layout=None):
     if params.lm_head is None:
         logits = jnp.einsum("te,ve->tv", x, params.embed, preferred_element_type=jnp.float32)
     else:
-        logits = jnp.einsum("te,ev->tv", x, params.lm_head, preferred_element_type=jnp.float32)
+        logits = linear("te,ev->tv", x, params.lm_head, preferred_element_type=jnp.float32)
     return _constrain(layout, logits, ("tokens", "vocab"))
 
 

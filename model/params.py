@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from model.config import LlamaConfig
+from model.quant import SCALE_DTYPE, QuantizedArray, storage_dtype
 
 Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
 
@@ -55,6 +56,19 @@ def is_array_info(x) -> bool:
     return isinstance(x, ArrayInfo)
 
 
+def linear_weight(cfg: LlamaConfig, info: ArrayInfo, num_in_dims: int = 1):
+    """A linear layer's declaration: `info` itself, or with `cfg.weight_dtype` a
+    `QuantizedArray` of two declarations: the data (same shape and axes, int8/fp8)
+    and one fp32 scale per output channel (the dims after the first `num_in_dims`,
+    with their logical axes, so the rules shard it like the data's columns)."""
+    if cfg.weight_dtype is None:
+        return info
+    return QuantizedArray(
+        data=ArrayInfo(info.shape, storage_dtype(cfg.weight_dtype), info.logical_axes, info.initializer),
+        scale=ArrayInfo(info.shape[num_in_dims:], SCALE_DTYPE, info.logical_axes[num_in_dims:], ones_init),
+    )
+
+
 def pytree_dataclass(cls):
     """A frozen dataclass registered as a pytree whose fields are all children."""
     cls = dataclasses.dataclass(frozen=True)(cls)
@@ -78,16 +92,17 @@ class Layer:
     def declare(cls, cfg: LlamaConfig) -> "Layer":
         h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         nq, nkv, dt = cfg.num_heads, cfg.num_kv_heads, cfg.jnp_dtype
+        lin = functools.partial(linear_weight, cfg)
         return cls(
             attn_norm=ArrayInfo((h,), dt, ("norm",), ones_init),
-            wq=ArrayInfo((h, nq, d), dt, ("embed", "q_heads", "head_dim"), normal_init(h)),
-            wk=ArrayInfo((h, nkv, d), dt, ("embed", "kv_heads", "head_dim"), normal_init(h)),
-            wv=ArrayInfo((h, nkv, d), dt, ("embed", "kv_heads", "head_dim"), normal_init(h)),
-            wo=ArrayInfo((nq, d, h), dt, ("q_heads", "head_dim", "embed"), normal_init(nq * d)),
+            wq=lin(ArrayInfo((h, nq, d), dt, ("embed", "q_heads", "head_dim"), normal_init(h))),
+            wk=lin(ArrayInfo((h, nkv, d), dt, ("embed", "kv_heads", "head_dim"), normal_init(h))),
+            wv=lin(ArrayInfo((h, nkv, d), dt, ("embed", "kv_heads", "head_dim"), normal_init(h))),
+            wo=lin(ArrayInfo((nq, d, h), dt, ("q_heads", "head_dim", "embed"), normal_init(nq * d)), 2),
             mlp_norm=ArrayInfo((h,), dt, ("norm",), ones_init),
-            w_gate=ArrayInfo((h, f), dt, ("embed", "ffw"), normal_init(h)),
-            w_up=ArrayInfo((h, f), dt, ("embed", "ffw"), normal_init(h)),
-            w_down=ArrayInfo((f, h), dt, ("ffw", "embed"), normal_init(f)),
+            w_gate=lin(ArrayInfo((h, f), dt, ("embed", "ffw"), normal_init(h))),
+            w_up=lin(ArrayInfo((h, f), dt, ("embed", "ffw"), normal_init(h))),
+            w_down=lin(ArrayInfo((f, h), dt, ("ffw", "embed"), normal_init(f))),
         )
 
 
@@ -105,12 +120,18 @@ class Weights:
             embed=ArrayInfo((v, h), dt, ("vocab", "embed"), normal_init(h)),
             layers=[Layer.declare(cfg) for _ in range(cfg.num_layers)],
             final_norm=ArrayInfo((h,), dt, ("norm",), ones_init),
-            lm_head=None if cfg.tie_word_embeddings else ArrayInfo((h, v), dt, ("embed", "vocab"), normal_init(h)),
+            lm_head=None if cfg.tie_word_embeddings else linear_weight(
+                cfg, ArrayInfo((h, v), dt, ("embed", "vocab"), normal_init(h))),
         )
 
 
 def init_params(cfg: LlamaConfig, key: jax.Array, shardings=None) -> Weights:
     """Random weights from the declarations (jit-compiled, optionally straight into shardings)."""
+    if cfg.weight_dtype is not None:  # random float weights, then quantized like a checkpoint would be
+        from model.quant import quantize_params
+
+        return quantize_params(init_params(cfg.replace(weight_dtype=None), key), cfg.replace(weight_dtype=None),
+                               cfg.weight_dtype, shardings)[1]
     sharding_leaves = None if shardings is None else tuple(jax.tree.leaves(shardings))
     return _init_fn(cfg, sharding_leaves)(key)
 

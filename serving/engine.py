@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from model.config import LlamaConfig
+from model.quant import check_kv_cache_dtype, check_weight_dtype, kv_bytes_per_token, kv_cache_dtype, quantize_params
 from serving.block_manager import BlockManager
 from serving.detokenizer import make_detokenizer
 from serving.input_batch import Buckets, pack_step, sampling_row
@@ -57,12 +58,15 @@ class EngineConfig:
     host_kv_cache_bytes: int = 256 * 2**20  # pool budget where the device reports no memory (CPU)
     min_token_bucket: int = 1  # smallest padded token count per step
     min_context_bucket: int = 64  # smallest padded context (tokens) attention reads per sequence
+    # Quantization (model.quant): "auto" keeps the weights as loaded / the KV cache in the model dtype;
+    # "int8" / "fp8" quantize the linear layers at load time / store K and V with per-token scales.
+    weight_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
 
 
 def default_num_pages(cfg: LlamaConfig, config: EngineConfig, max_model_len: int, cache_dtype=None) -> int:
     """Pages that fit the memory budget, and no more than `max_num_seqs` full-length sequences need."""
-    itemsize = np.dtype(cache_dtype or cfg.jnp_dtype).itemsize
-    page_bytes = cfg.kv_bytes_per_token(itemsize) * config.page_size
+    page_bytes = kv_bytes_per_token(cfg, cache_dtype) * config.page_size  # scales of a quantized cache included
     stats = None
     try:
         stats = jax.devices()[0].memory_stats()
@@ -79,12 +83,17 @@ def default_num_pages(cfg: LlamaConfig, config: EngineConfig, max_model_len: int
 class Engine:
     def __init__(self, cfg: LlamaConfig, params, tokenizer=None, config: EngineConfig = EngineConfig(), *,
                  runner=None, layout=None):
+        check_weight_dtype(config.weight_dtype)
+        check_kv_cache_dtype(config.kv_cache_dtype)
+        if runner is None:  # load-time quantization of float weights (a no-op for "auto")
+            cfg, params = quantize_params(params, cfg, config.weight_dtype)
         self.cfg = cfg
         self.config = config
         self.tokenizer = tokenizer
+        self.cache_dtype = kv_cache_dtype(cfg, config.kv_cache_dtype)
         ps = config.page_size
         model_len = config.max_model_len or cfg.max_position_embeddings
-        num_pages = config.num_pages or default_num_pages(cfg, config, model_len)
+        num_pages = config.num_pages or default_num_pages(cfg, config, model_len, self.cache_dtype)
         if model_len > num_pages * ps:
             if config.max_model_len is not None:
                 raise ValueError(f"max_model_len={model_len} needs {-(-model_len // ps)} pages of {ps} tokens but "
@@ -100,7 +109,8 @@ class Engine:
         if getattr(layout, "pipeline_parallel_size", 1) > 1:  # staged params and KV cache
             from serving.pipeline_runner import PipelineRunner as runner_class
         self.runner = runner or runner_class(cfg, params, num_pages=num_pages, page_size=ps, buckets=self.buckets,
-                                             backend=config.attention_backend, layout=layout)
+                                             backend=config.attention_backend, layout=layout,
+                                             cache_dtype=self.cache_dtype)
         self.block_manager = BlockManager(num_pages, ps, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, model_len),
                                    self.block_manager)
@@ -356,7 +366,7 @@ class Engine:
     def describe(self) -> dict:
         """What is loaded and how big the KV pool is (for startup logs and MBU/MFU arithmetic)."""
         cfg, ps = self.cfg, self.config.page_size
-        kv_per_token = cfg.kv_bytes_per_token()
+        kv_per_token = kv_bytes_per_token(cfg, self.cache_dtype)
         return {
             "num_params": cfg.num_params(), "param_bytes": getattr(self.runner, "param_bytes", None),
             "kv_bytes_per_token": kv_per_token, "kv_pages": self.num_pages, "page_size": ps,
@@ -365,6 +375,7 @@ class Engine:
             "max_num_batched_tokens": self.config.max_num_batched_tokens,
             "prefix_caching": self.config.enable_prefix_caching, "attention_backend": self.config.attention_backend,
             "step_shapes": len(self.buckets.all_shapes()),
+            "weight_dtype": cfg.weight_dtype or cfg.dtype, "kv_cache_dtype": str(np.dtype(self.cache_dtype)),
         }
 
     def reset_prefix_cache(self) -> int:

@@ -96,7 +96,11 @@ class ModelCost:
 
     @classmethod
     def from_config(cls, cfg, weight_bytes: float | None = None, kv_bytes_per_element: int | None = None,
-                    num_devices: int = 1) -> "ModelCost":
+                    num_devices: int = 1, streamed_weight_bytes: float | None = None,
+                    kv_bytes_per_token: float | None = None) -> "ModelCost":
+        """`streamed_weight_bytes` / `kv_bytes_per_token`, when given, are the real counts
+        (quantized weights and their scales, a quantized KV cache's scales); otherwise they are
+        estimated from `weight_bytes` or the config, assuming one dtype throughout."""
         import numpy as np
 
         params = cfg.num_params()
@@ -104,9 +108,13 @@ class ModelCost:
             weight_bytes = params * np.dtype(cfg.jnp_dtype).itemsize
         embed = cfg.vocab_size * cfg.hidden_size
         untied_embed = 0 if cfg.tie_word_embeddings else embed
+        if streamed_weight_bytes is None:
+            streamed_weight_bytes = float(weight_bytes) * (params - untied_embed) / params
+        if kv_bytes_per_token is None:
+            kv_bytes_per_token = cfg.kv_bytes_per_token(kv_bytes_per_element)
         return cls(
-            weight_bytes=float(weight_bytes) * (params - untied_embed) / params,
-            kv_bytes_per_token=float(cfg.kv_bytes_per_token(kv_bytes_per_element)),
+            weight_bytes=float(streamed_weight_bytes),
+            kv_bytes_per_token=float(kv_bytes_per_token),
             flops_per_token=2.0 * (params - untied_embed - cfg.hidden_size * (2 * cfg.num_layers + 1)),
             num_devices=num_devices,
         )

@@ -9,6 +9,7 @@ import time
 from typing import Optional, Sequence, Union
 
 from model.checkpoint import load_checkpoint, load_config
+from model.quant import check_kv_cache_dtype, check_weight_dtype
 from model.tokenizer import ByteTokenizer, load_tokenizer
 from serving import compile_cache
 from serving.engine import Engine, EngineConfig
@@ -74,6 +75,12 @@ class LLM:
     `pipeline_parallel_size=P` splits the layers into P stages of T devices
     each, and `num_microbatches=M` cuts each step's tokens into M microbatches
     that flow through the stages (docs/sharding.md, "Pipeline parallelism").
+
+    `weight_dtype` ("auto", "int8", "fp8") quantizes a float model's linear
+    layers at load time (a checkpoint converted with `--weight_dtype` is
+    already quantized and loads as it is); `kv_cache_dtype` ("auto", "int8",
+    "fp8", or a float dtype) sets how the KV pool stores K and V. See
+    `model.quant` and docs/quantization.md.
     """
 
     def __init__(self, checkpoint: Optional[str] = None, *, max_num_seqs: int = 64,
@@ -82,8 +89,11 @@ class LLM:
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, num_microbatches: int = 1,
                  max_model_len: Optional[int] = None, seed: int = 0,
                  config=None, params=None, tokenizer=None, warmup: bool = False,
-                 compilation_cache_dir: Optional[str] = None, **engine_kwargs):
+                 compilation_cache_dir: Optional[str] = None, weight_dtype: str = "auto",
+                 kv_cache_dtype: str = "auto", **engine_kwargs):
         t0 = time.perf_counter()
+        check_weight_dtype(weight_dtype)  # before any loading: a typo costs nothing
+        check_kv_cache_dtype(kv_cache_dtype)
         self.compilation_cache_dir = compile_cache.enable(compilation_cache_dir)
         if (config is None) != (params is None):
             raise ValueError("pass both config and params (an in-memory model) or neither")
@@ -113,8 +123,9 @@ class LLM:
                                      page_size=page_size, num_pages=num_pages,
                                      enable_prefix_caching=enable_prefix_caching,
                                      attention_backend=attention_backend, max_model_len=max_model_len, seed=seed,
-                                     **engine_kwargs)
+                                     weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype, **engine_kwargs)
         self.engine = Engine(config, params, tokenizer, engine_config, layout=layout)
+        self.config = self.engine.cfg  # with weight_dtype set when the engine quantized the weights
         self.load_seconds = time.perf_counter() - t0
         log.info("loaded in %.1f s (persistent compilation cache: %s)", self.load_seconds,
                  self.compilation_cache_dir or "off")

@@ -57,10 +57,10 @@ _step_jit = jax.jit(_step, static_argnames=("cfg", "backend", "shape", "layout")
 
 
 def _copy_pages(cache: KVCache, src, dst):
-    """Copies whole pages src[i] -> dst[i] in every layer; dst == num_pages is padding (dropped)."""
-    k = [x.at[dst].set(x[src], mode="drop") for x in cache.k]
-    v = [x.at[dst].set(x[src], mode="drop") for x in cache.v]
-    return KVCache(k=k, v=v)
+    """Copies whole pages src[i] -> dst[i] in every layer; dst == num_pages is padding (dropped).
+
+    Every cache leaf (pages, and the scales of a quantized cache) is indexed by page first."""
+    return jax.tree.map(lambda x: x.at[dst].set(x[src], mode="drop"), cache)
 
 
 _copy_jit = jax.jit(_copy_pages, donate_argnums=(0,))

@@ -53,6 +53,11 @@ def define_flags() -> None:
     flags.DEFINE_integer("num_microbatches", 1, "Microbatches a step's tokens are cut into so pipeline stages "
                                                 "overlap (needs pipeline_parallel_size > 1).")
     flags.DEFINE_string("attention_backend", "auto", "Attention backend: auto, reference, pallas, pallas_interpret.")
+    flags.DEFINE_enum("weight_dtype", "auto", ["auto", "int8", "fp8"],
+                      "Linear-layer weights: as loaded (auto), or quantized at load time to int8 / fp8 (e4m3) "
+                      "with per-output-channel scales.")
+    flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "int8", "fp8", "bfloat16", "float16", "float32"],
+                      "KV cache storage: the model dtype (auto), or int8 / fp8 with per-token scales.")
     flags.DEFINE_integer("seed", 0, "Engine seed (for requests that give none).")
     flags.DEFINE_float("peak_bandwidth_gbps", None, "Device memory bandwidth for MBU, GB/s (default: GPU table).")
     flags.DEFINE_float("peak_tflops", None, "Device dense bf16 TFLOP/s for MFU (default: GPU table).")
@@ -94,7 +99,9 @@ def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window
     engine = llm.engine
     runner = engine.runner
     cost = ModelCost.from_config(llm.config, weight_bytes=_param_bytes(runner),
-                                 kv_bytes_per_element=None, num_devices=num_devices)
+                                 kv_bytes_per_element=None, num_devices=num_devices,
+                                 streamed_weight_bytes=_streamed_weight_bytes(runner, llm.config),
+                                 kv_bytes_per_token=_kv_bytes_per_token(engine))
     async_engine = AsyncEngine(engine)
     metrics = ServerMetrics(async_engine, model_name, cost, peak, metrics_window_s,
                             engine.config.max_num_batched_tokens).attach()
@@ -110,23 +117,42 @@ def _param_bytes(runner) -> float | None:
     return float(param_bytes(params)) if params is not None else None
 
 
+def _streamed_weight_bytes(runner, cfg) -> float | None:
+    from model.quant import streamed_weight_bytes
+
+    params = getattr(runner, "params", None)
+    return float(streamed_weight_bytes(params, cfg)) if params is not None else None
+
+
+def _kv_bytes_per_token(engine) -> float | None:
+    from model.quant import kv_bytes_per_token
+
+    dtype = getattr(engine, "cache_dtype", None)
+    return float(kv_bytes_per_token(engine.cfg, dtype)) if dtype is not None else None
+
+
 def describe_startup(llm) -> list[str]:
     """The startup log lines: model, KV pool, load and warm-up time, compilation cache."""
+    import jax.numpy as jnp
+
     from model.cache import cache_bytes
 
     cfg, engine = llm.config, llm.engine
     runner = engine.runner
     lines = [
         f"model: {llm.checkpoint or 'in-memory weights'}; {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-        f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads, vocab {cfg.vocab_size}, dtype {cfg.dtype}; "
+        f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads, vocab {cfg.vocab_size}, dtype {cfg.dtype}"
+        f"{', linear weights ' + cfg.weight_dtype if cfg.weight_dtype else ''}; "
         f"{cfg.num_params() / 1e6:.1f}M parameters, {_human_bytes(_param_bytes(runner) or 0)} of weights; "
         f"tokenizer {type(llm.tokenizer).__name__}",
     ]
     pool_bytes = cache_bytes(runner.cache) if getattr(runner, "cache", None) is not None else 0
+    kv_dtype = jnp.dtype(getattr(engine, "cache_dtype", None) or cfg.jnp_dtype).name
     lines.append(
         f"KV pool: {engine.num_pages} pages x {engine.config.page_size} tokens = "
         f"{engine.num_pages * engine.config.page_size} tokens, {_human_bytes(pool_bytes)} "
-        f"({_human_bytes(cfg.kv_bytes_per_token())} per token); max_model_len {engine.max_model_len}; "
+        f"({_human_bytes(_kv_bytes_per_token(engine) or cfg.kv_bytes_per_token())} per token, {kv_dtype}); "
+        f"max_model_len {engine.max_model_len}; "
         f"max_num_seqs {engine.config.max_num_seqs}, max_num_batched_tokens {engine.config.max_num_batched_tokens}, "
         f"prefix caching {'on' if engine.config.enable_prefix_caching else 'off'}")
     lines.append(f"loaded in {llm.load_seconds:.1f} s")
@@ -198,7 +224,7 @@ def make_llm_from_flags():
                tensor_parallel_size=FLAGS.tensor_parallel_size, pipeline_parallel_size=FLAGS.pipeline_parallel_size,
                num_microbatches=FLAGS.num_microbatches, seed=FLAGS.seed,
                min_token_bucket=FLAGS.min_token_bucket, compilation_cache_dir=FLAGS.compilation_cache_dir,
-               warmup=True)
+               weight_dtype=FLAGS.weight_dtype, kv_cache_dtype=FLAGS.kv_cache_dtype, warmup=True)
 
 
 def _peak_from_flags():

@@ -34,9 +34,15 @@ import math
 from model.config import LlamaConfig
 from sharding.hardware import GPU
 from sharding.rules import RuleError, load_rules, shard_count
+from model.quant import SCALE_BYTES
 from sharding.shardings import cache_resolutions, check_rules, param_resolutions
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1, "fp8": 1, "int8": 1, "int4": 0.5}
+# Weight dtypes the stack implements (model.quant): the plan then counts the bytes of the real
+# declarations (int8 / fp8 linear layers, their fp32 per-channel scales, float norms and embedding).
+# Other names (int4) stay nominal: every weight at that many bytes.
+QUANTIZED_WEIGHTS = {"int8": "int8", "fp8": "fp8", "float8": "fp8"}
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def dtype_bytes(name: str) -> float:
@@ -69,7 +75,19 @@ class PlanInputs:
 
     @property
     def kv_dt(self) -> str:
-        return self.kv_dtype or self.w_dtype
+        """Default: the weights' dtype, or the model's compute dtype when the weights are quantized
+        (as the engine's kv_cache_dtype="auto" does)."""
+        if self.kv_dtype:
+            return self.kv_dtype
+        return self.w_dtype if self.w_dtype in FLOAT_DTYPES else self.cfg.dtype
+
+    def declared_cfg(self) -> LlamaConfig | None:
+        """The config whose declarations hold exactly the weights this plan stores (None: nominal)."""
+        if self.w_dtype in FLOAT_DTYPES:
+            return self.cfg.replace(dtype=self.w_dtype, weight_dtype=None)
+        if self.w_dtype in QUANTIZED_WEIGHTS:
+            return self.cfg.replace(weight_dtype=QUANTIZED_WEIGHTS[self.w_dtype])
+        return None
 
     @property
     def link(self) -> str:
@@ -132,21 +150,28 @@ def plan(inp: PlanInputs) -> dict:
     st_stream = [0.0] * pp  # bytes decode streams per device
     st_mm = [0.0] * pp  # matmul params per device
     total_params = 0
-    for name, (info, dims) in param_resolutions(cfg, sizes, rules).items():
+    total_bytes = 0.0
+    declared = inp.declared_cfg()
+    for name, (info, dims) in param_resolutions(declared or cfg, sizes, rules).items():
         n = math.prod(info.shape)
-        total_params += n
+        is_scale = name.endswith(".scale")  # per-channel scales of a quantized weight: bytes, not parameters
+        elem = wb if declared is None else _itemsize(info.dtype)
+        total_params += 0 if is_scale else n
+        total_bytes += n * elem
         per_dev = n / shard_count(dims, sizes)
         lookup_only = name == "embed" and not tied
         for s in _stage_of(name, stages, tied):
-            st_bytes[s] += per_dev * wb
+            st_bytes[s] += per_dev * elem
             if not lookup_only and not (name == "embed" and tied and s == 0 and pp > 1):
-                st_stream[s] += per_dev * wb
-                st_mm[s] += per_dev
+                st_stream[s] += per_dev * elem
+                st_mm[s] += 0 if is_scale else per_dev
 
     # KV: one cache array per layer and K/V; per-device share from the cache rules.
     _, kv_dims = next(iter(cache_resolutions(cfg, sizes, rules, 1, 1).values()))
     kv_ways = shard_count(kv_dims, sizes)
-    kv_layer_token = 2 * cfg.num_kv_heads * cfg.head_dim * kvb  # K and V, one layer, whole model
+    # K and V, one layer, whole model; an int8 / fp8 cache adds one fp32 scale per token and KV head.
+    kv_scale = SCALE_BYTES if inp.kv_dt in QUANTIZED_WEIGHTS else 0
+    kv_layer_token = 2 * cfg.num_kv_heads * (cfg.head_dim * kvb + kv_scale)
     kv_token_total = kv_layer_token * cfg.num_layers
     st_kv_token = [kv_layer_token * len(r) / kv_ways for r in stages]
     q_ways = shard_count(param_resolutions(cfg, sizes, rules)["layers.0.wq"][1], sizes)
@@ -219,7 +244,7 @@ def plan(inp: PlanInputs) -> dict:
 
     return {
         "inputs": _inputs(inp),
-        "model": {"params": total_params, "weight_bytes_total": total_params * wb,
+        "model": {"params": total_params, "weight_bytes_total": total_bytes,
                   "matmul_flops_per_token": 2 * (total_params - (0 if tied else cfg.vocab_size * cfg.hidden_size))},
         "layout": {"devices": tp * pp, "tp": tp, "pp": pp, "rules": rules.name, "notes": notes,
                    "layers_per_stage": [len(r) for r in stages], "kv_heads_per_device":
@@ -265,6 +290,12 @@ def _inputs(inp: PlanInputs) -> dict:
             "microbatches": inp.microbatches, "context_len": inp.context_len, "batch": inp.batch,
             "prompt_len": inp.prompt_len or inp.context_len, "weight_dtype": inp.w_dtype,
             "kv_dtype": inp.kv_dt, "reserve_bytes": inp.reserve_bytes, "mfu": inp.mfu, "rules": inp.rules}
+
+
+def _itemsize(dtype) -> int:
+    import numpy as np
+
+    return np.dtype(dtype).itemsize
 
 
 def _gb(x: float) -> str:

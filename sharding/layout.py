@@ -95,27 +95,37 @@ class Layout:
         heads_per_kv_copy = q_ways // cfg.num_kv_heads if kv_replicated else 1
         q_axis = q_dims.mesh_axes[0] if len(q_dims.mesh_axes) == 1 else q_dims.mesh_axes
 
-        def local_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale):
+        # Scales of a quantized cache ([pages, page_size, kv_heads]) split with their KV heads.
+        scale_spec = self.spec(CACHE_AXES[:3], (None, None, cfg.num_kv_heads))
+
+        def local_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *scales, sm_scale):
             if kv_replicated:
                 kv_head = jax.lax.axis_index(q_axis) // heads_per_kv_copy
                 k_pages = jax.lax.dynamic_slice_in_dim(k_pages, kv_head, 1, axis=2)
                 v_pages = jax.lax.dynamic_slice_in_dim(v_pages, kv_head, 1, axis=2)
+                scales = tuple(jax.lax.dynamic_slice_in_dim(s, kv_head, 1, axis=2) for s in scales)
+            if scales:
+                return impl.attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
+                                      sm_scale=sm_scale, k_scale=scales[0], v_scale=scales[1])
             return impl.attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
                                   sm_scale=sm_scale)
 
-        def attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale=None):
+        def attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale=None,
+                      k_scale=None, v_scale=None):
             # check_vma=False: custom kernels inside need not carry replication rules; the
             # specs below are exact (outputs vary only along the split head axis).
+            scales = () if k_scale is None else (k_scale, v_scale)
             f = jax.shard_map(functools.partial(local_attention, sm_scale=sm_scale), mesh=self.mesh,
-                              in_specs=(q_spec, page_spec, page_spec, rep, rep, rep, rep),
+                              in_specs=(q_spec, page_spec, page_spec, rep, rep, rep, rep) + (scale_spec,) * len(scales),
                               out_specs=q_spec, check_vma=False)
-            return f(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
+            return f(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *scales)
 
-        def write_kv(k_pages, v_pages, k_new, v_new, slot_mapping):
+        def write_kv(k_pages, v_pages, k_new, v_new, slot_mapping, k_scale=None, v_scale=None):
+            scales = () if k_scale is None else (k_scale, v_scale)
             f = jax.shard_map(impl.write_kv, mesh=self.mesh,
-                              in_specs=(page_spec, page_spec, kv_spec, kv_spec, rep),
-                              out_specs=(page_spec, page_spec), check_vma=False)
-            return f(k_pages, v_pages, k_new, v_new, slot_mapping)
+                              in_specs=(page_spec, page_spec, kv_spec, kv_spec, rep) + (scale_spec,) * len(scales),
+                              out_specs=(page_spec, page_spec) + (scale_spec,) * len(scales), check_vma=False)
+            return f(k_pages, v_pages, k_new, v_new, slot_mapping, *scales)
 
         return dataclasses.replace(impl, name=f"{impl.name}@tp{q_ways}", attention=attention, write_kv=write_kv)
 

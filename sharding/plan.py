@@ -18,7 +18,7 @@ import json
 import sys
 
 from model.config import config_by_name
-from sharding.estimate import DTYPE_BYTES, PlanInputs, plan
+from sharding.estimate import DTYPE_BYTES, QUANTIZED_WEIGHTS, PlanInputs, plan
 from sharding.hardware import GPUS, get_gpu
 from sharding.mesh import MeshError
 from sharding.rules import RuleError, available_rules
@@ -89,8 +89,9 @@ def _measure(inp: PlanInputs, args) -> dict:
         return {"skipped": "the forward has no pipeline stages yet; measure a pp=1 layout"}
     from sharding.measure import measure
 
-    cfg = inp.cfg.replace(dtype=inp.w_dtype) if inp.w_dtype in ("float32", "bfloat16", "float16") else inp.cfg
-    kv = inp.kv_dt if inp.kv_dt in ("float32", "bfloat16", "float16") else None
+    # The weights and cache the plan describes: float dtypes, or the real int8 / fp8 declarations.
+    cfg = inp.declared_cfg() or inp.cfg
+    kv = inp.kv_dt if inp.kv_dt in ("float32", "bfloat16", "float16") else QUANTIZED_WEIGHTS.get(inp.kv_dt)
     try:
         return measure(cfg, tp=inp.tp, batch=inp.batch, context_len=inp.context_len, rules=inp.rules,
                        page_size=args.page_size, kv_dtype=kv)

@@ -1,0 +1,259 @@
+"""Weight-only and KV-cache quantization: int8 and fp8 (e4m3) with scales.
+
+Decode is memory-bound: every step streams all weights plus every live
+sequence's cached K/V. Storing them in one byte instead of two halves what a
+step reads (and doubles the tokens a KV pool holds). Compute stays in the
+model's dtype: values are widened on the fly, so nothing here needs int8 or
+fp8 matmul units.
+
+Weights (`quantize`, `linear`)
+------------------------------
+A matrix becomes a `QuantizedArray(data, scale)`: `data` in int8 or
+float8_e4m3fn with the weight's shape, `scale` fp32 with the weight's *output*
+dimensions only (one scale per output channel: per (head, head_dim) column of
+wq/wk/wv, per embed column of wo, per ffw column of w_gate/w_up, per vocab
+column of lm_head). The output channel is the right granularity because the
+scale then factors out of the contraction:
+
+    einsum(x, data * scale) == einsum(x, data) * scale
+
+so `linear` casts `data` to the activation dtype (exact: int8 and e4m3 values
+are all representable in bf16), runs the same einsum as the float model and
+multiplies its *output* by the scale: no dequantized copy of the weight, and
+on GPU XLA fuses the widening convert into the matmul's operand load, so the
+matmul reads one byte per weight. Per-output-channel also fits sharding: the
+scale carries the output dimensions' logical axes, so the same rule table
+splits it exactly as it splits the data's columns (`model.params` declares
+both).
+
+int8 is symmetric (`scale = max|w| / 127`, round to nearest, no zero point:
+Llama weights are centred on zero). fp8 e4m3 scales the channel's max to 448
+(its largest finite value) and rounds to nearest even; it keeps ~2 significant
+decimal digits at every magnitude, where int8 loses relative precision on
+small weights but is exact in absolute steps. Which one wins on quality is
+measured, not assumed (`benchmarks/quant_quality.py`, docs/quantization.md).
+
+Only the linear layers (attention and MLP projections, and an untied lm_head)
+are quantized. The embedding table stays in the model dtype: a step gathers
+a handful of its rows, so quantizing it saves memory but not bandwidth, and a
+tied table is then also the exact output projection. Norms stay as they are.
+
+KV cache (`kernels_pallas.kv_quant.quantize_kv`)
+------------------------------------------------
+Pages hold int8 or fp8 K/V plus one fp32 scale per (token, KV head) in a
+`[pages, page_size, kv_heads]` array beside each page array. Per token rather
+than per page because a page fills one decode token at a time: a per-page
+scale is fixed by the tokens written first, so a later token with a larger
+magnitude is clipped unless the whole page is re-read and rescaled on every
+write (and a copy-on-write or prefix-cached page would have to carry its
+scale history). Per-token scales make every write independent, exact to its
+own range, and keep copy-on-write a plain page copy. The price is 4 bytes per
+token per head, 3% of an int8 row at head_dim 128 (6% at 64). The benchmark
+also measures the error an (ideal, offline) per-page scale would give on the
+embedded model's real K/V, which is the lower bound of what per-page could do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_pallas.kv_quant import QMAX, is_quantized_dtype, quantize_kv, to_storage  # noqa: F401
+
+# Names accepted for weight and KV quantization, and their storage dtypes.
+QUANT_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+SCALE_DTYPE = jnp.float32
+SCALE_BYTES = 4
+
+WEIGHT_DTYPE_CHOICES = ("auto", "int8", "fp8")
+KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "fp8", "bfloat16", "float16", "float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedArray:
+    """A quantized tensor: `data` (int8 / fp8) and `scale` (fp32) over some trailing/leading dims.
+
+    For a weight, `scale` has the weight's output dims (`data.shape[-scale.ndim:]`);
+    for a KV page array, its leading dims (`data.shape[:-1]`). Either field may
+    also hold an `ArrayInfo` or `ShapeDtypeStruct` (declarations, abstract trees).
+    """
+
+    data: Any
+    scale: Any
+
+    @property
+    def shape(self):
+        return self.data.shape
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.data.shape)
+
+
+jax.tree_util.register_dataclass(QuantizedArray, data_fields=["data", "scale"], meta_fields=[])
+
+
+def is_quantized(x) -> bool:
+    return isinstance(x, QuantizedArray)
+
+
+def storage_dtype(name: str):
+    """The jnp dtype of a quantization name ("int8" or "fp8")."""
+    if name not in QUANT_DTYPES:
+        raise ValueError(f"quantized dtype must be one of {sorted(QUANT_DTYPES)}, got {name!r}")
+    return QUANT_DTYPES[name]
+
+
+def quantize(w: jax.Array, name_or_dtype, num_in_dims: int) -> QuantizedArray:
+    """Per-output-channel quantization of a weight whose first `num_in_dims` dims are contracted.
+
+    Error bound (per element, `s` = its channel's scale): int8 |w - dq| <= s / 2;
+    fp8 e4m3 |w - dq| <= max(|w| / 16, s / 1024) (3 mantissa bits; subnormals
+    below 2**-6 * s have absolute steps of 2**-9 * s).
+    """
+    dtype = jnp.dtype(storage_dtype(name_or_dtype) if isinstance(name_or_dtype, str) else name_or_dtype)
+    w32 = w.astype(jnp.float32)
+    axes = tuple(range(num_in_dims))
+    amax = jnp.max(jnp.abs(w32), axis=axes)
+    scale = amax / QMAX[dtype]
+    inv = jnp.where(amax > 0, QMAX[dtype] / jnp.where(amax > 0, amax, 1.0), 0.0)
+    return QuantizedArray(to_storage(w32 * inv, dtype), scale.astype(SCALE_DTYPE))
+
+
+def dequantize(q: QuantizedArray, dtype=jnp.float32) -> jax.Array:
+    """The weight the quantized form stands for (tests, conversions; `linear` never builds it)."""
+    data = q.data.astype(jnp.float32)
+    return (data * q.scale.astype(jnp.float32)).astype(dtype)
+
+
+def linear(spec: str, x, w, **kwargs):
+    """`jnp.einsum(spec, x, w)` for a float or a `QuantizedArray` weight.
+
+    Quantized: the einsum runs on `data` widened to x's dtype and its output is
+    scaled per output channel (the scale's dims are the einsum output's
+    trailing dims for every weight layout in `model.params`). A float weight
+    takes exactly the old path, so unquantized programs are unchanged.
+    """
+    if not isinstance(w, QuantizedArray):
+        return jnp.einsum(spec, x, w, **kwargs)
+    out = jnp.einsum(spec, x, w.data.astype(x.dtype), **kwargs)
+    return (out.astype(jnp.float32) * w.scale).astype(out.dtype)
+
+
+# --------------------------------------------------------------------------- KV cache
+
+def kv_cache_dtype(cfg, name: str | None):
+    """The storage dtype of the KV pages for an engine's `kv_cache_dtype` ("auto": the model's)."""
+    if name in (None, "auto"):
+        return cfg.jnp_dtype
+    if name in QUANT_DTYPES:
+        return QUANT_DTYPES[name]
+    if name in ("bfloat16", "float16", "float32"):
+        return jnp.dtype(name)
+    raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPE_CHOICES)}, got {name!r}")
+
+
+def kv_bytes_per_token(cfg, dtype=None) -> int:
+    """Bytes one token occupies in the KV pool (all layers, K and V), scales included."""
+    dtype = jnp.dtype(dtype or cfg.jnp_dtype)
+    per_head = cfg.head_dim * dtype.itemsize + (SCALE_BYTES if is_quantized_dtype(dtype) else 0)
+    return 2 * cfg.num_layers * cfg.num_kv_heads * per_head
+
+
+def check_weight_dtype(name) -> str:
+    if name is None:
+        return "auto"
+    if name not in WEIGHT_DTYPE_CHOICES:
+        raise ValueError(f"weight_dtype must be one of {list(WEIGHT_DTYPE_CHOICES)}, got {name!r}")
+    return name
+
+
+def check_kv_cache_dtype(name) -> str:
+    if name is None:
+        return "auto"
+    if name not in KV_CACHE_DTYPE_CHOICES:
+        raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPE_CHOICES)}, got {name!r}")
+    return name
+
+
+# --------------------------------------------------------------------------- whole models
+
+def quantize_params(params, cfg, weight_dtype: str, shardings=None):
+    """Float `Weights` -> the quantized `Weights` that `cfg.replace(weight_dtype=...)` declares.
+
+    Returns (quantized config, params). Which weights are quantized and along
+    which dims comes from the declarations (`model.params`), never from names
+    here. Runs as one jit, so sharded inputs stay sharded (pass the quantized
+    config's `shardings` to place the result).
+    """
+    from model.params import Weights, is_array_info
+
+    weight_dtype = check_weight_dtype(weight_dtype)
+    if weight_dtype == "auto":
+        return cfg, params
+    if cfg.weight_dtype == weight_dtype:
+        return cfg, params
+    if cfg.weight_dtype is not None:
+        raise ValueError(f"the weights are already quantized to {cfg.weight_dtype}; cannot convert them to "
+                         f"{weight_dtype} (load the float checkpoint instead)")
+    qcfg = cfg.replace(weight_dtype=weight_dtype)
+    decl = Weights.declare(qcfg)
+    is_decl_leaf = lambda x: is_array_info(x) or is_quantized(x)  # noqa: E731
+    decl_leaves, treedef = jax.tree_util.tree_flatten(decl, is_leaf=is_decl_leaf)
+
+    def convert(p):
+        leaves = treedef.flatten_up_to(p)
+        out = []
+        for d, w in zip(decl_leaves, leaves):
+            if is_quantized(d):
+                out.append(quantize(w, d.data.dtype, len(d.data.shape) - len(d.scale.shape)))
+            else:
+                out.append(w.astype(d.dtype))
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    return qcfg, jax.jit(convert, out_shardings=shardings)(params)
+
+
+def param_bytes_by_kind(params) -> dict[str, int]:
+    """{"quantized_data", "scales", "float"} bytes of a weight tree (what a step can stream)."""
+    out = {"quantized_data": 0, "scales": 0, "float": 0}
+    for leaf in jax.tree.leaves(params, is_leaf=is_quantized):
+        if is_quantized(leaf):
+            out["quantized_data"] += math.prod(leaf.data.shape) * jnp.dtype(leaf.data.dtype).itemsize
+            out["scales"] += math.prod(leaf.scale.shape) * jnp.dtype(leaf.scale.dtype).itemsize
+        else:
+            out["float"] += math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
+    return out
+
+
+def streamed_weight_bytes(params, cfg) -> int:
+    """Bytes a forward step reads from the weights: all of them except an untied embedding
+    table, of which a step gathers only a few rows."""
+    total = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
+    if not cfg.tie_word_embeddings and getattr(params, "embed", None) is not None:
+        e = params.embed
+        total -= math.prod(e.shape) * jnp.dtype(e.dtype).itemsize
+    return int(total)
+
+
+def numpy_quantize_error(x: np.ndarray, dtype, group_axes: tuple[int, ...]) -> float:
+    """Relative RMS error of quantizing `x` with one scale per group (max over `group_axes`).
+
+    An offline yardstick for scale granularity (per token vs per page), used by the benchmark.
+    """
+    dtype = jnp.dtype(dtype)
+    x = np.asarray(x, np.float32)
+    amax = np.max(np.abs(x), axis=group_axes, keepdims=True)
+    inv = np.where(amax > 0, QMAX[dtype] / np.where(amax > 0, amax, 1.0), 0.0)
+    q = np.asarray(to_storage(jnp.asarray(x * inv), dtype)).astype(np.float32)
+    deq = q * (amax / QMAX[dtype])
+    return float(np.sqrt(np.mean((deq - x) ** 2) / max(np.mean(x ** 2), 1e-30)))
