@@ -1,4 +1,10 @@
-"""`LLM`: the offline, programmatic API (`llm.generate(prompts, params)`)."""
+"""`LLM`: the offline, programmatic API (`llm.generate(prompts, params)`).
+
+In a multi-process run (`serving.launch`, or `RIDGELINE_*` / cluster settings, see
+`serving.distributed`) every process builds the same `LLM` and calls the same
+methods: process 0 schedules and runs, the others replay its device calls
+(`serving.multihost`), and `generate` returns process 0's outputs everywhere.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ from typing import Optional, Sequence, Union
 
 from model.checkpoint import load_checkpoint, load_config
 from model.tokenizer import ByteTokenizer, load_tokenizer
-from serving import compile_cache
+from serving import compile_cache, distributed, multihost
 from serving.engine import Engine, EngineConfig
 from serving.outputs import RequestOutput
 from serving.sampling_params import SamplingParams
@@ -50,6 +56,11 @@ class LLM:
     points JAX's persistent compilation cache somewhere (None: the default
     location, see `serving.compile_cache`; "": off), so a second start loads
     its executables instead of compiling them.
+
+    Several processes: the layout must span every process's devices; each
+    process passes the same arguments. `generate` on process 0 runs the
+    requests; on the others it replays process 0's device calls until that
+    call ends and returns the same outputs (their own `prompts` are not used).
     """
 
     def __init__(self, checkpoint: Optional[str] = None, *, max_num_seqs: int = 64,
@@ -59,6 +70,7 @@ class LLM:
                  config=None, params=None, tokenizer=None, warmup: bool = False,
                  compilation_cache_dir: Optional[str] = None, **engine_kwargs):
         t0 = time.perf_counter()
+        distributed.initialize()  # joins a multi-process run when the environment asks for one
         self.compilation_cache_dir = compile_cache.enable(compilation_cache_dir)
         if (config is None) != (params is None):
             raise ValueError("pass both config and params (an in-memory model) or neither")
@@ -86,13 +98,14 @@ class LLM:
                                      attention_backend=attention_backend, max_model_len=max_model_len, seed=seed,
                                      **engine_kwargs)
         self.engine = Engine(config, params, tokenizer, engine_config, layout=layout)
+        self.multihost = multihost.attach(self.engine)  # None when this process runs alone
         self.load_seconds = time.perf_counter() - t0
         log.info("loaded in %.1f s (persistent compilation cache: %s)", self.load_seconds,
                  self.compilation_cache_dir or "off")
         self.warmup_info = None
         if warmup:
             before = compile_cache.compile_counts()
-            self.warmup_info = self.engine.warm_up()
+            self.warmup_info = (self.multihost or self.engine).warm_up()
             done = compile_cache.compile_counts() - before
             self.warmup_info.update(xla_compiled=done.compiled, cache_hits=done.cache_hits)
             log.info("%s", compile_cache.describe_warmup(self.warmup_info, self.compilation_cache_dir))
@@ -109,6 +122,26 @@ class LLM:
         Every request is validated before any is queued, so one bad prompt or
         parameter raises (`InvalidParameterError`) without running the others.
         """
+        role = self.multihost
+        if role is None:
+            return self._generate(prompts, sampling_params)
+        if not role.is_leader:
+            return role.follow()  # process 0's outputs, once its generate is done
+        with role.operation():
+            try:
+                outputs = self._generate(prompts, sampling_params)
+            except BaseException as e:
+                role.end(error=f"generate failed on process 0: {e!r}")
+                raise
+            role.end(outputs)
+            return outputs
+
+    def shutdown(self) -> None:
+        """Multi-process runs: process 0 tells the others to stop following (a no-op elsewhere)."""
+        if self.multihost is not None and self.multihost.is_leader:
+            self.multihost.shutdown()
+
+    def _generate(self, prompts, sampling_params) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                  and isinstance(prompts[0], int)):
             prompts = [prompts]
