@@ -26,6 +26,7 @@ alive but stuck makes its peers end themselves through `Watchdog` after
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -59,6 +60,7 @@ class DistributedConfig:
     init_timeout_s: int = 120  # every process must have joined by then
     heartbeat_timeout_s: int = 30  # a process silent this long is declared dead by the service
     call_timeout_s: float = 300.0  # longest wait on a live peer: a device call, or the next call to replay
+    shutdown_timeout_s: int = 30  # how long a process ending cleanly waits for the others to end too
 
     @classmethod
     def from_env(cls, environ=None, **overrides) -> "DistributedConfig":
@@ -130,27 +132,54 @@ def initialize(config: Optional[DistributedConfig] = None, **overrides) -> bool:
     who = "process ?" if config.process_id is None else f"process {config.process_id}"
     log.info("%s of %s joining the JAX distributed runtime at %s (every process must join within %d s)", who,
              config.num_processes or "?", config.coordinator_address or "<auto-detected>", config.init_timeout_s)
+    # JAX itself ends a process whose peers do not all join in time; this is the bound if it ever waits on.
+    give_up = threading.Timer(config.init_timeout_s + 10, fatal, [
+        f"not every one of the {config.num_processes or '?'} processes joined within {config.init_timeout_s} s "
+        f"(coordinator {config.coordinator_address or '<auto-detected>'}): a process did not join"])
+    give_up.daemon = True
+    give_up.start()
     try:
         jax.distributed.initialize(config.coordinator_address, config.num_processes, config.process_id,
                                    initialization_timeout=config.init_timeout_s,
-                                   heartbeat_timeout_seconds=config.heartbeat_timeout_s)
+                                   heartbeat_timeout_seconds=config.heartbeat_timeout_s,
+                                   shutdown_timeout_seconds=config.shutdown_timeout_s)
     except RuntimeError as e:
         if "must be called before" in str(e):
             raise RuntimeError("a multi-process run must join the JAX distributed runtime before JAX uses any "
                                "device: call serving.distributed.initialize() first (before building params, "
                                "jax.devices(), ...)") from e
         raise
+    finally:
+        give_up.cancel()
     _joined = config
+    atexit.register(shutdown)
     log.info("process %d of %d joined: %d local / %d global devices", jax.process_index(), jax.process_count(),
              jax.local_device_count(), jax.device_count())
     return jax.process_count() > 1
+
+
+def shutdown() -> None:
+    """Leaves the runtime together with the others (a barrier bounded by `shutdown_timeout_s`).
+
+    Runs at exit, so a process that is done waits for its peers instead of taking process 0's
+    coordination service down under them (which would abort them). Safe to call more than once.
+    """
+    import jax
+
+    if not jax.distributed.is_initialized():
+        return
+    try:
+        jax.distributed.shutdown()
+    except Exception as e:  # a peer already gone: nothing left to wait for
+        log.warning("leaving the distributed runtime: %s", e)
 
 
 def fatal(message: str, code: int = PEER_FAILURE_EXIT_CODE) -> None:
     """Logs `message` and ends the process at once: a collective waiting on a dead peer never
     returns, so nothing short of `os._exit` can be relied on to stop it."""
     try:
-        log.critical("%s", message)
+        if logging.getLogger().handlers:  # into the configured logs too (absl, a server's log file)
+            log.critical("%s", message)
         sys.stderr.write(f"ridgeline: {message}\n")
         sys.stderr.flush()
         sys.stdout.flush()

@@ -12,7 +12,9 @@ Their output (stdout and stderr) comes out line by line prefixed `[p0] `,
 `[p1] `, .... The launcher exits with the first non-zero exit code a process
 ends with (128 + N for a process killed by signal N), after stopping the
 others; with 0 when all end with 0. Ctrl-C (or SIGTERM) stops them all: each
-gets SIGTERM, and SIGKILL `--grace_s` seconds later if it is still there.
+gets SIGINT (a server's process 0 then shuts the run down cleanly; SIGTERM
+would be taken by JAX's preemption notifier), and SIGKILL `--grace_s` seconds
+later if it is still there.
 """
 
 from __future__ import annotations
@@ -99,10 +101,10 @@ class Launch:
             self._readers.append(t)
 
     def stop(self) -> None:
-        """SIGTERM to every child still running, SIGKILL to those left after the grace period."""
+        """SIGINT to every child still running, SIGKILL to those left after the grace period."""
         for p in self.procs:
             if p.poll() is None:
-                _signal_group(p, signal.SIGTERM)
+                _signal_group(p, signal.SIGINT)
         deadline = time.monotonic() + self.grace_s
         for p in self.procs:
             try:
@@ -138,7 +140,7 @@ class Launch:
         except KeyboardInterrupt:
             self.stop()
             failed = [exit_code(p.returncode) for p in self.procs if p.returncode not in (None, 0)
-                      and p.returncode not in (-signal.SIGTERM, -signal.SIGKILL)]
+                      and p.returncode not in (-signal.SIGINT, -signal.SIGKILL)]
             return failed[0] if failed else INTERRUPTED_EXIT_CODE
         finally:
             signal.signal(signal.SIGTERM, previous)

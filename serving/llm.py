@@ -131,7 +131,7 @@ class LLM:
             try:
                 outputs = self._generate(prompts, sampling_params)
             except BaseException as e:
-                role.end(error=f"generate failed on process 0: {e!r}")
+                role.failed("generate", e)
                 raise
             role.end(outputs)
             return outputs

@@ -19,7 +19,9 @@ non-zero).
 
 from __future__ import annotations
 
+import atexit
 import logging
+import signal
 import threading
 import time
 from typing import Optional
@@ -61,7 +63,9 @@ class Leader:
         self._closed = False
         self._lock = threading.Lock()
         engine.runner.dispatch_hook = self._announce
+        self._watchdog = watchdog
         watchdog.add(self._stalled)
+        atexit.register(self._close)  # before the runtime's own exit barrier (atexit runs newest first)
         threading.Thread(target=self._keepalive, name="ridgeline-keepalive", daemon=True).start()
 
     # --- what the followers see ----------------------------------------------------------------
@@ -93,6 +97,10 @@ class Leader:
                     f"another process is gone or hung")
         return None
 
+    def _close(self) -> None:
+        with self._lock:
+            self._closed = True
+
     def end(self, result=None, error: Optional[str] = None) -> None:
         """Ends the operation the followers are following; they return `result` or raise `error`."""
         self._send(("end", result, error))
@@ -103,17 +111,38 @@ class Leader:
         with self._lock:
             self._closed = True
 
+    def watch(self, async_engine, watchdog: Optional[distributed.Watchdog] = None) -> None:
+        """Server: when the engine loop dies, tell the followers (they exit non-zero) and end this process
+        too, instead of serving 503s while the others wait forever."""
+        def check() -> Optional[str]:
+            error = getattr(async_engine, "_error", None)
+            if error is None or self._closed:
+                return None
+            message = f"the engine loop on process 0 failed: {error!r}"
+            self.shutdown(error=message)
+            return message
+
+        (watchdog or self._watchdog).add(check)
+
     # --- operations ----------------------------------------------------------------------------
     def operation(self):
         """Context for a warm-up or a generate: the stall check counts it as work in progress."""
         return _Operation(self)
+
+    def failed(self, what: str, error: BaseException) -> None:
+        """An operation raised on process 0: the followers' copy of it raises too. A failed device call
+        (a peer gone in the middle of a collective) ends this process at once with the cause."""
+        self.end(error=f"{what} failed on process 0: {error!r}")
+        if isinstance(error, jax.errors.JaxRuntimeError):
+            distributed.fatal(f"process 0: a device call failed during {what}, so another process is gone or "
+                              f"broken: {error}")
 
     def warm_up(self) -> dict:
         with self.operation():
             try:
                 info = self.engine.warm_up()
             except BaseException as e:
-                self.end(error=f"warm-up failed on process 0: {e!r}")
+                self.failed("warm-up", e)
                 raise
             self.end()
             return info
@@ -167,8 +196,12 @@ class Follower:
             kind = message[0]
             if kind == "call":
                 _, call, arrays, static = message
-                with self._deadline.guard(f"process {self.channel.process_id}: device call {self.calls} ({call})"):
-                    jax.block_until_ready(self.runner.replay(call, *arrays, **static))
+                what = f"process {self.channel.process_id}: device call {self.calls} ({call})"
+                with self._deadline.guard(what):
+                    try:
+                        jax.block_until_ready(self.runner.replay(call, *arrays, **static))
+                    except jax.errors.JaxRuntimeError as e:
+                        distributed.fatal(f"{what} failed, so another process is gone or broken: {e}")
                 self.calls += 1
                 self.calls_by_kind[call] = self.calls_by_kind.get(call, 0) + 1
             elif kind == "end":
@@ -184,6 +217,9 @@ class Follower:
     def serve(self) -> int:
         """Follows until process 0 shuts the run down (the server's other processes); the exit code."""
         log.info("process %d: following process 0's device calls", self.channel.process_id)
+        if threading.current_thread() is threading.main_thread():
+            # Ctrl-C reaches every process of a local run; only process 0 decides when the run ends.
+            signal.signal(signal.SIGINT, lambda *_: log.info("interrupted: waiting for process 0 to end the run"))
         while True:
             try:
                 self.follow()

@@ -13,6 +13,13 @@ engine loop on its own thread (`AsyncEngine`) and serves the FastAPI app from
 pool is (pages, tokens, bytes), how long loading and warm-up took and how many
 executables warm-up compiled or found in the cache.
 
+Multi-host: every process runs this same command (e.g. through `python -m
+serving.launch`, or one per node under SLURM with `--distributed`); they join
+JAX's distributed runtime first (`--coordinator_address`, `--num_processes`,
+`--process_id`, else the `RIDGELINE_*` environment, else cluster
+auto-detection). Process 0 serves HTTP and schedules; the others follow its
+device calls until it shuts down (`serving.multihost`).
+
 `ServerThread` runs the same stack inside a Python process (tests, benchmarks,
 notebooks): uvicorn on a background thread, bound to loopback by default.
 """
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 import threading
 import time
 from typing import Optional
@@ -48,6 +56,21 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_model_len", None, "Context window; default: the model's, capped by the pool.")
     flags.DEFINE_boolean("enable_prefix_caching", True, "Reuse cached KV pages of shared prompt prefixes.")
     flags.DEFINE_integer("tensor_parallel_size", 1, "Devices to shard the model over (tensor parallelism).")
+    flags.DEFINE_integer("pipeline_parallel_size", 1, "Pipeline stages (each over tensor_parallel_size devices).")
+    flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0's coordination service "
+                                                     "(default: $RIDGELINE_COORDINATOR_ADDRESS, else detected).")
+    flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes (default: "
+                                                "$RIDGELINE_NUM_PROCESSES, else detected).")
+    flags.DEFINE_integer("process_id", None, "Multi-host: this process's index, 0 serves HTTP (default: "
+                                             "$RIDGELINE_PROCESS_ID, else detected).")
+    flags.DEFINE_boolean("distributed", None, "Multi-host: join the runtime even with none of the above set, "
+                                              "letting jax.distributed detect the cluster (SLURM, Open MPI, ...).")
+    flags.DEFINE_integer("distributed_init_timeout_s", None, "Multi-host: every process must join within this "
+                                                             "(default 120).")
+    flags.DEFINE_integer("distributed_heartbeat_timeout_s", None, "Multi-host: a process silent this long is "
+                                                                  "declared dead, ending the run (default 30).")
+    flags.DEFINE_float("distributed_call_timeout_s", None, "Multi-host: longest wait on a live peer (a device "
+                                                           "call, or process 0's next call) (default 300).")
     flags.DEFINE_string("attention_backend", "auto", "Attention backend: auto, reference, pallas, pallas_interpret.")
     flags.DEFINE_integer("seed", 0, "Engine seed (for requests that give none).")
     flags.DEFINE_float("peak_bandwidth_gbps", None, "Device memory bandwidth for MBU, GB/s (default: GPU table).")
@@ -185,15 +208,28 @@ class ServerThread:
         self.stop()
 
 
+def join_from_flags() -> bool:
+    """Joins the multi-process runtime when the flags or environment ask for it (before any device use)."""
+    from serving import distributed
+
+    return distributed.initialize(
+        coordinator_address=FLAGS.coordinator_address, num_processes=FLAGS.num_processes,
+        process_id=FLAGS.process_id, auto=FLAGS.distributed, init_timeout_s=FLAGS.distributed_init_timeout_s,
+        heartbeat_timeout_s=FLAGS.distributed_heartbeat_timeout_s, call_timeout_s=FLAGS.distributed_call_timeout_s)
+
+
 def make_llm_from_flags():
     from serving.llm import LLM
 
+    extra = {}
+    if FLAGS.pipeline_parallel_size != 1:  # only engines with pipeline stages take it
+        extra["pipeline_parallel_size"] = FLAGS.pipeline_parallel_size
     return LLM(FLAGS.checkpoint, max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
                page_size=FLAGS.page_size, num_pages=FLAGS.num_pages, max_model_len=FLAGS.max_model_len,
                enable_prefix_caching=FLAGS.enable_prefix_caching, attention_backend=FLAGS.attention_backend,
                tensor_parallel_size=FLAGS.tensor_parallel_size, seed=FLAGS.seed,
                min_token_bucket=FLAGS.min_token_bucket, compilation_cache_dir=FLAGS.compilation_cache_dir,
-               warmup=True)
+               warmup=True, **extra)
 
 
 def _peak_from_flags():
@@ -221,18 +257,24 @@ def main(argv) -> None:
             logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
     from serving import compile_cache
 
+    join_from_flags()
     cache_dir = compile_cache.enable(FLAGS.compilation_cache_dir)  # before anything compiles
     log.info("persistent compilation cache: %s", cache_dir or "off")
     log.info("loading %s", FLAGS.checkpoint or "the embedded default model")
     llm = make_llm_from_flags()
     for line in describe_startup(llm):
         log.info("%s", line)
+    if llm.multihost is not None and not llm.multihost.is_leader:
+        sys.exit(llm.multihost.serve())  # process 0 serves HTTP; this one replays its device calls
     fastapi_app, async_engine, _ = build_stack(llm, FLAGS.served_model_name, peak=_peak_from_flags(),
                                                metrics_window_s=FLAGS.metrics_window_s,
-                                               num_devices=FLAGS.tensor_parallel_size,
+                                               num_devices=FLAGS.tensor_parallel_size
+                                               * FLAGS.pipeline_parallel_size,
                                                profile_dir=FLAGS.profile_dir)
     if FLAGS.profile_dir:
         log.info("profiling: POST /start_profile and /stop_profile write traces under %s", FLAGS.profile_dir)
+    if llm.multihost is not None:
+        llm.multihost.watch(async_engine)  # a failed engine loop ends every process, not just HTTP
     name = FLAGS.served_model_name or default_model_name(llm)
     log.info("serving %r on http://%s:%d (OpenAI API under /v1, metrics at /metrics)", name, FLAGS.host, FLAGS.port)
     try:
@@ -241,6 +283,7 @@ def main(argv) -> None:
     finally:
         fastapi_app.state.profiler.stop_if_running()
         async_engine.shutdown()
+        llm.shutdown()  # multi-host: the other processes stop following
 
 
 def run() -> None:

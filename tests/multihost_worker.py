@@ -18,6 +18,7 @@ import os
 import random
 import signal
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -65,7 +66,7 @@ def die_at_step(llm, after: int) -> None:
     def counting_run(*args, **kwargs):
         count[0] += 1
         if count[0] >= after:
-            print(f"process {jax.process_index()} kills itself at step {count[0]}", flush=True)
+            print(f"process {jax.process_index()} kills itself at step {count[0]} at {time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         return run(*args, **kwargs)
 
