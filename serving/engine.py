@@ -96,8 +96,11 @@ class Engine:
         self.num_pages = num_pages
         self.buckets = Buckets(config.max_num_batched_tokens, config.max_num_seqs, -(-model_len // ps),
                                config.min_token_bucket, -(-config.min_context_bucket // ps))
-        self.runner = runner or ModelRunner(cfg, params, num_pages=num_pages, page_size=ps, buckets=self.buckets,
-                                            backend=config.attention_backend, layout=layout)
+        runner_class = ModelRunner
+        if getattr(layout, "pipeline_parallel_size", 1) > 1:  # staged params and KV cache
+            from serving.pipeline_runner import PipelineRunner as runner_class
+        self.runner = runner or runner_class(cfg, params, num_pages=num_pages, page_size=ps, buckets=self.buckets,
+                                             backend=config.attention_backend, layout=layout)
         self.block_manager = BlockManager(num_pages, ps, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, model_len),
                                    self.block_manager)

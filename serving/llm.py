@@ -42,6 +42,25 @@ def tensor_parallel_layout(tensor_parallel_size: int):
     return sharding.Layout.create(sharding.make_mesh(tensor=tensor_parallel_size), "megatron")
 
 
+def parallel_layout(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, num_microbatches: int = 1):
+    """`tensor_parallel_layout` when there is one stage; otherwise a pipeline layout of
+    `pipeline_parallel_size` stages of `tensor_parallel_size` devices each, running
+    `num_microbatches` microbatches per step (`sharding.pipeline`)."""
+    for name, value in (("pipeline_parallel_size", pipeline_parallel_size), ("num_microbatches", num_microbatches)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if pipeline_parallel_size == 1:
+        if num_microbatches != 1:
+            raise ValueError(f"num_microbatches={num_microbatches} needs pipeline_parallel_size > 1 "
+                             "(microbatches are the pipeline's schedule)")
+        return tensor_parallel_layout(tensor_parallel_size)
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    from sharding.pipeline import make_pipeline_layout
+
+    return make_pipeline_layout(pipeline_parallel_size, tensor_parallel_size, num_microbatches)
+
+
 def _default_tokenizer(cfg):
     return ByteTokenizer(cfg.vocab_size) if cfg.vocab_size >= 258 else None
 
@@ -66,7 +85,8 @@ class LLM:
     def __init__(self, checkpoint: Optional[str] = None, *, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, page_size: int = 16, num_pages: Optional[int] = None,
                  enable_prefix_caching: bool = True, attention_backend: str = "auto",
-                 tensor_parallel_size: int = 1, max_model_len: Optional[int] = None, seed: int = 0,
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, num_microbatches: int = 1,
+                 max_model_len: Optional[int] = None, seed: int = 0,
                  config=None, params=None, tokenizer=None, warmup: bool = False,
                  compilation_cache_dir: Optional[str] = None, **engine_kwargs):
         t0 = time.perf_counter()
@@ -74,19 +94,23 @@ class LLM:
         self.compilation_cache_dir = compile_cache.enable(compilation_cache_dir)
         if (config is None) != (params is None):
             raise ValueError("pass both config and params (an in-memory model) or neither")
-        layout = tensor_parallel_layout(tensor_parallel_size)
+        layout = parallel_layout(tensor_parallel_size, pipeline_parallel_size, num_microbatches)
         if config is None:
             directory = checkpoint or default_checkpoint_dir()
             if not os.path.isdir(directory):
                 raise FileNotFoundError(f"no checkpoint at {directory}"
                                         + ("" if checkpoint else " (the embedded default model is missing)"))
             config = load_config(directory)
+            if hasattr(layout, "check"):  # a pipeline layout: the layers must split into its stages
+                layout.check(config)
             # With a layout, every device reads only its own shards from the checkpoint.
             config, params = load_checkpoint(directory, None if layout is None else layout.param_shardings(config),
                                              config)
             tokenizer = tokenizer or load_tokenizer(directory, config.vocab_size)
             self.checkpoint = directory
         else:
+            if hasattr(layout, "check"):
+                layout.check(config)
             tokenizer = tokenizer or _default_tokenizer(config)
             self.checkpoint = None
         self.layout = layout

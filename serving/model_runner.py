@@ -40,7 +40,10 @@ def _step(params, cache, ibuf, fbuf, *, cfg: LlamaConfig, backend: str, shape: S
     md = BatchMetadata(positions=v["positions"], slot_mapping=v["slots"], cu_q_lens=v["cu_q_lens"],
                        kv_lens=v["kv_lens"], block_tables=v["block_tables"], num_seqs=v["num_seqs"][0],
                        logits_indices=v["logits_indices"])
-    logits, cache = forward(params, cache, v["tokens"], md, cfg, backend, layout)
+    if hasattr(layout, "forward"):  # a layout with a forward of its own (pipeline stages)
+        logits, cache = layout.forward(params, cache, v["tokens"], md, cfg, backend)
+    else:
+        logits, cache = forward(params, cache, v["tokens"], md, cfg, backend, layout)
     flags = v["flags"]
     s = SamplingInputs(
         temperature=v["temperature"], top_k=v["top_k"], top_p=v["top_p"], min_p=v["min_p"],

@@ -56,7 +56,10 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_model_len", None, "Context window; default: the model's, capped by the pool.")
     flags.DEFINE_boolean("enable_prefix_caching", True, "Reuse cached KV pages of shared prompt prefixes.")
     flags.DEFINE_integer("tensor_parallel_size", 1, "Devices to shard the model over (tensor parallelism).")
-    flags.DEFINE_integer("pipeline_parallel_size", 1, "Pipeline stages (each over tensor_parallel_size devices).")
+    flags.DEFINE_integer("pipeline_parallel_size", 1, "Pipeline stages (contiguous layers each), each stage "
+                                                      "tensor_parallel_size devices.")
+    flags.DEFINE_integer("num_microbatches", 1, "Microbatches a step's tokens are cut into so pipeline stages "
+                                                "overlap (needs pipeline_parallel_size > 1).")
     flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0's coordination service "
                                                      "(default: $RIDGELINE_COORDINATOR_ADDRESS, else detected).")
     flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes (default: "
@@ -221,15 +224,13 @@ def join_from_flags() -> bool:
 def make_llm_from_flags():
     from serving.llm import LLM
 
-    extra = {}
-    if FLAGS.pipeline_parallel_size != 1:  # only engines with pipeline stages take it
-        extra["pipeline_parallel_size"] = FLAGS.pipeline_parallel_size
     return LLM(FLAGS.checkpoint, max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
                page_size=FLAGS.page_size, num_pages=FLAGS.num_pages, max_model_len=FLAGS.max_model_len,
                enable_prefix_caching=FLAGS.enable_prefix_caching, attention_backend=FLAGS.attention_backend,
-               tensor_parallel_size=FLAGS.tensor_parallel_size, seed=FLAGS.seed,
+               tensor_parallel_size=FLAGS.tensor_parallel_size, pipeline_parallel_size=FLAGS.pipeline_parallel_size,
+               num_microbatches=FLAGS.num_microbatches, seed=FLAGS.seed,
                min_token_bucket=FLAGS.min_token_bucket, compilation_cache_dir=FLAGS.compilation_cache_dir,
-               warmup=True, **extra)
+               warmup=True)
 
 
 def _peak_from_flags():
@@ -268,8 +269,7 @@ def main(argv) -> None:
         sys.exit(llm.multihost.serve())  # process 0 serves HTTP; this one replays its device calls
     fastapi_app, async_engine, _ = build_stack(llm, FLAGS.served_model_name, peak=_peak_from_flags(),
                                                metrics_window_s=FLAGS.metrics_window_s,
-                                               num_devices=FLAGS.tensor_parallel_size
-                                               * FLAGS.pipeline_parallel_size,
+                                               num_devices=FLAGS.tensor_parallel_size * FLAGS.pipeline_parallel_size,
                                                profile_dir=FLAGS.profile_dir)
     if FLAGS.profile_dir:
         log.info("profiling: POST /start_profile and /stop_profile write traces under %s", FLAGS.profile_dir)

@@ -1,0 +1,224 @@
+"""Pipeline parallelism on 8 CPU devices: `LLM(pipeline_parallel_size=P, tensor_parallel_size=T,
+num_microbatches=M)`.
+
+Greedy tokens of a mixed batch (chunked prefills next to decodes, ragged lengths, sequences cut
+by microbatch boundaries) must equal the single-device engine's at PP=2 x TP=4 (KV heads
+replicated inside a stage) and PP=4 x TP=2 (one KV head per device), with one microbatch (the
+plain sequential pipeline) and several (including a count that does not divide the tokens).
+Weights and KV pages must really live on their stage only, the step must not copy the KV pool,
+nothing may compile after warm-up, and impossible layouts must fail with a clear message.
+"""
+
+import functools
+import random
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from model.cache import cache_bytes, init_cache, pack_batch
+from model.forward import forward_jit
+from model.params import init_params
+from serving import LLM, SamplingParams
+from serving.input_batch import StepShape
+from serving.model_runner import _step_jit
+from sharding import MeshError, make_mesh, param_shardings
+from sharding.hlo import collectives, shape_dims
+from sharding.pipeline import PipelineError, copy_staged_pages, make_pipeline_layout, pipeline_forward_jit
+
+CFG = tiny_config(vocab_size=128, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=8)
+NUM_PAGES, PAGE = 48, 8
+COMMON = dict(page_size=PAGE, max_model_len=64, num_pages=NUM_PAGES, max_num_seqs=8, max_num_batched_tokens=32,
+              min_token_bucket=32, min_context_bucket=64, attention_backend="reference")
+
+
+def prompts(vocab, n=6, seed=0):
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(3, vocab) for _ in range(rng.randint(2, 40))] for _ in range(n)]
+
+
+def greedy(llm, batch):
+    outs = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@functools.cache
+def params():
+    return init_params(CFG, jax.random.key(7))
+
+
+@functools.cache
+def single_device_tokens():
+    return greedy(LLM(config=CFG, params=params(), **COMMON), prompts(CFG.vocab_size))
+
+
+@functools.cache
+def pipelined(pp, tp, m):
+    """(LLM, its greedy tokens) for one layout; shared by the placement tests."""
+    llm = LLM(config=CFG, params=params(), pipeline_parallel_size=pp, tensor_parallel_size=tp,
+              num_microbatches=m, **COMMON)
+    return llm, greedy(llm, prompts(CFG.vocab_size))
+
+
+@pytest.mark.parametrize("pp,tp,m", [(2, 4, 1), (2, 4, 3), (4, 2, 1), (4, 2, 4)])
+def test_greedy_tokens_identical_to_single_device(pp, tp, m):
+    want = single_device_tokens()
+    assert sum(map(len, want)) == 48 and len({tuple(t) for t in want}) == 6  # not vacuous
+    llm, got = pipelined(pp, tp, m)
+    assert llm.engine.runner.layout.pipeline_parallel_size == pp
+    assert got == want
+
+
+@pytest.mark.parametrize("pp,tp,m", [(2, 4, 3), (4, 2, 4)])
+def test_weights_and_kv_pages_live_on_their_stage_only(pp, tp, m):
+    llm, _ = pipelined(pp, tp, m)
+    runner = llm.engine.runner
+    layout, staged, cache = runner.layout, runner.params, runner.cache
+    per_stage = CFG.num_layers // pp
+    host = params()
+    stage_of = {d: s for s in range(pp) for d in layout.mesh.devices[:, s, :].flat}
+    for j, layer in enumerate(staged.stages):
+        for name in ("wq", "wk", "w_down", "attn_norm"):
+            arr = getattr(layer, name)
+            # Content: stage s's block is global layer s * L/p + j ...
+            want = np.concatenate([np.asarray(getattr(host.layers[s * per_stage + j], name)) for s in range(pp)])
+            np.testing.assert_array_equal(np.asarray(arr), want)
+            # ... and each device holds a piece of its own stage's block, nothing else.
+            rows = arr.shape[0] // pp
+            for shard in arr.addressable_shards:
+                first = shard.index[0].start or 0
+                assert first // rows == (first + shard.data.shape[0] - 1) // rows == stage_of[shard.device]
+    # Bytes per device: exactly 1/p of what tensor parallelism alone keeps per device.
+    tp_only = param_shardings(CFG, make_mesh(tensor=tp), "megatron")
+    tp_layer_bytes = sum(
+        np.prod(sh.shard_shape(a.shape)) * a.dtype.itemsize
+        for layer, layer_sh in zip(host.layers, tp_only.layers)
+        for a, sh in zip(jax.tree.leaves(layer), jax.tree.leaves(layer_sh)))
+    staged_bytes = {}
+    for a in jax.tree.leaves(staged.stages):
+        for shard in a.addressable_shards:
+            staged_bytes[shard.device] = staged_bytes.get(shard.device, 0) + shard.data.nbytes
+    assert len(staged_bytes) == pp * tp
+    assert set(staged_bytes.values()) == {tp_layer_bytes // pp}
+    # KV: each device holds its stage's L/p layers of every page, its share of the KV heads.
+    kv_local = CFG.num_kv_heads // tp if tp <= CFG.num_kv_heads else CFG.num_kv_heads
+    assert len(cache.k) == per_stage
+    for arr in cache.k + cache.v:
+        assert {s.data.shape for s in arr.addressable_shards} == {(NUM_PAGES, PAGE, kv_local, CFG.head_dim)}
+    full = cache_bytes(init_cache(CFG, NUM_PAGES, PAGE))
+    kv_bytes = {}
+    for a in cache.k + cache.v:
+        for shard in a.addressable_shards:
+            kv_bytes[shard.device] = kv_bytes.get(shard.device, 0) + shard.data.nbytes
+    assert set(kv_bytes.values()) == {full // pp * kv_local // CFG.num_kv_heads}
+
+
+# --- the pipelined forward against the plain one --------------------------------------------------
+
+
+def steps():
+    """Two steps: two prefills (7 and 6 tokens), then a decode, a second chunk and a new prompt."""
+    rng = np.random.default_rng(0)
+    return [
+        [(rng.integers(3, 128, 7), 0, [0, 1, 2]), (rng.integers(3, 128, 6), 0, [3, 4, 5, 6])],
+        [(rng.integers(3, 128, 1), 7, [0, 1, 2]), (rng.integers(3, 128, 4), 6, [3, 4, 5, 6]),
+         (rng.integers(3, 128, 3), 0, [7, 8])],
+    ]
+
+
+def run_steps(fn, p, cache):
+    out = []
+    for chunks in steps():
+        tokens, md = pack_batch(chunks, page_size=4, num_pages=16, num_tokens=16, max_seqs=4, pages_per_seq=5,
+                                logits_rows=4)
+        logits, cache = fn(p, cache, tokens, md)
+        out.append(np.asarray(logits))
+    return out
+
+
+@functools.cache
+def reference_logits():
+    return run_steps(lambda p, c, t, md: forward_jit(p, c, t, md, CFG, "reference"), params(),
+                     init_cache(CFG, 16, 4))
+
+
+@pytest.mark.parametrize("pp,tp,m", [(2, 4, 3), (4, 2, 16), (2, 1, 5)])
+def test_pipelined_forward_logits_match(pp, tp, m):
+    """m=3 and 5 do not divide the 16 tokens (padded microbatches); m=16 is one token each,
+    so every multi-token chunk is cut across microbatches."""
+    layout = make_pipeline_layout(pp, tp, m)
+    fn = lambda p, c, t, md: pipeline_forward_jit(p, c, t, md, CFG, "reference", layout)
+    got = run_steps(fn, layout.stage_params(CFG, params()), layout.init_cache(CFG, 16, 4))
+    for a, b in zip(got, reference_logits()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_step_keeps_the_kv_pool_in_place_and_hands_activations_forward():
+    """One KV head per device (PP=2 x TP=2): a stage-local squeeze of the pool once made XLA
+    copy it in and out of every step. The compiled step aliases the pool, copies neither it nor
+    any weight, moves activations between stages with collective-permutes and all-gathers no
+    weight."""
+    llm, _ = pipelined(4, 2, 4)
+    runner = llm.engine.runner
+    shape = StepShape(32, 8, 8)
+    ibuf, fbuf, _ = shape.empty(NUM_PAGES * PAGE)
+    ibuf, fbuf = jax.device_put((ibuf, fbuf), runner.layout.replicated)
+    hlo = _step_jit.lower(runner.params, runner.cache, ibuf, fbuf, cfg=CFG, backend="reference", shape=shape,
+                          layout=runner.layout).compile().as_text()
+    assert "input_output_alias" in hlo.split("\n", 1)[0]
+    local_pool = re.escape(f"[{NUM_PAGES},{PAGE},1,{CFG.head_dim}]")
+    staged_pool = re.escape(f"[{4 * NUM_PAGES},{PAGE},1,{CFG.head_dim}]")
+    copies = [line for line in hlo.splitlines() if re.search(r"\bcopy\(", line)]
+    assert not [c for c in copies if re.search(local_pool, c) or re.search(staged_pool, c)]
+    kinds = [c["kind"] for c in collectives(hlo)]
+    assert "collective-permute" in kinds
+    weight_shapes = {tuple(a.shape) for a in jax.tree.leaves(params())}
+    gathered = {shape_dims(c["shape"]) for c in collectives(hlo) if c["kind"] == "all-gather"}
+    assert not gathered & weight_shapes
+
+
+def test_copy_on_write_copies_pages_on_every_stage():
+    layout = make_pipeline_layout(2, 2)
+    cache = layout.init_cache(CFG, 6, 2)
+    rng = np.random.default_rng(1)
+    values = [rng.standard_normal(a.shape).astype(np.float32) for a in cache.k + cache.v]
+    cache = jax.tree.map(lambda a, v: jax.device_put(v, a.sharding), cache,
+                         type(cache)(k=values[:len(cache.k)], v=values[len(cache.k):]))
+    src, dst = np.array([1, 4, 0], np.int32), np.array([3, 5, 6], np.int32)  # 6 == pages: dropped
+    out = jax.jit(copy_staged_pages, static_argnames="layout")(cache, src, dst, layout=layout)
+    for got, before in zip(out.k + out.v, values):
+        want = before.reshape(2, 6, *before.shape[1:]).copy()  # [stage, page, ...]
+        want[:, 3], want[:, 5] = want[:, 1], want[:, 4]
+        np.testing.assert_array_equal(np.asarray(got), want.reshape(before.shape))
+        assert got.sharding == cache.k[0].sharding
+
+
+def test_embedded_checkpoint_restores_into_stages_and_nothing_compiles_after_warm_up():
+    events = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: events.append(name) if "backend_compile" in name else None)
+    common = dict(COMMON, min_token_bucket=8)  # 8-token steps: 3 microbatches of 3 tokens, padded
+    batch = prompts(256, n=4, seed=1)
+    want = greedy(LLM(**common), batch)
+    llm = LLM(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=3, warmup=True, **common)
+    assert llm.warmup_info["shapes"] >= 3
+    # Restored straight onto the stages: layer 3 of the checkpoint is stage 1's second layer.
+    up = llm.engine.runner.params.stages[1].w_up
+    assert len(up.sharding.device_set) == 4
+    seen = len(events)
+    assert greedy(llm, batch) == want
+    llm.generate([[1, 5, 6]], SamplingParams(temperature=0.7, n=2, seed=3, max_tokens=3))
+    assert len(events) == seen, "a backend compile happened after warm-up"
+
+
+def test_impossible_layouts_are_clear_errors():
+    with pytest.raises(PipelineError, match="pipeline_parallel_size=3 must divide the model's 4 layers"):
+        LLM(config=CFG, params=params(), pipeline_parallel_size=3, **COMMON)
+    with pytest.raises(MeshError, match="needs 16 devices, but only 8"):
+        LLM(config=CFG, params=params(), pipeline_parallel_size=4, tensor_parallel_size=4, **COMMON)
+    with pytest.raises(ValueError, match="num_microbatches=2 needs pipeline_parallel_size > 1"):
+        LLM(config=CFG, params=params(), num_microbatches=2, **COMMON)
+    with pytest.raises(ValueError, match="num_microbatches must be a positive integer"):
+        LLM(config=CFG, params=params(), pipeline_parallel_size=2, num_microbatches=0, **COMMON)
