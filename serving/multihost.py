@@ -184,7 +184,7 @@ class Follower:
                               f"{self.config.call_timeout_s:.0f} s (it sends a keep-alive every few seconds "
                               f"while idle): process 0 is gone or hung")
         except RuntimeError as e:
-            distributed.fatal(f"process {self.channel.process_id}: {e}")
+            distributed.fatal(f"process {self.channel.process_id}: process 0 is gone: {e}")
 
     def follow(self):
         """Replays calls until process 0 ends the current operation; returns what it sent with the end.
@@ -243,6 +243,9 @@ class Follower:
                 "shapes": len(self.runner.buckets.all_shapes()) + len(self.runner.copy_sizes)}
 
 
+_attached = 0
+
+
 def attach(engine):
     """The multi-host role of this process for `engine` (a `Leader` on process 0, a `Follower`
     elsewhere), or None when the run has one process. Every process must build the same engine."""
@@ -254,7 +257,10 @@ def attach(engine):
         raise ValueError(f"a run over {jax.process_count()} processes needs a layout whose mesh spans the devices of "
                          f"every process ({jax.device_count()} in all, {jax.local_device_count()} per process): "
                          f"set tensor_parallel_size (x pipeline_parallel_size) to cover them")
-    channel = distributed.Channel(distributed.coordination_client(), jax.process_index(), jax.process_count())
+    global _attached
+    _attached += 1  # every process builds the same engines in the same order: one channel each
+    channel = distributed.Channel(distributed.coordination_client(), jax.process_index(), jax.process_count(),
+                                  namespace=f"ridgeline/engine{_attached}")
     watchdog = distributed.Watchdog()
     role = Leader if jax.process_index() == 0 else Follower
     return role(engine, channel, config, watchdog)

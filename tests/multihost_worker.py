@@ -1,12 +1,14 @@
 """The program tests/test_multihost.py runs in every process of a multi-process run.
 
     python -m serving.launch --num_processes=2 --devices_per_process=2 -- \\
-        python tests/multihost_worker.py --out DIR [--tensor_parallel_size 4] [--die_process 1 --die_after_steps 3]
+        python tests/multihost_worker.py --out DIR [--layouts tp4 pp2tp2] [--die_process 1 --die_after_steps 3]
 
-Each process builds the same `LLM` (a small random model, seeded, so every
-process and the test's own single-process reference hold the same weights),
-runs `generate` on a mixed batch and writes the token ids it got back to
-DIR/p<process>.json. `--die_process P --die_after_steps K` makes process P
+For each layout (`tp4`: tensor parallelism over the 4 devices of both
+processes; `pp2tp2`: two pipeline stages, one per process, each 2-way tensor
+parallel, 2 microbatches) each process builds the same `LLM` (a small random
+model, seeded, so every process and the test's own single-process reference
+hold the same weights), runs `generate` on a mixed batch and writes the token
+ids it got back to DIR/p<process>.json. `--die_process P --die_after_steps K` makes process P
 kill itself (SIGKILL) when it reaches its K-th step, to test failure detection.
 """
 
@@ -32,7 +34,7 @@ CFG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_laye
                   head_dim=8, rope_theta=10000.0, dtype="float32", max_position_embeddings=1024,
                   bos_token_id=1, eos_token_ids=(2,))
 ENGINE = dict(page_size=8, max_model_len=128, num_pages=64, max_num_seqs=8, max_num_batched_tokens=32,
-              min_token_bucket=32, min_context_bucket=64, attention_backend="reference")
+              min_token_bucket=32, min_context_bucket=128, attention_backend="reference")
 
 
 def params():
@@ -73,26 +75,33 @@ def die_at_step(llm, after: int) -> None:
     runner._run = counting_run
 
 
+LAYOUTS = {"tp4": dict(tensor_parallel_size=4), "pp2tp2": dict(pipeline_parallel_size=2, tensor_parallel_size=2,
+                                                                 num_microbatches=2)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--tensor_parallel_size", type=int, default=4)
+    ap.add_argument("--layouts", nargs="+", default=["tp4"], choices=sorted(LAYOUTS))
     ap.add_argument("--max_tokens", type=int, default=8)
     ap.add_argument("--die_process", type=int, default=None)
     ap.add_argument("--die_after_steps", type=int, default=3)
     args = ap.parse_args()
     distributed.initialize()  # before anything touches a device (the params below do)
-    llm = LLM(config=CFG, params=params(), tensor_parallel_size=args.tensor_parallel_size, **ENGINE)
     me = jax.process_index()
-    print(f"process {me} of {jax.process_count()}: {jax.local_device_count()} local devices, "
-          f"{jax.device_count()} in the mesh", flush=True)
-    if args.die_process == me:
-        die_at_step(llm, args.die_after_steps)
-    outputs = llm.generate(prompts(), sampling(args.max_tokens))
-    with open(os.path.join(args.out, f"p{me}.json"), "w") as f:
+    result = {"process": me}
+    for name in args.layouts:
+        llm = LLM(config=CFG, params=params(), **LAYOUTS[name], **ENGINE)
+        print(f"process {me} of {jax.process_count()}: {name} over {jax.local_device_count()} local devices, "
+              f"{jax.device_count()} in all", flush=True)
+        if args.die_process == me:
+            die_at_step(llm, args.die_after_steps)
+        outputs = llm.generate(prompts(), sampling(args.max_tokens))
         replayed = getattr(llm.multihost, "calls_by_kind", None)  # a follower's count of replayed calls
-        json.dump({"process": me, "tokens": token_ids(outputs), "replayed": replayed}, f)
-    print(f"process {me} done: {len(outputs)} outputs", flush=True)
+        result[name] = {"tokens": token_ids(outputs), "replayed": replayed}
+    with open(os.path.join(args.out, f"p{me}.json"), "w") as f:
+        json.dump(result, f)
+    print(f"process {me} done", flush=True)
 
 
 if __name__ == "__main__":

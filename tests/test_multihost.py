@@ -1,11 +1,13 @@
 """Multi-host serving on jax.distributed, run as real processes on 127.0.0.1.
 
-* Two processes x 2 CPU devices (tensor parallelism over all four) give the
-  same greedy tokens as one process, through `LLM.generate` (a mixed batch:
-  chunked prefills, ragged lengths, a forked request whose pages are copied)
-  and through the HTTP server that process 0 runs (both started with
-  `serving.launch`); process 1 really replayed the steps and page copies, and
-  got process 0's outputs back from its own `generate`.
+* Two processes x 2 CPU devices give the same greedy tokens as one process,
+  with tensor parallelism over all four devices and with two pipeline stages
+  (one per process, 2-way tensor parallel inside, 2 microbatches), through
+  `LLM.generate` (a mixed batch: chunked prefills, ragged lengths, a forked
+  request whose pages are copied), and the pipelined layout through the HTTP
+  server that process 0 runs (both started with `serving.launch`); process 1
+  really replayed the steps and page copies, and got process 0's outputs back
+  from its own `generate`.
 * A process killed mid-run makes the survivor exit non-zero with a message
   within a bounded time; a process that never joins makes the other give up.
 * `serving.launch`: environment, `[pN]` prefixes, first non-zero exit code,
@@ -71,20 +73,23 @@ def reference_tokens():
     return worker.token_ids(llm.generate(worker.prompts(), worker.sampling()))
 
 
-def test_two_processes_tp4_generate_matches_one_process(tmp_path, reference_tokens):
+def test_two_processes_generate_matches_one_process(tmp_path, reference_tokens):
+    """TP=4 over both processes, then PP=2 (one stage per process) x TP=2 inside each, in one launch."""
     rc, out = launch(["--num_processes=2", "--devices_per_process=2", "--", PY, WORKER, "--out", str(tmp_path),
-                      "--tensor_parallel_size", "4"], env_extra=FAST_FAILURE_ENV)
+                      "--layouts", "tp4", "pp2tp2"], env_extra=FAST_FAILURE_ENV)
     assert rc == 0, readable(out)
-    assert "[p0] process 0 of 2: 2 local devices, 4 in the mesh" in out
-    assert "[p1] process 1 of 2: 2 local devices, 4 in the mesh" in out
+    for i in range(2):
+        assert f"[p{i}] process {i} of 2: pp2tp2 over 2 local devices, 4 in all" in out
     leader = json.loads((tmp_path / "p0.json").read_text())
     follower = json.loads((tmp_path / "p1.json").read_text())
-    assert leader["tokens"] == reference_tokens
-    assert follower["tokens"] == reference_tokens  # generate returns process 0's outputs everywhere
-    assert leader["replayed"] is None
-    # Process 1 ran every step and the copy-on-write page copies of the forked request itself.
-    assert follower["replayed"]["step"] >= max(len(t[0]) for t in reference_tokens)
-    assert follower["replayed"]["copy"] >= 1
+    for layout in ("tp4", "pp2tp2"):
+        assert leader[layout]["tokens"] == reference_tokens, layout
+        assert follower[layout]["tokens"] == reference_tokens, layout  # generate returns process 0's outputs
+        assert leader[layout]["replayed"] is None
+        # Process 1 ran every step and the copy-on-write page copies of the forked request itself.
+        replayed = follower[layout]["replayed"]
+        assert replayed["step"] >= max(len(t[0]) for t in reference_tokens), layout
+        assert replayed["copy"] >= 1, layout
 
 
 # --- the HTTP server run by process 0 ---------------------------------------------------------------
@@ -105,7 +110,8 @@ def test_http_server_on_process_0_matches_one_process():
     port = free_port()
     env = dict(os.environ, **FAST_FAILURE_ENV)
     p = subprocess.Popen([PY, "-m", "serving.launch", "--num_processes=2", "--devices_per_process=2", "--", PY, "-m",
-                          "serving.server", "--tensor_parallel_size=4", f"--port={port}", *SERVER_ARGS],
+                          "serving.server", "--pipeline_parallel_size=2", "--tensor_parallel_size=2", "--num_microbatches=2",
+                          f"--port={port}", *SERVER_ARGS],
                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
     try:
@@ -160,7 +166,7 @@ def test_a_killed_peer_makes_the_survivor_exit_nonzero(tmp_path, dies):
     out = logs[1 - dies].read()
     assert survivor.returncode != 0
     assert took < DEATH_BOUND
-    assert re.search(r"another (process|task) (is gone|died)", out), readable(out)
+    assert re.search(r"(another process|process 0) is gone|another task died", out), readable(out)
     assert not (tmp_path / f"p{1 - dies}.json").exists()  # it never claimed to have finished
 
 
