@@ -14,7 +14,7 @@ import os
 import time
 from typing import Optional, Sequence, Union
 
-from model.checkpoint import load_checkpoint, load_config
+from model.checkpoint import load_config
 from model.tokenizer import ByteTokenizer, load_tokenizer
 from serving import compile_cache, distributed, multihost
 from serving.engine import Engine, EngineConfig
@@ -104,8 +104,7 @@ class LLM:
             if hasattr(layout, "check"):  # a pipeline layout: the layers must split into its stages
                 layout.check(config)
             # With a layout, every device reads only its own shards from the checkpoint.
-            config, params = load_checkpoint(directory, None if layout is None else layout.param_shardings(config),
-                                             config)
+            config, params = multihost.load_checkpoint(directory, layout, config)
             tokenizer = tokenizer or load_tokenizer(directory, config.vocab_size)
             self.checkpoint = directory
         else:

@@ -246,6 +246,43 @@ class Follower:
 _attached = 0
 
 
+def load_checkpoint(directory: str, layout, cfg):
+    """`model.checkpoint.load_checkpoint` into `layout`'s shardings, in a run of any number of processes.
+
+    Orbax cannot restore a weight that has no shard on this process (a layer of a pipeline stage
+    on other processes' devices). Then every layer is restored tensor-split over the whole mesh
+    (`layout.tensor_layout`) and each is re-declared on its stage's devices from the very same
+    local buffers, so nothing crosses processes; while loading, each device holds the whole
+    model's tensor shard.
+    """
+    from model.checkpoint import load_checkpoint as restore
+
+    target = None if layout is None else layout.param_shardings(cfg)
+    if target is None or all(s.addressable_devices for s in jax.tree.leaves(target)):
+        return restore(directory, target, cfg)
+    everywhere = getattr(layout, "tensor_layout", None)
+    if everywhere is None:
+        raise ValueError("some weights have no shard on this process and the layout offers no tensor_layout "
+                         "to restore them into")
+    log.info("restoring every layer tensor-split over the whole mesh, then keeping each on its stage's devices")
+    cfg, params = restore(directory, everywhere.param_shardings(cfg), cfg)
+    return cfg, jax.tree.map(_narrow, params, target)
+
+
+def _narrow(x: jax.Array, target) -> jax.Array:
+    """`x` on `target`, a sharding over a subset of `x`'s devices that gives each of them the same
+    index `x` does, built from `x`'s own local buffers (no transfer)."""
+    if x.sharding == target:
+        return x
+    have = x.sharding.devices_indices_map(x.shape)
+    want = target.devices_indices_map(x.shape)
+    if any(have.get(d) != idx for d, idx in want.items()):
+        raise ValueError(f"cannot narrow {x.sharding} to {target}: the shards differ")
+    local = {s.device: s.data for s in x.addressable_shards}
+    pieces = [local[d] for d in target.addressable_devices_indices_map(x.shape)]
+    return jax.make_array_from_single_device_arrays(x.shape, target, pieces, dtype=x.dtype)
+
+
 def attach(engine):
     """The multi-host role of this process for `engine` (a `Leader` on process 0, a `Follower`
     elsewhere), or None when the run has one process. Every process must build the same engine."""
