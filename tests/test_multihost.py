@@ -269,3 +269,49 @@ def test_channel_delivers_in_order_to_every_process_and_leaves_nothing_behind():
         with pytest.raises(TimeoutError):
             f.receive(0.01)
     assert store.data == {}
+
+
+class FakeWatchdog:
+    """Collects the checks a real `Watchdog` would run every half second (and die on)."""
+
+    def __init__(self):
+        self.checks = []
+
+    def add(self, check):
+        self.checks.append(check)
+
+    def problems(self):
+        return [m for m in (c() for c in self.checks) if m]
+
+
+class FakeEngine:
+    def __init__(self):
+        self.runner = type("Runner", (), {"dispatch_hook": None})()
+        self.unfinished = False
+
+    def has_unfinished_requests(self):
+        return self.unfinished
+
+
+def test_a_stuck_step_or_wait_is_reported_once_it_outlasts_the_call_timeout():
+    from serving.distributed import Deadline
+    from serving.multihost import Leader
+
+    store, dog, engine = FakeStore(), FakeWatchdog(), FakeEngine()
+    config = DistributedConfig(call_timeout_s=0.2)
+    leader = Leader(engine, Channel(store, 0, 2), config, dog)
+    engine.runner.dispatch_hook("step", b"ibuf")  # the runner's seam now reaches the other process
+    assert Channel(store, 1, 2).receive(1) == ("call", "step", (b"ibuf",), {})
+    time.sleep(0.3)
+    assert dog.problems() == []  # idle: nothing is owed, however long it lasts
+    engine.unfinished = True
+    assert "another process is gone or hung" in dog.problems()[0]  # work pending, no call for 0.3 s
+    engine.runner.dispatch_hook("step", b"next")
+    assert dog.problems() == []
+    leader.shutdown()
+    deadline = Deadline(dog, 0.2, "a peer stopped")
+    with deadline.guard("device call 7"):
+        assert not dog.problems()[1:]
+        time.sleep(0.3)
+        assert any("device call 7 has not finished after 0 s: a peer stopped" in p for p in dog.problems())
+    assert dog.problems() == []
