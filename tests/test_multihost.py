@@ -93,7 +93,7 @@ def test_two_processes_generate_matches_one_process(tmp_path, reference_tokens):
 
 
 # --- the HTTP server run by process 0 ---------------------------------------------------------------
-SERVER_ARGS = ["--max_model_len", "128", "--max_num_batched_tokens", "32", "--min_token_bucket", "32",
+SERVER_ARGS = ["--max_model_len", "64", "--max_num_batched_tokens", "32", "--min_token_bucket", "32",
                "--max_num_seqs", "4", "--page_size", "16", "--num_pages", "32"]
 HTTP_PROMPTS = ["Hello there", "The quick brown fox jumps over", "1, 2, 3,"]
 
@@ -105,7 +105,7 @@ def _post(url: str, body: dict) -> dict:
 
 
 def test_http_server_on_process_0_matches_one_process():
-    want = LLM(max_model_len=128, max_num_batched_tokens=32, min_token_bucket=32, max_num_seqs=4, page_size=16,
+    want = LLM(max_model_len=64, max_num_batched_tokens=32, min_token_bucket=32, max_num_seqs=4, page_size=16,
                num_pages=32).generate(HTTP_PROMPTS, SamplingParams(temperature=0.0, max_tokens=8))
     port = free_port()
     env = dict(os.environ, **FAST_FAILURE_ENV)
