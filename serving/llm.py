@@ -95,6 +95,7 @@ class LLM:
         if (config is None) != (params is None):
             raise ValueError("pass both config and params (an in-memory model) or neither")
         layout = parallel_layout(tensor_parallel_size, pipeline_parallel_size, num_microbatches)
+        multihost.check_layout(layout)  # several processes: the mesh must span them all
         if config is None:
             directory = checkpoint or default_checkpoint_dir()
             if not os.path.isdir(directory):

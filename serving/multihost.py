@@ -283,17 +283,25 @@ def _narrow(x: jax.Array, target) -> jax.Array:
     return jax.make_array_from_single_device_arrays(x.shape, target, pieces, dtype=x.dtype)
 
 
+def check_layout(layout) -> None:
+    """In a multi-process run, the layout's mesh must hold devices of every process (each runs the
+    whole program); raises a `ValueError` saying how many devices there are otherwise."""
+    if jax.process_count() == 1:
+        return
+    mesh = getattr(layout, "mesh", None)
+    if mesh is None or {d.process_index for d in mesh.devices.flat} != set(range(jax.process_count())):
+        raise ValueError(f"a run over {jax.process_count()} processes needs a layout whose mesh spans the devices of "
+                         f"every process ({jax.device_count()} in all, {jax.local_device_count()} per process): "
+                         f"set tensor_parallel_size x pipeline_parallel_size to cover them")
+
+
 def attach(engine):
     """The multi-host role of this process for `engine` (a `Leader` on process 0, a `Follower`
     elsewhere), or None when the run has one process. Every process must build the same engine."""
     if jax.process_count() == 1:
         return None
+    check_layout(getattr(engine.runner, "layout", None))
     config = distributed.current() or distributed.DistributedConfig.from_env()
-    mesh = getattr(getattr(engine.runner, "layout", None), "mesh", None)
-    if mesh is None or {d.process_index for d in mesh.devices.flat} != set(range(jax.process_count())):
-        raise ValueError(f"a run over {jax.process_count()} processes needs a layout whose mesh spans the devices of "
-                         f"every process ({jax.device_count()} in all, {jax.local_device_count()} per process): "
-                         f"set tensor_parallel_size (x pipeline_parallel_size) to cover them")
     global _attached
     _attached += 1  # every process builds the same engines in the same order: one channel each
     channel = distributed.Channel(distributed.coordination_client(), jax.process_index(), jax.process_count(),
