@@ -75,11 +75,6 @@ class LLM:
     points JAX's persistent compilation cache somewhere (None: the default
     location, see `serving.compile_cache`; "": off), so a second start loads
     its executables instead of compiling them.
-
-    Several processes: the layout must span every process's devices; each
-    process passes the same arguments. `generate` on process 0 runs the
-    requests; on the others it replays process 0's device calls until that
-    call ends and returns the same outputs (their own `prompts` are not used).
     """
 
     def __init__(self, checkpoint: Optional[str] = None, *, max_num_seqs: int = 64,
@@ -145,6 +140,11 @@ class LLM:
         A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]}.
         Every request is validated before any is queued, so one bad prompt or
         parameter raises (`InvalidParameterError`) without running the others.
+
+        Several processes (each builds the same `LLM`, whose layout spans all
+        their devices, and calls `generate` with the same arguments): process 0
+        runs the requests; the others replay its device calls until its call
+        ends and return the same outputs (their own `prompts` are not used).
         """
         role = self.multihost
         if role is None:

@@ -11,12 +11,6 @@ with `param_shardings(cfg)`, `cache_shardings(cfg, num_pages, page_size,
 dtype)`, `replicated` (the sharding of host inputs) and what `model.forward`
 accepts as its `layout` (`sharding.Layout` is one). With `layout=None`
 everything lives on the default device and no sharding code runs.
-
-Multi-host serving (`serving.multihost`) plugs in through `dispatch_hook`:
-every device call (a step, a page copy) goes through `_run` or `_copy`, which
-call the hook with the call's host inputs before dispatching it, so the
-leading process can send the same call to the others, which replay it with
-`replay`. When the mesh spans processes, host inputs become global arrays.
 """
 
 from __future__ import annotations
@@ -114,7 +108,11 @@ class ModelRunner:
         return params, cache
 
     # --- device calls: every one passes through _run or _copy ----------------------------------
-    dispatch_hook = None  # fn(kind, *host_arrays, **static): sees each device call before it is dispatched
+    # Multi-host serving (serving.multihost) plugs in here: `dispatch_hook(kind, *host_arrays, **static)`
+    # sees each device call with its host inputs before it is dispatched, so process 0 can send it to
+    # the other processes, which run it with `replay`. When the mesh spans processes, host inputs
+    # become global arrays.
+    dispatch_hook = None
 
     def _host_inputs(self, *arrays):
         """Host arrays as the jitted calls' inputs: with a layout, one fixed replicated sharding (so
