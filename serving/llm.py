@@ -14,7 +14,7 @@ import os
 import time
 from typing import Optional, Sequence, Union
 
-from model.checkpoint import load_config
+from model.checkpoint import load_checkpoint, load_config
 from model.tokenizer import ByteTokenizer, load_tokenizer
 from serving import compile_cache, distributed, multihost
 from serving.engine import Engine, EngineConfig
@@ -85,8 +85,8 @@ class LLM:
                  config=None, params=None, tokenizer=None, warmup: bool = False,
                  compilation_cache_dir: Optional[str] = None, **engine_kwargs):
         t0 = time.perf_counter()
-        distributed.initialize()  # joins a multi-process run when the environment asks for one
         self.compilation_cache_dir = compile_cache.enable(compilation_cache_dir)
+        distributed.initialize()  # joins a multi-process run when the environment asks for one
         if (config is None) != (params is None):
             raise ValueError("pass both config and params (an in-memory model) or neither")
         layout = parallel_layout(tensor_parallel_size, pipeline_parallel_size, num_microbatches)
@@ -100,7 +100,8 @@ class LLM:
             if hasattr(layout, "check"):  # a pipeline layout: the layers must split into its stages
                 layout.check(config)
             # With a layout, every device reads only its own shards from the checkpoint.
-            config, params = multihost.load_checkpoint(directory, layout, config)
+            config, params = load_checkpoint(directory, multihost.restore_shardings(layout, config), config)
+            params = multihost.narrow_to_layout(params, layout, config)  # no-op unless restored wider
             tokenizer = tokenizer or load_tokenizer(directory, config.vocab_size)
             self.checkpoint = directory
         else:
@@ -117,10 +118,10 @@ class LLM:
                                      attention_backend=attention_backend, max_model_len=max_model_len, seed=seed,
                                      **engine_kwargs)
         self.engine = Engine(config, params, tokenizer, engine_config, layout=layout)
-        self.multihost = multihost.attach(self.engine)  # None when this process runs alone
         self.load_seconds = time.perf_counter() - t0
         log.info("loaded in %.1f s (persistent compilation cache: %s)", self.load_seconds,
                  self.compilation_cache_dir or "off")
+        self.multihost = multihost.attach(self.engine)  # None when this process runs alone
         self.warmup_info = None
         if warmup:
             before = compile_cache.compile_counts()

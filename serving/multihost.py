@@ -246,27 +246,33 @@ class Follower:
 _attached = 0
 
 
-def load_checkpoint(directory: str, layout, cfg):
-    """`model.checkpoint.load_checkpoint` into `layout`'s shardings, in a run of any number of processes.
+def restore_shardings(layout, cfg):
+    """The shardings to restore a checkpoint into (`model.checkpoint.load_checkpoint`) on this process.
 
-    Orbax cannot restore a weight that has no shard on this process (a layer of a pipeline stage
-    on other processes' devices). Then every layer is restored tensor-split over the whole mesh
-    (`layout.tensor_layout`) and each is re-declared on its stage's devices from the very same
-    local buffers, so nothing crosses processes; while loading, each device holds the whole
-    model's tensor shard.
+    The layout's own, unless some weight would have no shard on this process (a layer of a
+    pipeline stage on other processes' devices), which orbax cannot restore. Then every layer is
+    restored tensor-split over the whole mesh (`layout.tensor_layout`) and `narrow_to_layout`
+    keeps each on its stage's devices from the very same local buffers, so nothing crosses
+    processes; while loading, each device holds the whole model's tensor shard.
     """
-    from model.checkpoint import load_checkpoint as restore
-
-    target = None if layout is None else layout.param_shardings(cfg)
-    if target is None or all(s.addressable_devices for s in jax.tree.leaves(target)):
-        return restore(directory, target, cfg)
+    if layout is None:
+        return None
+    target = layout.param_shardings(cfg)
+    if all(s.addressable_devices for s in jax.tree.leaves(target)):
+        return target
     everywhere = getattr(layout, "tensor_layout", None)
     if everywhere is None:
         raise ValueError("some weights have no shard on this process and the layout offers no tensor_layout "
                          "to restore them into")
     log.info("restoring every layer tensor-split over the whole mesh, then keeping each on its stage's devices")
-    cfg, params = restore(directory, everywhere.param_shardings(cfg), cfg)
-    return cfg, jax.tree.map(_narrow, params, target)
+    return everywhere.param_shardings(cfg)
+
+
+def narrow_to_layout(params, layout, cfg):
+    """Params restored into `restore_shardings`, on `layout`'s own shardings (no transfer)."""
+    if layout is None:
+        return params
+    return jax.tree.map(_narrow, params, layout.param_shardings(cfg))
 
 
 def _narrow(x: jax.Array, target) -> jax.Array:

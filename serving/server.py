@@ -60,6 +60,17 @@ def define_flags() -> None:
                                                       "tensor_parallel_size devices.")
     flags.DEFINE_integer("num_microbatches", 1, "Microbatches a step's tokens are cut into so pipeline stages "
                                                 "overlap (needs pipeline_parallel_size > 1).")
+    flags.DEFINE_string("attention_backend", "auto", "Attention backend: auto, reference, pallas, pallas_interpret.")
+    flags.DEFINE_integer("seed", 0, "Engine seed (for requests that give none).")
+    flags.DEFINE_float("peak_bandwidth_gbps", None, "Device memory bandwidth for MBU, GB/s (default: GPU table).")
+    flags.DEFINE_float("peak_tflops", None, "Device dense bf16 TFLOP/s for MFU (default: GPU table).")
+    flags.DEFINE_float("metrics_window_s", 10.0, "Window of the MBU/MFU gauges, seconds.")
+    flags.DEFINE_string("compilation_cache_dir", None,
+                        "Persistent compilation cache directory ('' turns it off); default: "
+                        "$RIDGELINE_COMPILATION_CACHE_DIR, else ~/.cache/ridgeline/jax.")
+    flags.DEFINE_string("profile_dir", None, "Directory for /start_profile and /stop_profile traces "
+                                             "(unset: those routes answer 400).")
+    flags.DEFINE_enum("log_level", "info", ["debug", "info", "warning", "error"], "Log level of the server.")
     flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0's coordination service "
                                                      "(default: $RIDGELINE_COORDINATOR_ADDRESS, else detected).")
     flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes (default: "
@@ -74,17 +85,6 @@ def define_flags() -> None:
                                                                   "declared dead, ending the run (default 30).")
     flags.DEFINE_float("distributed_call_timeout_s", None, "Multi-host: longest wait on a live peer (a device "
                                                            "call, or process 0's next call) (default 300).")
-    flags.DEFINE_string("attention_backend", "auto", "Attention backend: auto, reference, pallas, pallas_interpret.")
-    flags.DEFINE_integer("seed", 0, "Engine seed (for requests that give none).")
-    flags.DEFINE_float("peak_bandwidth_gbps", None, "Device memory bandwidth for MBU, GB/s (default: GPU table).")
-    flags.DEFINE_float("peak_tflops", None, "Device dense bf16 TFLOP/s for MFU (default: GPU table).")
-    flags.DEFINE_float("metrics_window_s", 10.0, "Window of the MBU/MFU gauges, seconds.")
-    flags.DEFINE_string("compilation_cache_dir", None,
-                        "Persistent compilation cache directory ('' turns it off); default: "
-                        "$RIDGELINE_COMPILATION_CACHE_DIR, else ~/.cache/ridgeline/jax.")
-    flags.DEFINE_string("profile_dir", None, "Directory for /start_profile and /stop_profile traces "
-                                             "(unset: those routes answer 400).")
-    flags.DEFINE_enum("log_level", "info", ["debug", "info", "warning", "error"], "Log level of the server.")
 
 
 def _human_bytes(n: float) -> str:
