@@ -118,7 +118,7 @@ def initialize(config: Optional[DistributedConfig] = None, **overrides) -> bool:
     import jax
 
     if _joined is not None:
-        return True
+        return jax.process_count() > 1
     config = config or DistributedConfig.from_env(**overrides)
     if not config.requested:
         return False
