@@ -1,4 +1,10 @@
-"""`LLM`: the offline, programmatic API (`llm.generate(prompts, params)`)."""
+"""`LLM`: the offline, programmatic API (`llm.generate(prompts, params)`).
+
+In a multi-process run (`serving.launch`, or `RIDGELINE_*` / cluster settings, see
+`serving.distributed`) every process builds the same `LLM` and calls the same
+methods: process 0 schedules and runs, the others replay its device calls
+(`serving.multihost`), and `generate` returns process 0's outputs everywhere.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +17,7 @@ from typing import Optional, Sequence, Union
 from model.checkpoint import load_checkpoint, load_config
 from model.quant import check_kv_cache_dtype, check_weight_dtype
 from model.tokenizer import ByteTokenizer, load_tokenizer
-from serving import compile_cache
+from serving import compile_cache, distributed, multihost
 from serving.engine import Engine, EngineConfig
 from serving.outputs import RequestOutput
 from serving.sampling_params import SamplingParams
@@ -95,9 +101,11 @@ class LLM:
         check_weight_dtype(weight_dtype)  # before any loading: a typo costs nothing
         check_kv_cache_dtype(kv_cache_dtype)
         self.compilation_cache_dir = compile_cache.enable(compilation_cache_dir)
+        distributed.initialize()  # joins a multi-process run when the environment asks for one
         if (config is None) != (params is None):
             raise ValueError("pass both config and params (an in-memory model) or neither")
         layout = parallel_layout(tensor_parallel_size, pipeline_parallel_size, num_microbatches)
+        multihost.check_layout(layout)  # several processes: the mesh must span them all
         if config is None:
             directory = checkpoint or default_checkpoint_dir()
             if not os.path.isdir(directory):
@@ -107,8 +115,8 @@ class LLM:
             if hasattr(layout, "check"):  # a pipeline layout: the layers must split into its stages
                 layout.check(config)
             # With a layout, every device reads only its own shards from the checkpoint.
-            config, params = load_checkpoint(directory, None if layout is None else layout.param_shardings(config),
-                                             config)
+            config, params = load_checkpoint(directory, multihost.restore_shardings(layout, config), config)
+            params = multihost.narrow_to_layout(params, layout, config)  # no-op unless restored wider
             tokenizer = tokenizer or load_tokenizer(directory, config.vocab_size)
             self.checkpoint = directory
         else:
@@ -129,10 +137,11 @@ class LLM:
         self.load_seconds = time.perf_counter() - t0
         log.info("loaded in %.1f s (persistent compilation cache: %s)", self.load_seconds,
                  self.compilation_cache_dir or "off")
+        self.multihost = multihost.attach(self.engine)  # None when this process runs alone
         self.warmup_info = None
         if warmup:
             before = compile_cache.compile_counts()
-            self.warmup_info = self.engine.warm_up()
+            self.warmup_info = (self.multihost or self.engine).warm_up()
             done = compile_cache.compile_counts() - before
             self.warmup_info.update(xla_compiled=done.compiled, cache_hits=done.cache_hits)
             log.info("%s", compile_cache.describe_warmup(self.warmup_info, self.compilation_cache_dir))
@@ -148,7 +157,32 @@ class LLM:
         A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]}.
         Every request is validated before any is queued, so one bad prompt or
         parameter raises (`InvalidParameterError`) without running the others.
+
+        Several processes (each builds the same `LLM`, whose layout spans all
+        their devices, and calls `generate` with the same arguments): process 0
+        runs the requests; the others replay its device calls until its call
+        ends and return the same outputs (their own `prompts` are not used).
         """
+        role = self.multihost
+        if role is None:
+            return self._generate(prompts, sampling_params)
+        if not role.is_leader:
+            return role.follow()  # process 0's outputs, once its generate is done
+        with role.operation():
+            try:
+                outputs = self._generate(prompts, sampling_params)
+            except BaseException as e:
+                role.failed("generate", e)
+                raise
+            role.end(outputs)
+            return outputs
+
+    def shutdown(self) -> None:
+        """Multi-process runs: process 0 tells the others to stop following (a no-op elsewhere)."""
+        if self.multihost is not None and self.multihost.is_leader:
+            self.multihost.shutdown()
+
+    def _generate(self, prompts, sampling_params) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                  and isinstance(prompts[0], int)):
             prompts = [prompts]

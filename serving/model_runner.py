@@ -110,9 +110,42 @@ class ModelRunner:
             cache = jax.device_put(cache, jax.devices()[0])
         return params, cache
 
+    # --- device calls: every one passes through _run or _copy ----------------------------------
+    # Multi-host serving (serving.multihost) plugs in here: `dispatch_hook(kind, *host_arrays, **static)`
+    # sees each device call with its host inputs before it is dispatched, so process 0 can send it to
+    # the other processes, which run it with `replay`. When the mesh spans processes, host inputs
+    # become global arrays.
+    dispatch_hook = None
+
+    def _host_inputs(self, *arrays):
+        """Host arrays as the jitted calls' inputs: with a layout, one fixed replicated sharding (so
+        nothing recompiles for it), as global arrays when the mesh spans several processes."""
+        if self.layout is None:
+            return arrays
+        sharding = self.layout.replicated
+        if sharding.is_fully_addressable:
+            return jax.device_put(arrays, sharding)
+        return tuple(jax.make_array_from_process_local_data(sharding, a, a.shape) for a in arrays)
+
+    def replay(self, kind: str, *arrays, **static):
+        """Runs a device call another process announced through its `dispatch_hook`; returns its
+        outputs (not waited for)."""
+        if kind == "step":
+            return self._run(*arrays, **static)
+        if kind == "copy":
+            return self._copy(*arrays)
+        raise ValueError(f"unknown device call {kind!r}")
+
+    def _copy(self, src, dst):
+        if self.dispatch_hook is not None:
+            self.dispatch_hook("copy", src, dst)
+        self.cache = _copy_jit(self.cache, *self._host_inputs(src, dst))
+        return self.cache
+
     def _run(self, ibuf, fbuf, shape):
-        if self.layout is not None:  # one fixed input sharding, so the step never recompiles for it
-            ibuf, fbuf = jax.device_put((ibuf, fbuf), self.layout.replicated)
+        if self.dispatch_hook is not None:
+            self.dispatch_hook("step", ibuf, fbuf, shape=shape)
+        ibuf, fbuf = self._host_inputs(ibuf, fbuf)
         self.cache, ids, lp = _step_jit(self.params, self.cache, ibuf, fbuf, cfg=self.cfg, backend=self.backend,
                                         shape=shape, layout=self.layout)
         return ids, lp
@@ -142,7 +175,7 @@ class ModelRunner:
             dst = np.full(size, self.num_pages, np.int32)
             src[:len(chunk)] = [c[0] for c in chunk]
             dst[:len(chunk)] = [c[1] for c in chunk]
-            self.cache = _copy_jit(self.cache, src, dst)
+            self._copy(src, dst)
 
     def warm_up(self) -> dict:
         """Compiles (and runs once, on empty batches) every bucket; returns what it did."""
@@ -154,7 +187,7 @@ class ModelRunner:
             ibuf, fbuf, _ = shape.empty(pad)
             self._run(ibuf, fbuf, shape)
         for size in self.copy_sizes:
-            self.cache = _copy_jit(self.cache, np.zeros(size, np.int32), np.full(size, self.num_pages, np.int32))
+            self._copy(np.zeros(size, np.int32), np.full(size, self.num_pages, np.int32))
         jax.block_until_ready(self.cache)
         return {"seconds": time.perf_counter() - t0, "compiled": compilation_count() - before,
                 "shapes": len(self.buckets.all_shapes()) + len(self.copy_sizes)}

@@ -32,7 +32,10 @@ class PipelineRunner(ModelRunner):
         return staged, cache
 
     def _copy(self, src, dst):
-        self.cache = _copy_staged_jit(self.cache, src, dst, layout=self.layout)
+        if self.dispatch_hook is not None:  # multi-host: announced like every device call
+            self.dispatch_hook("copy", src, dst)
+        self.cache = _copy_staged_jit(self.cache, *self._host_inputs(src, dst), layout=self.layout)
+        return self.cache
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         for i in range(0, len(copies), self.copy_sizes[-1]):

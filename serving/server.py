@@ -13,6 +13,13 @@ engine loop on its own thread (`AsyncEngine`) and serves the FastAPI app from
 pool is (pages, tokens, bytes), how long loading and warm-up took and how many
 executables warm-up compiled or found in the cache.
 
+Multi-host: every process runs this same command (e.g. through `python -m
+serving.launch`, or one per node under SLURM with `--distributed`); they join
+JAX's distributed runtime first (`--coordinator_address`, `--num_processes`,
+`--process_id`, else the `RIDGELINE_*` environment, else cluster
+auto-detection). Process 0 serves HTTP and schedules; the others follow its
+device calls until it shuts down (`serving.multihost`).
+
 `ServerThread` runs the same stack inside a Python process (tests, benchmarks,
 notebooks): uvicorn on a background thread, bound to loopback by default.
 """
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 import threading
 import time
 from typing import Optional
@@ -68,6 +76,20 @@ def define_flags() -> None:
     flags.DEFINE_string("profile_dir", None, "Directory for /start_profile and /stop_profile traces "
                                              "(unset: those routes answer 400).")
     flags.DEFINE_enum("log_level", "info", ["debug", "info", "warning", "error"], "Log level of the server.")
+    flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0's coordination service "
+                                                     "(default: $RIDGELINE_COORDINATOR_ADDRESS, else detected).")
+    flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes (default: "
+                                                "$RIDGELINE_NUM_PROCESSES, else detected).")
+    flags.DEFINE_integer("process_id", None, "Multi-host: this process's index, 0 serves HTTP (default: "
+                                             "$RIDGELINE_PROCESS_ID, else detected).")
+    flags.DEFINE_boolean("distributed", None, "Multi-host: join the runtime even with none of the above set, "
+                                              "letting jax.distributed detect the cluster (SLURM, Open MPI, ...).")
+    flags.DEFINE_integer("distributed_init_timeout_s", None, "Multi-host: every process must join within this "
+                                                             "(default 120).")
+    flags.DEFINE_integer("distributed_heartbeat_timeout_s", None, "Multi-host: a process silent this long is "
+                                                                  "declared dead, ending the run (default 30).")
+    flags.DEFINE_float("distributed_call_timeout_s", None, "Multi-host: longest wait on a live peer (a device "
+                                                           "call, or process 0's next call) (default 300).")
 
 
 def _human_bytes(n: float) -> str:
@@ -215,6 +237,16 @@ class ServerThread:
         self.stop()
 
 
+def join_from_flags() -> bool:
+    """Joins the multi-process runtime when the flags or environment ask for it (before any device use)."""
+    from serving import distributed
+
+    return distributed.initialize(
+        coordinator_address=FLAGS.coordinator_address, num_processes=FLAGS.num_processes,
+        process_id=FLAGS.process_id, auto=FLAGS.distributed, init_timeout_s=FLAGS.distributed_init_timeout_s,
+        heartbeat_timeout_s=FLAGS.distributed_heartbeat_timeout_s, call_timeout_s=FLAGS.distributed_call_timeout_s)
+
+
 def make_llm_from_flags():
     from serving.llm import LLM
 
@@ -252,18 +284,23 @@ def main(argv) -> None:
             logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
     from serving import compile_cache
 
+    join_from_flags()
     cache_dir = compile_cache.enable(FLAGS.compilation_cache_dir)  # before anything compiles
     log.info("persistent compilation cache: %s", cache_dir or "off")
     log.info("loading %s", FLAGS.checkpoint or "the embedded default model")
     llm = make_llm_from_flags()
     for line in describe_startup(llm):
         log.info("%s", line)
+    if llm.multihost is not None and not llm.multihost.is_leader:
+        sys.exit(llm.multihost.serve())  # process 0 serves HTTP; this one replays its device calls
     fastapi_app, async_engine, _ = build_stack(llm, FLAGS.served_model_name, peak=_peak_from_flags(),
                                                metrics_window_s=FLAGS.metrics_window_s,
                                                num_devices=FLAGS.tensor_parallel_size * FLAGS.pipeline_parallel_size,
                                                profile_dir=FLAGS.profile_dir)
     if FLAGS.profile_dir:
         log.info("profiling: POST /start_profile and /stop_profile write traces under %s", FLAGS.profile_dir)
+    if llm.multihost is not None:
+        llm.multihost.watch(async_engine)  # a failed engine loop ends every process, not just HTTP
     name = FLAGS.served_model_name or default_model_name(llm)
     log.info("serving %r on http://%s:%d (OpenAI API under /v1, metrics at /metrics)", name, FLAGS.host, FLAGS.port)
     try:
@@ -272,6 +309,7 @@ def main(argv) -> None:
     finally:
         fastapi_app.state.profiler.stop_if_running()
         async_engine.shutdown()
+        llm.shutdown()  # multi-host: the other processes stop following
 
 
 def run() -> None:
