@@ -50,7 +50,8 @@ log = logging.getLogger("ridgeline.router")
 _DISCONNECT_POLL_S = 0.25
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
-# run_disaggregated(client, prefill_url, decode_url, endpoint, body) -> (streaming response, transfer record)
+# serving.disagg.run_disaggregated(client, prefill_url, decode_url, endpoint, body)
+#     -> (the decode worker's streaming httpx.Response, KVTransferRecord with kv_bytes and transfer_seconds)
 DisaggFn = Callable[[httpx.AsyncClient, str, str, str, dict], Awaitable[tuple]]
 
 
@@ -77,6 +78,12 @@ class _Attempt:
     pair: Optional[tuple[str, str]] = None
 
 
+def _answered_by(resp: httpx.Response, workers: Sequence[str]) -> str:
+    """Which of the attempt's workers sent `resp` (in disaggregated mode, the prefill one may answer)."""
+    url = str(resp.request.url) if getattr(resp, "_request", None) is not None else ""
+    return next((w for w in workers if url.startswith(w)), workers[-1])
+
+
 def transfer_figures(record) -> tuple[float, float]:
     """(bytes, seconds) of a KV shipping record, an object or a mapping."""
     def get(*names):
@@ -86,7 +93,7 @@ def transfer_figures(record) -> tuple[float, float]:
                 return float(v)
         return 0.0
 
-    return get("kv_bytes", "bytes", "num_bytes", "nbytes"), get("seconds", "transfer_seconds", "kv_seconds")
+    return get("kv_bytes", "bytes", "num_bytes"), get("transfer_seconds", "seconds")
 
 
 class RouterService:
@@ -174,6 +181,7 @@ class RouterService:
             url = str(e.request.url) if getattr(e, "_request", None) is not None else ""
             blamed = workers[1] if url.startswith(workers[1]) else workers[0]
             raise UpstreamFailed(blamed, "connect", f"{type(e).__name__}: {e}") from e
+        # serving.disagg returns (decode response, KVTransferRecord); the prefill's own response if it refused.
         resp, record = result if isinstance(result, tuple) else (result, getattr(result, "transfer", None))
         return resp, record
 
@@ -198,8 +206,7 @@ class RouterService:
                 if resp.status_code >= 500:
                     text = (await resp.aread()).decode("utf-8", "replace")[:500]
                     await resp.aclose()
-                    raise UpstreamFailed(workers[-1] if self.disaggregated else workers[0], "status_5xx",
-                                         f"HTTP {resp.status_code}: {text}")
+                    raise UpstreamFailed(_answered_by(resp, workers), "status_5xx", f"HTTP {resp.status_code}: {text}")
                 return _Attempt(resp, workers, pools, record, workers if self.disaggregated else None)
             except asyncio.CancelledError:  # the client went away while we waited
                 self._in_flight(workers, pools, -1)
@@ -233,7 +240,8 @@ class RouterService:
         self._in_flight(a.workers, a.pools, -1)
         if a.transfer is not None and a.pair is not None:
             n, s = transfer_figures(a.transfer)
-            self.metrics.on_transfer(a.pair[0], a.pair[1], n, s)
+            if n > 0:  # nothing was shipped when the prefill worker refused the request
+                self.metrics.on_transfer(a.pair[0], a.pair[1], n, s)
 
     # --- a whole request -------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ import asyncio
 import json
 import threading
 import time
+import types
 
 import httpx
 import pytest
@@ -121,11 +122,9 @@ def test_worker_metrics_are_parsed():
 
 
 def test_transfer_figures_read_objects_and_mappings():
-    class Rec:
-        kv_bytes, seconds = 4096, 0.5
-
-    assert transfer_figures(Rec()) == (4096.0, 0.5)
-    assert transfer_figures({"bytes": 10, "transfer_seconds": 2}) == (10.0, 2.0)
+    rec = types.SimpleNamespace(kv_bytes=4096, payload_bytes=5000, prefill_seconds=3.0, transfer_seconds=0.5)
+    assert transfer_figures(rec) == (4096.0, 0.5)
+    assert transfer_figures({"kv_bytes": 10, "transfer_seconds": 2}) == (10.0, 2.0)
 
 
 # --- fake workers over HTTP ---------------------------------------------------------------------------
@@ -344,7 +343,9 @@ def test_disaggregated_mode_uses_both_pools_and_records_transfers(fleet):
     async def fake_disagg(client, prefill_url, decode_url, endpoint, body):
         calls.append((prefill_url, decode_url, endpoint))
         req = client.build_request("POST", decode_url + endpoint, json=body)
-        return await client.send(req, stream=True), {"kv_bytes": 1000, "seconds": 0.01}
+        # serving.disagg's record: kv_bytes and transfer_seconds (among others)
+        return await client.send(req, stream=True), types.SimpleNamespace(kv_bytes=1000, transfer_seconds=0.01,
+                                                                           num_tokens=10)
 
     service, url = make(urls=[], prefill_workers=[workers[0].url], decode_workers=[workers[1].url],
                         disagg_fn=fake_disagg)
