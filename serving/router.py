@@ -109,7 +109,7 @@ class RouterService:
             raise ValueError("disaggregated mode needs both --prefill_workers and --decode_workers")
         if self.disaggregated and workers:
             raise ValueError("give either --workers or --prefill_workers/--decode_workers, not both")
-        self.metrics = RouterMetrics(policy)
+        self.metrics = RouterMetrics(policy if not (prefill_workers or decode_workers) else "kv_aware")
         self.encoder = encoder or PromptEncoder()
         self.index = PrefixIndex(index_blocks_per_worker)
         self.router = Router(policy if not self.disaggregated else "kv_aware", page_size, self.index,
@@ -198,7 +198,10 @@ class RouterService:
             if attempt:
                 self.metrics.retries.inc()
             prompt_tokens = sum(len(p) for p in prompts)
-            self.metrics.on_routed(workers[0], prompt_tokens, matched_blocks * self.router.page_size)
+            self.metrics.on_routed(workers[0], prompt_tokens, matched_blocks * self.router.page_size,
+                                   self.router.policy)
+            if self.disaggregated:
+                self.metrics.routed.labels(workers[1], self.decode_router.policy).inc()
             self.router.record(workers[0], prompts)
             self._in_flight(workers, pools, +1)
             try:
@@ -288,7 +291,10 @@ class RouterService:
     async def _stream(self, request: Request, a: _Attempt) -> Response:
         """Relays an SSE answer; the first chunk is awaited here so a failure before it can still be retried."""
         chunks = a.response.aiter_raw()
-        first = await _watch(request, chunks.__anext__())  # TransportError here: the caller retries
+        try:
+            first = await _watch(request, chunks.__anext__())  # TransportError here: the caller retries
+        except StopAsyncIteration:
+            first = b""
 
         async def relay():
             try:

@@ -1,6 +1,8 @@
 """The router's /metrics: where requests went, how much of their prompts the index matched, failures, KV shipping.
 
-    ridgeline:router_requests_routed{worker,policy}      requests sent to each worker (retries included)
+    ridgeline:router_requests_routed{worker,policy}      requests sent to each worker (retries included; in
+                                                         disaggregated mode prefill picks are kv_aware, decode
+                                                         picks least_loaded)
     ridgeline:router_prompt_tokens{worker}               prompt tokens routed
     ridgeline:router_prefix_matched_tokens{worker}       of those, tokens the index said the worker held
     ridgeline:router_prefix_hit_rate                     matched / prompt tokens, all workers, since start
@@ -60,8 +62,8 @@ class RouterMetrics:
     def set_health(self, url: str, up: bool) -> None:
         self.healthy.labels(url).set(1 if up else 0)
 
-    def on_routed(self, url: str, prompt_tokens: int, matched_tokens: int) -> None:
-        self.routed.labels(url, self.policy).inc()
+    def on_routed(self, url: str, prompt_tokens: int, matched_tokens: int, policy: str | None = None) -> None:
+        self.routed.labels(url, policy or self.policy).inc()
         self.prompt_tokens.labels(url).inc(prompt_tokens)
         self.matched_tokens.labels(url).inc(matched_tokens)
         self._prompt_total += prompt_tokens
