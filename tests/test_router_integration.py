@@ -2,12 +2,14 @@
 
 Proves, with the workers' own prefix-cache counters, that kv_aware routing
 sends every turn of a conversation to the worker holding its prefix; that
-round-robin spreads turns (and so misses); that a killed worker is routed
-around while requests keep succeeding.
+round-robin spreads turns (and so misses); that a client hanging up on a
+stream makes the worker abort it; that a killed worker is routed around while
+requests keep succeeding.
 """
 
 import os
 import re
+import time
 
 import httpx
 import pytest
@@ -80,6 +82,30 @@ def test_turns_follow_their_prefix_and_round_robin_spreads_them(fleet):
     try:
         _conversation(router, "Now something about mountain passes", 4)
         assert sorted(_routed(router).values()) == [2.0, 2.0]
+    finally:
+        fleet.stop_router()
+
+
+@pytest.mark.timeout(300)
+def test_a_client_disconnect_aborts_the_request_on_the_worker(fleet):
+    router = fleet.start_router(["--policy=round_robin", "--page_size=16", "--check_interval_s=0.5"])
+
+    def aborted():
+        return sum(_counter(httpx.get(w.url + "/metrics", timeout=30).text, "ridgeline:request_success_total",
+                            finished_reason="abort") for w in fleet.workers)
+
+    try:
+        before = aborted()
+        body = {"model": "fleet", "prompt": "a long story", "max_tokens": 200, "ignore_eos": True,
+                "temperature": 0, "stream": True}
+        with httpx.Client(timeout=120) as client:
+            with client.stream("POST", router.url + "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                assert next(r.iter_lines()).startswith("data: ")  # the first token arrived; then we hang up
+        deadline = time.monotonic() + 60
+        while aborted() == before:
+            assert time.monotonic() < deadline, "the worker never aborted the abandoned request"
+            time.sleep(0.2)
     finally:
         fleet.stop_router()
 
