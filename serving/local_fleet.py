@@ -83,7 +83,7 @@ class LocalFleet:
         for _ in range(n):
             i = len(self.workers)
             port = free_port()
-            cmd = [sys.executable, "-m", "serving.server", f"--port={port}", f"--served_model_name=fleet",
+            cmd = [sys.executable, "-m", "serving.server", f"--port={port}", "--served_model_name=fleet",
                    f"--compilation_cache_dir={self.cache_dir}", "--log_level=warning", *self.worker_flags]
             p = Process(f"worker{i}", cmd, os.path.join(self.log_dir, f"worker{i}.log"), _env(),
                         f"http://127.0.0.1:{port}")
