@@ -125,8 +125,9 @@ class RouterService:
             self.pool = WorkerPool(workers, self.index, self.metrics)
             self.pools = [self.pool]
         for pool in self.pools:
+            policy = self.decode_router.policy if self.disaggregated and pool is self.decode else self.router.policy
             for w in pool:
-                self.metrics.add_worker(w.url)
+                self.metrics.add_worker(w.url, policy)
         self.client: Optional[httpx.AsyncClient] = None
         self._checks: Optional[asyncio.Task] = None
 
@@ -397,7 +398,10 @@ def main(argv) -> None:
     from absl import flags
 
     F = flags.FLAGS
-    logging.getLogger().setLevel(getattr(logging, F.log_level.upper()))
+    level = getattr(logging, F.log_level.upper())
+    logging.getLogger().setLevel(level)
+    if level > logging.DEBUG:  # one line per scrape and upstream request only when debugging
+        logging.getLogger("httpx").setLevel(max(level, logging.WARNING))
     service = RouterService(_split(F.workers), policy=F.policy, page_size=F.page_size,
                             encoder=PromptEncoder(F.model_dir), prefill_workers=_split(F.prefill_workers),
                             decode_workers=_split(F.decode_workers), check_interval_s=F.check_interval_s,

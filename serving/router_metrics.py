@@ -54,10 +54,10 @@ class RouterMetrics:
         self._prompt_total = 0
         self._matched_total = 0
 
-    def add_worker(self, url: str) -> None:
+    def add_worker(self, url: str, policy: str | None = None) -> None:
         self.healthy.labels(url).set(1)
         self.in_flight.labels(url).set(0)
-        self.routed.labels(url, self.policy)
+        self.routed.labels(url, policy or self.policy)
 
     def set_health(self, url: str, up: bool) -> None:
         self.healthy.labels(url).set(1 if up else 0)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Iterable, Optional
 
 import httpx
@@ -107,8 +106,7 @@ class WorkerPool:
         await asyncio.gather(*(self.check(client, u, timeout_s) for u in self.workers))
 
     async def run_checks(self, client: httpx.AsyncClient, interval_s: float) -> None:
-        """Scrapes and probes forever (cancel the task to stop)."""
+        """Scrapes and probes forever, the first time one interval from now (cancel the task to stop)."""
         while True:
-            t0 = time.monotonic()
+            await asyncio.sleep(interval_s)
             await self.check_all(client, timeout_s=max(1.0, interval_s))
-            await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - t0)))

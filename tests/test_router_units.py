@@ -359,5 +359,6 @@ def test_disaggregated_mode_uses_both_pools_and_records_transfers(fleet):
     assert "ridgeline:router_kv_transfer_seconds_count 2.0" in m
     assert f'ridgeline:router_requests_routed_total{{policy="least_loaded",worker="{workers[1].url}"}} 2.0' in m
     assert f'ridgeline:router_requests_routed_total{{policy="kv_aware",worker="{workers[0].url}"}} 2.0' in m
+    assert f'policy="kv_aware",worker="{workers[1].url}"' not in m  # the decode worker is only picked least-loaded
     with pytest.raises(ValueError, match="both"):
         RouterService(prefill_workers=[workers[0].url])
