@@ -247,6 +247,10 @@ class RouterService:
             if n > 0:  # nothing was shipped when the prefill worker refused the request
                 self.metrics.on_transfer(a.pair[0], a.pair[1], n, s)
 
+    async def _abandon(self, a: _Attempt) -> None:
+        await a.response.aclose()
+        self._finish(a)
+
     # --- a whole request -------------------------------------------------------------------------
 
     async def handle(self, endpoint: str, request: Request) -> Response:
@@ -264,7 +268,8 @@ class RouterService:
         stream = body.get("stream") is True
         for attempt in range(2):
             # A second pass (the first answer broke before any byte was relayed) is the retry: one attempt only.
-            a = await _watch(request, self._open(endpoint, body, raw, headers, prompts, attempts=2 - attempt))
+            a = await _watch(request, self._open(endpoint, body, raw, headers, prompts, attempts=2 - attempt),
+                             on_orphan=self._abandon)
             try:
                 if stream and a.response.status_code == 200:
                     return await self._stream(request, a)
@@ -315,8 +320,11 @@ class RouterService:
                                  media_type=a.response.headers.get("content-type", "text/event-stream"))
 
 
-async def _watch(request: Request, awaitable):
-    """Awaits `awaitable`, cancelling it (ClientGone) if the client disconnects first."""
+async def _watch(request: Request, awaitable, on_orphan=None):
+    """Awaits `awaitable`, cancelling it (ClientGone) if the client disconnects first.
+
+    If it finished just as it was cancelled, `on_orphan(result)` releases what it opened.
+    """
     task = asyncio.ensure_future(awaitable)
     while True:
         done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
@@ -325,8 +333,8 @@ async def _watch(request: Request, awaitable):
         if await request.is_disconnected():
             task.cancel()
             results = await asyncio.gather(task, return_exceptions=True)
-            if isinstance(results[0], _Attempt):  # it finished as we cancelled: close what it opened
-                await results[0].response.aclose()
+            if on_orphan is not None and not isinstance(results[0], BaseException):
+                await on_orphan(results[0])
             raise ClientGone()
 
 
