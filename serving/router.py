@@ -1,0 +1,453 @@
+"""`python -m serving.router`: an OpenAI-compatible front over N `serving.server` workers.
+
+    python -m serving.router --port 8000 --workers http://127.0.0.1:8001,http://127.0.0.1:8002
+    python -m serving.router --port 8000 --policy round_robin --workers ...
+    python -m serving.router --port 8000 --prefill_workers http://...:8101 --decode_workers http://...:8201,...
+
+Each `/v1/completions` or `/v1/chat/completions` request is tokenized the way
+the workers tokenize it (`router_index.PromptEncoder`), cut into the engine's
+chained block digests, and sent to the worker the policy picks
+(`router_index.Router`; `kv_aware` by default: the worker whose prefix cache
+most likely holds the prompt, weighed against its load). The body goes
+upstream unchanged and the answer comes back unchanged: SSE streams are
+relayed chunk by chunk as they arrive, never buffered, and when the client
+goes away the upstream request is closed, which makes the worker abort it.
+
+Failures: a connection error or an HTTP 5xx from a worker takes it out of
+rotation (`router_workers.WorkerPool`; it is probed back in later). If no
+byte of the answer has reached the client yet, the request is retried once on
+another worker; otherwise a stream ends with an in-band OpenAI error event,
+and a request with no worker left gets a 502/503 with OpenAI's error envelope.
+4xx answers are the client's fault and pass through untouched.
+
+Disaggregated mode (`--prefill_workers` and `--decode_workers`): the prefill
+worker is chosen `kv_aware` within the prefill pool, the decode worker
+least-loaded within the decode pool, and `serving.disagg.run_disaggregated`
+runs the request across the pair; its KV shipping bytes and seconds go to the
+router's metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+from typing import Awaitable, Callable, Optional, Sequence
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from serving import http_protocol as P
+from serving.router_index import POLICIES, PrefixIndex, PromptEncoder, Router
+from serving.router_metrics import RouterMetrics
+from serving.router_workers import WorkerPool
+
+log = logging.getLogger("ridgeline.router")
+
+_DISCONNECT_POLL_S = 0.25
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+# serving.disagg.run_disaggregated(client, prefill_url, decode_url, endpoint, body)
+#     -> (the decode worker's streaming httpx.Response, KVTransferRecord with kv_bytes and transfer_seconds)
+DisaggFn = Callable[[httpx.AsyncClient, str, str, str, dict], Awaitable[tuple]]
+
+
+class UpstreamFailed(Exception):
+    """A worker failed this attempt (connection, 5xx, broken body); `worker` is the one to blame."""
+
+    def __init__(self, worker: str, kind: str, message: str):
+        super().__init__(message)
+        self.worker, self.kind = worker, kind
+
+
+class ClientGone(Exception):
+    pass
+
+
+@dataclasses.dataclass
+class _Attempt:
+    """One upstream try: the open response and who to credit or blame."""
+
+    response: httpx.Response
+    workers: tuple[str, ...]
+    pools: tuple[WorkerPool, ...]
+    transfer: Optional[object] = None  # disaggregated mode: the shipping record
+    pair: Optional[tuple[str, str]] = None
+
+
+def _answered_by(resp: httpx.Response, workers: Sequence[str]) -> str:
+    """Which of the attempt's workers sent `resp` (in disaggregated mode, the prefill one may answer)."""
+    url = str(resp.request.url) if getattr(resp, "_request", None) is not None else ""
+    return next((w for w in workers if url.startswith(w)), workers[-1])
+
+
+def transfer_figures(record) -> tuple[float, float]:
+    """(bytes, seconds) of a KV shipping record, an object or a mapping."""
+    def get(*names):
+        for n in names:
+            v = record.get(n) if isinstance(record, dict) else getattr(record, n, None)
+            if v is not None:
+                return float(v)
+        return 0.0
+
+    return get("kv_bytes", "bytes", "num_bytes"), get("transfer_seconds", "seconds")
+
+
+class RouterService:
+    """The routing state (pools, index, metrics, one shared HTTP client) and the proxying logic."""
+
+    def __init__(self, workers: Sequence[str] = (), *, policy: str = "kv_aware", page_size: int = 16,
+                 encoder: Optional[PromptEncoder] = None, prefill_workers: Sequence[str] = (),
+                 decode_workers: Sequence[str] = (), check_interval_s: float = 2.0, load_weight: float = 0.1,
+                 kv_weight: float = 0.5, index_blocks_per_worker: int = 4096, connect_timeout_s: float = 5.0,
+                 disagg_fn: Optional[DisaggFn] = None):
+        self.disaggregated = bool(prefill_workers or decode_workers)
+        if self.disaggregated and not (prefill_workers and decode_workers):
+            raise ValueError("disaggregated mode needs both --prefill_workers and --decode_workers")
+        if self.disaggregated and workers:
+            raise ValueError("give either --workers or --prefill_workers/--decode_workers, not both")
+        self.metrics = RouterMetrics(policy if not (prefill_workers or decode_workers) else "kv_aware")
+        self.encoder = encoder or PromptEncoder()
+        self.index = PrefixIndex(index_blocks_per_worker)
+        self.router = Router(policy if not self.disaggregated else "kv_aware", page_size, self.index,
+                             load_weight, kv_weight)
+        self.check_interval_s, self.connect_timeout_s = check_interval_s, connect_timeout_s
+        if self.disaggregated:
+            self.prefill = WorkerPool(prefill_workers, self.index, self.metrics, "prefill worker")
+            self.decode = WorkerPool(decode_workers, None, self.metrics, "decode worker")
+            self.decode_router = Router("least_loaded", page_size, PrefixIndex(1))
+            self.pools = [self.prefill, self.decode]
+            self.disagg_fn = disagg_fn
+        else:
+            self.pool = WorkerPool(workers, self.index, self.metrics)
+            self.pools = [self.pool]
+        for pool in self.pools:
+            policy = self.decode_router.policy if self.disaggregated and pool is self.decode else self.router.policy
+            for w in pool:
+                self.metrics.add_worker(w.url, policy)
+        self.client: Optional[httpx.AsyncClient] = None
+        self._checks: Optional[asyncio.Task] = None
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        timeout = httpx.Timeout(connect=self.connect_timeout_s, read=None, write=60.0, pool=None)
+        self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1024,
+                                                                            max_keepalive_connections=256))
+        if self.disaggregated and self.disagg_fn is None:
+            from serving.disagg import run_disaggregated  # the worker-side half of disaggregated serving
+
+            self.disagg_fn = run_disaggregated
+        for pool in self.pools:
+            await pool.check_all(self.client)
+        self._checks = asyncio.gather(*(p.run_checks(self.client, self.check_interval_s) for p in self.pools))
+
+    async def stop(self) -> None:
+        if self._checks is not None:
+            self._checks.cancel()
+            await asyncio.gather(self._checks, return_exceptions=True)
+        if self.client is not None:
+            await self.client.aclose()
+
+    def any_healthy(self) -> bool:
+        return all(p.healthy() for p in self.pools)
+
+    # --- one attempt ----------------------------------------------------------------------------
+
+    def _pick(self, prompts, tried: set[str]):
+        """(workers, pools, matched blocks) for the next attempt, or None when nobody is left."""
+        if not self.disaggregated:
+            c = self.router.choose(self.pool.loads(), prompts, exclude=tried)
+            return None if c is None else ((c.worker,), (self.pool,), c.matched_blocks)
+        p = self.router.choose(self.prefill.loads(), prompts, exclude=tried)
+        d = self.decode_router.choose(self.decode.loads(), prompts, exclude=tried)
+        if p is None or d is None:
+            return None
+        return (p.worker, d.worker), (self.prefill, self.decode), p.matched_blocks
+
+    async def _send(self, workers: tuple[str, ...], endpoint: str, body: dict, raw: bytes,
+                    headers: dict) -> tuple[httpx.Response, object]:
+        if not self.disaggregated:
+            req = self.client.build_request("POST", workers[0] + ENDPOINTS[endpoint], content=raw, headers=headers)
+            try:
+                return await self.client.send(req, stream=True), None
+            except httpx.TransportError as e:
+                raise UpstreamFailed(workers[0], "connect", f"{type(e).__name__}: {e}") from e
+        try:
+            result = await self.disagg_fn(self.client, workers[0], workers[1], ENDPOINTS[endpoint], body)
+        except httpx.TransportError as e:
+            url = str(e.request.url) if getattr(e, "_request", None) is not None else ""
+            blamed = workers[1] if url.startswith(workers[1]) else workers[0]
+            raise UpstreamFailed(blamed, "connect", f"{type(e).__name__}: {e}") from e
+        # serving.disagg returns (decode response, KVTransferRecord); the prefill's own response if it refused.
+        resp, record = result if isinstance(result, tuple) else (result, getattr(result, "transfer", None))
+        return resp, record
+
+    async def _open(self, endpoint: str, body: dict, raw: bytes, headers: dict, prompts,
+                    attempts: int = 2) -> _Attempt:
+        """Sends the request to a worker, retrying once on another if the first fails before answering."""
+        tried: set[str] = set()
+        last: Optional[UpstreamFailed] = None
+        for attempt in range(attempts):
+            picked = self._pick(prompts, tried)
+            if picked is None:
+                break
+            workers, pools, matched_blocks = picked
+            if attempt:
+                self.metrics.retries.inc()
+            prompt_tokens = sum(len(p) for p in prompts)
+            self.metrics.on_routed(workers[0], prompt_tokens, matched_blocks * self.router.page_size,
+                                   self.router.policy)
+            if self.disaggregated:
+                self.metrics.routed.labels(workers[1], self.decode_router.policy).inc()
+            self.router.record(workers[0], prompts)
+            self._in_flight(workers, pools, +1)
+            try:
+                resp, record = await self._send(workers, endpoint, body, raw, headers)
+                if resp.status_code >= 500:
+                    text = (await resp.aread()).decode("utf-8", "replace")[:500]
+                    await resp.aclose()
+                    raise UpstreamFailed(_answered_by(resp, workers), "status_5xx", f"HTTP {resp.status_code}: {text}")
+                return _Attempt(resp, workers, pools, record, workers if self.disaggregated else None)
+            except asyncio.CancelledError:  # the client went away while we waited
+                self._in_flight(workers, pools, -1)
+                raise
+            except UpstreamFailed as e:
+                self._in_flight(workers, pools, -1)
+                self._fail(e)
+                tried.update(workers if not self.disaggregated else (e.worker,))
+                last = e
+        self.metrics.failed.inc()
+        if last is None and not tried:
+            raise P.APIError("no worker is available: every worker is out of rotation", status=503,
+                             type="server_error", code="no_worker_available")
+        raise P.APIError(f"the request failed upstream{' after a retry' if len(tried) > 1 else ''}: "
+                         f"{last.worker}: {last}" if last else "no worker left to retry on",
+                         status=502, type="server_error", code="upstream_error")
+
+    def _fail(self, e: UpstreamFailed) -> None:
+        self.metrics.on_error(e.worker, e.kind)
+        for pool in self.pools:
+            if e.worker in pool.workers:
+                pool.mark_failed(e.worker, str(e))
+
+    def _in_flight(self, workers, pools, delta: int) -> None:
+        for url, pool in zip(workers, pools):
+            w = pool.workers[url]
+            w.in_flight += delta
+            self.metrics.in_flight.labels(url).set(w.in_flight)
+
+    def _finish(self, a: _Attempt) -> None:
+        self._in_flight(a.workers, a.pools, -1)
+        if a.transfer is not None and a.pair is not None:
+            n, s = transfer_figures(a.transfer)
+            if n > 0:  # nothing was shipped when the prefill worker refused the request
+                self.metrics.on_transfer(a.pair[0], a.pair[1], n, s)
+
+    async def _abandon(self, a: _Attempt) -> None:
+        await a.response.aclose()
+        self._finish(a)
+
+    # --- a whole request -------------------------------------------------------------------------
+
+    async def handle(self, endpoint: str, request: Request) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            raise P.APIError("The request body is not a valid JSON object.", code="invalid_json")
+        prompts = self.encoder.prompts(endpoint, body)
+        headers = {"content-type": "application/json"}
+        if "authorization" in request.headers:
+            headers["authorization"] = request.headers["authorization"]
+        stream = body.get("stream") is True
+        for attempt in range(2):
+            # A second pass (the first answer broke before any byte was relayed) is the retry: one attempt only.
+            a = await _watch(request, self._open(endpoint, body, raw, headers, prompts, attempts=2 - attempt),
+                             on_orphan=self._abandon)
+            try:
+                if stream and a.response.status_code == 200:
+                    return await self._stream(request, a)
+                content = await _watch(request, a.response.aread())
+            except ClientGone:
+                await a.response.aclose()
+                self._finish(a)
+                return Response(status_code=499)
+            except (httpx.TransportError, httpx.StreamError) as e:  # broke before a byte reached the client
+                await a.response.aclose()
+                self._finish(a)
+                self._fail(UpstreamFailed(a.workers[-1], "stream", f"{type(e).__name__}: {e}"))
+                if attempt == 0:
+                    self.metrics.retries.inc()
+                    continue
+                self.metrics.failed.inc()
+                raise P.APIError(f"the request failed upstream after a retry: {e}", status=502,
+                                 type="server_error", code="upstream_error") from e
+            await a.response.aclose()
+            self._finish(a)
+            return Response(content, status_code=a.response.status_code,
+                            media_type=a.response.headers.get("content-type"))
+        raise AssertionError("unreachable")
+
+    async def _stream(self, request: Request, a: _Attempt) -> Response:
+        """Relays an SSE answer; the first chunk is awaited here so a failure before it can still be retried."""
+        chunks = a.response.aiter_raw()
+        try:
+            first = await _watch(request, chunks.__anext__())  # TransportError here: the caller retries
+        except StopAsyncIteration:
+            first = b""
+
+        async def relay():
+            try:
+                yield first
+                async for chunk in chunks:
+                    yield chunk
+            except (httpx.TransportError, httpx.StreamError) as e:
+                self._fail(UpstreamFailed(a.workers[-1], "stream", f"{type(e).__name__}: {e}"))
+                self.metrics.failed.inc()
+                err = P.error_body(f"the worker failed mid-stream: {e}", type="server_error", code="upstream_error")
+                yield f"\ndata: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+            finally:  # also on client disconnect: closing the upstream makes the worker abort the request
+                await a.response.aclose()
+                self._finish(a)
+
+        return StreamingResponse(relay(), status_code=200,
+                                 media_type=a.response.headers.get("content-type", "text/event-stream"))
+
+
+async def _watch(request: Request, awaitable, on_orphan=None):
+    """Awaits `awaitable`, cancelling it (ClientGone) if the client disconnects first.
+
+    If it finished just as it was cancelled, `on_orphan(result)` releases what it opened.
+    """
+    task = asyncio.ensure_future(awaitable)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            results = await asyncio.gather(task, return_exceptions=True)
+            if on_orphan is not None and not isinstance(results[0], BaseException):
+                await on_orphan(results[0])
+            raise ClientGone()
+
+
+def create_router_app(service: RouterService) -> FastAPI:
+    """The router's FastAPI app; its lifespan starts the service (client, first scrape, checks) and stops it."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    app = FastAPI(title="Ridgeline router", lifespan=lifespan)
+    app.state.service = service
+
+    @app.exception_handler(P.APIError)
+    async def _api_error(_request, err: P.APIError):
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        try:
+            return await service.handle("completions", request)
+        except ClientGone:
+            return Response(status_code=499)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        try:
+            return await service.handle("chat", request)
+        except ClientGone:
+            return Response(status_code=499)
+
+    @app.get("/v1/models")
+    async def models():
+        for pool in service.pools[-1:]:
+            for w in pool.healthy():
+                try:
+                    r = await service.client.get(w.url + "/v1/models", timeout=10)
+                    return Response(r.content, status_code=r.status_code, media_type="application/json")
+                except httpx.TransportError:
+                    continue
+        raise P.APIError("no worker is available", status=503, type="server_error", code="no_worker_available")
+
+    @app.get("/health")
+    async def health():
+        if service.any_healthy():
+            return Response(status_code=200)
+        return JSONResponse(P.error_body("no worker is in rotation", type="server_error",
+                                         code="no_worker_available"), status_code=503)
+
+    @app.get("/metrics")
+    async def metrics_route():
+        body, content_type = service.metrics.render()
+        return Response(body, media_type=content_type)
+
+    return app
+
+
+def _split(urls: str | None) -> list[str]:
+    return [u.strip() for u in (urls or "").split(",") if u.strip()]
+
+
+def main(argv) -> None:
+    del argv
+    import uvicorn
+    from absl import flags
+
+    F = flags.FLAGS
+    level = getattr(logging, F.log_level.upper())
+    logging.getLogger().setLevel(level)
+    if level > logging.DEBUG:  # one line per scrape and upstream request only when debugging
+        logging.getLogger("httpx").setLevel(max(level, logging.WARNING))
+    service = RouterService(_split(F.workers), policy=F.policy, page_size=F.page_size,
+                            encoder=PromptEncoder(F.model_dir), prefill_workers=_split(F.prefill_workers),
+                            decode_workers=_split(F.decode_workers), check_interval_s=F.check_interval_s,
+                            load_weight=F.load_weight, kv_weight=F.kv_weight,
+                            index_blocks_per_worker=F.index_blocks_per_worker)
+    app = create_router_app(service)
+    log.info("routing (%s) on http://%s:%d over %s", F.policy, F.host, F.port,
+             ", ".join(w.url for pool in service.pools for w in pool))
+    uvicorn.run(app, host=F.host, port=F.port, log_level=F.log_level, timeout_keep_alive=30)
+
+
+def define_flags() -> None:
+    from absl import flags
+
+    flags.DEFINE_string("workers", None, "Comma-separated worker base URLs (python -m serving.server replicas).")
+    flags.DEFINE_string("prefill_workers", None, "Disaggregated mode: comma-separated prefill worker URLs.")
+    flags.DEFINE_string("decode_workers", None, "Disaggregated mode: comma-separated decode worker URLs.")
+    flags.DEFINE_enum("policy", "kv_aware", list(POLICIES), "How a worker is chosen.")
+    flags.DEFINE_string("host", "127.0.0.1", "Address to bind.")
+    flags.DEFINE_integer("port", 8000, "Port to listen on.")
+    flags.DEFINE_string("model_dir", None, "Checkpoint directory the workers serve (for its tokenizer and chat "
+                                           "template); default: the embedded model.")
+    flags.DEFINE_integer("page_size", 16, "The workers' KV page size (--page_size of serving.server).")
+    flags.DEFINE_float("check_interval_s", 2.0, "Seconds between scrapes of the workers' /metrics (and probes "
+                                                "of failed workers).")
+    flags.DEFINE_float("load_weight", 0.1, "kv_aware: cost of one request of load, in prompts recomputed.")
+    flags.DEFINE_float("kv_weight", 0.5, "kv_aware: cost of a full KV pool, in prompts recomputed.")
+    flags.DEFINE_integer("index_blocks_per_worker", 4096, "Prefix-index bound per worker until its /metrics "
+                                                         "gives its pool size in pages.")
+    flags.DEFINE_enum("log_level", "info", ["debug", "info", "warning", "error"], "Log level.")
+
+
+def run() -> None:
+    from absl import app as absl_app
+
+    define_flags()
+    absl_app.run(main)
+
+
+if __name__ == "__main__":
+    run()

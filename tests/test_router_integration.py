@@ -1,0 +1,130 @@
+"""`python -m serving.router` in front of two real `python -m serving.server` workers (the embedded model).
+
+Proves, with the workers' own prefix-cache counters, that kv_aware routing
+sends every turn of a conversation to the worker holding its prefix; that
+round-robin spreads turns (and so misses); that a client hanging up on a
+stream makes the worker abort it; that a killed worker is routed around while
+requests keep succeeding.
+"""
+
+import os
+import re
+import time
+
+import httpx
+import pytest
+
+from serving.local_fleet import LocalFleet
+
+# Tiny buckets: one token bucket x four page buckets, so a cold start compiles a handful of shapes.
+WORKER_FLAGS = ["--max_num_seqs=4", "--max_num_batched_tokens=16", "--min_token_bucket=16", "--max_model_len=256",
+                "--page_size=16", "--attention_backend=reference"]
+
+
+def _counter(metrics: str, name: str, **labels) -> float:
+    total = 0.0
+    for line in metrics.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _hits(worker) -> float:
+    return _counter(httpx.get(worker.url + "/metrics", timeout=30).text, "ridgeline:prefix_cache_hits_total")
+
+
+def _routed(router) -> dict[str, float]:
+    text = httpx.get(router.url + "/metrics", timeout=30).text
+    return {m.group(1): float(m.group(2)) for m in
+            re.finditer(r'ridgeline:router_requests_routed_total\{policy="\w+",worker="([^"]+)"\} (\S+)', text)}
+
+
+def _conversation(router, opener: str, turns: int) -> list[int]:
+    """Runs a chat whose every turn resends the whole conversation; returns each turn's prompt tokens."""
+    messages, prompt_tokens = [], []
+    for t in range(turns):
+        messages.append({"role": "user", "content": opener if t == 0 else f"and {t}?"})
+        r = httpx.post(router.url + "/v1/chat/completions", timeout=120,
+                       json={"model": "fleet", "messages": messages, "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        prompt_tokens.append(body["usage"]["prompt_tokens"])
+        messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+    return prompt_tokens
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    cache = os.environ.get("RIDGELINE_COMPILATION_CACHE_DIR") or str(tmp_path_factory.mktemp("jaxcache"))
+    with LocalFleet(str(tmp_path_factory.mktemp("fleet")), cache, WORKER_FLAGS) as f:
+        f.start_workers(2, timeout_s=400)
+        yield f
+
+
+@pytest.mark.timeout(600)
+def test_turns_follow_their_prefix_and_round_robin_spreads_them(fleet):
+    router = fleet.start_router(["--policy=kv_aware", "--page_size=16", "--check_interval_s=0.5"])
+    try:
+        before = [_hits(w) for w in fleet.workers]
+        prompts = _conversation(router, "Tell me about the ridgeline trail", 3)
+        routed = _routed(router)
+        owner = max(routed, key=routed.get)
+        assert sorted(routed.values()) == [0.0, 3.0], routed  # every turn went to one worker
+        gained = {w.url: _hits(w) - b for w, b in zip(fleet.workers, before)}
+        # Turns 2 and 3 found at least every full block of the turn before them in that worker's cache.
+        assert gained[owner] >= (prompts[0] // 16 + prompts[1] // 16) * 16 > 0, (gained, prompts)
+        assert all(g == 0 for url, g in gained.items() if url != owner), gained
+    finally:
+        fleet.stop_router()
+
+    router = fleet.start_router(["--policy=round_robin", "--page_size=16", "--check_interval_s=0.5"])
+    try:
+        _conversation(router, "Now something about mountain passes", 4)
+        assert sorted(_routed(router).values()) == [2.0, 2.0]
+    finally:
+        fleet.stop_router()
+
+
+@pytest.mark.timeout(300)
+def test_a_client_disconnect_aborts_the_request_on_the_worker(fleet):
+    router = fleet.start_router(["--policy=round_robin", "--page_size=16", "--check_interval_s=0.5"])
+
+    def aborted():
+        return sum(_counter(httpx.get(w.url + "/metrics", timeout=30).text, "ridgeline:request_success_total",
+                            finished_reason="abort") for w in fleet.workers)
+
+    try:
+        before = aborted()
+        body = {"model": "fleet", "prompt": "a long story", "max_tokens": 200, "ignore_eos": True,
+                "temperature": 0, "stream": True}
+        with httpx.Client(timeout=120) as client:
+            with client.stream("POST", router.url + "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                assert next(r.iter_lines()).startswith("data: ")  # the first token arrived; then we hang up
+        deadline = time.monotonic() + 60
+        while aborted() == before:
+            assert time.monotonic() < deadline, "the worker never aborted the abandoned request"
+            time.sleep(0.2)
+    finally:
+        fleet.stop_router()
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_worker_is_routed_around(fleet):
+    router = fleet.start_router(["--policy=round_robin", "--page_size=16", "--check_interval_s=0.5"])
+    try:
+        victim, survivor = fleet.workers
+        victim.kill()
+        for i in range(4):  # the first may hit the dead worker and be retried; none fails
+            r = httpx.post(router.url + "/v1/completions", timeout=120,
+                           json={"model": "fleet", "prompt": f"after the crash {i}", "max_tokens": 3,
+                                 "temperature": 0, "stream": i % 2 == 1})
+            assert r.status_code == 200, r.text
+        text = httpx.get(router.url + "/metrics", timeout=30).text
+        assert _counter(text, "ridgeline:router_worker_healthy", worker=victim.url) == 0.0
+        assert _counter(text, "ridgeline:router_worker_healthy", worker=survivor.url) == 1.0
+        assert _counter(text, "ridgeline:router_requests_failed_total") == 0.0
+        assert httpx.get(router.url + "/health", timeout=30).status_code == 200
+    finally:
+        fleet.stop_router()
