@@ -49,7 +49,10 @@ class LLM:
     wants that; a short script usually does not). `compilation_cache_dir`
     points JAX's persistent compilation cache somewhere (None: the default
     location, see `serving.compile_cache`; "": off), so a second start loads
-    its executables instead of compiling them.
+    its executables instead of compiling them. `speculative_method="draft"|"ngram"` with
+    `num_speculative_tokens=k` turns on speculative decoding (see
+    `serving.spec_decode`); `speculative_draft=(config, params)` is an
+    in-memory draft model, `speculative_model` a draft checkpoint directory.
     """
 
     def __init__(self, checkpoint: Optional[str] = None, *, max_num_seqs: int = 64,
@@ -57,7 +60,7 @@ class LLM:
                  enable_prefix_caching: bool = True, attention_backend: str = "auto",
                  tensor_parallel_size: int = 1, max_model_len: Optional[int] = None, seed: int = 0,
                  config=None, params=None, tokenizer=None, warmup: bool = False,
-                 compilation_cache_dir: Optional[str] = None, **engine_kwargs):
+                 compilation_cache_dir: Optional[str] = None, speculative_draft=None, **engine_kwargs):
         t0 = time.perf_counter()
         self.compilation_cache_dir = compile_cache.enable(compilation_cache_dir)
         if (config is None) != (params is None):
@@ -85,7 +88,7 @@ class LLM:
                                      enable_prefix_caching=enable_prefix_caching,
                                      attention_backend=attention_backend, max_model_len=max_model_len, seed=seed,
                                      **engine_kwargs)
-        self.engine = Engine(config, params, tokenizer, engine_config, layout=layout)
+        self.engine = Engine(config, params, tokenizer, engine_config, layout=layout, draft=speculative_draft)
         self.load_seconds = time.perf_counter() - t0
         log.info("loaded in %.1f s (persistent compilation cache: %s)", self.load_seconds,
                  self.compilation_cache_dir or "off")
