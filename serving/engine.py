@@ -265,6 +265,8 @@ class Engine:
                 self.requests.pop(req.request_id, None)
             if finished or req.stream:
                 outputs.append(self.make_output(req))
+        if self.spec is not None:
+            self.spec.after_step()
         it.finished.extend(self._pending_finished)
         self._pending_finished = []
         it.host_seconds = (t1 - t0) + (time.perf_counter() - t2)

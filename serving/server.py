@@ -58,6 +58,11 @@ def define_flags() -> None:
                         "$RIDGELINE_COMPILATION_CACHE_DIR, else ~/.cache/ridgeline/jax.")
     flags.DEFINE_string("profile_dir", None, "Directory for /start_profile and /stop_profile traces "
                                              "(unset: those routes answer 400).")
+    flags.DEFINE_enum("speculative_method", None, ["draft", "ngram"],
+                      "Speculative decoding: a draft model or prompt lookup (unset: off).")
+    flags.DEFINE_integer("num_speculative_tokens", 0, "Drafted tokens verified per step (with --speculative_method).")
+    flags.DEFINE_string("speculative_model", None, "Draft model checkpoint directory for --speculative_method=draft "
+                                                   "(default: the embedded draft model).")
     flags.DEFINE_enum("log_level", "info", ["debug", "info", "warning", "error"], "Log level of the server.")
 
 
@@ -193,7 +198,8 @@ def make_llm_from_flags():
                enable_prefix_caching=FLAGS.enable_prefix_caching, attention_backend=FLAGS.attention_backend,
                tensor_parallel_size=FLAGS.tensor_parallel_size, seed=FLAGS.seed,
                min_token_bucket=FLAGS.min_token_bucket, compilation_cache_dir=FLAGS.compilation_cache_dir,
-               warmup=True)
+               speculative_method=FLAGS.speculative_method, num_speculative_tokens=FLAGS.num_speculative_tokens,
+               speculative_model=FLAGS.speculative_model, warmup=True)
 
 
 def _peak_from_flags():

@@ -167,6 +167,10 @@ class SpecDecoder:
             else:
                 bm.register_full_blocks(seq)
 
+    def after_step(self) -> None:
+        """Frees the proposer's state of sequences that finished this step (so an idle engine holds nothing)."""
+        self.proposer.forget(s.seq_id for s in self.engine.scheduler.running)
+
     # --- warm-up -----------------------------------------------------------------------------
     def warm_up(self) -> dict:
         """Compiles every verification shape, the page copies and the proposer's shapes."""
