@@ -88,6 +88,9 @@ class Engine:
                  runner=None, layout=None, draft=None):
         """`draft`: an in-memory (config, params) draft model for speculative_method="draft"."""
         check_spec_options(config.speculative_method, config.num_speculative_tokens)
+        if config.speculative_method is not None and layout is not None:
+            raise ValueError("speculative decoding is not supported with tensor parallelism "
+                             "(tensor_parallel_size > 1) yet")
         self.cfg = cfg
         self.config = config
         self.tokenizer = tokenizer

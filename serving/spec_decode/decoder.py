@@ -59,7 +59,7 @@ class SpecStats:
 class SpecDecoder:
     def __init__(self, engine, method: str, k: int, draft=None, draft_dir=None):
         check_options(method, k)
-        if engine.runner.layout is not None:
+        if getattr(engine.runner, "layout", None) is not None:
             raise ValueError("speculative decoding is not supported with tensor parallelism "
                              "(tensor_parallel_size > 1) yet")
         self.engine = engine

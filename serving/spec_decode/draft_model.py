@@ -59,12 +59,13 @@ def _draft_step(params, cache, ibuf, fbuf, num_drafts, *, cfg: LlamaConfig, back
     key_data = jax.lax.bitcast_convert_type(v["key_data"], jnp.uint32)
     si, ti = v["sample_index"], v["token_index"]
     tok, q = _draw(logits, temp, key_data, si, ti)
-    toks, qs = [tok], [q]
     seqs = jnp.arange(S, dtype=jnp.int32)
     cu = jnp.minimum(jnp.arange(S + 1, dtype=jnp.int32), num_seqs)  # one query token per live sequence
     kv0 = v["kv_lens"]
-    for j in range(1, k):
+
+    def one_more(carry, j):
         # Feed draft j at position kv0 + j - 1, only for sequences that want draft j + 1.
+        cache, tok = carry
         pos = kv0 + (j - 1)
         want = j < num_drafts
         page = tables[seqs, jnp.clip(pos // ps, 0, shape.P - 1)]
@@ -74,10 +75,12 @@ def _draft_step(params, cache, ibuf, fbuf, num_drafts, *, cfg: LlamaConfig, back
                            block_tables=tables, num_seqs=num_seqs, logits_indices=seqs)
         logits, cache = forward(params, cache, tok, md, cfg, backend, None)
         tok, q = _draw(logits, temp, key_data, si, ti + j)
-        toks.append(tok)
-        qs.append(q)
-    drafts = jnp.stack(toks, axis=1)  # [S, k]
-    probs = jnp.stack(qs, axis=1)  # [S, k, V]
+        return (cache, tok), (tok, q)
+
+    # A loop, not k unrolled forwards: one compilation whatever k is.
+    (cache, _), (toks, qs) = jax.lax.scan(one_more, (cache, tok), jnp.arange(1, k, dtype=jnp.int32))
+    drafts = jnp.concatenate([tok[:, None], toks.T], axis=1)  # [S, k]
+    probs = jnp.concatenate([q[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)  # [S, k, V]
     probs = jnp.zeros((out_seqs, k, probs.shape[-1]), jnp.float32).at[:S].set(probs[:out_seqs])
     return cache, drafts, probs.reshape(out_seqs * k, -1)
 
@@ -115,7 +118,9 @@ class DraftModelProposer:
         self.cache = jax.device_put(init_cache(cfg, num_pages, page_size), jax.devices()[0])
         self.bm = BlockManager(num_pages, page_size, enable_prefix_caching=False)
         self.computed: dict[int, int] = {}  # seq_id -> tokens whose draft K/V is in the cache
-        self.no_drafts = jnp.zeros((max_num_seqs * self.k, cfg.vocab_size), jnp.float32)
+        # Committed to the device like the drafting call's output, so both are the same jit input.
+        self.no_drafts = jax.device_put(jnp.zeros((max_num_seqs * self.k, cfg.vocab_size), jnp.float32),
+                                        jax.devices()[0])
         self.draft_probs = self.no_drafts
         self.q_base: dict[int, int] = {}  # seq_id -> row of its first draft in `draft_probs`
 

@@ -18,7 +18,7 @@ class NgramProposer:
 
     draft_probs = None  # drafts are point masses: no distributions on device
 
-    def __init__(self, num_speculative_tokens: int, max_n: int = 4, min_n: int = 2, window: int = 1024):
+    def __init__(self, num_speculative_tokens: int, max_n: int = 4, min_n: int = 1, window: int = 1024):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.k = num_speculative_tokens
