@@ -231,3 +231,28 @@ def test_options_are_checked(params, draft):
             num_speculative_tokens=2, tensor_parallel_size=2, **COMMON)
     off = make_llm(params)
     assert off.engine.spec is None and off.engine.stats().spec_decode is None
+
+
+def test_spec_metrics_in_stats_and_prometheus(params):
+    from test_server_units import _FakeEngine, _samples
+    from serving.http_metrics import ServerMetrics
+
+    llm = make_llm(params, speculative_method="ngram", num_speculative_tokens=3)
+    llm.generate([[1] + [5, 6, 7] * 6], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    st = llm.engine.stats().spec_decode
+    assert st.num_drafts > 0 and st.num_draft_tokens >= st.num_drafts
+    assert st.acceptance_rate == st.num_accepted_tokens / st.num_draft_tokens
+    assert st.mean_tokens_per_pass == st.num_emitted_tokens / st.num_drafts
+    assert sum(st.accepted_per_position) == st.num_accepted_tokens
+    fake = _FakeEngine()
+    fake.snapshot.spec_decode = st
+    s = _samples(ServerMetrics(fake, "m"))
+    assert s[("ridgeline:spec_decode_num_drafts_total", ())] == st.num_drafts
+    assert s[("ridgeline:spec_decode_num_draft_tokens_total", ())] == st.num_draft_tokens
+    assert s[("ridgeline:spec_decode_num_accepted_tokens_total", ())] == st.num_accepted_tokens
+    assert s[("ridgeline:spec_decode_draft_acceptance_rate", ())] == pytest.approx(st.acceptance_rate)
+    assert s[("ridgeline:spec_decode_mean_tokens_per_pass", ())] == pytest.approx(st.mean_tokens_per_pass)
+    assert s[("ridgeline:spec_decode_num_accepted_tokens_per_pos_total", (("position", "0"),))] == \
+        st.accepted_per_position[0]
+    fake.snapshot.spec_decode = None  # speculation off: no spec series
+    assert not [k for k in _samples(ServerMetrics(fake, "m")) if "spec_decode" in k[0]]
