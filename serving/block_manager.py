@@ -174,6 +174,23 @@ class BlockManager:
                 if self.block_hash[b] is None:
                     self.free.move_to_end(b, last=False)
 
+    def trim(self, seq, num_tokens: int) -> int:
+        """Releases `seq`'s trailing pages beyond the first `num_tokens` tokens (rejected
+        speculative tokens' pages); returns how many pages it dropped."""
+        table = self.tables.get(seq.seq_id)
+        keep = self.blocks_needed(num_tokens)
+        if not table or len(table) <= keep:
+            return 0
+        dropped = table[keep:]
+        del table[keep:]
+        for b in reversed(dropped):
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.free[b] = None
+                if self.block_hash[b] is None:
+                    self.free.move_to_end(b, last=False)
+        return len(dropped)
+
     def register_full_blocks(self, seq) -> None:
         """Enters `seq`'s newly completed full blocks into the prefix cache.
 

@@ -15,6 +15,7 @@ the others.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -33,6 +34,7 @@ from serving.outputs import CompletionOutput, Logprob, RequestOutput
 from serving.sampling_params import InvalidParameterError, SamplingParams
 from serving.scheduler import Scheduler, SchedulerConfig
 from serving.sequence import Request, Sequence
+from serving.spec_decode.options import check_options as check_spec_options, logit_rows as spec_logit_rows
 from serving.stats import EngineStats, FinishedRequestStats, IterationStats, StatsLog
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,11 @@ class EngineConfig:
     # "int8" / "fp8" quantize the linear layers at load time / store K and V with per-token scales.
     weight_dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    # Speculative decoding (serving/spec_decode): None (off), "draft" or "ngram"; k drafts per step;
+    # the draft model's checkpoint directory (None: the embedded draft model).
+    speculative_method: Optional[str] = None
+    num_speculative_tokens: int = 0
+    speculative_model: Optional[str] = None
 
 
 def default_num_pages(cfg: LlamaConfig, config: EngineConfig, max_model_len: int, cache_dtype=None) -> int:
@@ -82,9 +89,14 @@ def default_num_pages(cfg: LlamaConfig, config: EngineConfig, max_model_len: int
 
 class Engine:
     def __init__(self, cfg: LlamaConfig, params, tokenizer=None, config: EngineConfig = EngineConfig(), *,
-                 runner=None, layout=None):
+                 runner=None, layout=None, draft=None):
+        """`draft`: an in-memory (config, params) draft model for speculative_method="draft"."""
         check_weight_dtype(config.weight_dtype)
         check_kv_cache_dtype(config.kv_cache_dtype)
+        check_spec_options(config.speculative_method, config.num_speculative_tokens)
+        if config.speculative_method is not None and layout is not None:
+            raise ValueError("speculative decoding is not supported with tensor parallelism or pipeline parallelism "
+                             "(tensor_parallel_size or pipeline_parallel_size > 1) yet")
         if runner is None:  # load-time quantization of float weights (a no-op for "auto")
             cfg, params = quantize_params(params, cfg, config.weight_dtype)
         self.cfg = cfg
@@ -103,7 +115,10 @@ class Engine:
             model_len = num_pages * ps
         self.max_model_len = model_len
         self.num_pages = num_pages
-        self.buckets = Buckets(config.max_num_batched_tokens, config.max_num_seqs, -(-model_len // ps),
+        rows = config.max_num_seqs
+        if config.speculative_method is not None:  # k + 1 logit rows per verifying sequence
+            rows = spec_logit_rows(config.max_num_seqs, config.max_num_batched_tokens, config.num_speculative_tokens)
+        self.buckets = Buckets(config.max_num_batched_tokens, rows, -(-model_len // ps),
                                config.min_token_bucket, -(-config.min_context_bucket // ps))
         runner_class = ModelRunner
         if getattr(layout, "pipeline_parallel_size", 1) > 1:  # staged params and KV cache
@@ -112,8 +127,14 @@ class Engine:
                                              backend=config.attention_backend, layout=layout,
                                              cache_dtype=self.cache_dtype)
         self.block_manager = BlockManager(num_pages, ps, config.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, model_len),
-                                   self.block_manager)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, model_len,
+                                                   rows), self.block_manager)
+        self.spec = None
+        if config.speculative_method is not None:
+            from serving.spec_decode import SpecDecoder
+
+            self.spec = SpecDecoder(self, config.speculative_method, config.num_speculative_tokens, draft,
+                                    config.speculative_model)
         self.eos_token_ids = tuple(sorted(set(cfg.eos_token_ids) | set(getattr(tokenizer, "eos_ids", ()) or ())))
         self.requests: dict[str, Request] = {}
         self.stats_log = StatsLog()
@@ -209,6 +230,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Runs one scheduled batch; returns outputs of finished requests and of streaming ones that progressed."""
         t0 = time.perf_counter()
+        if self.spec is not None:
+            self.spec.propose()
         out = self.scheduler.schedule()
         now = time.monotonic()
         touched: dict[str, Request] = {}
@@ -234,16 +257,19 @@ class Engine:
             batch = pack_step(out, self.block_manager.tables, self.buckets, self.config.page_size, self.num_pages)
             it.kv_tokens_read = batch.kv_tokens
             t1 = time.perf_counter()
-            result = self.runner.execute(batch)
+            result = self.runner.execute(batch) if self.spec is None else self.spec.execute(batch, out)
             t2 = time.perf_counter()
-            new_tokens = self.scheduler.update(out, result.ids[:len(batch.sample_rows)].tolist())
+            sampled = result.ids[:len(batch.sample_rows)].tolist()
+            new_tokens = self.scheduler.update(out, sampled)
+            if self.spec is not None:  # verified sequences: their accepted tokens, one at a time
+                new_tokens = itertools.chain(new_tokens, self.spec.verified_tokens(out, sampled))
             now = time.monotonic()
             for seq, row, p0, p1 in batch.prompt_rows:
                 self._prompt_logprobs(seq, result, row, p0, p1)
             for seq, tok, row in new_tokens:
                 self._on_token(seq, tok, row, result, now, it)
                 touched[seq.request.request_id] = seq.request
-            it.num_generation_tokens = len(new_tokens)
+                it.num_generation_tokens += 1
         outputs = []
         for req in touched.values():
             finished = req.is_finished
@@ -255,6 +281,8 @@ class Engine:
                 self.requests.pop(req.request_id, None)
             if finished or req.stream:
                 outputs.append(self.make_output(req))
+        if self.spec is not None:
+            self.spec.after_step()
         it.finished.extend(self._pending_finished)
         self._pending_finished = []
         it.host_seconds = (t1 - t0) + (time.perf_counter() - t2)
@@ -357,10 +385,14 @@ class Engine:
             prefix_cache_queried_tokens=self.scheduler.prefix_queried_tokens,
             prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens,
             prompt_tokens=log_.prompt_tokens, generation_tokens=log_.generation_tokens,
-            finished_by_reason=dict(log_.finished_by_reason), num_steps=log_.num_steps)
+            finished_by_reason=dict(log_.finished_by_reason), num_steps=log_.num_steps,
+            spec_decode=None if self.spec is None else dataclasses.replace(
+                self.spec.stats, accepted_per_position=list(self.spec.stats.accepted_per_position)))
 
     def warm_up(self) -> dict:
         """Compiles every step shape now, so serving never compiles; returns seconds and counts."""
+        if self.spec is not None:  # with speculation, every step is the verification step
+            return self.spec.warm_up()
         return self.runner.warm_up()
 
     def describe(self) -> dict:
@@ -376,6 +408,8 @@ class Engine:
             "prefix_caching": self.config.enable_prefix_caching, "attention_backend": self.config.attention_backend,
             "step_shapes": len(self.buckets.all_shapes()),
             "weight_dtype": cfg.weight_dtype or cfg.dtype, "kv_cache_dtype": str(np.dtype(self.cache_dtype)),
+            "speculative_method": self.config.speculative_method,
+            "num_speculative_tokens": self.config.num_speculative_tokens if self.spec is not None else 0,
         }
 
     def reset_prefix_cache(self) -> int:

@@ -302,6 +302,25 @@ class _SnapshotCollector:
         yield counter("prompt_tokens", "Prompt tokens of requests that started generating.", s.prompt_tokens)
         yield counter("generation_tokens", "Generated tokens.", s.generation_tokens)
         yield counter("num_steps", "Engine steps run.", s.num_steps)
+        sd = getattr(s, "spec_decode", None)
+        if sd is not None:  # speculative decoding (vLLM's names)
+            yield counter("spec_decode_num_drafts", "Sequence-steps that verified drafted tokens.", sd.num_drafts)
+            yield counter("spec_decode_num_draft_tokens", "Drafted tokens verified by the target.",
+                          sd.num_draft_tokens)
+            yield counter("spec_decode_num_accepted_tokens", "Drafted tokens the target accepted.",
+                          sd.num_accepted_tokens)
+            yield counter("spec_decode_num_emitted_tokens", "Tokens produced by verifying passes "
+                          "(accepted drafts plus one per pass).", sd.num_emitted_tokens)
+            yield gauge("spec_decode_draft_acceptance_rate", "Accepted / drafted tokens since start.",
+                        sd.acceptance_rate)
+            yield gauge("spec_decode_mean_tokens_per_pass", "Tokens per target pass of a verifying sequence.",
+                        sd.mean_tokens_per_pass)
+            per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                          "Drafted tokens accepted, by draft position.",
+                                          labels=["model_name", "position"])
+            for j, count in enumerate(sd.accepted_per_position):
+                per_pos.add_metric([name, str(j)], count)
+            yield per_pos
         success = CounterMetricFamily(PREFIX + "request_success", "Finished requests by finish reason.",
                                       labels=["model_name", "finished_reason"])
         reasons = dict.fromkeys(FINISH_REASONS, 0)

@@ -177,7 +177,11 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
 
     toks: list[int] = []
     for it in items:
-        toks += it.seq.token_ids[it.start:it.start + it.num_new_tokens]
+        if it.draft_token_ids:  # speculative: the last token, then the drafts to verify
+            toks += it.seq.token_ids[it.start:it.start + it.num_new_tokens - len(it.draft_token_ids)]
+            toks += it.draft_token_ids
+        else:
+            toks += it.seq.token_ids[it.start:it.start + it.num_new_tokens]
     v["tokens"][:total] = toks
     cu = np.cumsum(n_new)
     v["cu_q_lens"][1:n + 1] = cu
@@ -214,13 +218,15 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
         if req.params.logprobs is not None:
             want_logprobs = True
         tok_index = seq.num_output_tokens
+        nd = len(it.draft_token_ids)  # with drafts: one row per verified position, in order
         for s in it.sample_indices:
-            li[row] = cu[i] - 1
-            temp[row], tk[row], top_p[row], min_p[row] = t, k, p, m
-            kd[row, 0], kd[row, 1] = hi, lo
-            si[row], ti[row] = s, tok_index
-            sample_rows.append((seq, s))
-            row += 1
+            for j in range(nd + 1):
+                li[row] = cu[i] - 1 - nd + j
+                temp[row], tk[row], top_p[row], min_p[row] = t, k, p, m
+                kd[row, 0], kd[row, 1] = hi, lo
+                si[row], ti[row] = s, tok_index + j
+                sample_rows.append((seq, s))
+                row += 1
     for i, it in enumerate(items):
         if it.prompt_logprob_end > it.prompt_logprob_start:
             want_logprobs = True

@@ -87,6 +87,11 @@ class LLM:
     already quantized and loads as it is); `kv_cache_dtype` ("auto", "int8",
     "fp8", or a float dtype) sets how the KV pool stores K and V. See
     `model.quant` and docs/quantization.md.
+
+    `speculative_method="draft"|"ngram"` with `num_speculative_tokens=k` turns
+    on speculative decoding (see `serving.spec_decode`); `speculative_draft=(config,
+    params)` is an in-memory draft model, `speculative_model` a draft checkpoint
+    directory.
     """
 
     def __init__(self, checkpoint: Optional[str] = None, *, max_num_seqs: int = 64,
@@ -96,7 +101,7 @@ class LLM:
                  max_model_len: Optional[int] = None, seed: int = 0,
                  config=None, params=None, tokenizer=None, warmup: bool = False,
                  compilation_cache_dir: Optional[str] = None, weight_dtype: str = "auto",
-                 kv_cache_dtype: str = "auto", **engine_kwargs):
+                 kv_cache_dtype: str = "auto", speculative_draft=None, **engine_kwargs):
         t0 = time.perf_counter()
         check_weight_dtype(weight_dtype)  # before any loading: a typo costs nothing
         check_kv_cache_dtype(kv_cache_dtype)
@@ -132,7 +137,7 @@ class LLM:
                                      enable_prefix_caching=enable_prefix_caching,
                                      attention_backend=attention_backend, max_model_len=max_model_len, seed=seed,
                                      weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype, **engine_kwargs)
-        self.engine = Engine(config, params, tokenizer, engine_config, layout=layout)
+        self.engine = Engine(config, params, tokenizer, engine_config, layout=layout, draft=speculative_draft)
         self.config = self.engine.cfg  # with weight_dtype set when the engine quantized the weights
         self.load_seconds = time.perf_counter() - t0
         log.info("loaded in %.1f s (persistent compilation cache: %s)", self.load_seconds,

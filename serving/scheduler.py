@@ -53,10 +53,12 @@ class ScheduledSeq:
     sample_indices: tuple  # samples drawn from this step's last row ((), (i,), or range(n) at a fork)
     prompt_logprob_start: int = 0  # prompt positions [start, end) get a logprob row
     prompt_logprob_end: int = 0
+    draft_token_ids: tuple = ()  # speculative drafts run after the last token (one more row each)
 
     @property
     def num_rows(self) -> int:
-        return len(self.sample_indices) + self.prompt_logprob_end - self.prompt_logprob_start
+        return (len(self.sample_indices) + len(self.draft_token_ids) + self.prompt_logprob_end
+                - self.prompt_logprob_start)
 
 
 @dataclasses.dataclass
@@ -82,6 +84,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        # Speculative drafts for the next step, {seq_id: token ids}; a decode
+        # runs them after its last token (see serving/spec_decode).
+        self.drafts: dict[int, list[int]] = {}
 
     # --- queue management ----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -114,6 +119,10 @@ class Scheduler:
         """How many of `seq`'s tokens to run this step (None: none fit)."""
         remaining = seq.num_tokens - start
         if remaining == 1 and seq.num_seats == 1:  # a decode (the caller guarantees budget and a row)
+            drafts = self.drafts.get(seq.seq_id)
+            if drafts:
+                drafts = tuple(drafts[:min(budget, rows_left) - 1])
+                return ScheduledSeq(seq, start, 1 + len(drafts), (seq.sample_index,), draft_token_ids=drafts)
             return ScheduledSeq(seq, start, 1, (seq.sample_index,))
         n = min(remaining, budget)
         plp_done = plp_last = 0
@@ -229,9 +238,9 @@ class Scheduler:
         for item in out.scheduled:
             seq = item.seq
             first_row = row
-            row += len(item.sample_indices)
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # finished (aborted) while the step ran
+            row += len(item.sample_indices) + len(item.draft_token_ids)
+            if seq.status is not SequenceStatus.RUNNING or item.draft_token_ids:
+                continue  # finished (aborted) while the step ran; or verified drafts (spec_decode's job)
             seq.num_computed_tokens = item.start + item.num_new_tokens
             self.bm.register_full_blocks(seq)
             if not item.sample_indices:

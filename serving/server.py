@@ -75,6 +75,11 @@ def define_flags() -> None:
                         "$RIDGELINE_COMPILATION_CACHE_DIR, else ~/.cache/ridgeline/jax.")
     flags.DEFINE_string("profile_dir", None, "Directory for /start_profile and /stop_profile traces "
                                              "(unset: those routes answer 400).")
+    flags.DEFINE_enum("speculative_method", None, ["draft", "ngram"],
+                      "Speculative decoding: a draft model or prompt lookup (unset: off).")
+    flags.DEFINE_integer("num_speculative_tokens", 0, "Drafted tokens verified per step (with --speculative_method).")
+    flags.DEFINE_string("speculative_model", None, "Draft model checkpoint directory for --speculative_method=draft "
+                                                   "(default: the embedded draft model).")
     flags.DEFINE_enum("log_level", "info", ["debug", "info", "warning", "error"], "Log level of the server.")
     flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0's coordination service "
                                                      "(default: $RIDGELINE_COORDINATOR_ADDRESS, else detected).")
@@ -256,7 +261,9 @@ def make_llm_from_flags():
                tensor_parallel_size=FLAGS.tensor_parallel_size, pipeline_parallel_size=FLAGS.pipeline_parallel_size,
                num_microbatches=FLAGS.num_microbatches, seed=FLAGS.seed,
                min_token_bucket=FLAGS.min_token_bucket, compilation_cache_dir=FLAGS.compilation_cache_dir,
-               weight_dtype=FLAGS.weight_dtype, kv_cache_dtype=FLAGS.kv_cache_dtype, warmup=True)
+               weight_dtype=FLAGS.weight_dtype, kv_cache_dtype=FLAGS.kv_cache_dtype,
+               speculative_method=FLAGS.speculative_method, num_speculative_tokens=FLAGS.num_speculative_tokens,
+               speculative_model=FLAGS.speculative_model, warmup=True)
 
 
 def _peak_from_flags():

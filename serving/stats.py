@@ -63,6 +63,7 @@ class EngineStats:
     generation_tokens: int
     finished_by_reason: dict
     num_steps: int
+    spec_decode: Optional[object] = None  # spec_decode.SpecStats when speculation is on
 
     @property
     def kv_cache_usage(self) -> float:

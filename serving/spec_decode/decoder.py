@@ -1,0 +1,200 @@
+"""Speculative decoding in the engine: propose, verify in the ragged step, keep what was accepted.
+
+Per engine step, with speculation on:
+
+1. `propose()` (before scheduling) asks the proposer for up to k drafts for
+   every running sequence that decodes next; they go to `scheduler.drafts`.
+   A sequence is never given more drafts than its `max_tokens` and the
+   context window leave room for.
+2. The scheduler gives such a decode 1 + k query tokens (the last token and
+   the drafts) under the one token budget, and KV slots for all of them;
+   `pack_step` gives it k + 1 logit rows.
+3. `execute()` runs the verification step (`verify_step`): the target's
+   forward over the whole ragged batch, then acceptance on device; only the
+   emitted ids come back.
+4. `verified_tokens()` rolls each verified sequence back to what was
+   accepted (`num_computed_tokens`, pages past it released) and yields the
+   accepted tokens one at a time, so a stop condition met mid-way ends the
+   sequence there and drops the rest.
+
+Sequences without drafts run through the same step as plain rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import jax
+import numpy as np
+
+from serving.model_runner import StepResult, _copy_jit
+from serving.sequence import SequenceStatus
+from serving.spec_decode import draft_model
+from serving.spec_decode.ngram import NgramProposer
+from serving.spec_decode.options import check_options, default_draft_dir
+from serving.spec_decode.verify_step import empty_row_fields, verify_step_jit
+
+@dataclasses.dataclass
+class SpecStats:
+    """Cumulative counters (vLLM's names): verifications, drafted and accepted tokens."""
+
+    num_drafts: int = 0  # sequence-steps that verified at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0  # tokens the verifying passes produced (accepted + one each)
+    accepted_per_position: list = dataclasses.field(default_factory=list)  # [j]: drafts accepted at position j
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_tokens_per_pass(self) -> float:
+        """Tokens per target pass of a verifying sequence (1 would be no speculation)."""
+        return self.num_emitted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class SpecDecoder:
+    def __init__(self, engine, method: str, k: int, draft=None, draft_dir=None):
+        check_options(method, k)
+        if getattr(engine.runner, "layout", None) is not None:
+            raise ValueError("speculative decoding is not supported with tensor parallelism "
+                             "(tensor_parallel_size > 1) yet")
+        self.engine = engine
+        self.method = method
+        self.k = k
+        self.stats = SpecStats(accepted_per_position=[0] * k)
+        cfg = engine.cfg
+        if method == "ngram":
+            self.proposer = NgramProposer(k)
+        else:
+            if draft is None:
+                from model.checkpoint import load_checkpoint, load_config
+
+                directory = draft_dir or default_draft_dir()
+                if not os.path.isdir(directory):
+                    raise FileNotFoundError(f"no draft model checkpoint at {directory}")
+                dcfg, dparams = load_checkpoint(directory, None, load_config(directory))
+            else:
+                dcfg, dparams = draft
+            if dcfg.vocab_size != cfg.vocab_size:
+                raise ValueError(f"the draft model's vocabulary ({dcfg.vocab_size}) differs from the target's "
+                                 f"({cfg.vocab_size}); they must share the tokenizer")
+            self.proposer = draft_model.DraftModelProposer(
+                dcfg, dparams, num_speculative_tokens=k, num_pages=engine.num_pages,
+                page_size=engine.config.page_size, buckets=engine.buckets, max_num_seqs=engine.config.max_num_seqs,
+                backend=engine.runner.backend)
+
+    # --- 1. propose --------------------------------------------------------------------------
+    def propose(self) -> None:
+        eng = self.engine
+        sch = eng.scheduler
+        running = [s for s in sch.running if s.status is SequenceStatus.RUNNING]
+        self.proposer.forget(s.seq_id for s in running)
+        feeds = []
+        for seq in running:
+            if seq.num_tokens - seq.num_computed_tokens == 1 and seq.num_seats == 1:
+                room = min(seq.params.max_tokens - seq.num_output_tokens, eng.max_model_len - seq.num_tokens) - 1
+                feeds.append((seq, seq.num_tokens, max(0, min(self.k, room))))
+            else:  # prefilling: the draft model can follow the computed prompt chunks
+                feeds.append((seq, seq.num_computed_tokens, 0))
+        if self.method == "ngram":
+            feeds = [(seq, limit) for seq, _, limit in feeds if limit > 0]
+        sch.drafts, _ = self.proposer.propose(feeds)
+
+    # --- 3. verify ---------------------------------------------------------------------------
+    def row_fields(self, out, S: int) -> np.ndarray:
+        buf = empty_row_fields(S)
+        draft_tok, group, q_index = buf[:S], buf[S:2 * S], buf[2 * S:]
+        q_base = getattr(self.proposer, "q_base", None)
+        row = 0
+        for it in out.scheduled:
+            nd = len(it.draft_token_ids)
+            if nd:
+                draft_tok[row:row + nd] = it.draft_token_ids
+                group[row:row + nd + 1] = row
+                if q_base is not None:
+                    base = q_base[it.seq.seq_id]
+                    q_index[row:row + nd] = np.arange(base, base + nd)
+            row += len(it.sample_indices) + nd
+        return buf
+
+    def execute(self, batch, out) -> StepResult:
+        runner = self.engine.runner
+        shape = batch.shape
+        rbuf = self.row_fields(out, shape.S)
+        runner.cache, ids, lp = verify_step_jit(runner.params, runner.cache, batch.ibuf, batch.fbuf, rbuf,
+                                                self.proposer.draft_probs, cfg=runner.cfg, backend=runner.backend,
+                                                shape=shape)
+        if batch.want_logprobs:
+            return StepResult(np.asarray(ids), tuple(np.asarray(x) for x in lp))
+        return StepResult(np.asarray(ids))
+
+    # --- 4. keep what was accepted -----------------------------------------------------------
+    def verified_tokens(self, out, ids):
+        """Yields (sequence, token, row) for verified sequences, appending each token just before."""
+        bm = self.engine.block_manager
+        st = self.stats
+        row = 0
+        for it in out.scheduled:
+            first, nd = row, len(it.draft_token_ids)
+            row += len(it.sample_indices) + nd
+            seq = it.seq
+            if not nd or seq.status is not SequenceStatus.RUNNING:
+                continue
+            accepted = []
+            for t in ids[first:first + nd + 1]:
+                if t < 0:
+                    break
+                accepted.append(int(t))
+            a = len(accepted) - 1
+            st.num_drafts += 1
+            st.num_draft_tokens += nd
+            st.num_accepted_tokens += a
+            st.num_emitted_tokens += len(accepted)
+            for j in range(a):
+                st.accepted_per_position[j] += 1
+            # K/V is valid for the last token and the accepted drafts; the rest is rolled back.
+            seq.num_computed_tokens = it.start + len(accepted)
+            bm.trim(seq, seq.num_computed_tokens)
+            for j, tok in enumerate(accepted):
+                seq.token_ids.append(tok)
+                yield seq, tok, first + j
+                if seq.status is not SequenceStatus.RUNNING:
+                    break  # a stop condition: the remaining accepted tokens are dropped
+            else:
+                bm.register_full_blocks(seq)
+
+    def after_step(self) -> None:
+        """Frees the proposer's state of sequences that finished this step (so an idle engine holds nothing)."""
+        self.proposer.forget(s.seq_id for s in self.engine.scheduler.running)
+
+    # --- warm-up -----------------------------------------------------------------------------
+    def warm_up(self) -> dict:
+        """Compiles every verification shape, the page copies and the proposer's shapes."""
+        runner = self.engine.runner
+        t0 = time.perf_counter()
+        before = compilation_count()
+        pad = runner.num_pages * runner.page_size
+        shapes = runner.buckets.all_shapes()
+        from serving.input_batch import StepShape
+
+        for T, S, P in shapes:
+            shape = StepShape(T, S, P)
+            ibuf, fbuf, _ = shape.empty(pad)
+            runner.cache, _, _ = verify_step_jit(runner.params, runner.cache, ibuf, fbuf, empty_row_fields(S),
+                                                 self.proposer.draft_probs, cfg=runner.cfg, backend=runner.backend,
+                                                 shape=shape)
+        for size in runner.copy_sizes:
+            runner.cache = _copy_jit(runner.cache, np.zeros(size, np.int32), np.full(size, runner.num_pages, np.int32))
+        drafted = self.proposer.warm_up()
+        jax.block_until_ready(runner.cache)
+        return {"seconds": time.perf_counter() - t0, "compiled": compilation_count() - before,
+                "shapes": len(shapes) + len(runner.copy_sizes) + drafted["shapes"]}
+
+
+def compilation_count() -> int:
+    """Executables compiled so far for verification, page copies and drafting (all engines)."""
+    return verify_step_jit._cache_size() + _copy_jit._cache_size() + draft_model.compilation_count()

@@ -1,0 +1,68 @@
+"""The target model's step when speculation is on: forward, then verify drafts on device.
+
+Same padded inputs as `serving.model_runner`'s step (one int32 and one
+float32 buffer laid out by `StepShape`), plus one more int32 buffer of three
+`[S]` row fields (draft token, first row of the row's sequence, index of the
+row's draft distribution) and, for a draft model, its distributions
+`[max_seqs * k, vocab]` straight from the draft step's output on device.
+Rows without drafts are sampled exactly like the plain step, so with
+speculation on this one function serves every step and is the only one
+compiled.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model.cache import BatchMetadata
+from model.forward import forward
+from model.config import LlamaConfig
+from serving.input_batch import StepShape
+from serving.sampler import SamplingInputs, _logprobs, num_top_logprobs, LogprobsOutput
+from serving.spec_decode.rejection_sampler import verify
+
+NUM_ROW_FIELDS = 3  # draft_token, group_start, q_index
+
+
+def empty_row_fields(S: int) -> np.ndarray:
+    """Row fields meaning "no drafts": every row its own group."""
+    buf = np.empty(NUM_ROW_FIELDS * S, np.int32)
+    buf[:S] = -1
+    buf[S:2 * S] = np.arange(S)
+    buf[2 * S:] = -1
+    return buf
+
+
+def _verify_step(params, cache, ibuf, fbuf, rbuf, draft_probs, *, cfg: LlamaConfig, backend: str,
+                 shape: StepShape):
+    # The unpacking mirrors model_runner._step; only the sampling differs.
+    v = shape.split(ibuf, fbuf)
+    md = BatchMetadata(positions=v["positions"], slot_mapping=v["slots"], cu_q_lens=v["cu_q_lens"],
+                       kv_lens=v["kv_lens"], block_tables=v["block_tables"], num_seqs=v["num_seqs"][0],
+                       logits_indices=v["logits_indices"])
+    logits, cache = forward(params, cache, v["tokens"], md, cfg, backend, None)
+    flags = v["flags"]
+    s = SamplingInputs(
+        temperature=v["temperature"], top_k=v["top_k"], top_p=v["top_p"], min_p=v["min_p"],
+        key_data=jax.lax.bitcast_convert_type(v["key_data"], jnp.uint32),
+        sample_index=v["sample_index"], token_index=v["token_index"], target=v["target"],
+        any_random=flags[0] != 0, any_filter=flags[1] != 0, want_logprobs=flags[2] != 0,
+    )
+    S = shape.S
+    draft_tokens, group_start, q_index = rbuf[:S], rbuf[S:2 * S], rbuf[2 * S:]
+    q_rows = None
+    if draft_probs is not None:
+        point = jax.nn.one_hot(jnp.maximum(draft_tokens, 0), logits.shape[-1], dtype=jnp.float32)
+        gathered = draft_probs[jnp.clip(q_index, 0, draft_probs.shape[0] - 1)]
+        q_rows = jnp.where((q_index >= 0)[:, None], gathered, point)
+    ids = verify(logits, s, draft_tokens, group_start, q_rows)
+    r, k = logits.shape[0], num_top_logprobs(logits.shape[-1])
+    empty = LogprobsOutput(jnp.zeros((r,), jnp.float32), jnp.zeros((r,), jnp.int32),
+                           jnp.zeros((r, k), jnp.int32), jnp.zeros((r, k), jnp.float32))
+    lp = jax.lax.cond(s.want_logprobs, lambda: _logprobs(logits, jnp.maximum(ids, 0), s.target), lambda: empty)
+    return cache, ids, lp
+
+
+verify_step_jit = jax.jit(_verify_step, static_argnames=("cfg", "backend", "shape"), donate_argnums=(1,))
