@@ -18,6 +18,7 @@ from serving.sampling_params import InvalidParameterError
 
 CFG = tiny_config()
 COMMON = dict(max_model_len=64, min_token_bucket=8, min_context_bucket=16, attention_backend="reference")
+PREFILL = dict(page_size=8, num_pages=32, max_num_seqs=4, max_num_batched_tokens=16, **COMMON)  # shared shapes
 LENGTHS = [1, 3, 7, 8, 9, 16, 17, 30]
 
 
@@ -72,12 +73,10 @@ def submit_import(engine, rid, prompt, sp, payload: bytes):
 
 
 def test_export_import_equals_one_engine(params):
-    single = LLM(config=CFG, params=params, page_size=8, num_pages=64, max_num_seqs=8, max_num_batched_tokens=32,
-                 enable_prefix_caching=False, **COMMON)
+    single = LLM(config=CFG, params=params, enable_prefix_caching=False, **PREFILL)
     want = {rid: single.generate([p], sp)[0].outputs[0] for rid, p, sp in jobs()}
 
-    pre = LLM(config=CFG, params=params, page_size=8, num_pages=32, max_num_seqs=4, max_num_batched_tokens=16,
-              **COMMON).engine
+    pre = LLM(config=CFG, params=params, **PREFILL).engine
     dec = LLM(config=CFG, params=params, page_size=4, num_pages=64, max_num_seqs=3, max_num_batched_tokens=16,
               **COMMON).engine
     payloads = {rid: prefill(pre, rid, p, sp) for rid, p, sp in jobs()}
@@ -114,10 +113,8 @@ def test_export_import_equals_one_engine(params):
 
 
 def test_bad_payloads_are_refused_before_anything_is_queued(params):
-    dec = LLM(config=CFG, params=params, page_size=8, num_pages=16, max_num_seqs=2, max_num_batched_tokens=16,
-              **COMMON).engine
-    pre = LLM(config=CFG, params=params, page_size=8, num_pages=16, max_num_seqs=2, max_num_batched_tokens=16,
-              **COMMON).engine
+    dec = LLM(config=CFG, params=params, **PREFILL).engine
+    pre = LLM(config=CFG, params=params, **PREFILL).engine
     p = prompts()[3]
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     good = prefill(pre, "x", p, sp)
