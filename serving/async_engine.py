@@ -24,7 +24,7 @@ from typing import AsyncIterator, Optional
 
 from serving.engine import Engine, PromptType
 from serving.outputs import RequestOutput
-from serving.sampling_params import SamplingParams
+from serving.sampling_params import InvalidParameterError, SamplingParams
 from serving.stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -85,9 +85,13 @@ class AsyncEngine:
             raise EngineDeadError("the engine loop has stopped") from self._error
         req = self.engine.make_request(request_id, prompt, params)
         req.stream = True
-        if kv_import is not None:
-            from serving.kv_transfer import check_import
+        if kv_import is not None or kv_export is not None:
+            from serving.kv_transfer import check_import, unsupported_reason
 
+            reason = unsupported_reason(self.engine)
+            if reason:
+                raise InvalidParameterError("prompt", f"prompt: {reason}")
+        if kv_import is not None:
             check_import(req, kv_import)
             req.kv_import = kv_import
         if kv_export is not None:

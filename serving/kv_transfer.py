@@ -147,6 +147,17 @@ class KVImport:
             np.asarray(lp["top_logprobs"], np.float32)[None]))
 
 
+def unsupported_reason(engine) -> Optional[str]:
+    """Why `engine` cannot export or import KV, or None when it can."""
+    layout = getattr(engine.runner, "layout", None)
+    if layout is not None:
+        return ("KV transfer is implemented for single-device engines only (this one is sharded or pipelined: "
+                "its cache shardings would have to be restored after the scatter)")
+    if not isinstance(getattr(engine.runner, "cache", None), KVCache):
+        return "KV transfer needs a runner with a plain per-layer KVCache"
+    return None
+
+
 def check_import(req, imp: KVImport) -> None:
     """Raises InvalidParameterError unless `imp` can resume `req` (same prompt, one sample, logprobs shipped)."""
     from serving.sampling_params import InvalidParameterError
