@@ -190,6 +190,8 @@ class Engine:
             req = self.requests.pop(rid, None)
             if req is None:
                 continue
+            if req in self._pending_imports:
+                self._pending_imports.remove(req)
             for seq in req.seqs:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, "abort")

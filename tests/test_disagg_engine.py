@@ -137,3 +137,13 @@ def test_bad_payloads_are_refused_before_anything_is_queued(params):
     with pytest.raises(InvalidParameterError, match="payload carries none"):
         kt.check_import(dec.make_request("y", p, SamplingParams(max_tokens=4, logprobs=1)), imp)
     assert dec.block_manager.num_used_blocks == 0 and not dec.has_unfinished_requests()
+
+    # Aborted while waiting to be admitted, and after admission: nothing is held either way.
+    submit_import(dec, "a", p, sp, good)
+    dec.abort_request("a")
+    assert not dec.has_unfinished_requests() and not dec._pending_imports
+    submit_import(dec, "b", p, sp, good)
+    dec.step()
+    assert dec.block_manager.num_used_blocks == 2  # 9 tokens + the first output token, pages of 8
+    dec.abort_request("b")
+    assert dec.block_manager.num_used_blocks == 0 and not dec.has_unfinished_requests()
