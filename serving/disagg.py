@@ -196,8 +196,13 @@ def _route_handler(app: FastAPI, endpoint: str):
     raise P.APIError(f"this server has no {endpoint} route", status=404, param="endpoint")
 
 
-def _cache_dtype(engine):
-    return engine.runner.cache.k[0].dtype
+def _transfer_engine(ctx, kt):
+    """(the engine, its KV dtype), or a 400 saying why this worker cannot ship or receive KV."""
+    engine = ctx.engine.engine
+    reason = kt.unsupported_reason(engine)
+    if reason:
+        raise P.APIError(reason, param="endpoint", code="kv_transfer_unsupported")
+    return engine, engine.runner.cache.k[0].dtype
 
 
 def add_kv_transfer_routes(app: FastAPI, ctx) -> None:
@@ -216,7 +221,7 @@ def add_kv_transfer_routes(app: FastAPI, ctx) -> None:
         endpoint, body = data.get("endpoint"), data.get("body")
         kind, req = _parse(endpoint, body)
         ids, params = _first_token_request(ctx, kind, req)
-        engine = ctx.engine.engine
+        engine, dtype = _transfer_engine(ctx, kt)
         exports = []
         try:
             async for _ in ctx.engine.generate(ids, params, f"prefill-{uuid.uuid4().hex}",
@@ -228,7 +233,7 @@ def add_kv_transfer_routes(app: FastAPI, ctx) -> None:
             raise P.APIError("the prefill ended without a first token", status=500, type="server_error")
         exp = exports[0]
         host = await asyncio.to_thread(exp.host_kv)  # the one device -> host copy, off the event loop
-        head = kt.encode_header(exp, engine.cfg, _cache_dtype(engine),
+        head = kt.encode_header(exp, engine.cfg, dtype,
                                 {"endpoint": endpoint, "body": body, "model": ctx.model_name})
 
         async def chunks():
@@ -242,12 +247,12 @@ def add_kv_transfer_routes(app: FastAPI, ctx) -> None:
 
     @app.post("/internal/decode")
     async def internal_decode(request: Request):
-        engine = ctx.engine.engine
+        engine, dtype = _transfer_engine(ctx, kt)
         data = await request.body()
         t0 = time.perf_counter()
         try:
             header, body = kt.decode_payload(data)
-            imp = kt.to_import(header, body, engine.cfg, _cache_dtype(engine))
+            imp = kt.to_import(header, body, engine.cfg, dtype)
         except kt.PayloadError as e:
             raise P.APIError(f"bad KV payload: {e}", param="payload", code="invalid_kv_payload") from e
         if header.get("model") != ctx.model_name:

@@ -153,8 +153,12 @@ def unsupported_reason(engine) -> Optional[str]:
     if layout is not None:
         return ("KV transfer is implemented for single-device engines only (this one is sharded or pipelined: "
                 "its cache shardings would have to be restored after the scatter)")
-    if not isinstance(getattr(engine.runner, "cache", None), KVCache):
+    cache = getattr(engine.runner, "cache", None)
+    if not isinstance(cache, KVCache):
         return "KV transfer needs a runner with a plain per-layer KVCache"
+    if not all(isinstance(x, jax.Array) for x in list(cache.k) + list(cache.v)):
+        return ("KV transfer supports plain K/V pages only; this worker's KV cache is quantized (pages with "
+                "scales), which the payload does not carry yet")
     return None
 
 

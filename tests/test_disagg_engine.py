@@ -138,6 +138,14 @@ def test_bad_payloads_are_refused_before_anything_is_queued(params):
         kt.check_import(dec.make_request("y", p, SamplingParams(max_tokens=4, logprobs=1)), imp)
     assert dec.block_manager.num_used_blocks == 0 and not dec.has_unfinished_requests()
 
+    # Engines the payload cannot serve say why (a quantized cache: pages with scales; a sharded one).
+    assert kt.unsupported_reason(dec) is None
+    quantized = type("E", (), {"runner": type("R", (), {"layout": None, "cache": kt.KVCache(
+        k=[{"data": 0, "scale": 0}] * 2, v=[{"data": 0, "scale": 0}] * 2)})()})()
+    assert "quantized" in kt.unsupported_reason(quantized)
+    sharded = type("E", (), {"runner": type("R", (), {"layout": object(), "cache": dec.runner.cache})()})()
+    assert "single-device" in kt.unsupported_reason(sharded)
+
     # Aborted while waiting to be admitted, and after admission: nothing is held either way.
     submit_import(dec, "a", p, sp, good)
     dec.abort_request("a")
