@@ -91,6 +91,36 @@ def write_tokens(cache: KVCache, slots: np.ndarray, kv: np.ndarray) -> KVCache:
     return _write_jit(cache, padded_slots, padded)
 
 
+def compilation_count() -> int:
+    """Executables compiled so far for the page gather and the token scatter."""
+    return _gather_jit._cache_size() + _write_jit._cache_size()
+
+
+def warm_up(engine) -> int:
+    """Compiles the gather and the scatter for every size `engine` can ship or receive; returns how many
+    executables that compiled. Call before the engine loop starts (it writes nothing: every slot is padding)."""
+    before = compilation_count()
+    cache = engine.runner.cache
+    max_pages = -(-engine.max_model_len // cache.page_size)
+    pages = 1
+    while True:
+        gather_pages(cache, [0] * pages)
+        if pages >= max_pages:
+            break
+        pages *= 2
+    dtype = cache.k[0].dtype
+    shape = (len(cache.k), 2)
+    tokens = 16
+    while True:
+        slots = np.full(tokens, cache.num_pages * cache.page_size, np.int64)
+        cache = write_tokens(cache, slots, np.zeros(shape + (tokens,) + cache.k[0].shape[2:], dtype))
+        if tokens >= engine.max_model_len:
+            break
+        tokens *= 2
+    engine.runner.cache = cache
+    return compilation_count() - before
+
+
 def token_slots(table: list[int], page_size: int, start: int, stop: int) -> np.ndarray:
     pos = np.arange(start, stop)
     return np.asarray(table, np.int64)[pos // page_size] * page_size + pos % page_size

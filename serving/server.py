@@ -62,6 +62,8 @@ def define_flags() -> None:
                         "$RIDGELINE_COMPILATION_CACHE_DIR, else ~/.cache/ridgeline/jax.")
     flags.DEFINE_string("profile_dir", None, "Directory for /start_profile and /stop_profile traces "
                                              "(unset: those routes answer 400).")
+    flags.DEFINE_boolean("kv_transfer_warmup", False, "Also compile the KV export/import of disaggregated "
+                                                      "serving at startup (/internal/prefill, /internal/decode).")
     flags.DEFINE_enum("log_level", "info", ["debug", "info", "warning", "error"], "Log level of the server.")
 
 
@@ -232,6 +234,10 @@ def main(argv) -> None:
     llm = make_llm_from_flags()
     for line in describe_startup(llm):
         log.info("%s", line)
+    if FLAGS.kv_transfer_warmup:
+        from serving import kv_transfer
+
+        log.info("KV transfer warm-up: %d executables", kv_transfer.warm_up(llm.engine))
     fastapi_app, async_engine, _ = build_stack(llm, FLAGS.served_model_name, peak=_peak_from_flags(),
                                                metrics_window_s=FLAGS.metrics_window_s,
                                                num_devices=FLAGS.tensor_parallel_size * FLAGS.pipeline_parallel_size,

@@ -79,6 +79,8 @@ def test_export_import_equals_one_engine(params):
     pre = LLM(config=CFG, params=params, **PREFILL).engine
     dec = LLM(config=CFG, params=params, page_size=4, num_pages=64, max_num_seqs=3, max_num_batched_tokens=16,
               **COMMON).engine
+    assert kt.warm_up(pre) > 0 and kt.warm_up(dec) > 0
+    compiled = kt.compilation_count()
     payloads = {rid: prefill(pre, rid, p, sp) for rid, p, sp in jobs()}
     assert pre.block_manager.num_used_blocks == 0
     item = np.dtype(np.float32).itemsize
@@ -110,6 +112,7 @@ def test_export_import_equals_one_engine(params):
     assert dec.scheduler.prefix_hit_tokens - hits_before == 28  # 7 full pages of 4
     assert again.token_ids == want[rid].token_ids
     assert dec.block_manager.num_used_blocks == 0
+    assert kt.compilation_count() == compiled  # after warm-up, shipping compiled nothing
 
 
 def test_bad_payloads_are_refused_before_anything_is_queued(params):

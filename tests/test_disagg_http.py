@@ -27,7 +27,8 @@ def _start(port, log_path, cache_dir):
     env.pop("XLA_FLAGS", None)
     cmd = [sys.executable, "-m", "serving.server", f"--port={port}", f"--served_model_name={MODEL}",
            "--max_num_seqs=4", "--max_num_batched_tokens=16", "--min_token_bucket=16", "--max_model_len=64",
-           "--attention_backend=reference", f"--compilation_cache_dir={cache_dir}", "--log_level=warning"]
+           "--attention_backend=reference", f"--compilation_cache_dir={cache_dir}", "--log_level=warning",
+           "--kv_transfer_warmup"]
     with open(log_path, "w") as log:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
