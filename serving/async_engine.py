@@ -24,7 +24,7 @@ from typing import AsyncIterator, Optional
 
 from serving.engine import Engine, PromptType
 from serving.outputs import RequestOutput
-from serving.sampling_params import SamplingParams
+from serving.sampling_params import InvalidParameterError, SamplingParams
 from serving.stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -71,8 +71,12 @@ class AsyncEngine:
 
     # --- the caller side -------------------------------------------------------------------------
     async def generate(self, prompt: PromptType, params: Optional[SamplingParams] = None,
-                       request_id: str = "") -> AsyncIterator[RequestOutput]:
+                       request_id: str = "", *, kv_import=None, kv_export=None) -> AsyncIterator[RequestOutput]:
         """Yields cumulative outputs of one request until it finishes.
+
+        `kv_import` (a `kv_transfer.KVImport`) resumes the request from a shipped prefill instead of
+        computing its prompt; `kv_export(PrefillExport)` is called on the engine thread when its first
+        token is sampled (see `serving.kv_transfer`).
 
         Raises `InvalidParameterError` (bad prompt or parameter, nothing queued),
         `ValueError` (request id in use) or `EngineDeadError`.
@@ -81,6 +85,17 @@ class AsyncEngine:
             raise EngineDeadError("the engine loop has stopped") from self._error
         req = self.engine.make_request(request_id, prompt, params)
         req.stream = True
+        if kv_import is not None or kv_export is not None:
+            from serving.kv_transfer import check_import, unsupported_reason
+
+            reason = unsupported_reason(self.engine)
+            if reason:
+                raise InvalidParameterError("prompt", f"prompt: {reason}")
+        if kv_import is not None:
+            check_import(req, kv_import)
+            req.kv_import = kv_import
+        if kv_export is not None:
+            req.kv_export = kv_export
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:

@@ -33,7 +33,7 @@ from serving.model_runner import ModelRunner
 from serving.outputs import CompletionOutput, Logprob, RequestOutput
 from serving.sampling_params import InvalidParameterError, SamplingParams
 from serving.scheduler import Scheduler, SchedulerConfig
-from serving.sequence import Request, Sequence
+from serving.sequence import Request, Sequence, SequenceStatus
 from serving.spec_decode.options import check_options as check_spec_options, logit_rows as spec_logit_rows
 from serving.stats import EngineStats, FinishedRequestStats, IterationStats, StatsLog
 
@@ -142,6 +142,7 @@ class Engine:
         self._lock = threading.Lock()  # guards the seed generator (make_request may run on any thread)
         self._pending_finished: list[FinishedRequestStats] = []
         self._step_count = 0
+        self._pending_imports: list[Request] = []  # requests resuming a shipped prefill (serving.kv_transfer)
 
     # --- requests ------------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
@@ -200,6 +201,9 @@ class Engine:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
+        if getattr(req, "kv_import", None) is not None:  # its prompt's K/V arrives with it
+            self._pending_imports.append(req)
+            return
         self.scheduler.add(req.seqs[0])
 
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
@@ -217,6 +221,8 @@ class Engine:
             req = self.requests.pop(rid, None)
             if req is None:
                 continue
+            if req in self._pending_imports:
+                self._pending_imports.remove(req)
             for seq in req.seqs:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, "abort")
@@ -230,11 +236,12 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Runs one scheduled batch; returns outputs of finished requests and of streaming ones that progressed."""
         t0 = time.perf_counter()
+        imported = self._admit_imports() if self._pending_imports else None
         if self.spec is not None:
             self.spec.propose()
         out = self.scheduler.schedule()
         now = time.monotonic()
-        touched: dict[str, Request] = {}
+        touched: dict[str, Request] = dict(imported[0]) if imported else {}
         for seq in out.errored:
             req = seq.request
             req.error = (f"request {req.request_id} can never be scheduled: {seq.num_tokens} tokens need more than "
@@ -270,6 +277,9 @@ class Engine:
                 self._on_token(seq, tok, row, result, now, it)
                 touched[seq.request.request_id] = seq.request
                 it.num_generation_tokens += 1
+        if imported:
+            it.num_generation_tokens += len(imported[0])
+            it.time_to_first_tokens.extend(imported[1].time_to_first_tokens)
         outputs = []
         for req in touched.values():
             finished = req.is_finished
@@ -300,6 +310,8 @@ class Engine:
     def _on_token(self, seq: Sequence, tok: int, row: int, result, now: float, it: IterationStats) -> None:
         req = seq.request
         p = req.params
+        if getattr(req, "kv_export", None) is not None and seq.num_output_tokens == 1:
+            req.kv_export(self.export_prompt_kv(seq, tok, result, row))  # before a finish frees the pages
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
             it.time_to_first_tokens.append(now - req.metrics.arrival_time)
@@ -354,6 +366,72 @@ class Engine:
         for j in range(p1 - p0):
             target = req.prompt_token_ids[p0 + j + 1]
             req.prompt_logprobs.append(self._logprob_entry(result, row + j, target, k))
+
+    # --- shipping a prefill's KV between engines (serving.kv_transfer) ---------------------------
+    def export_prompt_kv(self, seq: Sequence, first_token: int, result, row: int):
+        """The prompt's K/V pages (gathered on device, not yet copied) and its first sampled token."""
+        from serving import kv_transfer
+
+        table = self.block_manager.table(seq)[:self.block_manager.blocks_needed(seq.num_prompt_tokens)]
+        lp = None
+        if result.chosen_logprob is not None:
+            lp = {"chosen_logprob": float(result.chosen_logprob[row]), "rank": int(result.rank[row]),
+                  "top_ids": [int(x) for x in result.top_ids[row]],
+                  "top_logprobs": [float(x) for x in result.top_logprobs[row]]}
+        return kv_transfer.PrefillExport(list(seq.request.prompt_token_ids), int(first_token), seq.request.seed,
+                                         self.config.page_size, kv_transfer.gather_pages(self.runner.cache, table),
+                                         lp)
+
+    def _admit_imports(self):
+        """Resumes pending imported requests: their first token now, their K/V once seats and pages allow.
+
+        Returns ({request id: request} that produced output, stats of those first tokens).
+        """
+        from serving import kv_transfer
+
+        touched, it = {}, IterationStats(0, 0, 0, 0, 0, 0, 0.0, 0.0, 0)
+        now = time.monotonic()
+        while self._pending_imports:
+            req = self._pending_imports[0]
+            seq, imp = req.seqs[0], req.kv_import
+            if not seq.is_finished and seq.num_output_tokens == 0:  # the shipped first token, as if sampled here
+                if req.params.seed is None:
+                    req.seed = imp.seed
+                    req.sampling_row = sampling_row(req)
+                seq.token_ids.append(imp.first_token)
+                req.metrics.first_scheduled_time = now
+                self._on_token(seq, imp.first_token, 0, imp.step_result(req.params.logprobs), now, it)
+                touched[req.request_id] = req
+            if seq.is_finished:  # finished on its first token, or aborted while pending
+                self._pending_imports.pop(0)
+                continue
+            if self.scheduler.num_seats_running + 1 > self.config.max_num_seqs:
+                break
+            n = seq.num_prompt_tokens
+            hits = self.block_manager.lookup_prefix(seq)
+            start = len(hits) * self.config.page_size
+            if self.block_manager.allocate(seq, n - start, hits) is None:
+                if self.scheduler.running:
+                    break  # wait for pages to free up
+                req.error = f"request {req.request_id}: {n} imported tokens need more than the whole KV pool"
+                self.scheduler.finish(seq, "error")
+                touched[req.request_id] = req
+                self._pending_imports.pop(0)
+                continue
+            table = self.block_manager.table(seq)
+            if start < n:
+                slots = kv_transfer.token_slots(table, self.config.page_size, start, n)
+                self.runner.cache = kv_transfer.write_tokens(self.runner.cache, slots, imp.kv[:, :, start:n])
+            seq.num_computed_tokens = n
+            seq.num_cached_tokens = start
+            self.block_manager.register_full_blocks(seq)
+            self.scheduler.prefix_queried_tokens += n
+            self.scheduler.prefix_hit_tokens += start
+            seq.status = SequenceStatus.RUNNING
+            self.scheduler.running.append(seq)
+            req.kv_import = None  # the host copy is no longer needed
+            self._pending_imports.pop(0)
+        return touched, it
 
     # --- outputs and stats ---------------------------------------------------------------------
     def make_output(self, req: Request) -> RequestOutput:

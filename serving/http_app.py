@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from model.tokenizer import ByteTokenizer
 from serving import http_protocol as P
+from serving import kv_transfer
 from serving.chat_template import ChatTemplateError, encode_chat
 from serving.profiling import TraceControl
 from serving.async_engine import EngineDeadError
@@ -156,7 +157,7 @@ class ServingContext:
 
         async def pump(i: int):
             try:
-                async for out in self.engine.generate(prompts[i], params, ids[i]):
+                async for out in self.engine.generate(prompts[i], params, ids[i], **kv_transfer.engine_kwargs()):
                     queue.put_nowait((i, out))
             except InvalidParameterError as e:
                 queue.put_nowait((i, self.api_error(e, kind)))
@@ -451,6 +452,9 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
         usage = _usage(len(ids), sum(len(o.token_ids) for o in out.outputs))
         return P.ChatCompletionResponse(id=base_id, model=model_name, choices=choices, usage=usage)
 
+    from serving.disagg import add_kv_transfer_routes
+
+    add_kv_transfer_routes(app, ctx)  # /internal/prefill and /internal/decode (disaggregated serving)
     return app
 
 

@@ -80,6 +80,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("num_speculative_tokens", 0, "Drafted tokens verified per step (with --speculative_method).")
     flags.DEFINE_string("speculative_model", None, "Draft model checkpoint directory for --speculative_method=draft "
                                                    "(default: the embedded draft model).")
+    flags.DEFINE_boolean("kv_transfer_warmup", False, "Also compile the KV export/import of disaggregated "
+                                                      "serving at startup (/internal/prefill, /internal/decode).")
     flags.DEFINE_enum("log_level", "info", ["debug", "info", "warning", "error"], "Log level of the server.")
     flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0's coordination service "
                                                      "(default: $RIDGELINE_COORDINATOR_ADDRESS, else detected).")
@@ -300,6 +302,10 @@ def main(argv) -> None:
         log.info("%s", line)
     if llm.multihost is not None and not llm.multihost.is_leader:
         sys.exit(llm.multihost.serve())  # process 0 serves HTTP; this one replays its device calls
+    if FLAGS.kv_transfer_warmup:
+        from serving import kv_transfer
+
+        log.info("KV transfer warm-up: %d executables", kv_transfer.warm_up(llm.engine))
     fastapi_app, async_engine, _ = build_stack(llm, FLAGS.served_model_name, peak=_peak_from_flags(),
                                                metrics_window_s=FLAGS.metrics_window_s,
                                                num_devices=FLAGS.tensor_parallel_size * FLAGS.pipeline_parallel_size,

@@ -1,0 +1,275 @@
+"""Disaggregated prefill/decode: a prompt is prefilled on one server and decoded on another.
+
+Contract (what a router relies on)
+----------------------------------
+Both roles are ordinary `python -m serving.server` processes; every server
+mounts two internal routes next to the OpenAI API (`serving.http_app`), so any
+worker can act as a prefill worker, a decode worker, or serve whole requests.
+
+`POST /internal/prefill`, JSON `{"endpoint": "/v1/completions" | "/v1/chat/completions", "body": <the client's
+OpenAI request>}`. The worker tokenizes the request as the endpoint would,
+runs the prompt and samples the first token with the request's own sampling
+parameters and seed (max_tokens is forced to 1 here; the client's value is
+still checked against the context window). The answer is a binary KV payload
+(`application/x-ridgeline-kv`), streamed:
+
+    b"RKV1" | uint32 little-endian header length | header JSON (utf-8) | raw array bytes
+
+The header holds `version`, `endpoint` and `body` (echoed, so the payload
+alone is enough for the decode worker), `model` (served name), `num_layers`,
+`num_kv_heads`, `head_dim`, `dtype`, `page_size` (of the prefill worker; the
+receiver may use another), `num_tokens` (= prompt length), `prompt_token_ids`,
+`first_token`, `seed` (the effective sampling seed), `logprobs` (the first
+token's chosen logprob, rank, top ids and top logprobs, or null) and
+`arrays`: the per-layer arrays, e.g. `[{"name": "k", "shape": [num_tokens,
+kv_heads, head_dim]}, {"name": "v", ...}]`. The body is, for each layer in
+order, each listed array's C-order bytes, so for plain K/V it is one
+`[layers, 2, num_tokens, kv_heads, head_dim]` array. Quantized caches add
+arrays (e.g. `k_scale`, `v_scale`) to the list without changing the framing;
+a worker refuses arrays it does not know with a 400. Response headers:
+`x-ridgeline-kv-bytes` (body bytes after the header) and
+`x-ridgeline-prefill-seconds`.
+
+`POST /internal/decode`, body = that payload, unchanged. The worker checks it
+(framing, sizes, model geometry and dtype against its own cache, the prompt
+the body tokenizes to against `prompt_token_ids`), then serves the echoed
+`endpoint`/`body` exactly as it would serve the request itself (the same
+handler, so JSON or SSE streaming with the same shape), except that the
+prompt's K/V comes from the payload: blocks are allocated through the block
+manager (cached prefix blocks are reused, the rest written by one jitted
+scatter into the donated cache), full blocks are registered in the prefix
+cache so later turns hit, and generation continues from the shipped first
+token. Bad payloads or mismatched models get an OpenAI-style error with a
+4xx status and hold no blocks. Only single-prompt requests with n == 1,
+without echo or prompt logprobs, can be disaggregated (400 otherwise).
+
+`run_disaggregated(client, prefill_url, decode_url, endpoint, body)` is the
+router's side: it pipes the prefill worker's payload into the decode request
+as it arrives (no full buffering in the router) and returns the decode
+worker's streaming `httpx.Response` (the caller reads or relays it and closes
+it) and a `KVTransferRecord` (bytes, tokens and seconds).
+
+Transport and overlap
+---------------------
+The workers are independent single-process JAX programs, so JAX's
+cross-process transfers (which need one distributed runtime) do not apply:
+KV is staged through host memory and sent over HTTP. On the prefill worker
+the request's pages are gathered on device by one jitted gather and copied
+to host once, off the engine thread; the payload is streamed layer by layer,
+and the router forwards each chunk to the decode worker as it arrives, so the
+two hops overlap. Chunked prefill of a long prompt does not ship pages early
+(the export happens when the first token is sampled); see docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+
+import httpx
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from serving import http_protocol as P
+from serving.sampling_params import InvalidParameterError
+
+PAYLOAD_MEDIA_TYPE = "application/x-ridgeline-kv"
+ENDPOINTS = {"/v1/completions": ("completions", P.CompletionRequest),
+             "/v1/chat/completions": ("chat", P.ChatCompletionRequest)}
+
+
+# --- the router's side -------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class KVTransferRecord:
+    """What shipping one request's KV cost (seconds on the caller's clock)."""
+
+    kv_bytes: int = 0  # K/V bytes in the payload (the header not counted)
+    payload_bytes: int = 0  # everything forwarded to the decode worker
+    num_tokens: int = 0  # prompt tokens whose K/V was shipped
+    prefill_seconds: float = 0.0  # request sent -> prefill worker's payload begins (prefill + first token + copy)
+    transfer_seconds: float = 0.0  # payload begins -> its last byte was handed to the decode worker
+    decode_start_seconds: float = 0.0  # payload begins -> decode worker's response headers
+    status: int = 200  # the status of the response returned (a prefill error is returned as is)
+
+    @property
+    def transfer_seconds_per_token(self) -> float:
+        return self.transfer_seconds / self.num_tokens if self.num_tokens else 0.0
+
+
+async def run_disaggregated(client: httpx.AsyncClient, prefill_url: str, decode_url: str, endpoint: str,
+                            body: dict) -> tuple[httpx.Response, KVTransferRecord]:
+    """Prefills `body` on `prefill_url`, ships its KV to `decode_url`, returns (the decode response, record).
+
+    The response is opened with `stream=True`: read it (`aread`, `aiter_lines`) or relay it, then
+    `aclose()` it. If the prefill worker refuses the request (a 4xx for a bad client request, a 5xx),
+    its response is returned instead, already read, and nothing is sent to the decode worker.
+    """
+    rec = KVTransferRecord()
+    t0 = time.perf_counter()
+    pre = await client.send(client.build_request("POST", prefill_url.rstrip("/") + "/internal/prefill",
+                                                 json={"endpoint": endpoint, "body": body}), stream=True)
+    t1 = time.perf_counter()
+    rec.prefill_seconds = t1 - t0
+    if pre.status_code != 200:
+        await pre.aread()
+        await pre.aclose()
+        rec.status = pre.status_code
+        return pre, rec
+    rec.kv_bytes = int(pre.headers.get("x-ridgeline-kv-bytes", 0))
+    rec.num_tokens = int(pre.headers.get("x-ridgeline-kv-tokens", 0))
+
+    async def payload():
+        try:
+            async for chunk in pre.aiter_raw():
+                rec.payload_bytes += len(chunk)
+                yield chunk
+        finally:
+            await pre.aclose()
+            rec.transfer_seconds = time.perf_counter() - t1
+
+    dec = await client.send(client.build_request("POST", decode_url.rstrip("/") + "/internal/decode",
+                                                 content=payload(), headers={"content-type": PAYLOAD_MEDIA_TYPE}),
+                            stream=True)
+    rec.decode_start_seconds = time.perf_counter() - t1
+    rec.status = dec.status_code
+    return dec, rec
+
+
+# --- the worker's side -------------------------------------------------------------------------
+
+def _parse(endpoint, body):
+    if endpoint not in ENDPOINTS:
+        raise P.APIError(f"endpoint must be one of {sorted(ENDPOINTS)}, got {endpoint!r}", param="endpoint",
+                         code="invalid_value")
+    if not isinstance(body, dict):
+        raise P.APIError("body must be the client's OpenAI request object", param="body", code="invalid_value")
+    kind, model = ENDPOINTS[endpoint]
+    try:
+        req = model.model_validate(body)
+    except pydantic.ValidationError as e:
+        first = e.errors()[0]
+        field = ".".join(str(x) for x in first.get("loc", ()))
+        raise P.APIError(f"Invalid request: {field}: {first.get('msg')}", param=field or None,
+                         code="invalid_value") from e
+    if req.n != 1:
+        raise P.APIError("a disaggregated request must have n=1", param="n", code="invalid_value")
+    if kind == "completions":
+        if isinstance(req.prompt, list) and req.prompt and not all(isinstance(t, int) for t in req.prompt) \
+                and len(req.prompt) != 1:
+            raise P.APIError("a disaggregated request must have a single prompt", param="prompt",
+                             code="invalid_value")
+        if req.echo and req.logprobs is not None:
+            raise P.APIError("echo with logprobs (prompt logprobs) cannot be disaggregated", param="echo",
+                             code="invalid_value")
+    return kind, req
+
+
+def _first_token_request(ctx, kind: str, req):
+    """(prompt ids, sampling params with max_tokens=1) as the endpoint would build them, with its checks."""
+    ctx.check_model(req.model)
+    if kind == "completions":
+        ((_, ids),) = ctx.completion_prompts(req.prompt)
+        max_tokens = ctx.resolve_max_tokens(len(ids), req.max_tokens, "prompt", "max_tokens")
+        params = ctx.sampling_params(req, kind, max_tokens, req.logprobs, None)
+    else:
+        if req.top_logprobs is not None and not req.logprobs:
+            raise P.APIError("top_logprobs requires logprobs to be true", param="top_logprobs",
+                             code="invalid_value")
+        ids = ctx.chat_prompt(req)
+        max_tokens = ctx.resolve_max_tokens(len(ids), req.requested_max_tokens(), "messages",
+                                            req.max_tokens_field())
+        params = ctx.sampling_params(req, kind, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                                     None)
+    params.max_tokens = 1
+    return ids, params
+
+
+def _route_handler(app: FastAPI, endpoint: str):
+    for route in app.router.routes:
+        if getattr(route, "path", None) == endpoint and "POST" in getattr(route, "methods", ()):
+            return route.endpoint
+    raise P.APIError(f"this server has no {endpoint} route", status=404, param="endpoint")
+
+
+def _transfer_engine(ctx, kt):
+    """(the engine, its KV dtype), or a 400 saying why this worker cannot ship or receive KV."""
+    engine = ctx.engine.engine
+    reason = kt.unsupported_reason(engine)
+    if reason:
+        raise P.APIError(reason, param="endpoint", code="kv_transfer_unsupported")
+    return engine, engine.runner.cache.k[0].dtype
+
+
+def add_kv_transfer_routes(app: FastAPI, ctx) -> None:
+    """Mounts `/internal/prefill` and `/internal/decode` (see the module docstring) on the OpenAI app."""
+    from serving import kv_transfer as kt  # imports jax: not needed by a router that only calls run_disaggregated
+
+    @app.post("/internal/prefill")
+    async def internal_prefill(request: Request):
+        t0 = time.perf_counter()
+        try:
+            data = await request.json()
+        except ValueError as e:
+            raise P.APIError(f"The request body is not valid JSON: {e}", code="invalid_json") from e
+        if not isinstance(data, dict):
+            raise P.APIError("expected {\"endpoint\": ..., \"body\": ...}", code="invalid_value")
+        endpoint, body = data.get("endpoint"), data.get("body")
+        kind, req = _parse(endpoint, body)
+        ids, params = _first_token_request(ctx, kind, req)
+        engine, dtype = _transfer_engine(ctx, kt)
+        exports = []
+        try:
+            async for _ in ctx.engine.generate(ids, params, f"prefill-{uuid.uuid4().hex}",
+                                               kv_export=exports.append):
+                pass
+        except InvalidParameterError as e:
+            raise ctx.api_error(e, kind) from e
+        if not exports:
+            raise P.APIError("the prefill ended without a first token", status=500, type="server_error")
+        exp = exports[0]
+        host = await asyncio.to_thread(exp.host_kv)  # the one device -> host copy, off the event loop
+        head = kt.encode_header(exp, engine.cfg, dtype,
+                                {"endpoint": endpoint, "body": body, "model": ctx.model_name})
+
+        async def chunks():
+            yield head
+            for layer in host:  # one chunk per layer: the receiver gets bytes while later ones are sent
+                yield layer.tobytes()
+
+        return StreamingResponse(chunks(), media_type=PAYLOAD_MEDIA_TYPE, headers={
+            "x-ridgeline-kv-bytes": str(host.nbytes), "x-ridgeline-kv-tokens": str(exp.num_tokens),
+            "x-ridgeline-prefill-seconds": f"{time.perf_counter() - t0:.6f}"})
+
+    @app.post("/internal/decode")
+    async def internal_decode(request: Request):
+        engine, dtype = _transfer_engine(ctx, kt)
+        data = await request.body()
+        t0 = time.perf_counter()
+        try:
+            header, body = kt.decode_payload(data)
+            imp = kt.to_import(header, body, engine.cfg, dtype)
+        except kt.PayloadError as e:
+            raise P.APIError(f"bad KV payload: {e}", param="payload", code="invalid_kv_payload") from e
+        if header.get("model") != ctx.model_name:
+            raise P.APIError(f"the KV payload comes from model {header.get('model')!r}; this worker serves "
+                             f"{ctx.model_name!r}", param="model", code="model_mismatch")
+        endpoint = header.get("endpoint")
+        _parse(endpoint, header.get("body"))
+        req = ENDPOINTS[endpoint][1].model_validate(header["body"])
+        handler = _route_handler(app, endpoint)
+        parse_seconds = time.perf_counter() - t0
+        token = kt.current_import.set(imp)
+        try:
+            resp = await handler(req=req, request=request)
+        finally:
+            kt.current_import.reset(token)
+        headers = {"x-ridgeline-kv-bytes": str(len(body)), "x-ridgeline-kv-parse-seconds": f"{parse_seconds:.6f}"}
+        if isinstance(resp, Response):
+            resp.headers.update(headers)
+            return resp
+        return JSONResponse(jsonable_encoder(resp), headers=headers)
