@@ -16,6 +16,10 @@ dimensions did not match.) The paged KV cache is staged the same way: per
 stage-local layer, `[p * pages, page_size, kv_heads, head_dim]` with the page
 axis split over `pipeline`, so every stage has pages `0 .. pages-1` of its own
 layers under the same page ids (the block manager is unchanged).
+Quantized weights and pages (`model.quant.QuantizedArray`) are staged field by
+field: data and scales each concatenated along their own first dimension (a
+page's scales `[p * pages, page_size, kv_heads]` split like its pages), so they
+enter the stages, the tick loop and copy-on-write as ordinary pytree leaves.
 
 The embedding table, the final norm and the `lm_head` are replicated over
 stages (and split over `tensor` as usual). That costs each device one extra
