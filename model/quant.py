@@ -197,8 +197,9 @@ def quantize_params(params, cfg, weight_dtype: str, shardings=None):
     to place the result). The weights are converted by one jitted program per
     set of devices holding them: under pipeline parallelism every stage's layers
     live on that stage's devices only, and one program cannot take arguments
-    committed to different device sets. Layers of the same shapes on the same
-    devices share one compilation.
+    committed to different device sets. So a pipeline of `p` stages compiles
+    `p + 1` small programs (each stage's layers, and the replicated rest), and
+    an unsharded or tensor-parallel model one, as before.
     """
     from model.params import Weights, is_array_info
 
@@ -256,6 +257,8 @@ def _device_set(x):
 
 @functools.partial(jax.jit, static_argnames=("kinds", "out_shardings"))
 def _convert_group(leaves, kinds, out_shardings=None):
+    """Converts arrays that live on one set of devices; `kinds` and `out_shardings` are static,
+    so every call with the same weight shapes, kinds and placement reuses one compilation."""
     out = [w.astype(k.dtype) if k.num_in_dims is None else quantize(w, k.dtype, k.num_in_dims)
            for w, k in zip(leaves, kinds)]
     if out_shardings is not None:
