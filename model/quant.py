@@ -249,8 +249,9 @@ class _ConvertKind:
 
 
 def _device_set(x):
-    """The devices a committed array lives on (None for host or uncommitted arrays: any program takes them)."""
-    if isinstance(x, jax.Array) and getattr(x, "committed", False):
+    """The devices a committed array lives on (None for host, uncommitted or traced arrays: any
+    program takes them; a trace, e.g. `init_params` under `eval_shape`, is one program already)."""
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed:
         return frozenset(x.sharding.device_set)
     return None
 
