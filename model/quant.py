@@ -56,6 +56,7 @@ embedded model's real K/V, which is the lower bound of what per-page could do.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -192,8 +193,13 @@ def quantize_params(params, cfg, weight_dtype: str, shardings=None):
 
     Returns (quantized config, params). Which weights are quantized and along
     which dims comes from the declarations (`model.params`), never from names
-    here. Runs as one jit, so sharded inputs stay sharded (pass the quantized
-    config's `shardings` to place the result).
+    here. Sharded inputs stay sharded (pass the quantized config's `shardings`
+    to place the result). The weights are converted by one jitted program per
+    set of devices holding them: under pipeline parallelism every stage's layers
+    live on that stage's devices only, and one program cannot take arguments
+    committed to different device sets. So a pipeline of `p` stages compiles
+    `p + 1` small programs (each stage's layers, and the replicated rest), and
+    an unsharded or tensor-parallel model one, as before.
     """
     from model.params import Weights, is_array_info
 
@@ -209,18 +215,56 @@ def quantize_params(params, cfg, weight_dtype: str, shardings=None):
     decl = Weights.declare(qcfg)
     is_decl_leaf = lambda x: is_array_info(x) or is_quantized(x)  # noqa: E731
     decl_leaves, treedef = jax.tree_util.tree_flatten(decl, is_leaf=is_decl_leaf)
+    leaves = treedef.flatten_up_to(params)
+    targets = [None] * len(leaves) if shardings is None else treedef.flatten_up_to(shardings)
 
-    def convert(p):
-        leaves = treedef.flatten_up_to(p)
-        out = []
-        for d, w in zip(decl_leaves, leaves):
-            if is_quantized(d):
-                out.append(quantize(w, d.data.dtype, len(d.data.shape) - len(d.scale.shape)))
-            else:
-                out.append(w.astype(d.dtype))
-        return jax.tree_util.tree_unflatten(treedef, out)
+    groups: dict[Any, list[int]] = {}  # device set -> leaf indices
+    for i, (d, t) in enumerate(zip(decl_leaves, targets)):
+        if t is not None:  # the float weight goes where its quantized data goes (same shape and axes)
+            leaves[i] = jax.device_put(leaves[i], t.data if is_quantized(d) else t)
+        groups.setdefault(_device_set(leaves[i]), []).append(i)
 
-    return qcfg, jax.jit(convert, out_shardings=shardings)(params)
+    out = [None] * len(leaves)
+    for idx in groups.values():
+        kinds = tuple(_ConvertKind.of(decl_leaves[i]) for i in idx)
+        outs = None if shardings is None else tuple(targets[i] for i in idx)
+        for i, w in zip(idx, _convert_group([leaves[i] for i in idx], kinds=kinds, out_shardings=outs)):
+            out[i] = w
+    return qcfg, jax.tree_util.tree_unflatten(treedef, out)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ConvertKind:
+    """What one declared weight becomes: quantized to `dtype` over its first `num_in_dims`
+    dims, or (`num_in_dims` None) cast to `dtype`. Hashable: a static jit argument."""
+
+    dtype: Any
+    num_in_dims: int | None
+
+    @classmethod
+    def of(cls, decl) -> "_ConvertKind":
+        if is_quantized(decl):
+            return cls(jnp.dtype(decl.data.dtype), len(decl.data.shape) - len(decl.scale.shape))
+        return cls(jnp.dtype(decl.dtype), None)
+
+
+def _device_set(x):
+    """The devices a committed array lives on (None for host, uncommitted or traced arrays: any
+    program takes them; a trace, e.g. `init_params` under `eval_shape`, is one program already)."""
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed:
+        return frozenset(x.sharding.device_set)
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("kinds", "out_shardings"))
+def _convert_group(leaves, kinds, out_shardings=None):
+    """Converts arrays that live on one set of devices; `kinds` and `out_shardings` are static,
+    so every call with the same weight shapes, kinds and placement reuses one compilation."""
+    out = [w.astype(k.dtype) if k.num_in_dims is None else quantize(w, k.dtype, k.num_in_dims)
+           for w, k in zip(leaves, kinds)]
+    if out_shardings is not None:
+        out = [jax.lax.with_sharding_constraint(w, s) for w, s in zip(out, out_shardings)]
+    return out
 
 
 def param_bytes_by_kind(params) -> dict[str, int]:

@@ -16,6 +16,10 @@ dimensions did not match.) The paged KV cache is staged the same way: per
 stage-local layer, `[p * pages, page_size, kv_heads, head_dim]` with the page
 axis split over `pipeline`, so every stage has pages `0 .. pages-1` of its own
 layers under the same page ids (the block manager is unchanged).
+Quantized weights and pages (`model.quant.QuantizedArray`) are staged field by
+field: data and scales each concatenated along their own first dimension (a
+page's scales `[p * pages, page_size, kv_heads]` split like its pages), so they
+enter the stages, the tick loop and copy-on-write as ordinary pytree leaves.
 
 The embedding table, the final norm and the `lm_head` are replicated over
 stages (and split over `tensor` as usual). That costs each device one extra
@@ -59,7 +63,7 @@ from kernels_pallas import get_backend
 from model.cache import BatchMetadata, KVCache
 from model.config import LlamaConfig
 from model.forward import attention_block, mlp_block, output_logits, rope_frequencies
-from model.params import Layer, Weights, pytree_dataclass
+from model.params import Layer, Weights, is_array_info, pytree_dataclass
 from sharding.layout import Layout
 from sharding.mesh import MeshError, make_mesh, mesh_axis_sizes
 from sharding.rules import RuleError, Rules, load_rules
@@ -189,8 +193,9 @@ class PipelineLayout:
         decl = Weights.declare(cfg)
         layer_decl = decl.layers[0]
 
-        def staged(info, name):
-            return NamedSharding(self.mesh, self._staged_spec(info, name))
+        def staged(decl, name):  # an ArrayInfo, or a QuantizedArray of two (data and scale: each staged)
+            return jax.tree.map(lambda info: NamedSharding(self.mesh, self._staged_spec(info, name)), decl,
+                                is_leaf=is_array_info)
 
         stage_layer = Layer(**{f.name: staged(getattr(layer_decl, f.name), f"layers.{f.name}")
                                for f in dataclasses.fields(Layer)})
@@ -200,9 +205,11 @@ class PipelineLayout:
 
     def cache_shardings(self, cfg: LlamaConfig, num_pages: int, page_size: int, dtype=None) -> KVCache:
         """Shardings of the staged cache: per stage-local layer `[p * pages, slot, kv_heads, head_dim]`,
-        the page axis split over `pipeline`."""
+        the page axis split over `pipeline` (a quantized cache's `[p * pages, slot, kv_heads]` scales
+        likewise, so every page keeps its scales on its stage)."""
         info = KVCache.declare(cfg, num_pages, page_size, dtype).k[0]
-        sh = NamedSharding(self.mesh, self._staged_spec(info, "cache"))
+        sh = jax.tree.map(lambda i: NamedSharding(self.mesh, self._staged_spec(i, "cache")), info,
+                          is_leaf=is_array_info)
         n = self.layers_per_stage(cfg)
         return KVCache(k=[sh] * n, v=[sh] * n)
 
@@ -225,13 +232,16 @@ class PipelineLayout:
 
     def init_cache(self, cfg: LlamaConfig, num_pages: int, page_size: int, dtype=None) -> KVCache:
         info = KVCache.declare(cfg, num_pages, page_size, dtype).k[0]
-        shape = (self.pipeline_parallel_size * num_pages,) + info.shape[1:]
+        p = self.pipeline_parallel_size
         shardings = self.cache_shardings(cfg, num_pages, page_size, dtype)
+
+        def zeros():  # pages (and scales of a quantized cache), the page axis holding every stage's block
+            return jax.tree.map(lambda i: jnp.zeros((p * i.shape[0],) + i.shape[1:], i.dtype), info,
+                                is_leaf=is_array_info)
 
         def build():
             n = len(shardings.k)
-            return KVCache(k=[jnp.zeros(shape, info.dtype) for _ in range(n)],
-                           v=[jnp.zeros(shape, info.dtype) for _ in range(n)])
+            return KVCache(k=[zeros() for _ in range(n)], v=[zeros() for _ in range(n)])
 
         return jax.jit(build, out_shardings=shardings)()
 
@@ -371,12 +381,12 @@ def pipeline_forward(params: StagedWeights, cache: KVCache, tokens, md: BatchMet
 
 def copy_staged_pages(cache: KVCache, src, dst, layout: PipelineLayout) -> KVCache:
     """Copy-on-write of whole pages src[i] -> dst[i] on every stage, each stage in its own
-    block of the page axis (dst == pages is padding and dropped)."""
+    block of the page axis (dst == pages is padding and dropped). Every cache leaf is indexed
+    by page first, so a quantized cache's scales are copied with their pages."""
 
     def local(k, v):
-        k = [x.at[dst].set(x[src], mode="drop") for x in k]
-        v = [x.at[dst].set(x[src], mode="drop") for x in v]
-        return k, v
+        copy = lambda x: x.at[dst].set(x[src], mode="drop")  # noqa: E731
+        return jax.tree.map(copy, k), jax.tree.map(copy, v)
 
     staged = PartitionSpec(PIPELINE)
     k, v = jax.shard_map(local, mesh=layout.mesh, axis_names={PIPELINE}, check_vma=False,

@@ -1,0 +1,138 @@
+"""Quantization under pipeline parallelism: int8 / fp8 weights and int8 / fp8 KV pages on stages.
+
+Greedy tokens of a mixed batch (chunked prefills next to decodes, sequences cut by microbatch
+boundaries) at PP x TP must equal the same quantization on one device, for every weight dtype
+and every KV dtype, with KV heads split (PP=2 x TP=2) and replicated (PP=2 x TP=4) inside a
+stage. Forked samples (n=2) share their last page until copy-on-write, which must copy the
+pages' scales on every stage. Quantizing weights that already sit on their stages converts
+each stage's layers on that stage with one compilation per device set, and the staged
+quantized weights and KV scales live on their own stage only.
+"""
+
+import functools
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from model import quant
+from model.params import Weights, is_array_info, ones_init
+from serving import LLM, SamplingParams
+from sharding.pipeline import copy_staged_pages, make_pipeline_layout
+
+CFG = tiny_config(vocab_size=128, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8)
+NUM_PAGES, PAGE = 32, 8
+COMMON = dict(page_size=PAGE, max_model_len=64, num_pages=NUM_PAGES, max_num_seqs=8, max_num_batched_tokens=32,
+              min_token_bucket=32, min_context_bucket=64, attention_backend="reference")
+_RNG = random.Random(5)
+PROMPTS = [[1] + [_RNG.randrange(3, 128) for _ in range(n)] for n in (29, 4, 17, 11)]  # partial last pages
+
+
+@functools.cache
+def params():
+    """Random float weights drawn on the host (norms at one): nothing to compile."""
+    rng = np.random.default_rng(11)
+
+    def draw(info):
+        if info.initializer is ones_init:
+            return np.ones(info.shape, np.float32)
+        return (0.1 * rng.standard_normal(info.shape)).astype(np.float32)
+
+    return jax.tree.map(draw, Weights.declare(CFG), is_leaf=is_array_info)
+
+
+def greedy(llm, batch, n=1):
+    outs = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, n=n))
+    return [[list(c.token_ids) for c in o.outputs] for o in outs]
+
+
+@functools.cache
+def single_device(weight_dtype, kv_dtype):
+    return greedy(LLM(config=CFG, params=params(), weight_dtype=weight_dtype, kv_cache_dtype=kv_dtype, **COMMON),
+                  PROMPTS)
+
+
+@pytest.mark.parametrize("weight_dtype,kv_dtype,pp,tp,m", [("int8", "fp8", 2, 4, 3), ("fp8", "int8", 2, 2, 2)])
+def test_quantized_greedy_tokens_identical_to_single_device(weight_dtype, kv_dtype, pp, tp, m):
+    want = single_device(weight_dtype, kv_dtype)
+    assert len({tuple(t[0]) for t in want}) == len(PROMPTS)  # not vacuous
+    llm = LLM(config=CFG, params=params(), weight_dtype=weight_dtype, kv_cache_dtype=kv_dtype,
+              pipeline_parallel_size=pp, tensor_parallel_size=tp, num_microbatches=m, **COMMON)
+    assert greedy(llm, PROMPTS) == want
+
+    runner = llm.engine.runner
+    layout, staged, cache = runner.layout, runner.params, runner.cache
+    stage_of = {d: s for s in range(pp) for d in layout.mesh.devices[:, s, :].flat}
+    # Weights: staged data in the storage dtype and fp32 scales, every shard on its own stage.
+    host_cfg, host = quant.quantize_params(params(), CFG, weight_dtype)
+    per_stage = CFG.num_layers // pp
+    for j, layer in enumerate(staged.stages):
+        for name in ("wq", "w_down"):
+            q = getattr(layer, name)
+            assert q.data.dtype == quant.storage_dtype(weight_dtype) and q.scale.dtype == jnp.float32
+            for field in ("data", "scale"):
+                arr = getattr(q, field)
+                want_arr = np.concatenate([np.asarray(getattr(getattr(host.layers[s * per_stage + j], name), field)
+                                                      .astype(jnp.float32)) for s in range(pp)])
+                np.testing.assert_array_equal(np.asarray(arr.astype(jnp.float32)), want_arr)
+                rows = arr.shape[0] // pp
+                for shard in arr.addressable_shards:
+                    first = shard.index[0].start or 0
+                    assert first // rows == (first + shard.data.shape[0] - 1) // rows == stage_of[shard.device]
+    # KV: quantized pages with their scales, page axis split over stages; every stage wrote scales.
+    for page in cache.k + cache.v:
+        assert page.data.dtype == quant.storage_dtype(kv_dtype)
+        assert page.scale.shape == (pp * NUM_PAGES, PAGE, CFG.num_kv_heads)
+        assert page.scale.sharding.spec[0] == page.data.sharding.spec[0]
+        scales = np.asarray(page.scale).reshape(pp, NUM_PAGES, -1)
+        assert all((scales[s] > 0).any() for s in range(pp))
+
+    # Forks: both greedy samples share the prompt's partial last page until copy-on-write.
+    forked = greedy(llm, PROMPTS[:2], n=2)
+    assert forked == [[w[0], w[0]] for w in want[:2]]
+
+
+def test_copy_on_write_copies_quantized_pages_and_scales_on_every_stage():
+    layout = make_pipeline_layout(2, 2)
+    cache = layout.init_cache(CFG, 6, 2, "int8")
+    rng = np.random.default_rng(1)
+    leaves, treedef = jax.tree.flatten(cache)
+    values = [rng.integers(-127, 128, a.shape).astype(a.dtype) if a.dtype == jnp.int8
+              else rng.random(a.shape).astype(np.float32) for a in leaves]
+    cache = jax.tree.unflatten(treedef, [jax.device_put(v, a.sharding) for a, v in zip(leaves, values)])
+    src, dst = np.array([1, 4, 0], np.int32), np.array([3, 5, 6], np.int32)  # 6 == pages: dropped
+    out = jax.jit(copy_staged_pages, static_argnames="layout")(cache, src, dst, layout=layout)
+    got_leaves = jax.tree.leaves(out)
+    assert len(got_leaves) == 4 * CFG.num_layers // 2  # k and v, data and scale, per stage-local layer
+    for got, before, a in zip(got_leaves, values, leaves):
+        want = before.reshape(2, 6, *before.shape[1:]).copy()  # [stage, page, ...]
+        want[:, 3], want[:, 5] = want[:, 1], want[:, 4]
+        np.testing.assert_array_equal(np.asarray(got), want.reshape(before.shape))
+        assert got.sharding == a.sharding
+
+
+def test_quantize_params_on_stage_devices_compiles_once_per_device_set():
+    layout = make_pipeline_layout(2, 2)
+    placed = jax.device_put(params(), layout.param_shardings(CFG))
+    _, want = quant.quantize_params(params(), CFG, "int8")
+    before = quant._convert_group._cache_size()
+    qcfg, got = quant.quantize_params(placed, CFG, "int8")
+    # Stage 0's layers, stage 1's layers, and the replicated embedding / norm / head.
+    assert quant._convert_group._cache_size() - before == 3
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+    for i, layer in enumerate(got.layers):
+        stage_devices = set(layout.stage_mesh(layout.stage_of_layer(CFG, i)).devices.flat)
+        assert all(a.sharding.device_set == stage_devices for a in jax.tree.leaves(layer))
+    # Into explicit target shardings (the quantized config's): each leaf lands exactly there.
+    targets = layout.param_shardings(qcfg)
+    _, placed_q = quant.quantize_params(params(), CFG, "int8", targets)
+    for a, sh in zip(jax.tree.leaves(placed_q), jax.tree.leaves(targets), strict=True):
+        assert a.sharding.is_equivalent_to(sh, a.ndim)
+    # Staging the quantized weights keeps the converted arrays (no conversion on the way).
+    staged = layout.stage_params(qcfg, got)
+    np.testing.assert_array_equal(np.asarray(staged.stages[0].wk.scale)[CFG.num_kv_heads:],
+                                  np.asarray(got.layers[1].wk.scale))  # stage 1's block: global layer 1
