@@ -199,8 +199,12 @@ class ServingContext:
         return finals
 
 
-async def until_disconnect(request: Request, awaitable):
-    """Awaits `awaitable`, cancelling it (and raising ClientGone) if the client disconnects first."""
+async def until_disconnect(request: Request, awaitable, on_orphan=None):
+    """Awaits `awaitable`, cancelling it (and raising ClientGone) if the client disconnects first.
+
+    If it finished just as it was cancelled, `on_orphan(result)` (a coroutine
+    function) releases what it opened, e.g. an upstream response.
+    """
     task = asyncio.ensure_future(awaitable)
     while True:
         done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
@@ -208,7 +212,9 @@ async def until_disconnect(request: Request, awaitable):
             return task.result()
         if await request.is_disconnected():
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            results = await asyncio.gather(task, return_exceptions=True)
+            if on_orphan is not None and not isinstance(results[0], BaseException):
+                await on_orphan(results[0])
             raise ClientGone()
 
 

@@ -41,13 +41,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serving import http_protocol as P
+from serving.http_app import ClientGone, until_disconnect as _watch
 from serving.router_index import POLICIES, PrefixIndex, PromptEncoder, Router
 from serving.router_metrics import RouterMetrics
 from serving.router_workers import WorkerPool
 
 log = logging.getLogger("ridgeline.router")
 
-_DISCONNECT_POLL_S = 0.25
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 # serving.disagg.run_disaggregated(client, prefill_url, decode_url, endpoint, body)
@@ -61,10 +61,6 @@ class UpstreamFailed(Exception):
     def __init__(self, worker: str, kind: str, message: str):
         super().__init__(message)
         self.worker, self.kind = worker, kind
-
-
-class ClientGone(Exception):
-    pass
 
 
 @dataclasses.dataclass
@@ -320,22 +316,6 @@ class RouterService:
                                  media_type=a.response.headers.get("content-type", "text/event-stream"))
 
 
-async def _watch(request: Request, awaitable, on_orphan=None):
-    """Awaits `awaitable`, cancelling it (ClientGone) if the client disconnects first.
-
-    If it finished just as it was cancelled, `on_orphan(result)` releases what it opened.
-    """
-    task = asyncio.ensure_future(awaitable)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
-            task.cancel()
-            results = await asyncio.gather(task, return_exceptions=True)
-            if on_orphan is not None and not isinstance(results[0], BaseException):
-                await on_orphan(results[0])
-            raise ClientGone()
 
 
 def create_router_app(service: RouterService) -> FastAPI:
