@@ -48,7 +48,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_model_len", None, "Context window; default: the model's, capped by the pool.")
     flags.DEFINE_boolean("enable_prefix_caching", True, "Reuse cached KV pages of shared prompt prefixes.")
     flags.DEFINE_integer("tensor_parallel_size", 1, "Devices to shard the model over (tensor parallelism).")
-    flags.DEFINE_string("attention_backend", "auto", "Attention backend: auto, reference, pallas, pallas_interpret.")
+    flags.DEFINE_string("attention_backend", "auto", "Attention backend: auto, xla, reference, pallas, pallas_interpret.")
     flags.DEFINE_integer("seed", 0, "Engine seed (for requests that give none).")
     flags.DEFINE_float("peak_bandwidth_gbps", None, "Device memory bandwidth for MBU, GB/s (default: GPU table).")
     flags.DEFINE_float("peak_tflops", None, "Device dense bf16 TFLOP/s for MFU (default: GPU table).")

@@ -1,0 +1,66 @@
+"""The "xla" attention backend (the CPU serving path) against the reference.
+
+Same batches as the Pallas kernel tests (random normals, scattered pages,
+random unused table entries, ragged and partial-page lengths, empty and
+padding sequences), run through every way the backend can cut the work:
+one row per item (the multiply-and-reduce form), several rows per item, and
+chunk sizes that force the chunk loop with skipped all-padding chunks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas import get_backend
+from kernels_pallas.xla_attention import ragged_paged_attention_xla, rows_per_item
+from test_kernels import MAX_SEQS, PAGES_PER_SEQ, assert_attention_close, mixes, random_mix, ragged_batch, \
+    reference_attention
+
+# (dtype, q_heads, kv_heads, page_size, head_dim)
+CONFIGS = [
+    pytest.param(jnp.float32, 4, 4, 8, 32, id="f32-g1-ps8"),
+    pytest.param(jnp.float32, 6, 2, 16, 16, id="f32-g3-ps16"),
+    pytest.param(jnp.bfloat16, 8, 2, 8, 32, id="bf16-g4-ps8"),
+]
+# (rows per item, chunk bytes): None = what the backend picks for the shape.
+CUTS = [(None, None), (1, None), (2, 1), (16, 1)]
+
+
+@pytest.mark.parametrize("dtype,hq,hkv,page_size,head_dim", CONFIGS)
+def test_xla_attention_matches_reference(dtype, hq, hkv, page_size, head_dim):
+    rng = np.random.RandomState(page_size * 100 + hq * 10 + hkv)
+    num_pages = MAX_SEQS * PAGES_PER_SEQ + 5
+    cases = dict(mixes(page_size), random=random_mix(rng, page_size), random2=random_mix(rng, page_size))
+    batches = {name: ragged_batch(rng, seqs, page_size=page_size, num_pages=num_pages, num_q_heads=hq,
+                                  num_kv_heads=hkv, head_dim=head_dim, dtype=dtype) for name, seqs in cases.items()}
+    for rows, chunk_bytes in CUTS:
+        kw = {} if chunk_bytes is None else dict(chunk_bytes=chunk_bytes)
+        fast = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=head_dim**-0.5, rows=rows, **kw))
+        for name, args in batches.items():
+            out = fast(*args)
+            ref = reference_attention(*args, sm_scale=head_dim**-0.5)
+            try:
+                assert_attention_close(out, ref, args[5], args[6], dtype)
+            except AssertionError as e:
+                raise AssertionError(f"rows={rows} chunk_bytes={chunk_bytes} mix {name!r} {cases[name]}: {e}") \
+                    from None
+
+
+def test_rows_per_item_follows_the_bucket():
+    assert rows_per_item(32, 32) == 1  # decode-only bucket: one row per item
+    assert rows_per_item(64, 32) == 2
+    assert rows_per_item(512, 32) == 16
+    assert rows_per_item(4096, 8) == 16  # capped
+    assert rows_per_item(3, 8) == 1
+
+
+def test_auto_backend_is_xla_on_cpu():
+    assert jax.default_backend() == "cpu"
+    assert get_backend("auto").name == "xla"
+    assert get_backend("reference").name == "reference"
