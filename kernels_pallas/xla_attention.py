@@ -133,10 +133,10 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, block_tables, cu_q_
         return jax.lax.cond(jnp.any(okc), lambda: attend(qc, tc, pc, okc, lc), lambda: empty)
 
     xs = tuple(chunked(x) for x in (q_items, tables, pos, row_ok, lens))
-    if num_chunks == 1:
-        out_items = attend(*(x[0] for x in xs))
-    else:
-        out_items = jax.lax.map(one_chunk, xs).reshape((num_chunks * per_chunk, b, num_q_heads, head_dim))
-        out_items = out_items[:num_items]
+    # Always through the loop, even for one chunk: gathering straight from the
+    # freshly written pages made XLA CPU copy the whole donated pool per layer
+    # (a 1-token step of the 125M shape went from 38 ms to 410 ms).
+    out_items = jax.lax.map(one_chunk, xs).reshape((num_chunks * per_chunk, b, num_q_heads, head_dim))
+    out_items = out_items[:num_items]
     out = jnp.zeros((T, num_q_heads, head_dim), q.dtype)
     return out.at[rows_idx.reshape(-1)].set(out_items.reshape(-1, num_q_heads, head_dim), mode="drop")

@@ -64,3 +64,4 @@ def test_auto_backend_is_xla_on_cpu():
     assert jax.default_backend() == "cpu"
     assert get_backend("auto").name == "xla"
     assert get_backend("reference").name == "reference"
+
