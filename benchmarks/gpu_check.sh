@@ -53,4 +53,5 @@ status=${PIPESTATUS[0]}
 if [ "$status" = 124 ]; then
   echo "gpu_check: hit the 450 s timeout; partial results in the log under $OUT_DIR" >&2
 fi
+timeout 480 "$PY" -u benchmarks/gpu_model_bench.py "${SMOKE[@]}" --out "$OUT_DIR" --budget-s 400 2>&1 | tee "$OUT_DIR/gpu_model_bench${SMOKE:+_smoke}.log" || status=1
 exit "$status"

@@ -210,18 +210,22 @@ class Engine:
                             device_seconds=0.0, num_preemptions=len(out.preempted))
         t1 = t2 = t0
         if not out.is_empty:
+            if out.copies:
+                self.runner.copy_pages(out.copies)
+            batch = pack_step(out, self.block_manager.tables, self.buckets, self.config.page_size, self.num_pages)
+            it.kv_tokens_read = batch.kv_tokens
+            t1 = time.perf_counter()
+            # The step is dispatched asynchronously; bookkeeping that does not need its
+            # sampled ids runs while the device works, and `result()` is the one sync.
+            dispatch = getattr(self.runner, "dispatch", None)
+            pending = dispatch(batch) if dispatch is not None else None
             for item in out.scheduled:
                 m = item.seq.request.metrics
                 if m.first_scheduled_time is None:
                     m.first_scheduled_time = now
                 it.num_prompt_tokens += max(0, min(item.start + item.num_new_tokens, item.seq.num_prompt_tokens)
                                             - item.start)
-            if out.copies:
-                self.runner.copy_pages(out.copies)
-            batch = pack_step(out, self.block_manager.tables, self.buckets, self.config.page_size, self.num_pages)
-            it.kv_tokens_read = batch.kv_tokens
-            t1 = time.perf_counter()
-            result = self.runner.execute(batch)
+            result = pending.result() if pending is not None else self.runner.execute(batch)
             t2 = time.perf_counter()
             new_tokens = self.scheduler.update(out, result.ids[:len(batch.sample_rows)].tolist())
             now = time.monotonic()
