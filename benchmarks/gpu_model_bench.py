@@ -162,8 +162,10 @@ def engine_throughput(cfg, params, smoke, deadline):
     for i, (p, o) in enumerate(jobs):
         engine.add_request(f"chat-{i}", p, SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True))
     t = time.perf_counter()
-    while engine.has_unfinished_requests() and time.perf_counter() < deadline:
+    n = 0
+    while engine.has_unfinished_requests() and (time.perf_counter() < deadline or n < 10):
         engine.step()
+        n += 1
     wall = time.perf_counter() - t
     steps = engine.stats_log.drain()
     gen = sum(s.num_generation_tokens for s in steps)
@@ -197,6 +199,13 @@ def main():
               "jax": jax.__version__, "model": {"params_billions": cfg.num_params() / 1e9, "dtype": cfg.dtype,
                                                  "layers": cfg.num_layers, "hidden": cfg.hidden_size}}
     log(f"device {result['device']}; model {cfg.num_params() / 1e9:.2f}B params {cfg.dtype}")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "gpu_model_bench_smoke.json" if smoke else "gpu_model_bench.json")
+
+    def save():  # after every section, so a hard stop keeps what was measured
+        result["seconds"] = time.perf_counter() - t_start
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
 
     ceil = measured_ceilings(smoke)
     is_h200 = "H200" in result["device"]
@@ -231,6 +240,7 @@ def main():
         log(f"decode batch {b:4d} ctx {context}: {r['ms_per_step']:.2f} ms/step, {r['tok_per_s']:.0f} tok/s, "
             f"MBU {r['mbu']:.2f}")
     result["decode"] = decode
+    save()
 
     if time.perf_counter() < deadline:
         shape, ibuf, fbuf = step_inputs([(prefill, prefill)], prefill, 16, prefill // PAGE, num_pages, rng)
@@ -243,20 +253,16 @@ def main():
     else:
         result["prefill"] = {"skipped": "time budget spent"}
     del timer
+    save()
 
-    if time.perf_counter() < deadline - (5 if smoke else 60):
+    if time.perf_counter() < deadline - (5 if smoke else 60):  # the warm-up alone takes a while
         result["engine_chat"] = engine_throughput(cfg, params, smoke, deadline)
         e = result["engine_chat"]
         log(f"engine, synthetic chat: {e['output_tok_per_s']:.0f} output tok/s over {e['steps']} steps "
             f"({'all' if e['completed'] else 'not all'} of {e['requests']} requests finished)")
     else:
         result["engine_chat"] = {"skipped": "time budget spent"}
-    result["seconds"] = time.perf_counter() - t_start
-
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "gpu_model_bench_smoke.json" if smoke else "gpu_model_bench.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
+    save()
     log(f"wrote {path}")
 
 
