@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# One prepared check for a lent NVIDIA GPU (sized for an H200, < 8 minutes end to end):
+# One prepared check for a lent NVIDIA GPU (sized for an H200, < 10 minutes end to end):
 # device copy bandwidth and bf16 matmul rate, Pallas kernel parity with the references,
-# then achieved bandwidth of the attention kernel vs the XLA-compiled reference for
-# decode and mixed batches (Llama-3-8B attention shapes). See benchmarks/kernel_bench.py.
+# achieved bandwidth of the attention kernel vs the XLA-compiled reference for decode and
+# mixed batches (Llama-3-8B attention shapes; benchmarks/kernel_bench.py), batch-1 decode
+# with bf16 / int8 / fp8 weights (gpu_quant_decode.py), and full-model decode MBU,
+# prefill MFU and engine throughput (gpu_model_bench.py). Each part has a soft budget
+# (it starts nothing new after it) and a hard timeout; together at most 570 s.
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]          # default: $OUT, else benchmarks/results
 #   bash benchmarks/gpu_check.sh --smoke [OUT_DIR]  # CPU: tiny shapes, interpret-mode kernels
@@ -47,11 +50,12 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 # The script stops starting cases after --budget-s; the timeout is the hard stop.
-timeout 450 "$PY" -u benchmarks/kernel_bench.py "${SMOKE[@]}" --out "$OUT_DIR" --budget-s 360 2>&1 |
+timeout 200 "$PY" -u benchmarks/kernel_bench.py "${SMOKE[@]}" --out "$OUT_DIR" --budget-s 150 2>&1 |
   tee "$OUT_DIR/kernel_bench${SMOKE:+_smoke}.log"
 status=${PIPESTATUS[0]}
 if [ "$status" = 124 ]; then
-  echo "gpu_check: hit the 450 s timeout; partial results in the log under $OUT_DIR" >&2
+  echo "gpu_check: hit the 200 s timeout; partial results in the log under $OUT_DIR" >&2
 fi
-timeout 300 "$PY" -u benchmarks/gpu_quant_decode.py "${SMOKE[@]}" --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/gpu_quant_decode${SMOKE:+_smoke}.log"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+timeout 130 "$PY" -u benchmarks/gpu_quant_decode.py "${SMOKE[@]}" --out "$OUT_DIR" --budget-s 100 2>&1 | tee "$OUT_DIR/gpu_quant_decode${SMOKE:+_smoke}.log"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+timeout 240 "$PY" -u benchmarks/gpu_model_bench.py "${SMOKE[@]}" --out "$OUT_DIR" --budget-s 200 2>&1 | tee "$OUT_DIR/gpu_model_bench${SMOKE:+_smoke}.log" || status=1
 exit "$status"

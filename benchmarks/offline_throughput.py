@@ -17,11 +17,12 @@ Sections, all in one process:
      each request needed count. The contenders alternate for `--rounds`
      rounds and each keeps its best time. Prints both and the ratio;
   3. batch-1 decode: tokens/s and bandwidth utilization = weight bytes read
-     per step x steps/s / the measured read bandwidth (ridgeline and
-     transformers);
+     per step x steps/s / the measured read bandwidth (ridgeline, transformers,
+     and a plain jitted chain of the same weights' matrix-vector products with
+     no attention, KV cache or sampling: the ceiling jitted JAX reaches here);
   4. host time per step (scheduling, packing, output processing: everything
-     but the jitted step) at 1, 32 and 256 running sequences in steady decode,
-     as a fraction of the whole step.
+     but the jitted step) at 1, 32, 64 and 256 running sequences in steady
+     decode, as a fraction of the whole step.
 
 CPU numbers on a shared machine are noisy: the JSON records the load average
 before and after.
@@ -48,7 +49,8 @@ import numpy as np  # noqa: E402
 
 from model.cache import init_cache, pack_batch  # noqa: E402
 from model.config import LlamaConfig  # noqa: E402
-from model.forward import forward_jit  # noqa: E402
+from model.forward import forward_jit, rms_norm  # noqa: E402
+from kernels_pallas import get_backend  # noqa: E402
 from model.params import init_params, param_bytes  # noqa: E402
 from serving import LLM, SamplingParams  # noqa: E402
 
@@ -92,6 +94,33 @@ def workload(n: int, seed: int, vocab: int, lo: int = 16, hi: int = 256):
         plen, olen = rng.randint(lo, hi), rng.randint(lo, hi)
         jobs.append(([1] + [rng.randrange(3, vocab) for _ in range(plen - 1)], olen))
     return jobs
+
+
+def plain_decode(params, token, eps):
+    """One token through every weight as plain jitted matrix-vector products (no attention
+    over a cache, no sampling): what the same weights cost jitted with nothing else."""
+    x = params.embed[token]
+    for L in params.layers:
+        h = rms_norm(x, L.attn_norm, eps)
+        q = jnp.einsum("te,ehd->thd", h, L.wq)
+        kv = jnp.einsum("te,ehd->thd", h, L.wk) + jnp.einsum("te,ehd->thd", h, L.wv)
+        o = q + jnp.repeat(kv, q.shape[1] // kv.shape[1], axis=1)  # stands in for attention
+        x = x + jnp.einsum("thd,hde->te", o, L.wo)
+        h = rms_norm(x, L.mlp_norm, eps)
+        x = x + jnp.einsum("tf,fe->te", jax.nn.silu(h @ L.w_gate) * (h @ L.w_up), L.w_down)
+    return jnp.argmax(rms_norm(x, params.final_norm, eps) @ params.lm_head, axis=-1)
+
+
+def plain_decode_step_seconds(cfg, params, steps: int) -> float:
+    f = jax.jit(plain_decode, static_argnames="eps")
+    token = jnp.array([5], jnp.int32)
+    np.asarray(f(params, token, eps=cfg.rms_norm_eps))
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        token = jnp.asarray(np.asarray(f(params, token, eps=cfg.rms_norm_eps)))  # one host sync per token
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
 # --- transformers ---------------------------------------------------------------------------------
@@ -200,7 +229,10 @@ def main():
     ap.add_argument("--quick", action="store_true", help="8 requests, 4 layers: checks the script runs")
     ap.add_argument("--num_requests", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2, help="alternating timed runs per contender; best counts")
+    ap.add_argument("--sections", default="mixed,batch1,host",
+                    help="comma-separated subset of mixed, batch1, host (the JSON marks the others skipped)")
     args = ap.parse_args()
+    sections = set(args.sections.split(","))
 
     shape = dict(SHAPE_125M)
     n_req = args.num_requests
@@ -211,7 +243,8 @@ def main():
     load_before = os.getloadavg()
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": {
         "cpus": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
-        "device": str(jax.devices()[0]), "loadavg_before": load_before}}
+        "device": str(jax.devices()[0]), "loadavg_before": load_before},
+        "attention_backend": get_backend("auto").name}
     import torch
     import transformers
     result["machine"].update(torch=torch.__version__, transformers=transformers.__version__,
@@ -236,90 +269,101 @@ def main():
     useful = sum(o for _, o in jobs)
     llm = LLM(config=cfg, params=params, max_num_seqs=n_req, max_num_batched_tokens=512, page_size=16,
               num_pages=n_req * 512 // 16, max_model_len=512, enable_prefix_caching=False)
-    t = time.perf_counter()
-    ridgeline_run(llm, jobs)
-    log(f"ridgeline: untimed first run (compiles the shapes it uses) {time.perf_counter() - t:.1f}s")
-    # Contenders alternate, `--rounds` times, and each keeps its best time: on a shared machine
-    # that is the fairest estimate of what each can do (load comes and goes during a run).
-    configs = (("one_batch_of_%d" % n_req, n_req, False), ("batches_of_8_sorted", 8, True))
-    ours_times, hf_times, steps = [], {name: [] for name, _, _ in configs}, None
-    for r in range(args.rounds):
-        wall, _, round_steps = ridgeline_run(llm, jobs)
-        if not ours_times or wall < min(ours_times):
-            steps = round_steps
-        ours_times.append(wall)
-        log(f"round {r}: ridgeline {useful} tokens in {wall:.1f}s = {useful / wall:.1f} output tok/s "
-            f"over {len(round_steps)} steps")
-        for name, bs, sort in configs:
-            w = hf_run(hf, jobs, bs, sort)
-            hf_times[name].append(w)
-            log(f"round {r}: transformers {name}: {w:.1f}s = {useful / w:.1f} useful tok/s")
-    wall = min(ours_times)
-    ours_tps = useful / wall
-    hf_runs = {name: {"seconds": min(ts), "seconds_all_rounds": ts, "useful_output_tok_per_s": useful / min(ts)}
-               for name, ts in hf_times.items()}
-    best = max(hf_runs, key=lambda k: hf_runs[k]["useful_output_tok_per_s"])
-    ratio = ours_tps / hf_runs[best]["useful_output_tok_per_s"]
-    log(f"mixed workload (best of {args.rounds}): ridgeline {ours_tps:.1f} vs transformers ({best}) "
-        f"{hf_runs[best]['useful_output_tok_per_s']:.1f} useful tok/s -> ratio {ratio:.2f}x (target >= 4x)")
-    host = sum(s.host_seconds for s in steps)
-    result["mixed_workload"] = {
-        "requests": n_req, "prompt_tokens": sum(len(p) for p, _ in jobs), "useful_output_tokens": useful,
-        "rounds": args.rounds,
-        "ridgeline": {"seconds": wall, "seconds_all_rounds": ours_times, "output_tok_per_s": ours_tps,
-                      "steps": len(steps), "host_seconds": host, "host_fraction_of_wall": host / wall,
-                      "max_num_batched_tokens": 512, "page_size": 16},
-        "transformers": hf_runs, "transformers_best": best, "ratio_vs_best_transformers": ratio}
+    if "mixed" in sections:
+        t = time.perf_counter()
+        ridgeline_run(llm, jobs)
+        log(f"ridgeline: untimed first run (compiles the shapes it uses) {time.perf_counter() - t:.1f}s")
+        # Contenders alternate, `--rounds` times, and each keeps its best time: on a shared machine
+        # that is the fairest estimate of what each can do (load comes and goes during a run).
+        configs = (("one_batch_of_%d" % n_req, n_req, False), ("batches_of_8_sorted", 8, True))
+        ours_times, hf_times, steps = [], {name: [] for name, _, _ in configs}, None
+        for r in range(args.rounds):
+            wall, _, round_steps = ridgeline_run(llm, jobs)
+            if not ours_times or wall < min(ours_times):
+                steps = round_steps
+            ours_times.append(wall)
+            log(f"round {r}: ridgeline {useful} tokens in {wall:.1f}s = {useful / wall:.1f} output tok/s "
+                f"over {len(round_steps)} steps")
+            for name, bs, sort in configs:
+                w = hf_run(hf, jobs, bs, sort)
+                hf_times[name].append(w)
+                log(f"round {r}: transformers {name}: {w:.1f}s = {useful / w:.1f} useful tok/s")
+        wall = min(ours_times)
+        ours_tps = useful / wall
+        hf_runs = {name: {"seconds": min(ts), "seconds_all_rounds": ts, "useful_output_tok_per_s": useful / min(ts)}
+                   for name, ts in hf_times.items()}
+        best = max(hf_runs, key=lambda k: hf_runs[k]["useful_output_tok_per_s"])
+        ratio = ours_tps / hf_runs[best]["useful_output_tok_per_s"]
+        log(f"mixed workload (best of {args.rounds}): ridgeline {ours_tps:.1f} vs transformers ({best}) "
+            f"{hf_runs[best]['useful_output_tok_per_s']:.1f} useful tok/s -> ratio {ratio:.2f}x (target >= 4x)")
+        host = sum(s.host_seconds for s in steps)
+        result["mixed_workload"] = {
+            "requests": n_req, "prompt_tokens": sum(len(p) for p, _ in jobs), "useful_output_tokens": useful,
+            "rounds": args.rounds,
+            "ridgeline": {"seconds": wall, "seconds_all_rounds": ours_times, "output_tok_per_s": ours_tps,
+                          "steps": len(steps), "host_seconds": host, "host_fraction_of_wall": host / wall,
+                          "max_num_batched_tokens": 512, "page_size": 16},
+            "transformers": hf_runs, "transformers_best": best, "ratio_vs_best_transformers": ratio}
+
+    else:
+        result["mixed_workload"] = {"skipped": "not in --sections"}
 
     # --- 3. batch-1 decode -------------------------------------------------------------------
-    # The machine is shared: a second bandwidth measurement, and the better of the two is the ceiling.
-    bw2 = read_bandwidth(bw_mib)
-    result["read_bandwidth_GBps_samples"] = [bw / 1e9, bw2 / 1e9]
-    bw = max(bw, bw2)
-    result["read_bandwidth_GBps"] = bw / 1e9
-    log(f"read bandwidth again: {bw2 / 1e9:.2f} GB/s; using {bw / 1e9:.2f} GB/s")
-    n_dec = 64 if args.quick else 256
-    one = [([1] + list(range(500, 515)), n_dec)]
-    ridgeline_run(llm, one)
-    wbytes = decode_weight_bytes(cfg, params)
-    import torch
+    if "batch1" in sections:
+        # The machine is shared: a second bandwidth measurement, and the better of the two is the ceiling.
+        bw2 = read_bandwidth(bw_mib)
+        result["read_bandwidth_GBps_samples"] = [bw / 1e9, bw2 / 1e9]
+        bw = max(bw, bw2)
+        result["read_bandwidth_GBps"] = bw / 1e9
+        log(f"read bandwidth again: {bw2 / 1e9:.2f} GB/s; using {bw / 1e9:.2f} GB/s")
+        n_dec = 64 if args.quick else 256
+        one = [([1] + list(range(500, 515)), n_dec)]
+        ridgeline_run(llm, one)
+        wbytes = decode_weight_bytes(cfg, params)
+        import torch
 
-    step_s = hf_step = float("inf")
-    with torch.no_grad():
-        ids = torch.tensor([one[0][0]])
-        hf.generate(input_ids=ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
-        for _ in range(args.rounds):
-            _, _, steps = ridgeline_run(llm, one)
-            dec = [s for s in steps if s.num_tokens == 1]
-            step_s = min(step_s, statistics.median(s.host_seconds + s.device_seconds for s in dec))
-            t = time.perf_counter()
-            hf.generate(input_ids=ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
-            prefill = time.perf_counter() - t
-            t = time.perf_counter()
-            hf.generate(input_ids=ids, max_new_tokens=n_dec, min_new_tokens=n_dec, do_sample=False)
-            hf_step = min(hf_step, (time.perf_counter() - t - prefill) / (n_dec - 1))
-    ours_bw = wbytes / step_s
-    result["batch1_decode"] = {
-        "weight_bytes_per_step": wbytes, "decode_tokens": n_dec,
-        "ridgeline": {"tok_per_s": 1 / step_s, "ms_per_step": step_s * 1e3,
-                      "bandwidth_utilization": ours_bw / bw},
-        "transformers": {"tok_per_s": 1 / hf_step, "ms_per_step": hf_step * 1e3,
-                         "bandwidth_utilization": wbytes / hf_step / bw}}
-    log(f"batch-1 decode: ridgeline {1 / step_s:.1f} tok/s ({ours_bw / bw:.2f} of read bandwidth), "
-        f"transformers {1 / hf_step:.1f} tok/s ({wbytes / hf_step / bw:.2f}) (target >= 0.6)")
-    del hf
+        step_s = hf_step = plain_step = float("inf")
+        with torch.no_grad():
+            ids = torch.tensor([one[0][0]])
+            hf.generate(input_ids=ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+            for _ in range(args.rounds):
+                _, _, steps = ridgeline_run(llm, one)
+                dec = [s for s in steps if s.num_tokens == 1]
+                step_s = min(step_s, statistics.median(s.host_seconds + s.device_seconds for s in dec))
+                t = time.perf_counter()
+                hf.generate(input_ids=ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+                prefill = time.perf_counter() - t
+                t = time.perf_counter()
+                hf.generate(input_ids=ids, max_new_tokens=n_dec, min_new_tokens=n_dec, do_sample=False)
+                hf_step = min(hf_step, (time.perf_counter() - t - prefill) / (n_dec - 1))
+                plain_step = min(plain_step, plain_decode_step_seconds(cfg, params, n_dec // 4))
+        ours_bw = wbytes / step_s
+        result["batch1_decode"] = {
+            "weight_bytes_per_step": wbytes, "decode_tokens": n_dec,
+            "ridgeline": {"tok_per_s": 1 / step_s, "ms_per_step": step_s * 1e3,
+                          "bandwidth_utilization": ours_bw / bw},
+            "transformers": {"tok_per_s": 1 / hf_step, "ms_per_step": hf_step * 1e3,
+                             "bandwidth_utilization": wbytes / hf_step / bw},
+            "plain_jitted_matvec_chain": {"tok_per_s": 1 / plain_step, "ms_per_step": plain_step * 1e3,
+                                          "bandwidth_utilization": wbytes / plain_step / bw},
+            "ridgeline_over_plain_chain": plain_step / step_s}
+        log(f"batch-1 decode: ridgeline {1 / step_s:.1f} tok/s ({ours_bw / bw:.2f} of read bandwidth), "
+            f"transformers {1 / hf_step:.1f} tok/s ({wbytes / hf_step / bw:.2f}), plain jitted chain "
+            f"{1 / plain_step:.1f} tok/s ({wbytes / plain_step / bw:.2f}) (target >= 0.6)")
+        del hf
 
     # --- 4. host overhead --------------------------------------------------------------------
-    sizes = (1, 8, 32) if args.quick else (1, 32, 256)
-    big = LLM(config=cfg, params=params, max_num_seqs=sizes[-1], max_num_batched_tokens=max(512, sizes[-1]),
-              page_size=16, num_pages=sizes[-1] * 3 + 16, max_model_len=48, enable_prefix_caching=False)
-    overhead = []
-    for n in sizes:
-        r = steady_decode(big, n)
-        overhead.append(r)
-        log(f"host time at {n} running: {r['host_ms_per_step']:.2f} ms of a {r['step_ms']:.1f} ms step "
-            f"({100 * r['host_fraction']:.1f}%, target < 5%)")
-    result["host_overhead"] = overhead
+    if "host" in sections:
+        sizes = (1, 8, 32) if args.quick else (1, 32, 64, 256)
+        big = LLM(config=cfg, params=params, max_num_seqs=sizes[-1], max_num_batched_tokens=max(512, sizes[-1]),
+                  page_size=16, num_pages=sizes[-1] * 3 + 16, max_model_len=48, enable_prefix_caching=False)
+        overhead = []
+        for n in sizes:
+            r = steady_decode(big, n)
+            overhead.append(r)
+            log(f"host time at {n} running: {r['host_ms_per_step']:.2f} ms of a {r['step_ms']:.1f} ms step "
+                f"({100 * r['host_fraction']:.1f}%, target < 5%)")
+        result["host_overhead"] = overhead
     result["machine"]["loadavg_after"] = os.getloadavg()
 
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -2,8 +2,9 @@
 
 A backend is a pair (attention, write_kv) with the signatures of
 `kernels_pallas.reference`. The model picks one by name, statically:
-"reference" is plain jnp (the CPU serving path); "auto" picks the Pallas
-kernels on GPU and the reference elsewhere.
+"reference" is plain jnp (the oracle); "xla" is plain jnp organised for the
+CPU (`kernels_pallas.xla_attention`); "auto" picks the Pallas kernels on GPU
+and "xla" elsewhere.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Callable
 import jax
 
 from kernels_pallas.reference import ragged_paged_attention_reference, write_kv_reference
+from kernels_pallas.xla_attention import ragged_paged_attention_xla
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +31,7 @@ class AttentionBackend:
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
     "reference": lambda: AttentionBackend("reference", ragged_paged_attention_reference, write_kv_reference,
                                           quantized_kv=True),
+    "xla": lambda: AttentionBackend("xla", ragged_paged_attention_xla, write_kv_reference, quantized_kv=True),
 }
 
 
@@ -53,7 +56,7 @@ def _load_kernels() -> None:
 def get_backend(name: str = "auto") -> AttentionBackend:
     _load_kernels()
     if name == "auto":
-        name = "pallas" if jax.default_backend() == "gpu" and "pallas" in _BACKENDS else "reference"
+        name = "pallas" if jax.default_backend() == "gpu" and "pallas" in _BACKENDS else "xla"
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; known: {backend_names()}")
     return _BACKENDS[name]()

@@ -253,18 +253,28 @@ class Engine:
                             device_seconds=0.0, num_preemptions=len(out.preempted))
         t1 = t2 = t0
         if not out.is_empty:
+            if out.copies:
+                self.runner.copy_pages(out.copies)
+            batch = pack_step(out, self.block_manager.tables, self.buckets, self.config.page_size, self.num_pages)
+            it.kv_tokens_read = batch.kv_tokens
+            t1 = time.perf_counter()
+            # The step is dispatched asynchronously; bookkeeping that does not need its
+            # sampled ids runs while the device works, and `result()` is the one sync.
+            # (Speculative steps verify drafts in a step of their own and are run synchronously.)
+            dispatch = getattr(self.runner, "dispatch", None) if self.spec is None else None
+            pending = dispatch(batch) if dispatch is not None else None
             for item in out.scheduled:
                 m = item.seq.request.metrics
                 if m.first_scheduled_time is None:
                     m.first_scheduled_time = now
                 it.num_prompt_tokens += max(0, min(item.start + item.num_new_tokens, item.seq.num_prompt_tokens)
                                             - item.start)
-            if out.copies:
-                self.runner.copy_pages(out.copies)
-            batch = pack_step(out, self.block_manager.tables, self.buckets, self.config.page_size, self.num_pages)
-            it.kv_tokens_read = batch.kv_tokens
-            t1 = time.perf_counter()
-            result = self.runner.execute(batch) if self.spec is None else self.spec.execute(batch, out)
+            if pending is not None:
+                result = pending.result()
+            elif self.spec is not None:
+                result = self.spec.execute(batch, out)
+            else:
+                result = self.runner.execute(batch)
             t2 = time.perf_counter()
             sampled = result.ids[:len(batch.sample_rows)].tolist()
             new_tokens = self.scheduler.update(out, sampled)

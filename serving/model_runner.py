@@ -84,6 +84,21 @@ class StepResult:
             self.chosen_logprob, self.rank, self.top_ids, self.top_logprobs = lp
 
 
+class PendingStep:
+    """A dispatched step whose outputs are still on the device."""
+
+    __slots__ = ("_ids", "_lp")
+
+    def __init__(self, ids, lp=None):
+        self._ids, self._lp = ids, lp
+
+    def result(self) -> StepResult:
+        """Waits for the step and copies the sampled ids (and logprobs when asked) to the host."""
+        if self._lp is None:
+            return StepResult(np.asarray(self._ids))
+        return StepResult(np.asarray(self._ids), tuple(np.asarray(x) for x in self._lp))
+
+
 class ModelRunner:
     def __init__(self, cfg: LlamaConfig, params, *, num_pages: int, page_size: int, buckets: Buckets,
                  backend: str = "auto", cache_dtype=None, layout=None):
@@ -161,10 +176,13 @@ class ModelRunner:
     # --- execution ---------------------------------------------------------------------------
     def execute(self, batch: StepBatch) -> StepResult:
         """Runs one step; blocks only on copying the sampled ids (and logprobs) back."""
+        return self.dispatch(batch).result()
+
+    def dispatch(self, batch: StepBatch) -> "PendingStep":
+        """Starts one step and returns at once (JAX dispatches asynchronously); the host
+        may do other work until it calls `result()`, the one synchronisation point."""
         ids, lp = self._run(batch.ibuf, batch.fbuf, batch.shape)
-        if batch.want_logprobs:
-            return StepResult(np.asarray(ids), tuple(np.asarray(x) for x in lp))
-        return StepResult(np.asarray(ids))
+        return PendingStep(ids, lp if batch.want_logprobs else None)
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicates pages on device before the step that writes them."""

@@ -60,7 +60,7 @@ def define_flags() -> None:
                                                       "tensor_parallel_size devices.")
     flags.DEFINE_integer("num_microbatches", 1, "Microbatches a step's tokens are cut into so pipeline stages "
                                                 "overlap (needs pipeline_parallel_size > 1).")
-    flags.DEFINE_string("attention_backend", "auto", "Attention backend: auto, reference, pallas, pallas_interpret.")
+    flags.DEFINE_string("attention_backend", "auto", "Attention backend: auto, xla, reference, pallas, pallas_interpret.")
     flags.DEFINE_enum("weight_dtype", "auto", ["auto", "int8", "fp8"],
                       "Linear-layer weights: as loaded (auto), or quantized at load time to int8 / fp8 (e4m3) "
                       "with per-output-channel scales.")

@@ -1,0 +1,97 @@
+"""One layer's paged attention on CPU: the "xla" backend against the reference, same run.
+
+    python benchmarks/attention_cpu_bench.py [--out benchmarks/results/attention_cpu.json] [--rounds 7]
+
+Shapes of the 125M model of benchmarks/offline_throughput.py (12 query heads
+over 4 KV heads, head_dim 64, fp32, 16-token pages) in the batches its mixed
+workload produces: decode batches, whole prompts, a prefill chunk over a long
+context, and a prefill chunk sharing the step with decodes. Both backends
+alternate for `--rounds` rounds and each keeps its best time (the machine is
+shared); outputs are checked against each other first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from kernels_pallas.reference import ragged_paged_attention_reference  # noqa: E402
+from kernels_pallas.xla_attention import ragged_paged_attention_xla, rows_per_item  # noqa: E402
+
+PAGE, KV_HEADS, GROUP, HEAD_DIM = 16, 4, 3, 64
+
+# name: ([(q_len, kv_len)], T, S, P) with T, S, P the step's padded bucket.
+CASES = {
+    "decode 1 seq, ctx 40": ([(1, 40)], 1, 1, 4),
+    "decode 32 seqs, ctx 219-250": ([(1, 250 - i) for i in range(32)], 32, 32, 16),
+    "decode 32 seqs, ctx 469-500": ([(1, 500 - i) for i in range(32)], 32, 32, 32),
+    "prefill 2 prompts of 256": ([(256, 256)] * 2, 512, 32, 16),
+    "prefill chunk of 512 over ctx 1000": ([(512, 1000)], 512, 32, 64),
+    "prefill chunk 225 + 31 decodes ctx 300": ([(225, 225)] + [(1, 300)] * 31, 256, 32, 32),
+}
+
+
+def batch(seqs, T, S, P, rng):
+    num_pages = S * P + 4
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32))
+    k, v = normal(num_pages, PAGE, KV_HEADS, HEAD_DIM), normal(num_pages, PAGE, KV_HEADS, HEAD_DIM)
+    q = normal(T, KV_HEADS * GROUP, HEAD_DIM)
+    pool = rng.permutation(num_pages)
+    tables = np.zeros((S, P), np.int32)
+    cu = np.zeros(S + 1, np.int32)
+    kv_lens = np.zeros(S, np.int32)
+    for i, (ql, kl) in enumerate(seqs):
+        tables[i] = pool[i * P:(i + 1) * P]
+        cu[i + 1:] = cu[i] + ql
+        kv_lens[i] = kl
+    return q, k, v, jnp.asarray(kv_lens), jnp.asarray(tables), jnp.asarray(cu), jnp.int32(len(seqs))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                  "attention_cpu.json"))
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    fns = {"reference": jax.jit(ragged_paged_attention_reference), "xla": jax.jit(ragged_paged_attention_xla)}
+    rows = []
+    load_before = os.getloadavg()
+    for name, (seqs, T, S, P) in CASES.items():
+        args_ = batch(seqs, T, S, P, rng)
+        outs = {k: f(*args_).block_until_ready() for k, f in fns.items()}
+        err = float(jnp.abs(outs["xla"] - outs["reference"]).max())
+        best = {k: float("inf") for k in fns}
+        for _ in range(args.rounds):
+            for k, f in fns.items():
+                t = time.perf_counter()
+                f(*args_).block_until_ready()
+                best[k] = min(best[k], time.perf_counter() - t)
+        row = {"case": name, "T": T, "S": S, "P": P, "rows_per_item": rows_per_item(T, S),
+               "reference_ms": best["reference"] * 1e3, "xla_ms": best["xla"] * 1e3,
+               "speedup": best["reference"] / best["xla"], "max_abs_diff": err}
+        rows.append(row)
+        print(f"{name:40s} reference {row['reference_ms']:8.2f} ms   xla {row['xla_ms']:8.2f} ms   "
+              f"x{row['speedup']:.1f}   (max |diff| {err:.1e})", flush=True)
+    result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "jax": jax.__version__,
+              "cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+              "rounds": args.rounds, "cases": rows}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

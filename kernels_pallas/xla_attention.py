@@ -1,0 +1,150 @@
+"""Paged attention in plain XLA, organised for the CPU: the "xla" backend.
+
+Same contract as `kernels_pallas.reference` (which stays the oracle), but the
+work is cut differently. The reference gathers the whole context of every
+query row, so a prefill chunk of n tokens over a context of L costs n x L
+gathered K/V rows. Here the unit of work is an *item*: up to `B` consecutive
+query rows of one sequence. An item gathers its sequence's pages once and
+attends all its rows against them with one matrix product, so the same chunk
+costs ceil(n / B) x L gathered rows and the products have B x group rows
+instead of group rows.
+
+Items are built on device from `cu_q_lens` (sequence i contributes
+ceil(q_len_i / B) of them), so the host contract is unchanged. Their count is
+bounded statically by min(T, ceil(T / B) + S). They run in chunks sized to
+keep the gathered K/V near `CHUNK_BYTES`; a chunk with no live item is
+skipped by `lax.cond`, so padding costs (almost) nothing.
+
+`B` is chosen from the static step shape: ~T / S rows, a power of two in
+[1, MAX_ROWS_PER_ITEM]. A decode-only bucket (T <= S) gets B = 1: every row
+is its own item, computed as multiply-and-reduce rather than a batched dot
+(see `elementwise` below); a prefill-heavy bucket gets up to 16 rows per item.
+
+Measured on the 2-core CPU against the reference, one layer of the 125M shape
+(4 KV heads x 3, head_dim 64, fp32): a 512-token prefill over 1,000 cached
+tokens 5x faster, two 256-token prompts ~4x, 31 decodes plus a 225-token
+prefill chunk ~2x, pure decode batches about the same (they are bound by
+gathering the pages, which both do once per row).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.reference import check_kv_scales
+
+MAX_ROWS_PER_ITEM = 16
+# Gathered K (and again V) per chunk of items: small enough to stay in cache
+# (1-2 MiB measured best on the 2-core CPU; 8 MiB was ~1.5x slower, one chunk
+# of everything ~2x).
+CHUNK_BYTES = 2 * 2**20
+
+
+def rows_per_item(num_tokens: int, num_seqs: int) -> int:
+    """Query rows per item for a step of `num_tokens` rows and `num_seqs` sequence slots."""
+    b = 1
+    while b * 2 <= min(MAX_ROWS_PER_ITEM, num_tokens // max(1, num_seqs)):
+        b *= 2
+    return b
+
+
+def _items(cu_q_lens, kv_lens, num_seqs, num_items: int, b: int):
+    """Per item: its sequence, first row, first query position and live-row count."""
+    num_slots = kv_lens.shape[0]
+    q_len = cu_q_lens[1:] - cu_q_lens[:-1]
+    q_len = jnp.where(jnp.arange(num_slots) < num_seqs, q_len, 0)
+    blocks = (q_len + b - 1) // b
+    ends = jnp.cumsum(blocks)
+    j = jnp.arange(num_items, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(ends, j, side="right"), 0, num_slots - 1).astype(jnp.int32)
+    block = j - (ends[seq] - blocks[seq])
+    live = j < ends[-1]
+    offset = block * b
+    n_rows = jnp.where(live, jnp.minimum(b, q_len[seq] - offset), 0)
+    first_row = cu_q_lens[seq] + offset
+    first_pos = kv_lens[seq] - q_len[seq] + offset
+    return seq, first_row, first_pos, n_rows
+
+
+def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
+                               sm_scale: float | None = None, k_scale=None, v_scale=None,
+                               rows: int | None = None, chunk_bytes: int = CHUNK_BYTES):
+    """`k_scale`/`v_scale` `[pages, page_size, kv_heads]`: per-token scales of int8/fp8 pages
+    (None for float pages), applied to the gathered rows as in the reference."""
+    T, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    S, P = block_tables.shape
+    group = num_q_heads // num_kv_heads
+    L = P * page_size
+    if sm_scale is None:
+        sm_scale = head_dim**-0.5
+    quantized = check_kv_scales(k_pages, v_pages, k_scale, v_scale, "attention")
+    b = rows or rows_per_item(T, S)
+    # One row per item is a batch of matrix-vector products, which XLA CPU runs
+    # poorly as a batched dot; as multiply-and-reduce over a K transposed to put
+    # the context innermost it vectorises (up to ~1.3x on decode batches of the 125M shape).
+    elementwise = b == 1
+    num_items = min(T, -(-T // b) + S)
+
+    seq, first_row, first_pos, n_rows = _items(cu_q_lens, kv_lens, num_seqs, num_items, b)
+    r = jnp.arange(b, dtype=jnp.int32)
+    row_ok = r[None, :] < n_rows[:, None]  # [I, B]
+    rows_idx = jnp.where(row_ok, first_row[:, None] + r[None, :], T)  # T: dropped on the way out
+    q_items = q[jnp.minimum(rows_idx, T - 1)]  # [I, B, H, D]
+    pos = first_pos[:, None] + r[None, :]  # [I, B]
+    tables = block_tables[seq]  # [I, P]
+    lens = kv_lens[seq]  # [I]
+
+    item_bytes = L * num_kv_heads * head_dim * 4
+    per_chunk = max(1, min(num_items, chunk_bytes // item_bytes))
+    num_chunks = -(-num_items // per_chunk)
+    pad = num_chunks * per_chunk - num_items
+
+    def chunked(x):
+        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+        return x.reshape((num_chunks, per_chunk) + x.shape[1:])
+
+    def attend(qc, tc, pc, okc, lc):
+        n = qc.shape[0]
+        k = k_pages[tc].reshape(n, L, num_kv_heads, head_dim).astype(jnp.float32)
+        v = v_pages[tc].reshape(n, L, num_kv_heads, head_dim).astype(jnp.float32)
+        if quantized:
+            k = k * k_scale[tc].reshape(n, L, num_kv_heads, 1)
+            v = v * v_scale[tc].reshape(n, L, num_kv_heads, 1)
+        qg = qc.reshape(n, b, num_kv_heads, group, head_dim).astype(jnp.float32)
+        if elementwise:
+            kt = jnp.transpose(k, (0, 2, 3, 1))  # n k d l
+            s = jnp.sum(qg[:, :, :, :, :, None] * kt[:, None, :, None, :, :], axis=4)  # n b k g l
+            s = jnp.transpose(s, (0, 2, 1, 3, 4)) * sm_scale
+        else:
+            s = jnp.einsum("nbkgd,nlkd->nkbgl", qg, k) * sm_scale
+        j = jnp.arange(L, dtype=jnp.int32)
+        visible = (j[None, None, :] <= pc[:, :, None]) & (j[None, None, :] < lc[:, None, None]) & okc[:, :, None]
+        s = jnp.where(visible[:, None, :, None, :], s, -jnp.inf)
+        m = jnp.max(s, axis=-1, keepdims=True)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        p = jnp.exp(s - m)
+        denom = jnp.sum(p, axis=-1)  # [n, K, B, G]
+        if elementwise:
+            pt = jnp.transpose(p, (0, 4, 2, 1, 3))  # n l b k g
+            o = jnp.sum(pt[..., None] * v[:, :, None, :, None, :], axis=1)  # n b k g d
+        else:
+            o = jnp.einsum("nkbgl,nlkd->nbkgd", p, v)
+        denom = jnp.transpose(denom, (0, 2, 1, 3))[..., None]
+        o = o / jnp.where(denom > 0, denom, 1.0)
+        return o.reshape(n, b, num_q_heads, head_dim).astype(q.dtype)
+
+    def one_chunk(args):
+        qc, tc, pc, okc, lc = args
+        empty = jnp.zeros(qc.shape, q.dtype)
+        return jax.lax.cond(jnp.any(okc), lambda: attend(qc, tc, pc, okc, lc), lambda: empty)
+
+    xs = tuple(chunked(x) for x in (q_items, tables, pos, row_ok, lens))
+    # Always through the loop, even for one chunk: gathering straight from the
+    # freshly written pages made XLA CPU copy the whole donated pool per layer
+    # (a 1-token step of the 125M shape went from 38 ms to 410 ms).
+    out_items = jax.lax.map(one_chunk, xs).reshape((num_chunks * per_chunk, b, num_q_heads, head_dim))
+    out_items = out_items[:num_items]
+    out = jnp.zeros((T, num_q_heads, head_dim), q.dtype)
+    return out.at[rows_idx.reshape(-1)].set(out_items.reshape(-1, num_q_heads, head_dim), mode="drop")
