@@ -32,15 +32,11 @@ from serving.input_batch import Buckets, StepShape, StepBatch
 from serving.sampler import SamplingInputs, sample
 
 
-def _step(params, cache, ibuf, fbuf, *, cfg: LlamaConfig, backend: str, shape: StepShape, layout=None):
-    v = shape.split(ibuf, fbuf)
+def unpack_step(v: dict) -> tuple[BatchMetadata, SamplingInputs]:
+    """The batch metadata and sampling inputs inside a step's split buffers (`StepShape.split`)."""
     md = BatchMetadata(positions=v["positions"], slot_mapping=v["slots"], cu_q_lens=v["cu_q_lens"],
                        kv_lens=v["kv_lens"], block_tables=v["block_tables"], num_seqs=v["num_seqs"][0],
                        logits_indices=v["logits_indices"])
-    if hasattr(layout, "forward"):  # a layout with a forward of its own (pipeline stages)
-        logits, cache = layout.forward(params, cache, v["tokens"], md, cfg, backend)
-    else:
-        logits, cache = forward(params, cache, v["tokens"], md, cfg, backend, layout)
     flags = v["flags"]
     s = SamplingInputs(
         temperature=v["temperature"], top_k=v["top_k"], top_p=v["top_p"], min_p=v["min_p"],
@@ -48,6 +44,16 @@ def _step(params, cache, ibuf, fbuf, *, cfg: LlamaConfig, backend: str, shape: S
         sample_index=v["sample_index"], token_index=v["token_index"], target=v["target"],
         any_random=flags[0] != 0, any_filter=flags[1] != 0, want_logprobs=flags[2] != 0,
     )
+    return md, s
+
+
+def _step(params, cache, ibuf, fbuf, *, cfg: LlamaConfig, backend: str, shape: StepShape, layout=None):
+    v = shape.split(ibuf, fbuf)
+    md, s = unpack_step(v)
+    if hasattr(layout, "forward"):  # a layout with a forward of its own (pipeline stages)
+        logits, cache = layout.forward(params, cache, v["tokens"], md, cfg, backend)
+    else:
+        logits, cache = forward(params, cache, v["tokens"], md, cfg, backend, layout)
     ids, logprobs = sample(logits, s)
     return cache, ids, logprobs
 
@@ -198,7 +204,7 @@ class ModelRunner:
     def warm_up(self) -> dict:
         """Compiles (and runs once, on empty batches) every bucket; returns what it did."""
         t0 = time.perf_counter()
-        before = compilation_count()
+        before = self.compilation_count()
         pad = self.num_pages * self.page_size
         for T, S, P in self.buckets.all_shapes():
             shape = StepShape(T, S, P)
@@ -207,8 +213,13 @@ class ModelRunner:
         for size in self.copy_sizes:
             self._copy(np.zeros(size, np.int32), np.full(size, self.num_pages, np.int32))
         jax.block_until_ready(self.cache)
-        return {"seconds": time.perf_counter() - t0, "compiled": compilation_count() - before,
+        return {"seconds": time.perf_counter() - t0, "compiled": self.compilation_count() - before,
                 "shapes": len(self.buckets.all_shapes()) + len(self.copy_sizes)}
+
+    @staticmethod
+    def compilation_count() -> int:
+        """Executables compiled so far by runners of this kind (a subclass adds its own functions)."""
+        return compilation_count()
 
 
 def _pow4_upto(n: int) -> list[int]:

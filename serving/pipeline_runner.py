@@ -10,13 +10,9 @@ The step itself is `model_runner`'s: the layout supplies the forward pass.
 
 from __future__ import annotations
 
-import time
-
 import jax
-import numpy as np
 
 from sharding.pipeline import copy_staged_pages
-from serving.input_batch import StepShape
 from serving.model_runner import ModelRunner
 
 
@@ -36,30 +32,6 @@ class PipelineRunner(ModelRunner):
             self.dispatch_hook("copy", src, dst)
         self.cache = _copy_staged_jit(self.cache, *self._host_inputs(src, dst), layout=self.layout)
         return self.cache
-
-    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
-        for i in range(0, len(copies), self.copy_sizes[-1]):
-            chunk = copies[i:i + self.copy_sizes[-1]]
-            size = next(s for s in self.copy_sizes if s >= len(chunk))
-            src = np.zeros(size, np.int32)
-            dst = np.full(size, self.num_pages, np.int32)
-            src[:len(chunk)] = [c[0] for c in chunk]
-            dst[:len(chunk)] = [c[1] for c in chunk]
-            self._copy(src, dst)
-
-    def warm_up(self) -> dict:
-        t0 = time.perf_counter()
-        before = self.compilation_count()
-        pad = self.num_pages * self.page_size
-        for T, S, P in self.buckets.all_shapes():
-            shape = StepShape(T, S, P)
-            ibuf, fbuf, _ = shape.empty(pad)
-            self._run(ibuf, fbuf, shape)
-        for size in self.copy_sizes:
-            self._copy(np.zeros(size, np.int32), np.full(size, self.num_pages, np.int32))
-        jax.block_until_ready(self.cache)
-        return {"seconds": time.perf_counter() - t0, "compiled": self.compilation_count() - before,
-                "shapes": len(self.buckets.all_shapes()) + len(self.copy_sizes)}
 
     @staticmethod
     def compilation_count() -> int:

@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.cache import BatchMetadata
 from model.forward import forward
 from model.config import LlamaConfig
 from serving.input_batch import StepShape
-from serving.sampler import SamplingInputs, _logprobs, num_top_logprobs, LogprobsOutput
+from serving.model_runner import unpack_step
+from serving.sampler import _logprobs, num_top_logprobs, LogprobsOutput
 from serving.spec_decode.rejection_sampler import verify
 
 NUM_ROW_FIELDS = 3  # draft_token, group_start, q_index
@@ -37,19 +37,10 @@ def empty_row_fields(S: int) -> np.ndarray:
 
 def _verify_step(params, cache, ibuf, fbuf, rbuf, draft_probs, *, cfg: LlamaConfig, backend: str,
                  shape: StepShape):
-    # The unpacking mirrors model_runner._step; only the sampling differs.
+    # The same inputs as model_runner's step; only the sampling differs.
     v = shape.split(ibuf, fbuf)
-    md = BatchMetadata(positions=v["positions"], slot_mapping=v["slots"], cu_q_lens=v["cu_q_lens"],
-                       kv_lens=v["kv_lens"], block_tables=v["block_tables"], num_seqs=v["num_seqs"][0],
-                       logits_indices=v["logits_indices"])
+    md, s = unpack_step(v)
     logits, cache = forward(params, cache, v["tokens"], md, cfg, backend, None)
-    flags = v["flags"]
-    s = SamplingInputs(
-        temperature=v["temperature"], top_k=v["top_k"], top_p=v["top_p"], min_p=v["min_p"],
-        key_data=jax.lax.bitcast_convert_type(v["key_data"], jnp.uint32),
-        sample_index=v["sample_index"], token_index=v["token_index"], target=v["target"],
-        any_random=flags[0] != 0, any_filter=flags[1] != 0, want_logprobs=flags[2] != 0,
-    )
     S = shape.S
     draft_tokens, group_start, q_index = rbuf[:S], rbuf[S:2 * S], rbuf[2 * S:]
     q_rows = None
