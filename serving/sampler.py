@@ -80,22 +80,30 @@ def _filter_top_k_top_p(x, top_k, top_p):
     return jnp.where(x < cutoff, -jnp.inf, x)
 
 
-def _sample_random(logits, s: SamplingInputs):
+def filtered_logits(logits, s: SamplingInputs):
+    """The logits the sampler draws from: temperature, then min-p, then top-k/top-p applied."""
     temp = jnp.where(s.temperature > 0, s.temperature, 1.0)
     x = logits / temp[:, None]
     # min-p: drop tokens whose probability is below min_p times the top one's.
     top = jnp.max(x, axis=-1, keepdims=True)
     floor = jnp.where(s.min_p > 0, jnp.log(jnp.maximum(s.min_p, 1e-38)), -jnp.inf)[:, None]
     x = jnp.where(x < top + floor, -jnp.inf, x)
-    x = jax.lax.cond(s.any_filter, lambda y: _filter_top_k_top_p(y, s.top_k, s.top_p), lambda y: y, x)
-    probs = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
-    cdf = jnp.cumsum(probs, axis=-1)
-    u = row_uniforms(s.key_data, s.sample_index, s.token_index)
-    threshold = u * cdf[:, -1]
+    return jax.lax.cond(s.any_filter, lambda y: _filter_top_k_top_p(y, s.top_k, s.top_p), lambda y: y, x)
+
+
+def inverse_cdf(weights, u):
+    """Index drawn from unnormalised `weights` [R, V] with uniforms `u` in (0, 1]."""
+    cdf = jnp.cumsum(weights, axis=-1)
     # The first token whose cumulative mass reaches the threshold (threshold > 0,
     # so a token of zero probability is never chosen).
-    ids = jnp.sum(cdf < threshold[:, None], axis=-1).astype(jnp.int32)
-    return jnp.minimum(ids, logits.shape[-1] - 1)
+    ids = jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1).astype(jnp.int32)
+    return jnp.minimum(ids, weights.shape[-1] - 1)
+
+
+def _sample_random(logits, s: SamplingInputs):
+    x = filtered_logits(logits, s)
+    probs = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
+    return inverse_cdf(probs, row_uniforms(s.key_data, s.sample_index, s.token_index))
 
 
 def _logprobs(logits, ids, target):

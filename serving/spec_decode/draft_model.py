@@ -32,7 +32,8 @@ from model.config import LlamaConfig
 from model.forward import forward
 from serving.block_manager import BlockManager
 from serving.input_batch import Buckets, StepShape, sampling_row
-from serving.spec_decode.rejection_sampler import DRAFT_STREAM, inverse_cdf, stream_uniforms
+from serving.sampler import inverse_cdf
+from serving.spec_decode.rejection_sampler import DRAFT_STREAM, stream_uniforms
 
 
 def _draw(logits, temperature, key_data, sample_index, token_index):

@@ -34,7 +34,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from serving.sampler import SamplingInputs, _filter_top_k_top_p, row_uniforms
+from serving.sampler import SamplingInputs, filtered_logits, inverse_cdf, row_uniforms
 
 ACCEPT_STREAM = 0x5EC0  # folded into a row's key for its acceptance test
 DRAFT_STREAM = 0xD4AF  # folded into a row's key when a draft model samples it
@@ -49,23 +49,6 @@ def stream_uniforms(key_data, sample_index, token_index, stream: int):
         return 1.0 - jax.random.uniform(key, (), jnp.float32)
 
     return jax.vmap(one)(key_data, sample_index, token_index)
-
-
-def filtered_logits(logits, s: SamplingInputs):
-    """The logits the plain sampler draws from (temperature, min-p, top-k/top-p applied)."""
-    temp = jnp.where(s.temperature > 0, s.temperature, 1.0)
-    x = logits / temp[:, None]
-    top = jnp.max(x, axis=-1, keepdims=True)
-    floor = jnp.where(s.min_p > 0, jnp.log(jnp.maximum(s.min_p, 1e-38)), -jnp.inf)[:, None]
-    x = jnp.where(x < top + floor, -jnp.inf, x)
-    return jax.lax.cond(s.any_filter, lambda y: _filter_top_k_top_p(y, s.top_k, s.top_p), lambda y: y, x)
-
-
-def inverse_cdf(weights, u):
-    """Index drawn from unnormalised `weights` [R, V] with uniforms `u` in (0, 1] (as the sampler does)."""
-    cdf = jnp.cumsum(weights, axis=-1)
-    ids = jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1).astype(jnp.int32)
-    return jnp.minimum(ids, weights.shape[-1] - 1)
 
 
 def residual(p, q):
