@@ -170,20 +170,21 @@ def kv_bytes_per_token(cfg, dtype=None) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * per_head
 
 
-def check_weight_dtype(name) -> str:
+def _check_choice(option: str, name, choices) -> str:
+    """`name` if it is one of `choices` ("auto" for None); otherwise an error naming `option`."""
     if name is None:
         return "auto"
-    if name not in WEIGHT_DTYPE_CHOICES:
-        raise ValueError(f"weight_dtype must be one of {list(WEIGHT_DTYPE_CHOICES)}, got {name!r}")
+    if name not in choices:
+        raise ValueError(f"{option} must be one of {list(choices)}, got {name!r}")
     return name
+
+
+def check_weight_dtype(name) -> str:
+    return _check_choice("weight_dtype", name, WEIGHT_DTYPE_CHOICES)
 
 
 def check_kv_cache_dtype(name) -> str:
-    if name is None:
-        return "auto"
-    if name not in KV_CACHE_DTYPE_CHOICES:
-        raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPE_CHOICES)}, got {name!r}")
-    return name
+    return _check_choice("kv_cache_dtype", name, KV_CACHE_DTYPE_CHOICES)
 
 
 # --------------------------------------------------------------------------- whole models
