@@ -25,24 +25,32 @@ TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 NUM_TOKENS, MAX_SEQS, PAGES_PER_SEQ = 24, 6, 4
 
 
-def ragged_batch(rng, seqs, *, page_size, num_pages, num_q_heads, num_kv_heads, head_dim, dtype):
-    """Random q/k/v and the ragged metadata for `seqs`, a list of (q_len, kv_len)."""
-    assert len(seqs) <= MAX_SEQS and sum(q for q, _ in seqs) <= NUM_TOKENS
-    assert all(q <= kv <= PAGES_PER_SEQ * page_size for q, kv in seqs)
-    cu = np.zeros(MAX_SEQS + 1, np.int32)
+def ragged_metadata(rng, seqs, *, page_size, num_pages, max_seqs=MAX_SEQS, pages_per_seq=PAGES_PER_SEQ):
+    """kv_lens [max_seqs], block tables [max_seqs, pages_per_seq] and cu_q_lens for `seqs` [(q_len, kv_len)].
+
+    Every sequence owns distinct, scattered pages; unused table entries (and
+    the padding sequences' rows) hold random page ids.
+    """
+    cu = np.zeros(max_seqs + 1, np.int32)
     cu[1:len(seqs) + 1] = np.cumsum([q for q, _ in seqs])
     cu[len(seqs) + 1:] = cu[len(seqs)]
-    kv_lens = np.zeros(MAX_SEQS, np.int32)
+    kv_lens = np.zeros(max_seqs, np.int32)
     kv_lens[:len(seqs)] = [kv for _, kv in seqs]
-    # Every sequence owns distinct, scattered pages; unused table entries (and
-    # the padding sequences' rows) hold random page ids.
     pool = rng.permutation(num_pages)
-    tables = rng.randint(0, num_pages, (MAX_SEQS, PAGES_PER_SEQ)).astype(np.int32)
+    tables = rng.randint(0, num_pages, (max_seqs, pages_per_seq)).astype(np.int32)
     used = 0
     for i, (_, kv) in enumerate(seqs):
         n = -(-kv // page_size)
         tables[i, :n] = pool[used:used + n]
         used += n
+    return kv_lens, tables, cu
+
+
+def ragged_batch(rng, seqs, *, page_size, num_pages, num_q_heads, num_kv_heads, head_dim, dtype):
+    """Random q/k/v and the ragged metadata for `seqs`, a list of (q_len, kv_len)."""
+    assert len(seqs) <= MAX_SEQS and sum(q for q, _ in seqs) <= NUM_TOKENS
+    assert all(q <= kv <= PAGES_PER_SEQ * page_size for q, kv in seqs)
+    kv_lens, tables, cu = ragged_metadata(rng, seqs, page_size=page_size, num_pages=num_pages)
     normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
     q = normal(NUM_TOKENS, num_q_heads, head_dim)
     k = normal(num_pages, page_size, num_kv_heads, head_dim)

@@ -21,6 +21,7 @@ from kernels_pallas.kv_cache_write import write_kv
 from kernels_pallas.kv_quant import quantize_kv
 from kernels_pallas.ragged_paged_attention import ragged_paged_attention
 from kernels_pallas.reference import ragged_paged_attention_reference, write_kv_reference
+from test_kernels import ragged_metadata
 
 reference_attention = jax.jit(ragged_paged_attention_reference, static_argnames="sm_scale")
 NUM_TOKENS, MAX_SEQS, PAGES_PER_SEQ = 24, 5, 4
@@ -30,18 +31,8 @@ TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 def quantized_batch(rng, seqs, *, page_size, num_q_heads, num_kv_heads, head_dim, q_dtype, kv_dtype):
     """q, quantized K/V pages with scales, and the ragged metadata for `seqs` [(q_len, kv_len)]."""
     num_pages = MAX_SEQS * PAGES_PER_SEQ + 3
-    cu = np.zeros(MAX_SEQS + 1, np.int32)
-    cu[1:len(seqs) + 1] = np.cumsum([q for q, _ in seqs])
-    cu[len(seqs) + 1:] = cu[len(seqs)]
-    kv_lens = np.zeros(MAX_SEQS, np.int32)
-    kv_lens[:len(seqs)] = [kv for _, kv in seqs]
-    pool = rng.permutation(num_pages)
-    tables = rng.randint(0, num_pages, (MAX_SEQS, PAGES_PER_SEQ)).astype(np.int32)
-    used = 0
-    for i, (_, kv) in enumerate(seqs):
-        n = -(-kv // page_size)
-        tables[i, :n] = pool[used:used + n]
-        used += n
+    kv_lens, tables, cu = ragged_metadata(rng, seqs, page_size=page_size, num_pages=num_pages,
+                                          max_seqs=MAX_SEQS, pages_per_seq=PAGES_PER_SEQ)
     shape = (num_pages, page_size, num_kv_heads, head_dim)
     # Per-token magnitudes spread over two decades, so one scale per page would not do.
     mag = np.exp(rng.uniform(-2.3, 2.3, shape[:3] + (1,)))
