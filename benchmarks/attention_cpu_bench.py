@@ -36,6 +36,9 @@ CASES = {
     "decode 1 seq, ctx 40": ([(1, 40)], 1, 1, 4),
     "decode 32 seqs, ctx 219-250": ([(1, 250 - i) for i in range(32)], 32, 32, 16),
     "decode 32 seqs, ctx 469-500": ([(1, 500 - i) for i in range(32)], 32, 32, 32),
+    # Contexts spread over the bucket, as in a running batch of mixed requests.
+    "decode 32 seqs, ctx 30-500": ([(1, 30 + (i * 151) % 471) for i in range(32)], 32, 32, 32),
+    "decode 17 seqs in a 32 bucket, ctx 200-500": ([(1, 200 + (i * 97) % 301) for i in range(17)], 32, 32, 32),
     "prefill 2 prompts of 256": ([(256, 256)] * 2, 512, 32, 16),
     "prefill chunk of 512 over ctx 1000": ([(512, 1000)], 512, 32, 64),
     "prefill chunk 225 + 31 decodes ctx 300": ([(225, 225)] + [(1, 300)] * 31, 256, 32, 32),

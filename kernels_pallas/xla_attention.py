@@ -16,9 +16,17 @@ keep the gathered K/V near `CHUNK_BYTES`; a chunk with no live item is
 skipped by `lax.cond`, so padding costs (almost) nothing.
 
 `B` is chosen from the static step shape: ~T / S rows, a power of two in
-[1, MAX_ROWS_PER_ITEM]. A decode-only bucket (T <= S) gets B = 1: every row
-is its own item, computed as multiply-and-reduce rather than a batched dot
-(see `elementwise` below); a prefill-heavy bucket gets up to 16 rows per item.
+[1, MAX_ROWS_PER_ITEM]. A prefill-heavy bucket gets up to 16 rows per item.
+
+A decode-only bucket (T < 2 S) gets B = 1, and there the unit of work is
+smaller still: one (row, page) *pair* for every page the row can see
+(`_attend_by_page`). A row at position `pos` has `pos // page_size + 1` such
+pages, so the work follows the live context rather than the bucket's P pages
+per row (a decode batch whose contexts span 30-500 tokens in a 512-token
+bucket reads about half of what P x S pages would be). Pairs are processed in
+chunks by a loop that runs exactly as many times as live pairs need; each
+pair's partial softmax (max, sum, weighted V) is merged into its row's
+running result, flash-decoding style with the split at page boundaries.
 
 Measured on the 2-core CPU against the reference, one layer of the 125M shape
 (4 KV heads x 3, head_dim 64, fp32): a 512-token prefill over 1,000 cached
@@ -39,6 +47,8 @@ MAX_ROWS_PER_ITEM = 16
 # (1-2 MiB measured best on the 2-core CPU; 8 MiB was ~1.5x slower, one chunk
 # of everything ~2x).
 CHUNK_BYTES = 2 * 2**20
+# The same for the pages of one-row items (`_attend_by_page`): 1 MiB measured best.
+PAGE_CHUNK_BYTES = 2**20
 
 
 def rows_per_item(num_tokens: int, num_seqs: int) -> int:
@@ -69,7 +79,7 @@ def _items(cu_q_lens, kv_lens, num_seqs, num_items: int, b: int):
 
 def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
                                sm_scale: float | None = None, k_scale=None, v_scale=None,
-                               rows: int | None = None, chunk_bytes: int = CHUNK_BYTES):
+                               rows: int | None = None, chunk_bytes: int | None = None):
     """`k_scale`/`v_scale` `[pages, page_size, kv_heads]`: per-token scales of int8/fp8 pages
     (None for float pages), applied to the gathered rows as in the reference."""
     T, num_q_heads, head_dim = q.shape
@@ -81,11 +91,11 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, block_tables, cu_q_
         sm_scale = head_dim**-0.5
     quantized = check_kv_scales(k_pages, v_pages, k_scale, v_scale, "attention")
     b = rows or rows_per_item(T, S)
-    # One row per item is a batch of matrix-vector products, which XLA CPU runs
-    # poorly as a batched dot; as multiply-and-reduce over a K transposed to put
-    # the context innermost it vectorises (up to ~1.3x on decode batches of the 125M shape).
-    elementwise = b == 1
     num_items = min(T, -(-T // b) + S)
+    if b == 1:
+        seq, row, pos, n_rows = _items(cu_q_lens, kv_lens, num_seqs, num_items, 1)
+        return _attend_by_page(q, k_pages, v_pages, k_scale, v_scale, block_tables, seq, row, pos, n_rows > 0,
+                               sm_scale=sm_scale, chunk_bytes=chunk_bytes or PAGE_CHUNK_BYTES)
 
     seq, first_row, first_pos, n_rows = _items(cu_q_lens, kv_lens, num_seqs, num_items, b)
     r = jnp.arange(b, dtype=jnp.int32)
@@ -97,7 +107,7 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, block_tables, cu_q_
     lens = kv_lens[seq]  # [I]
 
     item_bytes = L * num_kv_heads * head_dim * 4
-    per_chunk = max(1, min(num_items, chunk_bytes // item_bytes))
+    per_chunk = max(1, min(num_items, (chunk_bytes or CHUNK_BYTES) // item_bytes))
     num_chunks = -(-num_items // per_chunk)
     pad = num_chunks * per_chunk - num_items
 
@@ -113,12 +123,7 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, block_tables, cu_q_
             k = k * k_scale[tc].reshape(n, L, num_kv_heads, 1)
             v = v * v_scale[tc].reshape(n, L, num_kv_heads, 1)
         qg = qc.reshape(n, b, num_kv_heads, group, head_dim).astype(jnp.float32)
-        if elementwise:
-            kt = jnp.transpose(k, (0, 2, 3, 1))  # n k d l
-            s = jnp.sum(qg[:, :, :, :, :, None] * kt[:, None, :, None, :, :], axis=4)  # n b k g l
-            s = jnp.transpose(s, (0, 2, 1, 3, 4)) * sm_scale
-        else:
-            s = jnp.einsum("nbkgd,nlkd->nkbgl", qg, k) * sm_scale
+        s = jnp.einsum("nbkgd,nlkd->nkbgl", qg, k) * sm_scale
         j = jnp.arange(L, dtype=jnp.int32)
         visible = (j[None, None, :] <= pc[:, :, None]) & (j[None, None, :] < lc[:, None, None]) & okc[:, :, None]
         s = jnp.where(visible[:, None, :, None, :], s, -jnp.inf)
@@ -126,11 +131,7 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, block_tables, cu_q_
         m = jnp.where(jnp.isfinite(m), m, 0.0)
         p = jnp.exp(s - m)
         denom = jnp.sum(p, axis=-1)  # [n, K, B, G]
-        if elementwise:
-            pt = jnp.transpose(p, (0, 4, 2, 1, 3))  # n l b k g
-            o = jnp.sum(pt[..., None] * v[:, :, None, :, None, :], axis=1)  # n b k g d
-        else:
-            o = jnp.einsum("nkbgl,nlkd->nbkgd", p, v)
+        o = jnp.einsum("nkbgl,nlkd->nbkgd", p, v)
         denom = jnp.transpose(denom, (0, 2, 1, 3))[..., None]
         o = o / jnp.where(denom > 0, denom, 1.0)
         return o.reshape(n, b, num_q_heads, head_dim).astype(q.dtype)
@@ -148,3 +149,69 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, block_tables, cu_q_
     out_items = out_items[:num_items]
     out = jnp.zeros((T, num_q_heads, head_dim), q.dtype)
     return out.at[rows_idx.reshape(-1)].set(out_items.reshape(-1, num_q_heads, head_dim), mode="drop")
+
+
+def _attend_by_page(q, k_pages, v_pages, k_scale, v_scale, block_tables, seq, row, pos, live, *, sm_scale,
+                    chunk_bytes):
+    """One query row per item (`row`, at position `pos` of sequence `seq`; `live` marks real items):
+    attention over the item's visible pages, a (row, page) pair at a time."""
+    T, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    S, P = block_tables.shape
+    group = num_q_heads // num_kv_heads
+    num_items = seq.shape[0]
+    quantized = k_scale is not None
+
+    # Pairs, item-major: item i owns pairs [ends[i] - n_pages[i], ends[i]). Their count is dynamic;
+    # the arrays are sized for the worst case and only the first `num_pairs` are ever read.
+    n_pages = jnp.where(live, jnp.minimum(pos // page_size + 1, P), 0)
+    ends = jnp.cumsum(n_pages)
+    num_pairs = ends[-1]
+    per_chunk = max(1, min(num_items * P, chunk_bytes // (page_size * num_kv_heads * head_dim * 4)))
+    cap = -(-(num_items * P) // per_chunk) * per_chunk
+    j = jnp.arange(cap, dtype=jnp.int32)
+    pair_item = jnp.minimum(jnp.searchsorted(ends, j, side="right"), num_items - 1).astype(jnp.int32)
+    pair_page = j - (ends[pair_item] - n_pages[pair_item])  # page index within the sequence
+    pair_live = j < num_pairs
+    pair_id = block_tables[seq[pair_item], jnp.clip(pair_page, 0, P - 1)]
+    pair_item = jnp.where(pair_live, pair_item, num_items)  # dead pairs land in a spare row
+    qg = q.reshape(T, num_kv_heads, group, head_dim).astype(jnp.float32)
+    token = jnp.arange(page_size, dtype=jnp.int32)
+
+    def body(c, carry):
+        m_run, l_run, o_run = carry  # [I+1, K, G], [I+1, K, G], [I+1, K, G, D]
+        start = c * per_chunk
+        ids = jax.lax.dynamic_slice_in_dim(pair_id, start, per_chunk)
+        item = jax.lax.dynamic_slice_in_dim(pair_item, start, per_chunk)
+        page = jax.lax.dynamic_slice_in_dim(pair_page, start, per_chunk)
+        safe_item = jnp.minimum(item, num_items - 1)
+        k = k_pages[ids].astype(jnp.float32)  # [C, page, K, D]
+        v = v_pages[ids].astype(jnp.float32)
+        if quantized:
+            k = k * k_scale[ids][..., None]
+            v = v * v_scale[ids][..., None]
+        qc = qg[row[safe_item]]  # [C, K, G, D]
+        s = jnp.sum(qc[:, None] * k[:, :, :, None, :], axis=-1) * sm_scale  # [C, page, K, G]
+        visible = (page[:, None] * page_size + token[None, :] <= pos[safe_item][:, None]) & (item < num_items)[:, None]
+        s = jnp.where(visible[:, :, None, None], s, -jnp.inf)
+        m = jnp.max(s, axis=1)  # [C, K, G]; -inf only for dead pairs
+        p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)[:, None])
+        l_pair = jnp.sum(p, axis=1)
+        o_pair = jnp.sum(p[..., None] * v[:, :, :, None, :], axis=1)  # [C, K, G, D]
+        m_new = m_run.at[item].max(m)
+        alpha = jnp.exp(jnp.where(jnp.isfinite(m_run), m_run - m_new, -jnp.inf))
+        beta = jnp.exp(jnp.where(jnp.isfinite(m), m - m_new[item], -jnp.inf))
+        l_run = (l_run * alpha).at[item].add(l_pair * beta)
+        o_run = (o_run * alpha[..., None]).at[item].add(o_pair * beta[..., None])
+        return m_new, l_run, o_run
+
+    init = (jnp.full((num_items + 1, num_kv_heads, group), -jnp.inf, jnp.float32),
+            jnp.zeros((num_items + 1, num_kv_heads, group), jnp.float32),
+            jnp.zeros((num_items + 1, num_kv_heads, group, head_dim), jnp.float32))
+    # The loop runs ceil(num_pairs / per_chunk) times: no work for padding rows or invisible pages.
+    # Reading the pages inside the loop also keeps XLA CPU from copying the donated pool.
+    _, l_run, o_run = jax.lax.fori_loop(0, (num_pairs + per_chunk - 1) // per_chunk, body, init)
+    o = o_run[:num_items] / jnp.where(l_run[:num_items] > 0, l_run[:num_items], 1.0)[..., None]
+    rows_idx = jnp.where(live, row, T)  # T: dropped
+    out = jnp.zeros((T, num_q_heads, head_dim), q.dtype)
+    return out.at[rows_idx].set(o.reshape(num_items, num_q_heads, head_dim).astype(q.dtype), mode="drop")
