@@ -28,8 +28,10 @@ CONFIGS = [
     pytest.param(jnp.float32, 6, 2, 16, 16, id="f32-g3-ps16"),
     pytest.param(jnp.bfloat16, 8, 2, 8, 32, id="bf16-g4-ps8"),
 ]
-# (rows per item, chunk bytes): None = what the backend picks for the shape.
-CUTS = [(None, None), (1, None), (2, 1), (16, 1)]
+# (rows per item, chunk bytes): None = what the backend picks for the shape. Chunk bytes 1
+# means one item (or, for one-row items, one (row, page) pair) per chunk, so results are
+# merged across many chunks.
+CUTS = [(None, None), (1, None), (1, 1), (2, 1), (16, 1)]
 
 
 @pytest.mark.parametrize("dtype,hq,hkv,page_size,head_dim", CONFIGS)
@@ -99,8 +101,9 @@ def test_xla_attention_with_quantized_kv_matches_reference(kv_dtype):
 
     rng = np.random.RandomState(11)
     d, ps = 32, 8
-    for rows in (None, 1, 4):
-        fast = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=d**-0.5, rows=rows))
+    for rows, chunk_bytes in ((None, None), (1, 1), (4, None)):
+        fast = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=d**-0.5, rows=rows,
+                                         chunk_bytes=chunk_bytes))
         for name, seqs in quant_mixes(ps).items():
             q, (k, v, ks, vs), meta = quantized_batch(rng, seqs, page_size=ps, num_q_heads=6, num_kv_heads=2,
                                                       head_dim=d, q_dtype=jnp.float32, kv_dtype=kv_dtype)
