@@ -254,13 +254,17 @@ def test_no_recompilation_after_warm_up(params):
     assert len(events) == seen, "a backend compile happened after warm-up"
 
 
-def test_the_step_updates_the_donated_cache_in_place(params):
+@pytest.mark.parametrize("backend", ["reference", "xla"])
+@pytest.mark.parametrize("tokens,seqs", [(1, 1), (8, 8), (32, 8)])
+def test_the_step_updates_the_donated_cache_in_place(params, backend, tokens, seqs):
     """No copy of the KV pool inside the step: a copy per layer per step made a 1024-page
-    pool of the 125M shape cost ~1 s per decode step on CPU."""
+    pool of the 125M shape cost ~1 s per decode step on CPU. One-token steps matter on their
+    own: there the K/V write becomes a dynamic-update-slice, which a loop with a dynamic trip
+    count reading the pool made XLA CPU copy."""
     runner = make_llm(params).engine.runner
-    shape = StepShape(8, 8, 2)
+    shape = StepShape(tokens, seqs, 2)
     ibuf, fbuf, _ = shape.empty(NUM_PAGES * PAGE)
-    hlo = _step_jit.lower(runner.params, runner.cache, ibuf, fbuf, cfg=CFG, backend="reference",
+    hlo = _step_jit.lower(runner.params, runner.cache, ibuf, fbuf, cfg=CFG, backend=backend,
                           shape=shape).compile().as_text()
     pool = re.escape(f"f32[{NUM_PAGES},{PAGE},{CFG.num_kv_heads},{CFG.head_dim}]")
     assert re.search(pool, hlo)
