@@ -89,30 +89,28 @@ def paged_attention(backend, q, k, v, k_pages, v_pages, md: BatchMetadata, cfg: 
 def attention_block(layer: Layer, x, k_pages, v_pages, md: BatchMetadata, inv_freq, cfg: LlamaConfig, backend,
                     layout=None):
     h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-    q = _constrain(layout, linear("te,ehd->thd", h, layer.wq), ("tokens", "q_heads", "head_dim"))
-    k = _constrain(layout, linear("te,ehd->thd", h, layer.wk), ("tokens", "kv_heads", "head_dim"))
-    v = _constrain(layout, linear("te,ehd->thd", h, layer.wv), ("tokens", "kv_heads", "head_dim"))
+    q = _constrain(layout, linear("te,hde->thd", h, layer.wq), ("tokens", "q_heads", "head_dim"))
+    k = _constrain(layout, linear("te,hde->thd", h, layer.wk), ("tokens", "kv_heads", "head_dim"))
+    v = _constrain(layout, linear("te,hde->thd", h, layer.wv), ("tokens", "kv_heads", "head_dim"))
     q = apply_rope(q, md.positions, inv_freq)
     k = apply_rope(k, md.positions, inv_freq)
     o, k_pages, v_pages = paged_attention(backend, q, k, v, k_pages, v_pages, md, cfg)
-    out = x + linear("thd,hde->te", o, layer.wo)
+    out = x + linear("thd,ehd->te", o, layer.wo)
     return _constrain(layout, out, ("tokens", "embed")), k_pages, v_pages
 
 
 def mlp_block(layer: Layer, x, cfg: LlamaConfig, layout=None):
     h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-    gate = _constrain(layout, linear("te,ef->tf", h, layer.w_gate), ("tokens", "ffw"))
-    up = _constrain(layout, linear("te,ef->tf", h, layer.w_up), ("tokens", "ffw"))
-    out = x + linear("tf,fe->te", jax.nn.silu(gate) * up, layer.w_down)
+    gate = _constrain(layout, linear("te,fe->tf", h, layer.w_gate), ("tokens", "ffw"))
+    up = _constrain(layout, linear("te,fe->tf", h, layer.w_up), ("tokens", "ffw"))
+    out = x + linear("tf,ef->te", jax.nn.silu(gate) * up, layer.w_down)
     return _constrain(layout, out, ("tokens", "embed"))
 
 
 def output_logits(params: Weights, x, cfg: LlamaConfig, layout=None):
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
-    if params.lm_head is None:
-        logits = jnp.einsum("te,ve->tv", x, params.embed, preferred_element_type=jnp.float32)
-    else:
-        logits = linear("te,ev->tv", x, params.lm_head, preferred_element_type=jnp.float32)
+    head = params.embed if params.lm_head is None else params.lm_head  # both [vocab, embed]
+    logits = linear("te,ve->tv", x, head, preferred_element_type=jnp.float32)
     return _constrain(layout, logits, ("tokens", "vocab"))
 
 
