@@ -49,7 +49,7 @@ import numpy as np  # noqa: E402
 
 from model.cache import init_cache, pack_batch  # noqa: E402
 from model.config import LlamaConfig  # noqa: E402
-from model.forward import forward_jit, rms_norm  # noqa: E402
+from model.forward import forward_jit, head_projection, output_projection, rms_norm  # noqa: E402
 from kernels_pallas import get_backend  # noqa: E402
 from model.params import init_params, param_bytes  # noqa: E402
 from serving import LLM, SamplingParams  # noqa: E402
@@ -102,10 +102,10 @@ def plain_decode(params, token, eps):
     x = params.embed[token]
     for L in params.layers:
         h = rms_norm(x, L.attn_norm, eps)
-        q = jnp.einsum("te,hde->thd", h, L.wq)
-        kv = jnp.einsum("te,hde->thd", h, L.wk) + jnp.einsum("te,hde->thd", h, L.wv)
+        q = head_projection(h, L.wq)
+        kv = head_projection(h, L.wk) + head_projection(h, L.wv)
         o = q + jnp.repeat(kv, q.shape[1] // kv.shape[1], axis=1)  # stands in for attention
-        x = x + jnp.einsum("thd,ehd->te", o, L.wo)
+        x = x + output_projection(o, L.wo)
         h = rms_norm(x, L.mlp_norm, eps)
         gate, up = jnp.einsum("te,fe->tf", h, L.w_gate), jnp.einsum("te,fe->tf", h, L.w_up)
         x = x + jnp.einsum("tf,ef->te", jax.nn.silu(gate) * up, L.w_down)
