@@ -49,7 +49,7 @@ import numpy as np  # noqa: E402
 
 from model.cache import init_cache, pack_batch  # noqa: E402
 from model.config import LlamaConfig  # noqa: E402
-from model.forward import forward_jit, rms_norm  # noqa: E402
+from model.forward import forward_jit, head_projection, output_projection, rms_norm  # noqa: E402
 from kernels_pallas import get_backend  # noqa: E402
 from model.params import init_params, param_bytes  # noqa: E402
 from serving import LLM, SamplingParams  # noqa: E402
@@ -102,13 +102,14 @@ def plain_decode(params, token, eps):
     x = params.embed[token]
     for L in params.layers:
         h = rms_norm(x, L.attn_norm, eps)
-        q = jnp.einsum("te,ehd->thd", h, L.wq)
-        kv = jnp.einsum("te,ehd->thd", h, L.wk) + jnp.einsum("te,ehd->thd", h, L.wv)
+        q = head_projection(h, L.wq)
+        kv = head_projection(h, L.wk) + head_projection(h, L.wv)
         o = q + jnp.repeat(kv, q.shape[1] // kv.shape[1], axis=1)  # stands in for attention
-        x = x + jnp.einsum("thd,hde->te", o, L.wo)
+        x = x + output_projection(o, L.wo)
         h = rms_norm(x, L.mlp_norm, eps)
-        x = x + jnp.einsum("tf,fe->te", jax.nn.silu(h @ L.w_gate) * (h @ L.w_up), L.w_down)
-    return jnp.argmax(rms_norm(x, params.final_norm, eps) @ params.lm_head, axis=-1)
+        gate, up = jnp.einsum("te,fe->tf", h, L.w_gate), jnp.einsum("te,fe->tf", h, L.w_up)
+        x = x + jnp.einsum("tf,ef->te", jax.nn.silu(gate) * up, L.w_down)
+    return jnp.argmax(jnp.einsum("te,ve->tv", rms_norm(x, params.final_norm, eps), params.lm_head), axis=-1)
 
 
 def plain_decode_step_seconds(cfg, params, steps: int) -> float:
@@ -136,21 +137,22 @@ def hf_model_from(cfg: LlamaConfig, params):
         max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=False,
         bos_token_id=cfg.bos_token_id, eos_token_id=None, pad_token_id=0)
     model = transformers.LlamaForCausalLM(hf_cfg).eval()
-    e, h, d = cfg.hidden_size, cfg.num_heads, cfg.head_dim
-    t = lambda a: torch.from_numpy(np.ascontiguousarray(np.asarray(a, np.float32)))
+    e = cfg.hidden_size
+    t = lambda a: torch.from_numpy(np.array(a, np.float32, order="C"))  # a writable copy for torch
+    # Both store linear weights [out, in]: only the head dims are merged back.
     sd = {"model.embed_tokens.weight": t(params.embed), "model.norm.weight": t(params.final_norm),
-          "lm_head.weight": t(np.asarray(params.lm_head).T)}
+          "lm_head.weight": t(params.lm_head)}
     for i, L in enumerate(params.layers):
         p = f"model.layers.{i}."
         sd[p + "input_layernorm.weight"] = t(L.attn_norm)
         sd[p + "post_attention_layernorm.weight"] = t(L.mlp_norm)
-        sd[p + "self_attn.q_proj.weight"] = t(np.asarray(L.wq).reshape(e, -1).T)
-        sd[p + "self_attn.k_proj.weight"] = t(np.asarray(L.wk).reshape(e, -1).T)
-        sd[p + "self_attn.v_proj.weight"] = t(np.asarray(L.wv).reshape(e, -1).T)
-        sd[p + "self_attn.o_proj.weight"] = t(np.asarray(L.wo).reshape(h * d, e).T)
-        sd[p + "mlp.gate_proj.weight"] = t(np.asarray(L.w_gate).T)
-        sd[p + "mlp.up_proj.weight"] = t(np.asarray(L.w_up).T)
-        sd[p + "mlp.down_proj.weight"] = t(np.asarray(L.w_down).T)
+        sd[p + "self_attn.q_proj.weight"] = t(np.asarray(L.wq).reshape(-1, e))
+        sd[p + "self_attn.k_proj.weight"] = t(np.asarray(L.wk).reshape(-1, e))
+        sd[p + "self_attn.v_proj.weight"] = t(np.asarray(L.wv).reshape(-1, e))
+        sd[p + "self_attn.o_proj.weight"] = t(np.asarray(L.wo).reshape(e, -1))
+        sd[p + "mlp.gate_proj.weight"] = t(L.w_gate)
+        sd[p + "mlp.up_proj.weight"] = t(L.w_up)
+        sd[p + "mlp.down_proj.weight"] = t(L.w_down)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
     model.generation_config.eos_token_id = None

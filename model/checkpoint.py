@@ -7,6 +7,14 @@ A checkpoint directory holds:
                        fp32 scales as "layers.0.wq.data" / "layers.0.wq.scale"
   tokenizer.json       (optional) a Hugging Face tokenizer; without it the byte tokenizer
 
+The params' orbax metadata carries a format number (`FORMAT_KEY`). Format 2
+stores linear weights [out..., in...] (`model.params.linear_weight`); format 1
+(no number: checkpoints written before it existed) stored them [in..., out...].
+A checkpoint of another format is refused with an error that says how to
+upgrade it (`python -m model.upgrade_checkpoint`), because a shape check
+alone would let a square weight (e.g. w_gate when ffw == embed) load
+transposed and produce garbage silently.
+
 Restore builds abstract arrays carrying the target shardings and lets orbax
 read each shard straight onto its devices, so no host ever holds a full copy
 of the model.
@@ -25,6 +33,13 @@ from model.quant import is_quantized
 
 CONFIG_FILE = "model_config.json"
 PARAMS_DIR = "params"
+FORMAT_KEY = "ridgeline_checkpoint_format"
+FORMAT_VERSION = 2
+FORMAT_LAYOUTS = {1: "linear weights [in, out]", 2: "linear weights [out, in]"}
+
+
+class CheckpointFormatError(ValueError):
+    """A checkpoint written in a weight layout this code does not read."""
 
 
 def save_checkpoint(directory: str, params: Weights, cfg: LlamaConfig, *, storage_dtype=None) -> None:
@@ -39,7 +54,8 @@ def save_checkpoint(directory: str, params: Weights, cfg: LlamaConfig, *, storag
     flat = flatten_params(params)
     path = os.path.join(directory, PARAMS_DIR)
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(path, flat, force=True)
+        ckptr.save(path, flat, force=True,
+                   custom_metadata={FORMAT_KEY: FORMAT_VERSION, "layout": FORMAT_LAYOUTS[FORMAT_VERSION]})
         ckptr.wait_until_finished()
     cfg.save(os.path.join(directory, CONFIG_FILE))
 
@@ -61,8 +77,9 @@ def load_checkpoint(directory: str, shardings: Weights | None = None, cfg: Llama
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=device) for k, v in target.items()}
     with ocp.StandardCheckpointer() as ckptr:
-        stored = ckptr.metadata(os.path.join(directory, PARAMS_DIR))
-        stored = getattr(stored, "item_metadata", stored)
+        meta = ckptr.metadata(os.path.join(directory, PARAMS_DIR))
+        check_format(directory, stored_format(meta))
+        stored = getattr(meta, "item_metadata", meta)
         stored = getattr(stored, "tree", stored)
         _check_matches(directory, stored, target)
         # Read in the stored dtype, then cast: the cast keeps each array's sharding.
@@ -70,6 +87,24 @@ def load_checkpoint(directory: str, shardings: Weights | None = None, cfg: Llama
         flat = ckptr.restore(os.path.join(directory, PARAMS_DIR), read_as)
     flat = {k: v.astype(target[k].dtype) if v.dtype != target[k].dtype else v for k, v in flat.items()}
     return cfg, unflatten_params(cfg, flat)
+
+
+def stored_format(metadata) -> int:
+    """The format number in an orbax checkpoint's metadata (1 when it has none)."""
+    custom = getattr(metadata, "custom_metadata", None) or {}
+    return int(custom.get(FORMAT_KEY, 1))
+
+
+def check_format(directory: str, version: int) -> None:
+    if version == FORMAT_VERSION:
+        return
+    if version < FORMAT_VERSION:
+        raise CheckpointFormatError(
+            f"checkpoint {directory} is format {version} ({FORMAT_LAYOUTS.get(version, 'unknown layout')}); this "
+            f"version reads format {FORMAT_VERSION} ({FORMAT_LAYOUTS[FORMAT_VERSION]}). Upgrade it once with "
+            f"`python -m model.upgrade_checkpoint --dir={directory}`")
+    raise CheckpointFormatError(f"checkpoint {directory} is format {version}, newer than the format "
+                                f"{FORMAT_VERSION} this version reads; update ridgeline to load it")
 
 
 def _check_matches(directory: str, stored, target) -> None:

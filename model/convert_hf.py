@@ -7,8 +7,9 @@ shards listed by `model.safetensors.index.json`) tensor by tensor through
 `safetensors.safe_open`, so the input is never loaded whole. Every tensor's
 name and shape is checked against the config *before* any data is read, so a
 broken directory fails fast with one message. Each tensor is then renamed to
-our flat naming (`model.params.flatten_params`), re-laid out input-dim first
-and cast to the target dtype; the source tensor is dropped before the next one
+our flat naming (`model.params.flatten_params`), its head dims split out by a
+reshape (no transposes: both sides store linear weights [out, in]) and cast to
+the target dtype; the source tensor is dropped before the next one
 is read, so the converter holds one copy of the model (the converted one) plus
 one tensor in flight. The result is an orbax checkpoint written by
 `model.checkpoint.save_checkpoint`, plus `model_config.json` and the
@@ -25,14 +26,15 @@ converted, or split the work by layer across hosts, so that peak memory is one
 tensor rather than the model. Restore already reads each device's shard
 straight from disk, so only conversion has this limit.
 
-Layouts (HF stores `nn.Linear` weights as [out, in]; ours are input-dim first):
-    q_proj.weight [q_heads*head_dim, embed]  -> wq [embed, q_heads, head_dim]
-    k/v_proj.weight                          -> wk/wv [embed, kv_heads, head_dim]
-    o_proj.weight [embed, q_heads*head_dim]  -> wo [q_heads, head_dim, embed]
-    gate/up_proj.weight [ffw, embed]         -> w_gate/w_up [embed, ffw]
-    down_proj.weight [embed, ffw]            -> w_down [ffw, embed]
+Layouts (HF stores `nn.Linear` weights as [out, in], and so do we; only the
+fused head dims are split):
+    q_proj.weight [q_heads*head_dim, embed]  -> wq [q_heads, head_dim, embed]
+    k/v_proj.weight                          -> wk/wv [kv_heads, head_dim, embed]
+    o_proj.weight [embed, q_heads*head_dim]  -> wo [embed, q_heads, head_dim]
+    gate/up_proj.weight [ffw, embed]         -> w_gate/w_up (unchanged)
+    down_proj.weight [embed, ffw]            -> w_down (unchanged)
     embed_tokens.weight [vocab, embed]       -> embed (unchanged)
-    lm_head.weight [vocab, embed]            -> lm_head [embed, vocab] (absent when tied)
+    lm_head.weight [vocab, embed]            -> lm_head (unchanged; absent when tied)
 No q/k permutation is needed: HF checkpoints already use the half-rotation
 RoPE convention that `model.forward.apply_rope` implements.
 
@@ -88,16 +90,14 @@ def _identity(w):
     return w
 
 
-def _transpose(w):
-    return w.T
+def _split_out_heads(n: int, d: int):
+    """[n*d, embed] -> [n, d, embed]: the output rows grouped by head (a view)."""
+    return lambda w: w.reshape(n, d, w.shape[1])
 
 
-def _heads_in(n: int, d: int):
-    return lambda w: w.T.reshape(w.shape[1], n, d)
-
-
-def _heads_out(n: int, d: int):
-    return lambda w: w.T.reshape(n, d, w.shape[0])
+def _split_in_heads(n: int, d: int):
+    """[embed, n*d] -> [embed, n, d]: the input columns grouped by head (a view)."""
+    return lambda w: w.reshape(w.shape[0], n, d)
 
 
 def conversion_plan(cfg: LlamaConfig) -> list[TensorPlan]:
@@ -109,18 +109,18 @@ def conversion_plan(cfg: LlamaConfig) -> list[TensorPlan]:
         p, a, m = f"layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         plan += [
             TensorPlan(p + "attn_norm", f"model.layers.{i}.input_layernorm.weight", (h,), _identity),
-            TensorPlan(p + "wq", a + "q_proj.weight", (nq * d, h), _heads_in(nq, d)),
-            TensorPlan(p + "wk", a + "k_proj.weight", (nkv * d, h), _heads_in(nkv, d)),
-            TensorPlan(p + "wv", a + "v_proj.weight", (nkv * d, h), _heads_in(nkv, d)),
-            TensorPlan(p + "wo", a + "o_proj.weight", (h, nq * d), _heads_out(nq, d)),
+            TensorPlan(p + "wq", a + "q_proj.weight", (nq * d, h), _split_out_heads(nq, d)),
+            TensorPlan(p + "wk", a + "k_proj.weight", (nkv * d, h), _split_out_heads(nkv, d)),
+            TensorPlan(p + "wv", a + "v_proj.weight", (nkv * d, h), _split_out_heads(nkv, d)),
+            TensorPlan(p + "wo", a + "o_proj.weight", (h, nq * d), _split_in_heads(nq, d)),
             TensorPlan(p + "mlp_norm", f"model.layers.{i}.post_attention_layernorm.weight", (h,), _identity),
-            TensorPlan(p + "w_gate", m + "gate_proj.weight", (f, h), _transpose),
-            TensorPlan(p + "w_up", m + "up_proj.weight", (f, h), _transpose),
-            TensorPlan(p + "w_down", m + "down_proj.weight", (h, f), _transpose),
+            TensorPlan(p + "w_gate", m + "gate_proj.weight", (f, h), _identity),
+            TensorPlan(p + "w_up", m + "up_proj.weight", (f, h), _identity),
+            TensorPlan(p + "w_down", m + "down_proj.weight", (h, f), _identity),
         ]
     plan.append(TensorPlan("final_norm", "model.norm.weight", (h,), _identity))
     if not cfg.tie_word_embeddings:
-        plan.append(TensorPlan("lm_head", "lm_head.weight", (v, h), _transpose))
+        plan.append(TensorPlan("lm_head", "lm_head.weight", (v, h), _identity))
     return plan
 
 

@@ -10,10 +10,11 @@ Weights (`quantize`, `linear`)
 ------------------------------
 A matrix becomes a `QuantizedArray(data, scale)`: `data` in int8 or
 float8_e4m3fn with the weight's shape, `scale` fp32 with the weight's *output*
-dimensions only (one scale per output channel: per (head, head_dim) column of
-wq/wk/wv, per embed column of wo, per ffw column of w_gate/w_up, per vocab
-column of lm_head). The output channel is the right granularity because the
-scale then factors out of the contraction:
+dimensions only, which lead (weights are [out..., in...], `model.params`): one
+scale per output channel, i.e. per (head, head_dim) row of wq/wk/wv, per embed
+row of wo, per ffw row of w_gate/w_up, per vocab row of lm_head. The output
+channel is the right granularity because the scale then factors out of the
+contraction:
 
     einsum(x, data * scale) == einsum(x, data) * scale
 
@@ -23,7 +24,7 @@ multiplies its *output* by the scale: no dequantized copy of the weight, and
 on GPU XLA fuses the widening convert into the matmul's operand load, so the
 matmul reads one byte per weight. Per-output-channel also fits sharding: the
 scale carries the output dimensions' logical axes, so the same rule table
-splits it exactly as it splits the data's columns (`model.params` declares
+splits it exactly as it splits the data's output rows (`model.params` declares
 both).
 
 int8 is symmetric (`scale = max|w| / 127`, round to nearest, no zero point:
@@ -77,11 +78,12 @@ KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "fp8", "bfloat16", "float16", "float32
 
 @dataclasses.dataclass(frozen=True)
 class QuantizedArray:
-    """A quantized tensor: `data` (int8 / fp8) and `scale` (fp32) over some trailing/leading dims.
+    """A quantized tensor: `data` (int8 / fp8) and `scale` (fp32) over its leading dims.
 
-    For a weight, `scale` has the weight's output dims (`data.shape[-scale.ndim:]`);
-    for a KV page array, its leading dims (`data.shape[:-1]`). Either field may
-    also hold an `ArrayInfo` or `ShapeDtypeStruct` (declarations, abstract trees).
+    For a weight ([out..., in...]), `scale` has the weight's output dims
+    (`data.shape[:scale.ndim]`); for a KV page array, every dim but head_dim
+    (`data.shape[:-1]`). Either field may also hold an `ArrayInfo` or
+    `ShapeDtypeStruct` (declarations, abstract trees).
     """
 
     data: Any
@@ -114,8 +116,9 @@ def storage_dtype(name: str):
     return QUANT_DTYPES[name]
 
 
-def quantize(w: jax.Array, name_or_dtype, num_in_dims: int) -> QuantizedArray:
-    """Per-output-channel quantization of a weight whose first `num_in_dims` dims are contracted.
+def quantize(w: jax.Array, name_or_dtype, num_out_dims: int) -> QuantizedArray:
+    """Per-output-channel quantization of a weight whose first `num_out_dims` dims are its
+    outputs (the trailing, contracted input dims share each channel's scale).
 
     Error bound (per element, `s` = its channel's scale): int8 |w - dq| <= s / 2;
     fp8 e4m3 |w - dq| <= max(|w| / 16, s / 1024) (3 mantissa bits; subnormals
@@ -123,30 +126,36 @@ def quantize(w: jax.Array, name_or_dtype, num_in_dims: int) -> QuantizedArray:
     """
     dtype = jnp.dtype(storage_dtype(name_or_dtype) if isinstance(name_or_dtype, str) else name_or_dtype)
     w32 = w.astype(jnp.float32)
-    axes = tuple(range(num_in_dims))
-    amax = jnp.max(jnp.abs(w32), axis=axes)
-    scale = amax / QMAX[dtype]
+    amax = jnp.max(jnp.abs(w32), axis=tuple(range(num_out_dims, w.ndim)), keepdims=True)  # [out..., 1...]
     inv = jnp.where(amax > 0, QMAX[dtype] / jnp.where(amax > 0, amax, 1.0), 0.0)
+    scale = (amax / QMAX[dtype]).reshape(w.shape[:num_out_dims])
     return QuantizedArray(to_storage(w32 * inv, dtype), scale.astype(SCALE_DTYPE))
 
 
 def dequantize(q: QuantizedArray, dtype=jnp.float32) -> jax.Array:
     """The weight the quantized form stands for (tests, conversions; `linear` never builds it)."""
     data = q.data.astype(jnp.float32)
-    return (data * q.scale.astype(jnp.float32)).astype(dtype)
+    scale = q.scale.astype(jnp.float32)
+    scale = scale.reshape(scale.shape + (1,) * (data.ndim - scale.ndim))  # leading dims: pad on the right
+    return (data * scale).astype(dtype)
 
 
 def linear(spec: str, x, w, **kwargs):
     """`jnp.einsum(spec, x, w)` for a float or a `QuantizedArray` weight.
 
     Quantized: the einsum runs on `data` widened to x's dtype and its output is
-    scaled per output channel (the scale's dims are the einsum output's
-    trailing dims for every weight layout in `model.params`). A float weight
+    scaled per output channel: the scale holds the weight's leading (output)
+    dims, which every einsum in `model.forward` ("te,hde->thd", "thd,ehd->te",
+    "te,fe->tf", "tf,ef->te", "te,ve->tv") writes as the output's trailing dims,
+    in the same order, so the scale broadcasts onto them. A float weight
     takes exactly the old path, so unquantized programs are unchanged.
     """
     if not isinstance(w, QuantizedArray):
         return jnp.einsum(spec, x, w, **kwargs)
     out = jnp.einsum(spec, x, w.data.astype(x.dtype), **kwargs)
+    if out.shape[out.ndim - w.scale.ndim:] != w.scale.shape:
+        raise ValueError(f"linear {spec!r}: the output's trailing dims {out.shape} do not match the weight's "
+                         f"output dims {w.scale.shape}; weights are [out..., in...]")
     return (out.astype(jnp.float32) * w.scale).astype(out.dtype)
 
 
@@ -236,16 +245,17 @@ def quantize_params(params, cfg, weight_dtype: str, shardings=None):
 
 @dataclasses.dataclass(frozen=True)
 class _ConvertKind:
-    """What one declared weight becomes: quantized to `dtype` over its first `num_in_dims`
-    dims, or (`num_in_dims` None) cast to `dtype`. Hashable: a static jit argument."""
+    """What one declared weight becomes: quantized to `dtype` with one scale per entry of its
+    first `num_out_dims` dims, or (`num_out_dims` None) cast to `dtype`. Hashable: a static
+    jit argument."""
 
     dtype: Any
-    num_in_dims: int | None
+    num_out_dims: int | None
 
     @classmethod
     def of(cls, decl) -> "_ConvertKind":
         if is_quantized(decl):
-            return cls(jnp.dtype(decl.data.dtype), len(decl.data.shape) - len(decl.scale.shape))
+            return cls(jnp.dtype(decl.data.dtype), len(decl.scale.shape))
         return cls(jnp.dtype(decl.dtype), None)
 
 
@@ -261,7 +271,7 @@ def _device_set(x):
 def _convert_group(leaves, kinds, out_shardings=None):
     """Converts arrays that live on one set of devices; `kinds` and `out_shardings` are static,
     so every call with the same weight shapes, kinds and placement reuses one compilation."""
-    out = [w.astype(k.dtype) if k.num_in_dims is None else quantize(w, k.dtype, k.num_in_dims)
+    out = [w.astype(k.dtype) if k.num_out_dims is None else quantize(w, k.dtype, k.num_out_dims)
            for w, k in zip(leaves, kinds)]
     if out_shardings is not None:
         out = [jax.lax.with_sharding_constraint(w, s) for w, s in zip(out, out_shardings)]

@@ -89,12 +89,12 @@ def forward_dense(params: Weights, tokens, cfg: LlamaConfig):
     x = params.embed[tokens].astype(cfg.jnp_dtype)
     for layer in params.layers:
         h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-        q = jnp.einsum("ble,ehd->blhd", h, layer.wq)
-        k = jnp.einsum("ble,ehd->blhd", h, layer.wk)
-        v = jnp.einsum("ble,ehd->blhd", h, layer.wv)
+        q = jnp.einsum("ble,hde->blhd", h, layer.wq)
+        k = jnp.einsum("ble,hde->blhd", h, layer.wk)
+        v = jnp.einsum("ble,hde->blhd", h, layer.wv)
         rope = jax.vmap(lambda t: apply_rope(t, positions, inv_freq))
         o = dense_causal_attention(rope(q), rope(k), v, cfg.head_dim**-0.5)
-        x = x + jnp.einsum("blhd,hde->ble", o, layer.wo)
+        x = x + jnp.einsum("blhd,ehd->ble", o, layer.wo)
         x = jax.vmap(lambda t: mlp_block(layer, t, cfg))(x)
     return jax.vmap(lambda t: output_logits(params, t, cfg))(x)
 

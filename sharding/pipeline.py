@@ -5,7 +5,9 @@ Placement. With `p` stages and `L` layers, stage `s` owns global layers
 `j`: each weight is one array holding the `p` stages' copies of that weight
 concatenated along its first dimension (rows `s*n .. (s+1)*n - 1` are global
 layer `s*L/p + j`), that dimension sharded over `pipeline` first and then over
-whatever the rule table gives it (`tensor` for `wo` and `w_down`), the other
+whatever the rule table gives it (under megatron `tensor` for the output dim
+of the column-parallel wq/wk/wv/w_gate/w_up; nothing for the embed rows of
+`wo` and `w_down`, whose input dim carries `tensor`), the other
 dimensions exactly as for the unstaged weight. So every device holds only its
 stage's layers (and only its tensor shard of them), and inside the pipeline's
 `shard_map` each stage sees its own weight with the unstaged shape: nothing is

@@ -52,7 +52,7 @@ def saved(meshes, tmp_path_factory):
     save_mesh, _ = meshes
     params = random_params(CFG, 3, shardings(CFG, save_mesh, SAVE_RULES))
     wq = params.layers[0].wq
-    assert len(wq.sharding.device_set) == 8 and wq.addressable_shards[0].data.shape == (32, 2, 8)
+    assert len(wq.sharding.device_set) == 8 and wq.addressable_shards[0].data.shape == (2, 8, 32)
     directory = str(tmp_path_factory.mktemp("ckpt"))
     save_checkpoint(directory, params, CFG)
     host = {k: np.asarray(v) for k, v in flatten_params(params).items()}
@@ -73,9 +73,9 @@ def test_restore_on_two_devices_with_another_sharding(saved, meshes):
         assert array.sharding.device_set == restore_devices, name
         assert array.dtype == jnp.float32
         np.testing.assert_array_equal(np.asarray(array), expected[name], err_msg=name)
-    # The split really is the requested one: wq [embed, heads, head_dim] halves head_dim on each device.
+    # The split really is the requested one: wq [heads, head_dim, embed] halves head_dim on each device.
     wq = params.layers[1].wq
-    assert {s.data.shape for s in wq.addressable_shards} == {(64, 8, 4)}
+    assert {s.data.shape for s in wq.addressable_shards} == {(8, 4, 64)}
     assert {s.data.shape for s in params.embed.addressable_shards} == {(48, 64)}
 
 
@@ -131,7 +131,7 @@ def test_tied_model_round_trip(tmp_path):
 
 def test_mismatched_config_is_a_clear_error(saved):
     directory, _ = saved
-    with pytest.raises(ValueError, match=r"layers.0.w_gate: stored \(64, 128\), config expects \(64, 256\)"):
+    with pytest.raises(ValueError, match=r"layers.0.w_gate: stored \(128, 64\), config expects \(256, 64\)"):
         load_checkpoint(directory, cfg=CFG.replace(intermediate_size=256))
     with pytest.raises(ValueError, match=r"missing weights \['layers.2"):
         load_checkpoint(directory, cfg=CFG.replace(num_layers=3))

@@ -80,20 +80,22 @@ def test_layouts_match_hf_tensors(hf_model, good_dir, tmp_path):
     ours = {k: np.asarray(v) for k, v in flatten_params(params).items()}
     hf = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
     d, layer = cfg.head_dim, "model.layers.1."
+    # Both sides store linear weights [out, in]: head h of wq/wk/wv is a block of HF's rows, head h of
+    # wo a block of HF's columns, and the MLP and head weights are HF's tensors exactly.
     for h in range(cfg.num_heads):
-        np.testing.assert_array_equal(ours["layers.1.wq"][:, h, :], hf[layer + "self_attn.q_proj.weight"][h * d:(h + 1) * d].T)
-        np.testing.assert_array_equal(ours["layers.1.wo"][h], hf[layer + "self_attn.o_proj.weight"][:, h * d:(h + 1) * d].T)
+        np.testing.assert_array_equal(ours["layers.1.wq"][h], hf[layer + "self_attn.q_proj.weight"][h * d:(h + 1) * d])
+        np.testing.assert_array_equal(ours["layers.1.wo"][:, h, :], hf[layer + "self_attn.o_proj.weight"][:, h * d:(h + 1) * d])
     for h in range(cfg.num_kv_heads):
-        np.testing.assert_array_equal(ours["layers.1.wk"][:, h, :], hf[layer + "self_attn.k_proj.weight"][h * d:(h + 1) * d].T)
-        np.testing.assert_array_equal(ours["layers.1.wv"][:, h, :], hf[layer + "self_attn.v_proj.weight"][h * d:(h + 1) * d].T)
-    np.testing.assert_array_equal(ours["layers.1.w_gate"], hf[layer + "mlp.gate_proj.weight"].T)
-    np.testing.assert_array_equal(ours["layers.1.w_up"], hf[layer + "mlp.up_proj.weight"].T)
-    np.testing.assert_array_equal(ours["layers.1.w_down"], hf[layer + "mlp.down_proj.weight"].T)
+        np.testing.assert_array_equal(ours["layers.1.wk"][h], hf[layer + "self_attn.k_proj.weight"][h * d:(h + 1) * d])
+        np.testing.assert_array_equal(ours["layers.1.wv"][h], hf[layer + "self_attn.v_proj.weight"][h * d:(h + 1) * d])
+    np.testing.assert_array_equal(ours["layers.1.w_gate"], hf[layer + "mlp.gate_proj.weight"])
+    np.testing.assert_array_equal(ours["layers.1.w_up"], hf[layer + "mlp.up_proj.weight"])
+    np.testing.assert_array_equal(ours["layers.1.w_down"], hf[layer + "mlp.down_proj.weight"])
     np.testing.assert_array_equal(ours["layers.1.attn_norm"], hf[layer + "input_layernorm.weight"])
     np.testing.assert_array_equal(ours["layers.1.mlp_norm"], hf[layer + "post_attention_layernorm.weight"])
     np.testing.assert_array_equal(ours["embed"], hf["model.embed_tokens.weight"])
     np.testing.assert_array_equal(ours["final_norm"], hf["model.norm.weight"])
-    np.testing.assert_array_equal(ours["lm_head"], hf["lm_head.weight"].T)
+    np.testing.assert_array_equal(ours["lm_head"], hf["lm_head.weight"])
 
 
 def test_bf16_safetensors(hf_model, tmp_path):
@@ -103,7 +105,7 @@ def test_bf16_safetensors(hf_model, tmp_path):
     with open(os.path.join(hf_dir, "config.json")) as f:
         hf_cfg = json.load(f)
     assert "bfloat16" in (hf_cfg.get("dtype"), hf_cfg.get("torch_dtype"))
-    expected = model.state_dict()["model.layers.0.mlp.gate_proj.weight"].float().numpy().T
+    expected = model.state_dict()["model.layers.0.mlp.gate_proj.weight"].float().numpy()
 
     cfg16 = convert(hf_dir, str(tmp_path / "bf16"), progress=False)
     assert cfg16.dtype == "bfloat16"

@@ -47,7 +47,7 @@ def test_greedy_tokens_identical_across_tp_degrees(params, single_device_tokens,
     # The weights really are split: each device holds 1/tp of the query heads.
     wq = llm.engine.runner.params.layers[0].wq
     assert len(wq.sharding.device_set) == tp
-    assert wq.addressable_shards[0].data.shape[1] == CFG.num_heads // tp
+    assert wq.addressable_shards[0].data.shape[0] == CFG.num_heads // tp  # [q_heads, head_dim, embed]
     assert greedy(llm, prompts(CFG.vocab_size)) == single_device_tokens
 
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from conftest import tiny_config
 from model.cache import KVCache, pack_batch
 from model.forward import forward
-from model.params import Weights, is_array_info
+from model.params import Weights, flatten_params, unflatten_params
 
 PAGE_SIZE, NUM_PAGES, PAGES_PER_SEQ = 8, 24, 5
 NUM_TOKENS, MAX_SEQS = 24, 4
@@ -20,12 +20,16 @@ NUM_TOKENS, MAX_SEQS = 24, 4
 
 def random_params(cfg, rng):
     """Random weights from the declarations, drawn with numpy (no jit compile of an init program)."""
-    def draw(info):
+    def draw(name, info):
         if len(info.shape) == 1:  # norm scales
             return jnp.asarray(1 + 0.1 * rng.standard_normal(info.shape), info.dtype)
-        return jnp.asarray(rng.standard_normal(info.shape) / np.sqrt(info.shape[0]), info.dtype)
+        # 1/sqrt of the input size ([out..., in...]: the last dim), except the table (1/sqrt(vocab))
+        # and wo (1/sqrt(q_heads)): the draws these comparisons were tuned with.
+        fan_in = {"embed": info.shape[0], "wo": info.shape[1]}.get(name.split(".")[-1], info.shape[-1])
+        return jnp.asarray(rng.standard_normal(info.shape) / np.sqrt(fan_in), info.dtype)
 
-    return jax.tree.map(draw, Weights.declare(cfg), is_leaf=is_array_info)
+    decl = flatten_params(Weights.declare(cfg))
+    return unflatten_params(cfg, {name: draw(name, info) for name, info in decl.items()})
 
 
 def random_cache(cfg, rng):

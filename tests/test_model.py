@@ -23,15 +23,16 @@ def random_params(cfg, seed):
     """Random weights at 1/sqrt(fan_in) scale with random norms (numpy-generated: no per-shape compiles)."""
     rng = np.random.default_rng(seed)
 
-    def one(info):
+    def one(name, info):
         if info.logical_axes == ("norm",):
             x = 1.0 + 0.3 * rng.standard_normal(info.shape)
-        else:
-            fan_in = info.shape[0] if info.logical_axes[0] != "q_heads" else info.shape[0] * info.shape[1]
-            x = rng.standard_normal(info.shape) / (1.0 if info.logical_axes[0] == "vocab" else np.sqrt(fan_in))
+        else:  # [out..., in...]: wo's input is (q_heads, head_dim), every other weight's its last dim
+            fan_in = info.shape[1] * info.shape[2] if name.endswith("wo") else info.shape[-1]
+            x = rng.standard_normal(info.shape) / (1.0 if name == "embed" else np.sqrt(fan_in))
         return jnp.asarray(x, info.dtype)
 
-    return jax.tree.map(one, Weights.declare(cfg), is_leaf=is_array_info)
+    decl = flatten_params(Weights.declare(cfg))
+    return unflatten_params(cfg, {name: one(name, info) for name, info in decl.items()})
 
 
 _forward = jax.jit(forward, static_argnames=("cfg", "backend"))
@@ -78,16 +79,18 @@ def test_dense_training_forward_equals_paged_forward(dtype, tied, tol):
 def test_abstract_params_follow_declarations_at_8b_scale():
     cfg = config_by_name("llama3-8b")
     abstract = flatten_params(abstract_params(cfg))
-    assert abstract["layers.31.wq"].shape == (4096, 32, 128)
-    assert abstract["layers.0.wk"].shape == (4096, 8, 128)
-    assert abstract["layers.0.wo"].shape == (32, 128, 4096)
-    assert abstract["layers.0.w_gate"].shape == (4096, 14336)
-    assert abstract["layers.0.w_down"].shape == (14336, 4096)
-    assert abstract["embed"].shape == (128256, 4096) and abstract["lm_head"].shape == (4096, 128256)
+    # Linear weights are [out..., in...], like Hugging Face's (and the head like the embedding table).
+    assert abstract["layers.31.wq"].shape == (32, 128, 4096)
+    assert abstract["layers.0.wk"].shape == (8, 128, 4096)
+    assert abstract["layers.0.wo"].shape == (4096, 32, 128)
+    assert abstract["layers.0.w_gate"].shape == (14336, 4096)
+    assert abstract["layers.0.w_down"].shape == (4096, 14336)
+    assert abstract["embed"].shape == (128256, 4096) and abstract["lm_head"].shape == (128256, 4096)
     assert {a.dtype for a in abstract.values()} == {jnp.dtype(jnp.bfloat16)}
     assert sum(int(np.prod(a.shape)) for a in abstract.values()) == cfg.num_params()
     axes = logical_axes(cfg)
-    assert axes.layers[0].wq == ("embed", "q_heads", "head_dim") and axes.lm_head == ("embed", "vocab")
+    assert axes.layers[0].wq == ("q_heads", "head_dim", "embed") and axes.lm_head == ("vocab", "embed")
+    assert axes.layers[0].wo == ("embed", "q_heads", "head_dim") and axes.layers[0].w_down == ("embed", "ffw")
     assert len(abstract) == 2 + 9 * 32 + 1
 
 
@@ -107,11 +110,10 @@ def test_init_params_follows_declarations_and_shardings():
         v = np.asarray(x)
         if info.logical_axes == ("norm",):
             assert np.all(v == 1.0), name
-        else:  # normal_init(fan_in): std 1/sqrt(fan_in)
-            fan_in = {"embed": info.shape[1], "wo": info.shape[0] * info.shape[1]}.get(name.split(".")[-1],
-                                                                                    info.shape[0])
+        else:  # normal_init(fan_in): std 1/sqrt(fan_in); [out..., in...]: the input is the last dim (wo: two)
+            fan_in = info.shape[1] * info.shape[2] if name.endswith("wo") else info.shape[-1]
             assert abs(v.std() * np.sqrt(fan_in) - 1.0) < 0.15, name
-    assert not np.allclose(np.asarray(params["layers.0.wq"])[:, 0], np.asarray(params["layers.0.wq"])[:, 1])
+    assert not np.allclose(np.asarray(params["layers.0.wq"])[0], np.asarray(params["layers.0.wq"])[1])
 
 
 def test_unflatten_round_trip_and_missing():

@@ -30,24 +30,31 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINEAR = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
-def spread_weight(rng, shape, num_in_dims):
-    """Normal weights whose output channels span three decades of magnitude, one channel all zero."""
-    out_shape = shape[num_in_dims:]
+def num_out_dims(name: str) -> int:
+    """Output dims of a linear weight ([out..., in...]): (heads, head_dim) for wq/wk/wv, one otherwise."""
+    return 2 if name in ("wq", "wk", "wv") else 1
+
+
+def spread_weight(rng, shape, num_out_dims):
+    """Normal [out..., in...] weights whose output channels (the first `num_out_dims` dims) span
+    three decades of magnitude, one channel all zero."""
+    out_shape = shape[:num_out_dims]
     mag = np.exp(rng.uniform(-3.5, 3.5, out_shape)).astype(np.float32)
-    w = rng.standard_normal(shape).astype(np.float32) * mag
-    w.reshape(-1, *out_shape)[(slice(None),) + (0,) * len(out_shape)] = 0.0
+    w = rng.standard_normal(shape).astype(np.float32) * mag.reshape(out_shape + (1,) * (len(shape) - num_out_dims))
+    w.reshape(*out_shape, -1)[(0,) * len(out_shape)] = 0.0
     return jnp.asarray(w)
 
 
-@pytest.mark.parametrize("shape,num_in", [((64, 4, 16), 1), ((4, 16, 64), 2), ((96, 40), 1)])
-def test_quantize_round_trip_error_bounds(shape, num_in):
-    w = spread_weight(np.random.RandomState(0), shape, num_in)
+@pytest.mark.parametrize("shape,num_out", [((4, 16, 64), 2), ((64, 4, 16), 1), ((40, 96), 1)])
+def test_quantize_round_trip_error_bounds(shape, num_out):
+    w = spread_weight(np.random.RandomState(0), shape, num_out)
     w32 = np.asarray(w)
+    in_axes = tuple(range(num_out, len(shape)))
     for name in ("int8", "fp8"):
-        q = quant.quantize(w, name, num_in)
+        q = quant.quantize(w, name, num_out)
         assert q.data.dtype == quant.QUANT_DTYPES[name] and q.data.shape == shape
-        assert q.scale.dtype == jnp.float32 and q.scale.shape == shape[num_in:]
-        s = np.asarray(q.scale)
+        assert q.scale.dtype == jnp.float32 and q.scale.shape == shape[:num_out]
+        s = np.asarray(q.scale).reshape(shape[:num_out] + (1,) * len(in_axes))  # per channel, over its inputs
         err = np.abs(np.asarray(quant.dequantize(q)) - w32)
         if name == "int8":
             bound = s / 2 * (1 + 1e-5)
@@ -55,9 +62,8 @@ def test_quantize_round_trip_error_bounds(shape, num_in):
             bound = np.maximum(np.abs(w32) / 16, s / 1024) * (1 + 1e-5)
         assert (err <= bound + 1e-12).all(), f"{name}: worst excess {np.max(err - bound)}"
         # The channel max is represented exactly, and a zero channel stays zero (scale 0, no NaN).
-        amax = np.max(np.abs(w32), axis=tuple(range(num_in)))
-        np.testing.assert_allclose(np.max(np.abs(np.asarray(quant.dequantize(q))), axis=tuple(range(num_in))),
-                                   amax, rtol=1e-6)
+        amax = np.max(np.abs(w32), axis=in_axes)
+        np.testing.assert_allclose(np.max(np.abs(np.asarray(quant.dequantize(q))), axis=in_axes), amax, rtol=1e-6)
         assert np.isfinite(s).all() and s.reshape(-1)[0] == 0
         # Not trivially exact: the rounding error is real and of the bound's order.
         assert err.max() > 0.1 * bound.max()
@@ -66,17 +72,22 @@ def test_quantize_round_trip_error_bounds(shape, num_in):
 def test_linear_with_quantized_weight_is_the_einsum_of_its_dequantized_form():
     rng = np.random.RandomState(1)
     x = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
-    for spec, shape, num_in, xin in (("te,ehd->thd", (64, 4, 16), 1, x), ("te,ef->tf", (64, 40), 1, x),
-                                     ("thd,hde->te", (4, 16, 64), 2, x.reshape(5, 4, 16))):
-        w = spread_weight(rng, shape, num_in)
+    # The einsums of model.forward, weights [out..., in...].
+    for spec, shape, num_out, xin in (("te,hde->thd", (4, 16, 64), 2, x), ("te,fe->tf", (40, 64), 1, x),
+                                      ("thd,ehd->te", (64, 4, 16), 1, x.reshape(5, 4, 16)),
+                                      ("tf,ef->te", (24, 64), 1, x)):
+        w = spread_weight(rng, shape, num_out)
         for name in ("int8", "fp8"):
-            q = quant.quantize(w, name, num_in)
+            q = quant.quantize(w, name, num_out)
             got = quant.linear(spec, xin, q)
             want = jnp.einsum(spec, xin, quant.dequantize(q), precision="highest")
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(
                 np.abs(want).max()))
-    assert quant.linear("te,ef->tf", x, w := jnp.ones((64, 3))).shape == (5, 3)  # float weights pass through
-    np.testing.assert_array_equal(quant.linear("te,ef->tf", x, w), jnp.einsum("te,ef->tf", x, w))
+    assert quant.linear("te,fe->tf", x, w := jnp.ones((3, 64))).shape == (5, 3)  # float weights pass through
+    np.testing.assert_array_equal(quant.linear("te,fe->tf", x, w), jnp.einsum("te,fe->tf", x, w))
+    # A spec whose output does not end in the weight's output dims is refused, not mis-scaled.
+    with pytest.raises(ValueError, match="output dims"):
+        quant.linear("te,hde->dht", x, quant.quantize(spread_weight(rng, (4, 16, 64), 2), "int8", 2))
 
 
 def test_quantized_declarations_shard_scales_with_their_columns():
@@ -94,8 +105,8 @@ def test_quantized_declarations_shard_scales_with_their_columns():
     assert {"layers.0.wq.data", "layers.0.wq.scale", "lm_head.data", "lm_head.scale", "embed"} <= names
     shardings = param_shardings(cfg, make_mesh(tensor=2))
     sl = shardings.layers[0]
-    assert sl.wq.data.spec == jax.sharding.PartitionSpec(None, "tensor")
-    assert sl.wq.scale.spec == jax.sharding.PartitionSpec("tensor")  # split like wq's head columns
+    assert sl.wq.data.spec == jax.sharding.PartitionSpec("tensor")
+    assert sl.wq.scale.spec == jax.sharding.PartitionSpec("tensor")  # split like wq's head rows
     assert sl.w_gate.scale.spec == jax.sharding.PartitionSpec("tensor")
     assert sl.w_down.scale.spec == jax.sharding.PartitionSpec()  # row-parallel: output replicated
     cache = cache_shardings(cfg, make_mesh(tensor=2), num_pages=8, page_size=4, dtype=jnp.int8)
@@ -139,17 +150,17 @@ def _hf_dir(tmp_path, cfg, params):
     h, d = cfg.hidden_size, cfg.head_dim
     np32 = lambda x: np.ascontiguousarray(np.asarray(x, np.float32))  # noqa: E731
     t = {"model.embed_tokens.weight": np32(params.embed), "model.norm.weight": np32(params.final_norm),
-         "lm_head.weight": np32(params.lm_head.T)}
+         "lm_head.weight": np32(params.lm_head)}
     for i, layer in enumerate(params.layers):
         p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         t[p + "input_layernorm.weight"] = np32(layer.attn_norm)
         t[p + "post_attention_layernorm.weight"] = np32(layer.mlp_norm)
         for name, w in (("q_proj", layer.wq), ("k_proj", layer.wk), ("v_proj", layer.wv)):
-            t[a + name + ".weight"] = np32(np.asarray(w).reshape(h, -1).T)
-        t[a + "o_proj.weight"] = np32(np.asarray(layer.wo).reshape(-1, h).T)
-        t[m + "gate_proj.weight"] = np32(np.asarray(layer.w_gate).T)
-        t[m + "up_proj.weight"] = np32(np.asarray(layer.w_up).T)
-        t[m + "down_proj.weight"] = np32(np.asarray(layer.w_down).T)
+            t[a + name + ".weight"] = np32(np.asarray(w).reshape(-1, h))
+        t[a + "o_proj.weight"] = np32(np.asarray(layer.wo).reshape(h, -1))
+        t[m + "gate_proj.weight"] = np32(layer.w_gate)
+        t[m + "up_proj.weight"] = np32(layer.w_up)
+        t[m + "down_proj.weight"] = np32(layer.w_down)
     os.makedirs(tmp_path, exist_ok=True)
     save_file(t, str(tmp_path / "model.safetensors"))
     hf = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=cfg.vocab_size, hidden_size=h,
@@ -181,7 +192,7 @@ def test_convert_hf_weight_dtype_writes_a_quantized_checkpoint(tmp_path):
     _, sharded = load_checkpoint(str(tmp_path / "out"), param_shardings(out, make_mesh(tensor=2)))
     wq = sharded.layers[1].wq
     assert wq.scale.sharding.spec == jax.sharding.PartitionSpec("tensor")
-    assert wq.data.addressable_shards[0].data.shape == (cfg.hidden_size, cfg.num_heads // 2, cfg.head_dim)
+    assert wq.data.addressable_shards[0].data.shape == (cfg.num_heads // 2, cfg.head_dim, cfg.hidden_size)
     np.testing.assert_array_equal(np.asarray(wq.scale), np.asarray(want.layers[1].wq.scale))
     with pytest.raises(ConversionError, match="weight_dtype"):
         convert(hf_dir, str(tmp_path / "bad"), progress=False, weight_dtype="int4")
@@ -252,14 +263,14 @@ def test_quantized_forward_matches_full_precision_on_the_embedded_model(embedded
 
     # The thresholds have teeth: 4-bit rounding with the same per-channel scales, and int8 whose
     # data is stored at twice its scale (a scale bug clipping half the range), both fail them.
-    def coarse(w, num_in, levels):
-        q = quant.quantize(w, "int8", num_in)
+    def coarse(w, num_out, levels):
+        q = quant.quantize(w, "int8", num_out)
         data = jnp.clip(jnp.round(q.data.astype(jnp.float32) * levels / 127), -levels, levels) * 127 / levels
         return quant.dequantize(QuantizedArray(data, q.scale))
 
     def broken(levels, stretch=1.0):
         def fix(layer):
-            return dataclasses.replace(layer, **{k: coarse(getattr(layer, k) * stretch, 2 if k == "wo" else 1, levels)
+            return dataclasses.replace(layer, **{k: coarse(getattr(layer, k) * stretch, num_out_dims(k), levels)
                                                  / stretch for k in LINEAR})
         return dataclasses.replace(params, layers=[fix(layer) for layer in params.layers])
 
@@ -268,7 +279,7 @@ def test_quantized_forward_matches_full_precision_on_the_embedded_model(embedded
         assert not _passes(q, THRESHOLDS[("int8", None)]) and not _passes(q, THRESHOLDS[("fp8", None)]), (name, q)
     clipped = dataclasses.replace(params, layers=[dataclasses.replace(layer, **{
         k: quant.dequantize(QuantizedArray(quant.to_storage(
-            (qk := quant.quantize(getattr(layer, k), "int8", 2 if k == "wo" else 1)).data.astype(jnp.float32) * 2,
+            (qk := quant.quantize(getattr(layer, k), "int8", num_out_dims(k))).data.astype(jnp.float32) * 2,
             jnp.int8), qk.scale)) for k in LINEAR}) for layer in params.layers])
     q = _quality(_logits(cfg, clipped, heldout_batch), ref)
     assert not _passes(q, THRESHOLDS[("fp8", None)]), ("scale bug", q)

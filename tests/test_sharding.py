@@ -69,7 +69,7 @@ def test_double_mapped_mesh_axis_is_rejected_naming_both_dimensions():
         sharding.check_rules(bad, cfg, mesh)
     msg = str(e.value)
     assert "two dimensions of layers.0.wq to mesh axis 'tensor'" in msg
-    assert "dimension 1 ('q_heads')" in msg and "dimension 2 ('head_dim')" in msg
+    assert "dimension 0 ('q_heads')" in msg and "dimension 1 ('head_dim')" in msg
     # The same table is refused wherever shardings are derived from it.
     with pytest.raises(RuleError, match="dimension 0 \\('vocab'\\) and dimension 1 \\('embed'\\)"):
         sharding.param_shardings(cfg, mesh, megatron_with(embed="tensor"))
@@ -112,13 +112,14 @@ def test_megatron_param_and_cache_specs():
     mesh = sharding.make_mesh(tensor=2)
     ps = sharding.param_shardings(tp_config(), mesh, "megatron")
     layer = ps.layers[1]
-    assert layer.wq.spec == P(None, "tensor") and layer.wk.spec == P(None, "tensor")  # column-parallel
-    assert layer.w_gate.spec == P(None, "tensor") and layer.w_up.spec == P(None, "tensor")
-    assert layer.wo.spec == P("tensor") and layer.w_down.spec == P("tensor")  # row-parallel
+    # Weights are [out..., in...]: column-parallel splits the leading (output) dim, row-parallel the input.
+    assert layer.wq.spec == P("tensor") and layer.wk.spec == P("tensor")  # column-parallel
+    assert layer.w_gate.spec == P("tensor") and layer.w_up.spec == P("tensor")
+    assert layer.wo.spec == P(None, "tensor") and layer.w_down.spec == P(None, "tensor")  # row-parallel
     assert ps.embed.spec == P("tensor") and ps.lm_head is None  # tied: one vocab-parallel table
     assert layer.attn_norm.spec == P() and ps.final_norm.spec == P()
     untied = sharding.param_shardings(tp_config(tie_word_embeddings=False), mesh)
-    assert untied.lm_head.spec == P(None, "tensor")
+    assert untied.lm_head.spec == P("tensor")  # [vocab, embed] like the table
     cs = sharding.cache_shardings(tp_config(), mesh, "megatron", num_pages=8, page_size=4)
     assert [c.spec for c in cs.k + cs.v] == [P(None, None, "tensor")] * 4
     # Fewer KV heads than devices: the wk/wv weights and the cache are replicated.
@@ -140,11 +141,11 @@ def test_arrays_land_in_their_shards():
     params = jax.device_put(host, sharding.param_shardings(cfg, mesh))
     cache = init_cache(cfg, 8, 4, shardings=sharding.cache_shardings(cfg, mesh, num_pages=8, page_size=4))
     wq = params.layers[0].wq
-    assert {s.data.shape for s in wq.addressable_shards} == {(64, 2, 16)}
-    assert {s.data.shape for s in params.layers[0].w_down.addressable_shards} == {(32, 64)}
+    assert {s.data.shape for s in wq.addressable_shards} == {(2, 16, 64)}
+    assert {s.data.shape for s in params.layers[0].w_down.addressable_shards} == {(64, 32)}
     assert {s.data.shape for s in cache.k[0].addressable_shards} == {(8, 4, 1, 16)}
     # Shards are pieces of one array: putting them back gives the full weight.
-    np.testing.assert_array_equal(np.concatenate([np.asarray(s.data) for s in wq.addressable_shards], axis=1),
+    np.testing.assert_array_equal(np.concatenate([np.asarray(s.data) for s in wq.addressable_shards], axis=0),
                                   np.asarray(wq))
 
 
@@ -173,7 +174,7 @@ def test_checkpoint_restores_straight_into_tp_shardings(tmp_path):
     save_checkpoint(str(tmp_path / "ckpt"), host, cfg)
     layout = sharding.Layout.create(sharding.make_mesh(tensor=4))
     _, params = load_checkpoint(str(tmp_path / "ckpt"), shardings=layout.param_shardings(cfg))
-    assert params.layers[0].w_up.sharding.spec == P(None, "tensor")
-    assert {s.data.shape for s in params.layers[0].w_up.addressable_shards} == {(64, 32)}
+    assert params.layers[0].w_up.sharding.spec == P("tensor")
+    assert {s.data.shape for s in params.layers[0].w_up.addressable_shards} == {(32, 64)}
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(host)):
         np.testing.assert_array_equal(np.asarray(a), b)

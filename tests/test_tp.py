@@ -88,7 +88,9 @@ def _host_params():
     def draw(path, a):
         if a.ndim == 1:  # norms: near 1, but not exactly
             return (1 + 0.1 * rng.standard_normal(a.shape)).astype(np.float32)
-        fan_in = a.shape[0] * (a.shape[1] if path[-1].name == "wo" else 1)
+        # [out..., in...]: the input is the last dim (wo: its last two); the table is scaled by its vocab.
+        name = path[-1].name
+        fan_in = a.shape[1] * a.shape[2] if name == "wo" else a.shape[0] if name == "embed" else a.shape[-1]
         return (rng.standard_normal(a.shape) / np.sqrt(fan_in)).astype(np.float32)
 
     return jax.tree_util.tree_map_with_path(draw, abstract_params(CFG))
@@ -127,8 +129,8 @@ def test_pallas_kernels_run_per_device_under_tp():
 def test_arrays_stay_sharded(tp):
     *_, params, cache = result(tp)
     layer = params.layers[0]
-    assert {s.data.shape for s in layer.wq.addressable_shards} == {(64, 8 // tp, 16)}
-    assert {s.data.shape for s in layer.w_down.addressable_shards} == {(128 // tp, 64)}
+    assert {s.data.shape for s in layer.wq.addressable_shards} == {(8 // tp, 16, 64)}
+    assert {s.data.shape for s in layer.w_down.addressable_shards} == {(64, 128 // tp)}
     assert {s.data.shape for s in params.embed.addressable_shards} == {(128 // tp, 64)}
     kv_local = 1 if tp == 2 else 2  # TP=8 > 2 KV heads: replicated
     assert {s.data.shape for s in cache.k[0].addressable_shards} == {(PAGES, PAGE, kv_local, 16)}
