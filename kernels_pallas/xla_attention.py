@@ -24,15 +24,16 @@ smaller still: one (row, page) *pair* for every page the row can see
 pages, so the work follows the live context rather than the bucket's P pages
 per row (a decode batch whose contexts span 30-500 tokens in a 512-token
 bucket reads about half of what P x S pages would be). Pairs are processed in
-chunks by a loop that runs exactly as many times as live pairs need; each
-pair's partial softmax (max, sum, weighted V) is merged into its row's
-running result, flash-decoding style with the split at page boundaries.
+chunks of ~`PAGE_CHUNK_BYTES`, chunks past the live pairs skipped; each pair's
+partial softmax (max, sum, weighted V) is merged into its row's running
+result, flash-decoding style with the split at page boundaries. (The same
+pairs with B > 1 rows were measured too: no faster than items for prefill.)
 
 Measured on the 2-core CPU against the reference, one layer of the 125M shape
 (4 KV heads x 3, head_dim 64, fp32): a 512-token prefill over 1,000 cached
 tokens 5x faster, two 256-token prompts ~4x, 31 decodes plus a 225-token
-prefill chunk ~2x, pure decode batches about the same (they are bound by
-gathering the pages, which both do once per row).
+prefill chunk ~2x; decode batches 1.2x at full contexts and ~2x when the
+contexts spread over the bucket (docs/performance.md has the table).
 """
 
 from __future__ import annotations
