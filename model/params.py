@@ -64,9 +64,10 @@ def linear_weight(cfg: LlamaConfig, info: ArrayInfo, num_out_dims: int = 1):
 
     Linear weights are stored output dims first, input dims last ([out, in], the
     PyTorch / Hugging Face layout): every matmul contracts the weight's trailing
-    dims. On XLA CPU that is measurably faster for decode-sized batches (8-32
-    rows: ~1.4x on the projections of a 125M model) than [in, out]; on GPU XLA
-    picks dot layouts itself. Checkpoint conversion then needs no transposes."""
+    dims. On XLA CPU that is faster for decode-sized batches (8-32 rows) than
+    [in, out], provided the dot is 2-D: `model.forward` merges wq/wk/wv/wo's
+    (heads, head_dim) dims first, since a 3-D dot made XLA transpose the weight
+    on every call. Checkpoint conversion from Hugging Face needs no transposes."""
     if cfg.weight_dtype is None:
         return info
     return QuantizedArray(

@@ -31,7 +31,8 @@ from absl import app, flags, logging
 
 from model.checkpoint import save_checkpoint
 from model.config import LlamaConfig, config_by_name
-from model.forward import apply_rope, mlp_block, output_logits, rms_norm, rope_frequencies
+from model.forward import (apply_rope, head_projection, mlp_block, output_logits, output_projection, rms_norm,
+                           rope_frequencies)
 from model.params import Weights, init_params
 from model.tokenizer import ByteTokenizer
 
@@ -89,12 +90,12 @@ def forward_dense(params: Weights, tokens, cfg: LlamaConfig):
     x = params.embed[tokens].astype(cfg.jnp_dtype)
     for layer in params.layers:
         h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-        q = jnp.einsum("ble,hde->blhd", h, layer.wq)
-        k = jnp.einsum("ble,hde->blhd", h, layer.wk)
-        v = jnp.einsum("ble,hde->blhd", h, layer.wv)
+        # The serving forward's projections (2-D dots over [out, in] weights) on the flattened batch.
+        tok = h.reshape(b * length, -1)
+        q, k, v = (head_projection(tok, w).reshape(b, length, *w.shape[:2]) for w in (layer.wq, layer.wk, layer.wv))
         rope = jax.vmap(lambda t: apply_rope(t, positions, inv_freq))
         o = dense_causal_attention(rope(q), rope(k), v, cfg.head_dim**-0.5)
-        x = x + jnp.einsum("blhd,ehd->ble", o, layer.wo)
+        x = x + output_projection(o.reshape(b * length, *o.shape[2:]), layer.wo).reshape(b, length, -1)
         x = jax.vmap(lambda t: mlp_block(layer, t, cfg))(x)
     return jax.vmap(lambda t: output_logits(params, t, cfg))(x)
 
