@@ -78,6 +78,7 @@ class Launch:
         self.out = out or sys.stdout
         self._out_lock = threading.Lock()
         self.procs: list[subprocess.Popen] = []
+        self._interrupted = False  # set by SIGINT / SIGTERM while `run` waits
         self._readers: list[threading.Thread] = []
 
     def _forward(self, i: int, stream) -> None:
@@ -115,9 +116,12 @@ class Launch:
         for t in self._readers:
             t.join(timeout=5)
 
-    def wait(self) -> int:
-        """Until every child has ended with 0 (-> 0) or one ended otherwise (-> its code, others stopped)."""
+    def wait(self) -> int | None:
+        """Until every child has ended with 0 (-> 0) or one ended otherwise (-> its code, others stopped),
+        or the launcher was interrupted (-> None, children untouched)."""
         while True:
+            if self._interrupted:
+                return None
             running = False
             for p in self.procs:
                 rc = p.poll()
@@ -133,19 +137,27 @@ class Launch:
             time.sleep(0.05)
 
     def run(self) -> int:
-        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+        # Ctrl-C and SIGTERM only set a flag that `wait` polls. Not KeyboardInterrupt: raised
+        # asynchronously inside Popen.poll it can leave the Popen's wait lock held, and the
+        # launcher then hung in the next wait() instead of stopping its children.
+        previous = {sig: signal.signal(sig, self._interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             self.start()
-            return self.wait()
-        except KeyboardInterrupt:
+            rc = self.wait()
+            if rc is not None:
+                return rc
             self.stop()
             failed = [exit_code(p.returncode) for p in self.procs if p.returncode not in (None, 0)
                       and p.returncode not in (-signal.SIGINT, -signal.SIGKILL)]
             return failed[0] if failed else INTERRUPTED_EXIT_CODE
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             if any(p.poll() is None for p in self.procs):
                 self.stop()
+
+    def _interrupt(self, signum, frame) -> None:
+        self._interrupted = True
 
 
 def _signal_group(p: subprocess.Popen, sig) -> None:
@@ -154,9 +166,6 @@ def _signal_group(p: subprocess.Popen, sig) -> None:
     except (ProcessLookupError, PermissionError):
         pass
 
-
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
 
 
 def parse_args(argv: Sequence[str]):
