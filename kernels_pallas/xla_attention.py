@@ -209,6 +209,7 @@ def _attend_by_page(q, k_pages, v_pages, k_scale, v_scale, block_tables, seq, ro
     init = (jnp.full((num_items + 1, num_kv_heads, group), -jnp.inf, jnp.float32),
             jnp.zeros((num_items + 1, num_kv_heads, group), jnp.float32),
             jnp.zeros((num_items + 1, num_kv_heads, group, head_dim), jnp.float32))
+
     def maybe_body(c, carry):  # chunks past the live pairs cost (almost) nothing
         return jax.lax.cond(c * per_chunk < num_pairs, body, lambda c, carry: carry, c, carry)
 

@@ -145,9 +145,11 @@ def linear(spec: str, x, w, **kwargs):
 
     Quantized: the einsum runs on `data` widened to x's dtype and its output is
     scaled per output channel: the scale holds the weight's leading (output)
-    dims, which every einsum in `model.forward` ("te,hde->thd", "thd,ehd->te",
-    "te,fe->tf", "tf,ef->te", "te,ve->tv") writes as the output's trailing dims,
-    in the same order, so the scale broadcasts onto them. A float weight
+    dims, which every einsum over an [out..., in...] weight writes as the
+    output's trailing dims, in the same order, so the scale broadcasts onto
+    them. `model.forward` runs 2-D ones ("te,fe->tf", "tf,ef->te", "te,ve->tv",
+    the attention weights through 2-D views); the 3-D forms ("te,hde->thd",
+    "thd,ehd->te") work the same way. A float weight
     takes exactly the old path, so unquantized programs are unchanged.
     """
     if not isinstance(w, QuantizedArray):

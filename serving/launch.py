@@ -167,7 +167,6 @@ def _signal_group(p: subprocess.Popen, sig) -> None:
         pass
 
 
-
 def parse_args(argv: Sequence[str]):
     argv = list(argv)
     if "--" in argv:
