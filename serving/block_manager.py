@@ -194,16 +194,18 @@ class BlockManager:
     def register_full_blocks(self, seq) -> None:
         """Enters `seq`'s newly completed full blocks into the prefix cache.
 
-        Call after `seq.num_computed_tokens` advanced (their K/V is written).
-        A block whose digest is already cached under another page stays
-        unregistered (the cached copy serves future hits).
+        Call once the step that computes them was dispatched (any step that reads
+        them runs after it). Only blocks whose tokens the host knows are hashed: a
+        token sampled by a step still running waits for the next call. A block
+        whose digest is already cached under another page stays unregistered (the
+        cached copy serves future hits).
         """
         if not self.enable_prefix_caching:
             return
         table = self.tables.get(seq.seq_id)
         if not table:
             return
-        full = min(seq.num_computed_tokens // self.page_size, len(table))
+        full = min(min(seq.num_computed_tokens, seq.num_tokens) // self.page_size, len(table))
         done = self._registered.get(seq.seq_id, 0)
         if full <= done:
             return

@@ -32,7 +32,7 @@ from serving.input_batch import Buckets, pack_step, sampling_row
 from serving.model_runner import ModelRunner
 from serving.outputs import CompletionOutput, Logprob, RequestOutput
 from serving.sampling_params import InvalidParameterError, SamplingParams
-from serving.scheduler import Scheduler, SchedulerConfig
+from serving.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from serving.sequence import Request, Sequence, SequenceStatus
 from serving.spec_decode.options import check_options as check_spec_options, logit_rows as spec_logit_rows
 from serving.stats import EngineStats, FinishedRequestStats, IterationStats, StatsLog
@@ -69,6 +69,10 @@ class EngineConfig:
     speculative_method: Optional[str] = None
     num_speculative_tokens: int = 0
     speculative_model: Optional[str] = None
+    # Schedule and dispatch step t+1 while the device runs step t (decodes read their last
+    # token from step t's sampled ids on the device). Off: every step is processed before
+    # the next is scheduled. Speculative decoding always runs one step at a time.
+    async_scheduling: bool = True
 
 
 def default_num_pages(cfg: LlamaConfig, config: EngineConfig, max_model_len: int, cache_dtype=None) -> int:
@@ -143,6 +147,11 @@ class Engine:
         self._pending_finished: list[FinishedRequestStats] = []
         self._step_count = 0
         self._pending_imports: list[Request] = []  # requests resuming a shipped prefill (serving.kv_transfer)
+        # Overlapped scheduling needs a runner that dispatches without waiting; speculative
+        # steps choose the next step's drafts from this step's tokens, so they run one at a time.
+        self.overlap = (config.async_scheduling and self.spec is None
+                        and getattr(self.runner, "dispatch", None) is not None)
+        self._in_flight: Optional[_StepInFlight] = None  # dispatched, not yet processed
 
     # --- requests ------------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
@@ -230,11 +239,19 @@ class Engine:
             self._pending_finished.append(self._finished_stats(req, "abort", time.monotonic()))
 
     def has_unfinished_requests(self) -> bool:
+        # A step still in flight when the last request ended holds only finished sequences:
+        # the next call of `step` processes (and discards) it.
         return bool(self.requests)
 
     # --- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduled batch; returns outputs of finished requests and of streaming ones that progressed."""
+        """Runs one scheduled batch; returns outputs of finished requests and of streaming ones that progressed.
+
+        With overlapped scheduling (`EngineConfig.async_scheduling`) the call dispatches the
+        next step before it processes the one dispatched by the previous call, so the host
+        schedules and packs step t+1 while the device still runs step t, and the outputs
+        returned are those of step t. The only wait is for step t's sampled ids.
+        """
         t0 = time.perf_counter()
         imported = self._admit_imports() if self._pending_imports else None
         if self.spec is not None:
@@ -251,42 +268,18 @@ class Engine:
         it = IterationStats(step=self._step_count, num_tokens=out.num_batched_tokens, num_seqs=len(out.scheduled),
                             num_prompt_tokens=0, num_generation_tokens=0, kv_tokens_read=0, host_seconds=0.0,
                             device_seconds=0.0, num_preemptions=len(out.preempted))
-        t1 = t2 = t0
-        if not out.is_empty:
-            if out.copies:
-                self.runner.copy_pages(out.copies)
-            batch = pack_step(out, self.block_manager.tables, self.buckets, self.config.page_size, self.num_pages)
-            it.kv_tokens_read = batch.kv_tokens
+        launched = None if out.is_empty else self._launch(out, it, now)
+        if self.overlap:
+            done, self._in_flight = self._in_flight, launched
+        else:
+            done = launched
+        waited = 0.0
+        if done is not None:
             t1 = time.perf_counter()
-            # The step is dispatched asynchronously; bookkeeping that does not need its
-            # sampled ids runs while the device works, and `result()` is the one sync.
-            # (Speculative steps verify drafts in a step of their own and are run synchronously.)
-            dispatch = getattr(self.runner, "dispatch", None) if self.spec is None else None
-            pending = dispatch(batch) if dispatch is not None else None
-            for item in out.scheduled:
-                m = item.seq.request.metrics
-                if m.first_scheduled_time is None:
-                    m.first_scheduled_time = now
-                it.num_prompt_tokens += max(0, min(item.start + item.num_new_tokens, item.seq.num_prompt_tokens)
-                                            - item.start)
-            if pending is not None:
-                result = pending.result()
-            elif self.spec is not None:
-                result = self.spec.execute(batch, out)
-            else:
-                result = self.runner.execute(batch)
-            t2 = time.perf_counter()
-            sampled = result.ids[:len(batch.sample_rows)].tolist()
-            new_tokens = self.scheduler.update(out, sampled)
-            if self.spec is not None:  # verified sequences: their accepted tokens, one at a time
-                new_tokens = itertools.chain(new_tokens, self.spec.verified_tokens(out, sampled))
-            now = time.monotonic()
-            for seq, row, p0, p1 in batch.prompt_rows:
-                self._prompt_logprobs(seq, result, row, p0, p1)
-            for seq, tok, row in new_tokens:
-                self._on_token(seq, tok, row, result, now, it)
-                touched[seq.request.request_id] = seq.request
-                it.num_generation_tokens += 1
+            result = done.result()
+            waited = time.perf_counter() - t1
+            self._process(done, result, it, touched)
+        now = time.monotonic()
         if imported:
             it.num_generation_tokens += len(imported[0])
             it.time_to_first_tokens.extend(imported[1].time_to_first_tokens)
@@ -305,11 +298,49 @@ class Engine:
             self.spec.after_step()
         it.finished.extend(self._pending_finished)
         self._pending_finished = []
-        it.host_seconds = (t1 - t0) + (time.perf_counter() - t2)
-        it.device_seconds = t2 - t1
+        it.host_seconds = time.perf_counter() - t0 - waited
+        it.device_seconds = waited
         self._step_count += 1
         self.stats_log.record(it)
         return outputs
+
+    def _launch(self, out: SchedulerOutput, it: IterationStats, now: float) -> "_StepInFlight":
+        """Packs and starts a scheduled step (JAX dispatches asynchronously, so this returns
+        while the device works; a speculative step verifies its drafts synchronously)."""
+        if out.copies:
+            self.runner.copy_pages(out.copies)
+        batch = pack_step(out, self.block_manager.tables, self.buckets, self.config.page_size, self.num_pages)
+        it.kv_tokens_read = batch.kv_tokens
+        dispatch = getattr(self.runner, "dispatch", None) if self.spec is None else None
+        if dispatch is not None:
+            pending = dispatch(batch)
+        elif self.spec is not None:
+            pending = self.spec.execute(batch, out)
+        else:
+            pending = self.runner.execute(batch)
+        for item in out.scheduled:
+            m = item.seq.request.metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+            it.num_prompt_tokens += max(0, min(item.start + item.num_new_tokens, item.seq.num_prompt_tokens)
+                                        - item.start)
+        return _StepInFlight(out, batch, pending)
+
+    def _process(self, done: "_StepInFlight", result, it: IterationStats, touched: dict) -> None:
+        """Takes a finished step's sampled ids into the sequences: tokens, logprobs, stops."""
+        out, batch = done.out, done.batch
+        sampled = result.ids[:len(batch.sample_rows)].tolist()
+        new_tokens = self.scheduler.update(out, sampled)
+        if self.spec is not None:  # verified sequences: their accepted tokens, one at a time
+            new_tokens = itertools.chain(new_tokens, self.spec.verified_tokens(out, sampled))
+        now = time.monotonic()
+        for seq, row, p0, p1 in batch.prompt_rows:
+            if not seq.is_finished:
+                self._prompt_logprobs(seq, result, row, p0, p1)
+        for seq, tok, row in new_tokens:
+            self._on_token(seq, tok, row, result, now, it)
+            touched[seq.request.request_id] = seq.request
+            it.num_generation_tokens += 1
 
     def _finished_stats(self, req: Request, reason: str, now: float) -> FinishedRequestStats:
         m = req.metrics
@@ -502,6 +533,19 @@ class Engine:
 
     def reset_prefix_cache(self) -> int:
         return self.block_manager.reset_prefix_cache()
+
+
+class _StepInFlight:
+    """A dispatched step and what processing its results needs."""
+
+    __slots__ = ("out", "batch", "pending")
+
+    def __init__(self, out: SchedulerOutput, batch, pending):
+        self.out, self.batch, self.pending = out, batch, pending
+
+    def result(self):
+        """The step's host results (waits for the device; a synchronous step already has them)."""
+        return self.pending.result() if hasattr(self.pending, "result") else self.pending
 
 
 def _find_stop(text: str, delta_len: int, stops: Seq[str]):

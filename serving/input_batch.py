@@ -14,6 +14,11 @@ Python loops are over scheduled sequences and logit rows, never over tokens.
 
 Logit rows: first one row per sample drawn this step (at the sequence's last
 token), then one row per prompt position whose prompt logprob is wanted.
+
+A decode whose input token was drawn by the step still running (overlapped
+scheduling, see `serving.engine`) gets a placeholder: `feed_rows` names the
+row of that step's samples the device takes it from. Packing records on each
+sampling sequence the row its draw lands in, for the step after this one.
 """
 
 from __future__ import annotations
@@ -94,7 +99,7 @@ class StepShape:
     @property
     def int_fields(self):
         T, S, P = self.T, self.S, self.P
-        return (("tokens", T), ("positions", T), ("slots", T), ("cu_q_lens", S + 1), ("kv_lens", S),
+        return (("tokens", T), ("feed_rows", T), ("positions", T), ("slots", T), ("cu_q_lens", S + 1), ("kv_lens", S),
                 ("block_tables", S * P), ("num_seqs", 1), ("logits_indices", S), ("top_k", S),
                 ("key_data", 2 * S), ("sample_index", S), ("token_index", S), ("target", S),
                 ("flags", NUM_FLAGS))
@@ -131,6 +136,7 @@ class StepShape:
         fbuf = np.zeros(fsize, np.float32)
         v = self.split(ibuf, fbuf)
         v["slots"][:] = pad_slot
+        v["feed_rows"][:] = -1
         v["target"][:] = -1
         v["top_p"][:] = 1.0
         return ibuf, fbuf, v
@@ -176,13 +182,20 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
     ibuf, fbuf, v = shape.empty(num_pages * page_size)
 
     toks: list[int] = []
+    feeds: list[tuple[int, int]] = []  # (token index, row of the previous step's sample)
     for it in items:
         if it.draft_token_ids:  # speculative: the last token, then the drafts to verify
             toks += it.seq.token_ids[it.start:it.start + it.num_new_tokens - len(it.draft_token_ids)]
             toks += it.draft_token_ids
         else:
-            toks += it.seq.token_ids[it.start:it.start + it.num_new_tokens]
+            known = it.seq.token_ids[it.start:it.start + it.num_new_tokens]
+            if len(known) < it.num_new_tokens:  # the last one is still on the device (a placeholder)
+                feeds.append((len(toks) + len(known), it.seq.pending_row))
+                known = known + [0]
+            toks += known
     v["tokens"][:total] = toks
+    for i, row in feeds:
+        v["feed_rows"][i] = row
     cu = np.cumsum(n_new)
     v["cu_q_lens"][1:n + 1] = cu
     v["cu_q_lens"][n + 1:] = total
@@ -217,7 +230,9 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
             any_filter = any_filter or k > 0 or p < 1.0
         if req.params.logprobs is not None:
             want_logprobs = True
-        tok_index = seq.num_output_tokens
+        # Draws before this one, those still in flight included (this one is pending already).
+        tok_index = seq.num_output_tokens + seq.num_pending - 1
+        seq.pending_row = row  # where the next step finds this draw (`feed_rows`)
         nd = len(it.draft_token_ids)  # with drafts: one row per verified position, in order
         for s in it.sample_indices:
             for j in range(nd + 1):

@@ -47,15 +47,32 @@ def unpack_step(v: dict) -> tuple[BatchMetadata, SamplingInputs]:
     return md, s
 
 
-def _step(params, cache, ibuf, fbuf, *, cfg: LlamaConfig, backend: str, shape: StepShape, layout=None):
+def feed_tokens(tokens, feed_rows, feed):
+    """The step's input tokens, with the placeholders filled in from the previous step's samples.
+
+    `feed_rows[i] >= 0` marks token i as the id sampled in row `feed_rows[i]` of the step
+    dispatched just before this one (`feed`), which the host has not seen yet (see
+    `serving.engine`'s overlapped scheduling); -1 keeps the host's token."""
+    return jnp.where(feed_rows >= 0, feed[jnp.maximum(feed_rows, 0)], tokens)
+
+
+def _step(params, cache, ibuf, fbuf, feed=None, *, cfg: LlamaConfig, backend: str, shape: StepShape, layout=None):
+    """One engine step. With `feed` (the previous step's sampled ids, [max rows]) it also
+    fills placeholder tokens from it and returns this step's ids padded the same way."""
     v = shape.split(ibuf, fbuf)
     md, s = unpack_step(v)
+    tokens = v["tokens"] if feed is None else feed_tokens(v["tokens"], v["feed_rows"], feed)
     if hasattr(layout, "forward"):  # a layout with a forward of its own (pipeline stages)
-        logits, cache = layout.forward(params, cache, v["tokens"], md, cfg, backend)
+        logits, cache = layout.forward(params, cache, tokens, md, cfg, backend)
     else:
-        logits, cache = forward(params, cache, v["tokens"], md, cfg, backend, layout)
+        logits, cache = forward(params, cache, tokens, md, cfg, backend, layout)
     ids, logprobs = sample(logits, s)
-    return cache, ids, logprobs
+    if feed is None:
+        return cache, ids, logprobs, None
+    next_feed = jax.lax.dynamic_update_slice(jnp.zeros_like(feed), ids[:feed.shape[0]], (0,))
+    if getattr(layout, "replicated", None) is not None:  # the sharding the feed was placed with
+        next_feed = jax.lax.with_sharding_constraint(next_feed, layout.replicated)
+    return cache, ids, logprobs, next_feed
 
 
 # Module level, so engines with the same model and buckets share compilations.
@@ -115,6 +132,9 @@ class ModelRunner:
         self.backend = backend
         self.layout = layout
         self.params, self.cache = self.place(params, cache_dtype)
+        # The last step's sampled ids, padded to the most logit rows a step has: the next step
+        # reads its placeholder tokens from it (`feed_tokens`) without a trip through the host.
+        self.feed = self._place_feed(np.zeros(buckets.max_num_seqs, np.int32))
         self.copy_sizes = _pow4_upto(buckets.max_num_seqs)  # buckets of copy-on-write pairs per step
 
     # --- placement: the one hook for shardings -----------------------------------------------
@@ -137,6 +157,12 @@ class ModelRunner:
     # the other processes, which run it with `replay`. When the mesh spans processes, host inputs
     # become global arrays.
     dispatch_hook = None
+
+    def _place_feed(self, feed: np.ndarray):
+        """The feed where the step leaves it: committed to the one device, or replicated."""
+        if self.layout is None:
+            return jax.device_put(feed, jax.devices()[0])
+        return self._host_inputs(feed)[0]
 
     def _host_inputs(self, *arrays):
         """Host arrays as the jitted calls' inputs: with a layout, one fixed replicated sharding (so
@@ -167,8 +193,8 @@ class ModelRunner:
         if self.dispatch_hook is not None:
             self.dispatch_hook("step", ibuf, fbuf, shape=shape)
         ibuf, fbuf = self._host_inputs(ibuf, fbuf)
-        self.cache, ids, lp = _step_jit(self.params, self.cache, ibuf, fbuf, cfg=self.cfg, backend=self.backend,
-                                        shape=shape, layout=self.layout)
+        self.cache, ids, lp, self.feed = _step_jit(self.params, self.cache, ibuf, fbuf, self.feed, cfg=self.cfg,
+                                                   backend=self.backend, shape=shape, layout=self.layout)
         return ids, lp
 
     @property

@@ -117,7 +117,8 @@ class Scheduler:
     # --- one step --------------------------------------------------------------------------
     def _plan(self, seq: Sequence, start: int, budget: int, rows_left: int) -> Optional[ScheduledSeq]:
         """How many of `seq`'s tokens to run this step (None: none fit)."""
-        remaining = seq.num_tokens - start
+        end = seq.num_tokens_with_pending
+        remaining = end - start
         if remaining == 1 and seq.num_seats == 1:  # a decode (the caller guarantees budget and a row)
             drafts = self.drafts.get(seq.seq_id)
             if drafts:
@@ -133,20 +134,34 @@ class Scheduler:
 
         def rows(k):
             plp = max(0, min(start + k, plp_last) - max(start, plp_done))
-            return plp + (seq.num_seats if start + k == seq.num_tokens else 0)
+            return plp + (seq.num_seats if start + k == end else 0)
 
         if rows(n) > rows_left:
             n = min(n, rows_left)  # prompt-logprob rows bound the chunk
-            if start + n == seq.num_tokens and rows(n) > rows_left:
+            if start + n == end and rows(n) > rows_left:
                 n = remaining - 1  # not enough rows to sample yet: stop one short
                 n = min(n, rows_left) if rows(n) > rows_left else n
         if n <= 0:
             return None
-        complete = start + n == seq.num_tokens
+        complete = start + n == end
         samples = (tuple(range(seq.num_seats)) if seq.num_seats > 1 else (seq.sample_index,)) if complete else ()
         p0 = max(start, plp_done)
         p1 = max(p0, min(start + n, plp_last))
         return ScheduledSeq(seq, start, n, samples, p0, p1)
+
+    def _may_run_again(self, seq: Sequence) -> bool:
+        """Whether a sequence in a step that is still running may join the next step.
+
+        Only a plain decode may: one sample, no prompt logprobs still to collect (their
+        position is known once the step is processed), and room for one more token, because
+        the token in flight may not end it only if it is not its last by length."""
+        if not seq.num_in_flight:
+            return True
+        if seq.num_seats > 1 or seq.wants_prompt_logprobs:
+            return False
+        return not seq.num_pending or (
+            seq.num_output_tokens + seq.num_pending < seq.params.max_tokens
+            and seq.num_tokens_with_pending < self.config.max_model_len)
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free_seq(seq)
@@ -167,7 +182,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and rows_left > 0:
             seq = self.running[i]
-            item = self._plan(seq, seq.num_computed_tokens, budget, rows_left)
+            item = self._plan(seq, seq.num_computed_tokens, budget, rows_left) if self._may_run_again(seq) else None
             if item is None:
                 i += 1
                 continue
@@ -183,6 +198,7 @@ class Scheduler:
             if got is None:
                 break  # `seq` preempted itself: it was the last running sequence
             copies.extend(got)
+            self._dispatch(item)
             scheduled.append(item)
             budget -= item.num_new_tokens
             rows_left -= item.num_rows
@@ -191,8 +207,8 @@ class Scheduler:
         seats = self.num_seats_running
         while self.waiting and not preempted and budget > 0 and rows_left > 0:
             seq = self.waiting[0]
-            if seats + seq.num_seats > cfg.max_num_seqs:
-                break
+            if seats + seq.num_seats > cfg.max_num_seqs or seq.num_in_flight:
+                break  # (a preempted sequence waits for its last step to be processed)
             hits = [] if seq.wants_prompt_logprobs else self.bm.lookup_prefix(seq)
             start = len(hits) * self.bm.page_size
             item = self._plan(seq, start, budget, rows_left)
@@ -216,12 +232,22 @@ class Scheduler:
             self.prefix_queried_tokens += seq.num_tokens
             self.prefix_hit_tokens += start
             copies.extend(got)
+            self._dispatch(item)
             scheduled.append(item)
             seats += seq.num_seats
             budget -= item.num_new_tokens
             rows_left -= item.num_rows
 
         return SchedulerOutput(scheduled, copies, cfg.max_num_batched_tokens - budget, preempted, errored)
+
+    @staticmethod
+    def _dispatch(item: ScheduledSeq) -> None:
+        """The step will compute the item's tokens (and draw its samples): count them as
+        computed (and pending) now, so the next step can be planned before this one has run."""
+        item.seq.num_computed_tokens = item.start + item.num_new_tokens
+        item.seq.num_in_flight += 1
+        if item.sample_indices:
+            item.seq.num_pending += 1
 
     def update(self, out: SchedulerOutput, sampled: list[int]) -> list[tuple[Sequence, int, int]]:
         """Advances every scheduled sequence past the step it just ran.
@@ -239,13 +265,17 @@ class Scheduler:
             seq = item.seq
             first_row = row
             row += len(item.sample_indices) + len(item.draft_token_ids)
-            if seq.status is not SequenceStatus.RUNNING or item.draft_token_ids:
-                continue  # finished (aborted) while the step ran; or verified drafts (spec_decode's job)
-            seq.num_computed_tokens = item.start + item.num_new_tokens
+            seq.num_in_flight -= 1
+            if item.sample_indices:
+                seq.num_pending -= 1
+            if seq.status is SequenceStatus.FINISHED or item.draft_token_ids:
+                continue  # finished (aborted, stopped) meanwhile; or verified drafts (spec_decode's job)
             self.bm.register_full_blocks(seq)
             if not item.sample_indices:
                 continue
             if seq.num_seats > 1:
+                if seq.status is SequenceStatus.WAITING:
+                    continue  # preempted before its fork: it draws the same samples when it runs again
                 seq.num_seats = 1
                 pos = self.running.index(seq) + 1
                 children = []

@@ -8,10 +8,13 @@ is done it forks into `n` sequences that share the prompt's KV pages
 
 A sequence's progress is two numbers (vLLM V1's model): `token_ids` (prompt
 plus generated tokens) and `num_computed_tokens` (how many of them have their
-K/V in the cache). Each step it is given `len(token_ids) - num_computed_tokens`
-tokens or fewer; when the step reaches the end of `token_ids` the step samples
-the next token. Prefill, chunked prefill, decode and recompute after
-preemption are all that one rule.
+K/V in the cache, or will once the steps already dispatched have run). Each
+step it is given `len(token_ids) - num_computed_tokens` tokens or fewer; when
+the step reaches the end of `token_ids` the step samples the next token.
+Prefill, chunked prefill, decode and recompute after preemption are all that
+one rule. With overlapped scheduling a token sampled by a step still running
+counts as `num_pending` until the host sees it; the next step may already
+feed it to the model.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class Sequence:
         "seq_id", "request", "sample_index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "num_seats", "status", "finish_reason", "stop_reason", "logprobs", "cumulative_logprob",
         "detokenizer", "num_cached_tokens", "block_hashes", "text", "last_token_time",
+        "num_pending", "pending_row", "num_in_flight",
     )
 
     def __init__(self, request: "Request", token_ids: list[int], sample_index: int = 0, num_seats: int = 1):
@@ -60,6 +64,12 @@ class Sequence:
         self.block_hashes: list[bytes] = []  # chained digests of this sequence's full blocks
         self.text = ""  # detokenized output so far (cut at a stop string)
         self.last_token_time: Optional[float] = None
+        # Overlapped scheduling (serving.engine): tokens already drawn by dispatched steps but not
+        # yet seen on the host, the row of the latest one in its step's samples, and how many
+        # dispatched, unprocessed steps include this sequence.
+        self.num_pending = 0
+        self.pending_row = -1
+        self.num_in_flight = 0
 
     @property
     def params(self) -> SamplingParams:
@@ -68,6 +78,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        """Tokens including those drawn on the device but not yet seen on the host."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def num_output_tokens(self) -> int:
