@@ -55,6 +55,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("num_pages", None, "KV pool size in pages; default: sized from device memory.")
     flags.DEFINE_integer("max_model_len", None, "Context window; default: the model's, capped by the pool.")
     flags.DEFINE_boolean("enable_prefix_caching", True, "Reuse cached KV pages of shared prompt prefixes.")
+    flags.DEFINE_boolean("async_scheduling", True, "Schedule and dispatch step t+1 while the device runs step t "
+                         "(--noasync_scheduling: one step at a time).")
     flags.DEFINE_integer("tensor_parallel_size", 1, "Devices to shard the model over (tensor parallelism).")
     flags.DEFINE_integer("pipeline_parallel_size", 1, "Pipeline stages (contiguous layers each), each stage "
                                                       "tensor_parallel_size devices.")
@@ -259,7 +261,8 @@ def make_llm_from_flags():
 
     return LLM(FLAGS.checkpoint, max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
                page_size=FLAGS.page_size, num_pages=FLAGS.num_pages, max_model_len=FLAGS.max_model_len,
-               enable_prefix_caching=FLAGS.enable_prefix_caching, attention_backend=FLAGS.attention_backend,
+               enable_prefix_caching=FLAGS.enable_prefix_caching, async_scheduling=FLAGS.async_scheduling,
+               attention_backend=FLAGS.attention_backend,
                tensor_parallel_size=FLAGS.tensor_parallel_size, pipeline_parallel_size=FLAGS.pipeline_parallel_size,
                num_microbatches=FLAGS.num_microbatches, seed=FLAGS.seed,
                min_token_bucket=FLAGS.min_token_bucket, compilation_cache_dir=FLAGS.compilation_cache_dir,
