@@ -21,8 +21,10 @@ Sections, all in one process:
      and a plain jitted chain of the same weights' matrix-vector products with
      no attention, KV cache or sampling: the ceiling jitted JAX reaches here);
   4. host time per step (scheduling, packing, output processing: everything
-     but the jitted step) at 1, 32, 64 and 256 running sequences in steady
-     decode, as a fraction of the whole step.
+     but waiting for the jitted step) at 1, 32, 64 and 256 running sequences
+     in steady decode, as a fraction of the whole step, with overlapped
+     scheduling on (the default: the host prepares step t+1 while step t
+     runs) and off (one step at a time), and the step time of each.
 
 CPU numbers on a shared machine are noisy: the JSON records the load average
 before and after.
@@ -219,9 +221,9 @@ def steady_decode(llm, n, prompt_len=16, max_tokens=24, seed=0):
     _, _, steps = ridgeline_run(llm, jobs)
     dec = [s for s in steps if s.num_seqs == n and s.num_tokens == n]
     host = statistics.median(s.host_seconds for s in dec)
-    dev = statistics.median(s.device_seconds for s in dec)
+    step = statistics.median(s.host_seconds + s.device_seconds for s in dec)
     return {"running_sequences": n, "decode_steps": len(dec), "host_ms_per_step": host * 1e3,
-            "step_ms": (host + dev) * 1e3, "host_fraction": host / (host + dev)}
+            "step_ms": step * 1e3, "host_fraction": host / step}
 
 
 def main():
@@ -279,6 +281,10 @@ def main():
         # that is the fairest estimate of what each can do (load comes and goes during a run).
         configs = (("one_batch_of_%d" % n_req, n_req, False), ("batches_of_8_sorted", 8, True))
         ours_times, hf_times, steps = [], {name: [] for name, _, _ in configs}, None
+        one_at_a_time = LLM(config=cfg, params=params, max_num_seqs=n_req, max_num_batched_tokens=512, page_size=16,
+                            num_pages=n_req * 512 // 16, max_model_len=512, enable_prefix_caching=False,
+                            async_scheduling=False)
+        sync_times = []
         for r in range(args.rounds):
             wall, _, round_steps = ridgeline_run(llm, jobs)
             if not ours_times or wall < min(ours_times):
@@ -286,6 +292,9 @@ def main():
             ours_times.append(wall)
             log(f"round {r}: ridgeline {useful} tokens in {wall:.1f}s = {useful / wall:.1f} output tok/s "
                 f"over {len(round_steps)} steps")
+            sync_times.append(ridgeline_run(one_at_a_time, jobs)[0])
+            log(f"round {r}: ridgeline one step at a time: {sync_times[-1]:.1f}s = "
+                f"{useful / sync_times[-1]:.1f} output tok/s")
             for name, bs, sort in configs:
                 w = hf_run(hf, jobs, bs, sort)
                 hf_times[name].append(w)
@@ -305,6 +314,8 @@ def main():
             "ridgeline": {"seconds": wall, "seconds_all_rounds": ours_times, "output_tok_per_s": ours_tps,
                           "steps": len(steps), "host_seconds": host, "host_fraction_of_wall": host / wall,
                           "max_num_batched_tokens": 512, "page_size": 16},
+            "ridgeline_one_step_at_a_time": {"seconds": min(sync_times), "seconds_all_rounds": sync_times,
+                                             "output_tok_per_s": useful / min(sync_times)},
             "transformers": hf_runs, "transformers_best": best, "ratio_vs_best_transformers": ratio}
 
     else:
@@ -357,14 +368,27 @@ def main():
     # --- 4. host overhead --------------------------------------------------------------------
     if "host" in sections:
         sizes = (1, 8, 32) if args.quick else (1, 32, 64, 256)
-        big = LLM(config=cfg, params=params, max_num_seqs=sizes[-1], max_num_batched_tokens=max(512, sizes[-1]),
-                  page_size=16, num_pages=sizes[-1] * 3 + 16, max_model_len=48, enable_prefix_caching=False)
+        engines = {mode: LLM(config=cfg, params=params, max_num_seqs=sizes[-1],
+                             max_num_batched_tokens=max(512, sizes[-1]), page_size=16,
+                             num_pages=sizes[-1] * 3 + 16, max_model_len=48, enable_prefix_caching=False,
+                             async_scheduling=mode == "overlapped")
+                   for mode in ("overlapped", "one_step_at_a_time")}
         overhead = []
         for n in sizes:
-            r = steady_decode(big, n)
+            r = {}
+            for _ in range(args.rounds):  # alternate the modes; each keeps its fastest round
+                for mode, llm_ in engines.items():
+                    m = steady_decode(llm_, n)
+                    if mode not in r or m["step_ms"] < r[mode]["step_ms"]:
+                        r[mode] = m
+            r = {"running_sequences": n, **r["overlapped"], "one_step_at_a_time": r["one_step_at_a_time"],
+                 "step_time_ratio_overlapped_vs_one_at_a_time":
+                     r["overlapped"]["step_ms"] / r["one_step_at_a_time"]["step_ms"]}
             overhead.append(r)
+            off = r["one_step_at_a_time"]
             log(f"host time at {n} running: {r['host_ms_per_step']:.2f} ms of a {r['step_ms']:.1f} ms step "
-                f"({100 * r['host_fraction']:.1f}%, target < 5%)")
+                f"({100 * r['host_fraction']:.1f}%, target < 5%); one step at a time: {off['host_ms_per_step']:.2f} "
+                f"ms of {off['step_ms']:.1f} ms -> step time x{r['step_time_ratio_overlapped_vs_one_at_a_time']:.3f}")
         result["host_overhead"] = overhead
     result["machine"]["loadavg_after"] = os.getloadavg()
 
