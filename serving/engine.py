@@ -75,17 +75,31 @@ class EngineConfig:
     async_scheduling: bool = True
 
 
-def default_num_pages(cfg: LlamaConfig, config: EngineConfig, max_model_len: int, cache_dtype=None) -> int:
-    """Pages that fit the memory budget, and no more than `max_num_seqs` full-length sequences need."""
-    page_bytes = kv_bytes_per_token(cfg, cache_dtype) * config.page_size  # scales of a quantized cache included
-    stats = None
+def device_memory_stats(device) -> Optional[dict]:
+    """The device's `memory_stats()`, or None where the backend reports none (CPU)."""
     try:
-        stats = jax.devices()[0].memory_stats()
+        return device.memory_stats()
     except Exception:  # some backends do not implement it
-        pass
+        return None
+
+
+def default_num_pages(cfg: LlamaConfig, config: EngineConfig, max_model_len: int, cache_dtype=None,
+                      layout=None) -> int:
+    """Pages that fit the memory budget, and no more than `max_num_seqs` full-length sequences need.
+
+    On devices that report their memory the budget is per device, and so is a page's cost:
+    with a `layout` each device holds only its share of a page (its KV heads under tensor
+    parallelism, its stage's layers under pipeline parallelism)."""
+    page_bytes = kv_bytes_per_token(cfg, cache_dtype) * config.page_size  # scales of a quantized cache included
+    device = jax.devices()[0] if layout is None else next(  # one of this process's devices
+        d for d in layout.mesh.devices.flat if d.process_index == jax.process_index())
+    stats = device_memory_stats(device)
     if stats and stats.get("bytes_limit"):
         budget = stats["bytes_limit"] * config.kv_cache_memory_fraction - stats.get("bytes_in_use", 0)
-    else:
+        if layout is not None:
+            probe = 64  # pages; a multiple of any split of the page axis
+            page_bytes = layout.cache_bytes_per_device(cfg, probe, config.page_size, cache_dtype) / probe
+    else:  # host memory: one budget for the whole pool, wherever its shards live
         budget = config.host_kv_cache_bytes
     wanted = config.max_num_seqs * -(-max_model_len // config.page_size)
     return max(1, min(wanted, int(budget // page_bytes)))
@@ -109,7 +123,7 @@ class Engine:
         self.cache_dtype = kv_cache_dtype(cfg, config.kv_cache_dtype)
         ps = config.page_size
         model_len = config.max_model_len or cfg.max_position_embeddings
-        num_pages = config.num_pages or default_num_pages(cfg, config, model_len, self.cache_dtype)
+        num_pages = config.num_pages or default_num_pages(cfg, config, model_len, self.cache_dtype, layout)
         if model_len > num_pages * ps:
             if config.max_model_len is not None:
                 raise ValueError(f"max_model_len={model_len} needs {-(-model_len // ps)} pages of {ps} tokens but "

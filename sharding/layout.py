@@ -24,11 +24,11 @@ import functools
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from model.cache import CACHE_AXES
+from model.cache import CACHE_AXES, KVCache
 from model.config import LlamaConfig
 from sharding.mesh import mesh_axis_sizes
 from sharding.rules import Rules, load_rules, resolve_dims, spec_from_dims
-from sharding.shardings import check_attention_groups, cache_shardings, param_shardings
+from sharding.shardings import bytes_per_device, check_attention_groups, cache_shardings, param_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +57,11 @@ class Layout:
     def cache_shardings(self, cfg: LlamaConfig, num_pages: int, page_size: int, dtype=None):
         """`KVCache` of NamedSharding: pass to `init_cache`."""
         return cache_shardings(cfg, self.mesh, self.rules, num_pages, page_size, dtype)
+
+    def cache_bytes_per_device(self, cfg: LlamaConfig, num_pages: int, page_size: int, dtype=None) -> int:
+        """What each device holds of a `num_pages` cache: its KV heads' share of every page."""
+        return bytes_per_device(KVCache.declare(cfg, num_pages, page_size, dtype),
+                                self.cache_shardings(cfg, num_pages, page_size, dtype))
 
     @property
     def replicated(self) -> NamedSharding:

@@ -69,6 +69,7 @@ from model.params import Layer, Weights, is_array_info, pytree_dataclass
 from sharding.layout import Layout
 from sharding.mesh import MeshError, make_mesh, mesh_axis_sizes
 from sharding.rules import RuleError, Rules, load_rules
+from sharding.shardings import bytes_per_device
 
 PIPELINE = "pipeline"
 
@@ -231,6 +232,14 @@ class PipelineLayout:
                                        targets.stages[j], *members))
         return StagedWeights(embed=params.embed, stages=stages, final_norm=params.final_norm,
                              lm_head=params.lm_head)
+
+    def cache_bytes_per_device(self, cfg: LlamaConfig, num_pages: int, page_size: int, dtype=None) -> int:
+        """What each device holds of a `num_pages` cache: its stage's layers, its KV heads."""
+        info = KVCache.declare(cfg, num_pages, page_size, dtype).k[0]
+        staged = jax.tree.map(lambda i: dataclasses.replace(i, shape=(self.pipeline_parallel_size * i.shape[0],)
+                                                            + tuple(i.shape[1:])), info, is_leaf=is_array_info)
+        per_layer = bytes_per_device(staged, self.cache_shardings(cfg, num_pages, page_size, dtype).k[0])
+        return 2 * self.layers_per_stage(cfg) * per_layer  # K and V
 
     def init_cache(self, cfg: LlamaConfig, num_pages: int, page_size: int, dtype=None) -> KVCache:
         info = KVCache.declare(cfg, num_pages, page_size, dtype).k[0]

@@ -9,9 +9,11 @@ structure as the arrays (so they can be passed to `init_params`,
 
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from model.cache import KVCache
@@ -87,6 +89,18 @@ def cache_shardings(cfg: LlamaConfig, mesh: Mesh, rules="megatron", num_pages: i
     treedef = jax.tree_util.tree_structure(decl, is_leaf=is_array_info)
     return jax.tree_util.tree_unflatten(
         treedef, _named(mesh, cache_resolutions(cfg, mesh, rules, num_pages, page_size, dtype)))
+
+
+def bytes_per_device(infos, shardings) -> int:
+    """Bytes one device holds of arrays declared by `infos` (ArrayInfo leaves) placed with
+    `shardings` (a matching tree of NamedSharding); shards are even, so every device holding
+    a part holds this much."""
+    infos = jax.tree_util.tree_leaves(infos, is_leaf=is_array_info)
+    shardings = jax.tree_util.tree_leaves(shardings)
+    if len(infos) != len(shardings):
+        raise ValueError(f"{len(infos)} arrays but {len(shardings)} shardings")
+    return sum(math.prod(sh.shard_shape(tuple(i.shape))) * np.dtype(i.dtype).itemsize
+               for i, sh in zip(infos, shardings))
 
 
 def logical_sharding(mesh: Mesh, rules, logical_axes, shape) -> NamedSharding:
