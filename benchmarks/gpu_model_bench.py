@@ -17,7 +17,8 @@ budget is spent, so the whole run fits the GPU check's 8 minutes:
   4. the engine (`LLM` with continuous batching) on a synthetic chat workload
      (log-normal prompt and output lengths, medians 96 and 128, as
      benchmarks/serve_bench.py's synthetic-chat), output tokens/s, stopped
-     at its share of the budget.
+     at its share of the budget; then 32 chat requests run with overlapped
+     scheduling and one step at a time, alternating, each mode's best kept.
 
 Writes OUT/gpu_model_bench.json (gpu_model_bench_smoke.json with --smoke).
 """
@@ -127,8 +128,8 @@ class StepTimer:
         ibuf, fbuf = jax.device_put((ibuf, fbuf), jax.devices()[0])
 
         def run():
-            self.cache, ids, _ = _step_jit(self.params, self.cache, ibuf, fbuf, cfg=self.cfg, backend="auto",
-                                           shape=shape)
+            self.cache, ids, _, _ = _step_jit(self.params, self.cache, ibuf, fbuf, cfg=self.cfg, backend="auto",
+                                              shape=shape)
             np.asarray(ids)  # the engine's one sync per step
 
         t = time.perf_counter()
@@ -171,11 +172,44 @@ def engine_throughput(cfg, params, smoke, deadline):
     gen = sum(s.num_generation_tokens for s in steps)
     prompt = sum(s.num_prompt_tokens for s in steps)
     host = sum(s.host_seconds for s in steps)
-    return {"warmup_seconds": llm.warmup_info["seconds"], "step_shapes": llm.warmup_info["shapes"],
-            "requests": len(jobs), "completed": not engine.has_unfinished_requests(), "seconds": wall,
-            "steps": len(steps), "output_tokens": gen, "prompt_tokens": prompt, "output_tok_per_s": gen / wall,
-            "total_tok_per_s": (gen + prompt) / wall, "host_fraction": host / wall, "max_num_seqs": max_seqs,
-            "max_num_batched_tokens": budget, "prompt_median": 96, "output_median": 128}
+    out = {"warmup_seconds": llm.warmup_info["seconds"], "step_shapes": llm.warmup_info["shapes"],
+           "requests": len(jobs), "completed": not engine.has_unfinished_requests(), "seconds": wall,
+           "steps": len(steps), "output_tokens": gen, "prompt_tokens": prompt, "output_tok_per_s": gen / wall,
+           "total_tok_per_s": (gen + prompt) / wall, "host_fraction": host / wall, "max_num_seqs": max_seqs,
+           "max_num_batched_tokens": budget, "prompt_median": 96, "output_median": 128}
+    for rid in list(engine.requests):  # what the budget cut short
+        engine.abort_request(rid)
+    engine.step()  # processes a step still in flight
+    out["overlap"] = overlap_comparison(engine, smoke, deadline)
+    return out
+
+
+def overlap_comparison(engine, smoke, deadline):
+    """The same small chat batch with overlapped scheduling and one step at a time, alternating
+    (the engine's compiled steps serve both; the mode is switched between runs, with no step
+    in flight)."""
+    jobs = chat_workload(4 if smoke else 32, 1, 128 if smoke else 512, 32 if smoke else 128)
+    times = {True: [], False: []}
+    for _ in range(2):
+        for overlap in (True, False):
+            if time.perf_counter() > deadline and times[False]:
+                break
+            engine.overlap = overlap
+            for i, (p, o) in enumerate(jobs):
+                engine.add_request(f"ov-{overlap}-{len(times[overlap])}-{i}", p,
+                                   SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True))
+            t = time.perf_counter()
+            while engine.has_unfinished_requests():
+                engine.step()
+            engine.step()
+            times[overlap].append(time.perf_counter() - t)
+    engine.overlap = True
+    gen = sum(o for _, o in jobs)
+    best = {k: min(v) for k, v in times.items() if v}
+    return {"requests": len(jobs), "output_tokens": gen,
+            "seconds": {"overlapped": times[True], "one_step_at_a_time": times[False]},
+            "output_tok_per_s_overlapped": gen / best[True], "output_tok_per_s_one_at_a_time": gen / best[False],
+            "speedup": best[False] / best[True]}
 
 
 def main():
@@ -260,6 +294,10 @@ def main():
         e = result["engine_chat"]
         log(f"engine, synthetic chat: {e['output_tok_per_s']:.0f} output tok/s over {e['steps']} steps "
             f"({'all' if e['completed'] else 'not all'} of {e['requests']} requests finished)")
+        o = e["overlap"]
+        log(f"overlapped scheduling vs one step at a time, {o['requests']} requests: "
+            f"{o['output_tok_per_s_overlapped']:.0f} vs {o['output_tok_per_s_one_at_a_time']:.0f} output tok/s "
+            f"({o['speedup']:.3f}x)")
     else:
         result["engine_chat"] = {"skipped": "time budget spent"}
     save()
