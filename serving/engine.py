@@ -519,6 +519,7 @@ class Engine:
             prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens,
             prompt_tokens=log_.prompt_tokens, generation_tokens=log_.generation_tokens,
             finished_by_reason=dict(log_.finished_by_reason), num_steps=log_.num_steps,
+            page_size=self.config.page_size,
             spec_decode=None if self.spec is None else dataclasses.replace(
                 self.spec.stats, accepted_per_position=list(self.spec.stats.accepted_per_position)))
 

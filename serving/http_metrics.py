@@ -294,6 +294,8 @@ class _SnapshotCollector:
         yield gauge("kv_cache_usage_perc", "Fraction of KV-cache pages in use (1 = full).", s.kv_cache_usage)
         yield gauge("kv_cache_pages_used", "KV-cache pages in use.", s.kv_pages_used)
         yield gauge("kv_cache_pages_total", "KV-cache pages in the pool.", s.kv_pages_total)
+        yield gauge("kv_cache_page_size", "Tokens per KV-cache page (the block size of prefix caching).",
+                    s.page_size)
         yield counter("num_preemptions", "Sequences preempted (their pages freed, to be recomputed).",
                       s.num_preemptions)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",

@@ -48,6 +48,8 @@ from serving.router_workers import WorkerPool
 
 log = logging.getLogger("ridgeline.router")
 
+DEFAULT_PAGE_SIZE = 16  # the server's default --page_size, until a worker reports its own
+
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 # serving.disagg.run_disaggregated(client, prefill_url, decode_url, endpoint, body)
@@ -95,7 +97,7 @@ def transfer_figures(record) -> tuple[float, float]:
 class RouterService:
     """The routing state (pools, index, metrics, one shared HTTP client) and the proxying logic."""
 
-    def __init__(self, workers: Sequence[str] = (), *, policy: str = "kv_aware", page_size: int = 16,
+    def __init__(self, workers: Sequence[str] = (), *, policy: str = "kv_aware", page_size: Optional[int] = None,
                  encoder: Optional[PromptEncoder] = None, prefill_workers: Sequence[str] = (),
                  decode_workers: Sequence[str] = (), check_interval_s: float = 2.0, load_weight: float = 0.1,
                  kv_weight: float = 0.5, index_blocks_per_worker: int = 4096, connect_timeout_s: float = 5.0,
@@ -108,24 +110,46 @@ class RouterService:
         self.metrics = RouterMetrics(policy if not (prefill_workers or decode_workers) else "kv_aware")
         self.encoder = encoder or PromptEncoder()
         self.index = PrefixIndex(index_blocks_per_worker)
-        self.router = Router(policy if not self.disaggregated else "kv_aware", page_size, self.index,
-                             load_weight, kv_weight)
+        # The block size prefixes are hashed in must be the workers' page size: given, or taken
+        # from the first worker that reports one (`ridgeline:kv_cache_page_size`).
+        self.page_size_given = page_size is not None
+        self.router = Router(policy if not self.disaggregated else "kv_aware", page_size or DEFAULT_PAGE_SIZE,
+                             self.index, load_weight, kv_weight)
+        self._page_size_learned = False
         self.check_interval_s, self.connect_timeout_s = check_interval_s, connect_timeout_s
         if self.disaggregated:
             self.prefill = WorkerPool(prefill_workers, self.index, self.metrics, "prefill worker")
             self.decode = WorkerPool(decode_workers, None, self.metrics, "decode worker")
-            self.decode_router = Router("least_loaded", page_size, PrefixIndex(1))
+            self.decode_router = Router("least_loaded", self.router.page_size, PrefixIndex(1))
             self.pools = [self.prefill, self.decode]
             self.disagg_fn = disagg_fn
         else:
             self.pool = WorkerPool(workers, self.index, self.metrics)
             self.pools = [self.pool]
         for pool in self.pools:
+            pool.on_page_size = self._worker_page_size
             policy = self.decode_router.policy if self.disaggregated and pool is self.decode else self.router.policy
             for w in pool:
                 self.metrics.add_worker(w.url, policy)
         self.client: Optional[httpx.AsyncClient] = None
         self._checks: Optional[asyncio.Task] = None
+
+    def _worker_page_size(self, url: str, size: int) -> None:
+        """A worker reported its page size: adopt the first one unless --page_size was given;
+        warn about any worker whose cache the router's block hashes cannot name."""
+        if not self.page_size_given and not self._page_size_learned:
+            self._page_size_learned = True
+            if size != self.router.page_size:
+                log.info("page size %d, as worker %s reports", size, url)
+                self.router.page_size = size
+                for pool in self.pools:  # entries hashed in the old block size can never match
+                    for w in pool:
+                        self.index.forget(w.url)
+            return
+        if size != self.router.page_size:
+            log.warning("worker %s has KV pages of %d tokens but the router hashes blocks of %d: prefix-aware "
+                        "routing cannot match its cache (start every worker with the same --page_size)", url, size,
+                        self.router.page_size)
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -412,7 +436,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("port", 8000, "Port to listen on.")
     flags.DEFINE_string("model_dir", None, "Checkpoint directory the workers serve (for its tokenizer and chat "
                                            "template); default: the embedded model.")
-    flags.DEFINE_integer("page_size", 16, "The workers' KV page size (--page_size of serving.server).")
+    flags.DEFINE_integer("page_size", None, "The workers' KV page size (--page_size of serving.server); "
+                         "default: what the first worker reports on /metrics.")
     flags.DEFINE_float("check_interval_s", 2.0, "Seconds between scrapes of the workers' /metrics (and probes "
                                                 "of failed workers).")
     flags.DEFINE_float("load_weight", 0.1, "kv_aware: cost of one request of load, in prompts recomputed.")

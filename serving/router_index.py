@@ -164,6 +164,7 @@ class WorkerLoad:
     running: int = 0  # scraped ridgeline:num_requests_running
     waiting: int = 0  # scraped ridgeline:num_requests_waiting
     kv_usage: float = 0.0  # scraped ridgeline:kv_cache_usage_perc
+    page_size: int = 0  # scraped ridgeline:kv_cache_page_size (0: not reported yet)
 
     def load(self) -> int:
         return max(self.in_flight, self.running + self.waiting)

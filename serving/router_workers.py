@@ -28,7 +28,7 @@ _GAUGES = {
 
 
 def parse_worker_metrics(text: str) -> dict[str, float]:
-    """The load figures of a worker's Prometheus text: running, waiting, kv_usage, pages_total."""
+    """The load figures of a worker's Prometheus text: running, waiting, kv_usage, pages_total, page_size."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
@@ -38,6 +38,8 @@ def parse_worker_metrics(text: str) -> dict[str, float]:
                 out[_GAUGES[sample.name]] = sample.value
             elif sample.name == "ridgeline:kv_cache_pages_total":
                 out["pages_total"] = sample.value
+            elif sample.name == "ridgeline:kv_cache_page_size":
+                out["page_size"] = sample.value
     return out
 
 
@@ -50,6 +52,7 @@ class WorkerPool:
             raise ValueError(f"no {role} URLs given")
         self.index, self.metrics, self.role = index, metrics, role
         self.last_error: dict[str, str] = {}
+        self.on_page_size = None  # called with (url, page size) when a worker reports a new one
 
     def __iter__(self):
         return iter(self.workers.values())
@@ -83,6 +86,11 @@ class WorkerPool:
         w.kv_usage = float(figures.get("kv_usage", 0.0))
         if self.index is not None and figures.get("pages_total"):
             self.index.set_capacity(url, int(figures["pages_total"]))
+        size = int(figures.get("page_size", 0))
+        if size and size != w.page_size:
+            w.page_size = size
+            if self.on_page_size is not None:
+                self.on_page_size(url, size)
 
     async def check(self, client: httpx.AsyncClient, url: str, timeout_s: float = 5.0) -> bool:
         """Scrapes one worker (a down one must also pass /health); updates its state."""

@@ -64,6 +64,7 @@ class EngineStats:
     finished_by_reason: dict
     num_steps: int
     spec_decode: Optional[object] = None  # spec_decode.SpecStats when speculation is on
+    page_size: int = 0  # tokens per KV page (what a router needs to name this engine's cached blocks)
 
     @property
     def kv_cache_usage(self) -> float:

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import logging
 import threading
 import time
 import types
@@ -117,8 +118,27 @@ def test_worker_metrics_are_parsed():
     text = ('# TYPE ridgeline:num_requests_running gauge\nridgeline:num_requests_running{model_name="m"} 2.0\n'
             '# TYPE ridgeline:num_requests_waiting gauge\nridgeline:num_requests_waiting{model_name="m"} 5.0\n'
             '# TYPE ridgeline:kv_cache_usage_perc gauge\nridgeline:kv_cache_usage_perc{model_name="m"} 0.25\n'
-            '# TYPE ridgeline:kv_cache_pages_total gauge\nridgeline:kv_cache_pages_total{model_name="m"} 64.0\n')
-    assert parse_worker_metrics(text) == {"running": 2, "waiting": 5, "kv_usage": 0.25, "pages_total": 64}
+            '# TYPE ridgeline:kv_cache_pages_total gauge\nridgeline:kv_cache_pages_total{model_name="m"} 64.0\n'
+            '# TYPE ridgeline:kv_cache_page_size gauge\nridgeline:kv_cache_page_size{model_name="m"} 8.0\n')
+    assert parse_worker_metrics(text) == {"running": 2, "waiting": 5, "kv_usage": 0.25, "pages_total": 64,
+                                          "page_size": 8}
+
+
+def test_page_size_comes_from_the_workers_unless_given(caplog):
+    service = RouterService(["http://a", "http://b"])
+    assert service.router.page_size == 16  # the server's default, until a worker reports
+    service.index.record("http://a", [b"x", b"y"])  # hashed in blocks of 16: useless once the size changes
+    service.pool._mark_up("http://a", {"page_size": 4})
+    assert service.router.page_size == 4 and service.index.overlap("http://a", [b"x"]) == 0
+    with caplog.at_level(logging.WARNING, logger="ridgeline.router"):
+        service.pool._mark_up("http://b", {"page_size": 8})  # disagrees with the first worker
+    assert service.router.page_size == 4 and "worker http://b has KV pages of 8 tokens" in caplog.text
+
+    given = RouterService(["http://a"], page_size=16)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ridgeline.router"):
+        given.pool._mark_up("http://a", {"page_size": 4})
+    assert given.router.page_size == 16 and "has KV pages of 4 tokens" in caplog.text
 
 
 def test_transfer_figures_read_objects_and_mappings():

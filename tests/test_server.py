@@ -354,6 +354,7 @@ def test_metrics_follow_the_requests(server):
     for name in ("ridgeline:num_preemptions_total", "ridgeline:kv_cache_usage_perc",
                  "ridgeline:model_bandwidth_utilization", "ridgeline:model_flops_utilization"):
         assert (name, ()) in m, name
+    assert m[("ridgeline:kv_cache_page_size", ())] == ENGINE["page_size"]  # what a router hashes blocks by
     assert 0 < m[("ridgeline:model_bandwidth_utilization", ())]
     assert 0 < m[("ridgeline:model_flops_utilization", ())]
     text = httpx.get(server.url + "/metrics").text
