@@ -16,6 +16,11 @@ Logit rows are a second, smaller budget (`max_logit_rows`): a sequence that
 completes its tokens this step needs one row per sample it draws (n at the
 end of a prompt with `n > 1`), and a prompt that asked for `prompt_logprobs`
 needs one row per prompt position.
+
+With overlapped scheduling (serving.engine) the next step is planned while
+the last one still runs: a step's tokens count as computed, and its draws as
+`num_pending`, from the moment it is dispatched; `update` later appends the
+drawn tokens.
 """
 
 from __future__ import annotations
@@ -150,11 +155,12 @@ class Scheduler:
         return ScheduledSeq(seq, start, n, samples, p0, p1)
 
     def _may_run_again(self, seq: Sequence) -> bool:
-        """Whether a sequence in a step that is still running may join the next step.
+        """Whether a sequence in a dispatched, unprocessed step may join the next step.
 
-        Only a plain decode may: one sample, no prompt logprobs still to collect (their
-        position is known once the step is processed), and room for one more token, because
-        the token in flight may not end it only if it is not its last by length."""
+        Only a plain decode or prompt chunk may: one seat (a fork needs the samples), no
+        prompt logprobs still being collected (where they resume is known only once the
+        step is processed), and, with a draw in flight, not at its length limit (a draw that
+        is the last by length would make the next step's token a wasted one)."""
         if not seq.num_in_flight:
             return True
         if seq.num_seats > 1 or seq.wants_prompt_logprobs:
