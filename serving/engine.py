@@ -163,8 +163,7 @@ class Engine:
         self._pending_imports: list[Request] = []  # requests resuming a shipped prefill (serving.kv_transfer)
         # Overlapped scheduling needs a runner that dispatches without waiting; speculative
         # steps choose the next step's drafts from this step's tokens, so they run one at a time.
-        self.overlap = (config.async_scheduling and self.spec is None
-                        and getattr(self.runner, "dispatch", None) is not None)
+        self.overlap = config.async_scheduling and self.spec is None and hasattr(self.runner, "dispatch")
         self._in_flight: Optional[_StepInFlight] = None  # dispatched, not yet processed
 
     # --- requests ------------------------------------------------------------------------------
@@ -325,12 +324,11 @@ class Engine:
             self.runner.copy_pages(out.copies)
         batch = pack_step(out, self.block_manager.tables, self.buckets, self.config.page_size, self.num_pages)
         it.kv_tokens_read = batch.kv_tokens
-        dispatch = getattr(self.runner, "dispatch", None) if self.spec is None else None
-        if dispatch is not None:
-            pending = dispatch(batch)
-        elif self.spec is not None:
+        if self.spec is not None:
             pending = self.spec.execute(batch, out)
-        else:
+        elif hasattr(self.runner, "dispatch"):
+            pending = self.runner.dispatch(batch)
+        else:  # a runner that only runs steps to completion
             pending = self.runner.execute(batch)
         for item in out.scheduled:
             m = item.seq.request.metrics

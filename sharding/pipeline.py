@@ -233,22 +233,26 @@ class PipelineLayout:
         return StagedWeights(embed=params.embed, stages=stages, final_norm=params.final_norm,
                              lm_head=params.lm_head)
 
+    def staged_cache_layer(self, cfg: LlamaConfig, num_pages: int, page_size: int, dtype=None):
+        """The declaration of one stage-local cache layer (K or V): pages (and the scales of a
+        quantized cache) `[p * num_pages, ...]`, the page axis holding every stage's block."""
+        p = self.pipeline_parallel_size
+        info = KVCache.declare(cfg, num_pages, page_size, dtype).k[0]
+        return jax.tree.map(lambda i: dataclasses.replace(i, shape=(p * i.shape[0],) + tuple(i.shape[1:])), info,
+                            is_leaf=is_array_info)
+
     def cache_bytes_per_device(self, cfg: LlamaConfig, num_pages: int, page_size: int, dtype=None) -> int:
         """What each device holds of a `num_pages` cache: its stage's layers, its KV heads."""
-        info = KVCache.declare(cfg, num_pages, page_size, dtype).k[0]
-        staged = jax.tree.map(lambda i: dataclasses.replace(i, shape=(self.pipeline_parallel_size * i.shape[0],)
-                                                            + tuple(i.shape[1:])), info, is_leaf=is_array_info)
-        per_layer = bytes_per_device(staged, self.cache_shardings(cfg, num_pages, page_size, dtype).k[0])
+        per_layer = bytes_per_device(self.staged_cache_layer(cfg, num_pages, page_size, dtype),
+                                     self.cache_shardings(cfg, num_pages, page_size, dtype).k[0])
         return 2 * self.layers_per_stage(cfg) * per_layer  # K and V
 
     def init_cache(self, cfg: LlamaConfig, num_pages: int, page_size: int, dtype=None) -> KVCache:
-        info = KVCache.declare(cfg, num_pages, page_size, dtype).k[0]
-        p = self.pipeline_parallel_size
+        layer = self.staged_cache_layer(cfg, num_pages, page_size, dtype)
         shardings = self.cache_shardings(cfg, num_pages, page_size, dtype)
 
-        def zeros():  # pages (and scales of a quantized cache), the page axis holding every stage's block
-            return jax.tree.map(lambda i: jnp.zeros((p * i.shape[0],) + i.shape[1:], i.dtype), info,
-                                is_leaf=is_array_info)
+        def zeros():
+            return jax.tree.map(lambda i: jnp.zeros(i.shape, i.dtype), layer, is_leaf=is_array_info)
 
         def build():
             n = len(shardings.k)

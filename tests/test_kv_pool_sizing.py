@@ -7,7 +7,6 @@ default pool against a device memory budget.
 """
 
 import jax
-import numpy as np
 import pytest
 
 from conftest import tiny_config
@@ -34,11 +33,11 @@ def placed_bytes_on_first_device(layout, num_pages, dtype=None):
 SPLITS = {(1, 1): 1, (2, 1): 2, (4, 1): 4, (8, 1): 1, (1, 2): 2, (2, 2): 4, (1, 4): 4, (2, 4): 8}
 
 
-@pytest.mark.parametrize("tp,pp", sorted(SPLITS))
+@pytest.mark.parametrize("tp,pp", sorted(k for k in SPLITS if k != (1, 1)))  # (1, 1) has no layout
 @pytest.mark.parametrize("dtype", [None, "int8"])
 def test_cache_bytes_per_device_is_what_a_device_holds(tp, pp, dtype):
-    layout = parallel_layout(tp, pp) or parallel_layout(2, 1)  # (1, 1): a 2-device mesh with TP 2
-    split = SPLITS[(tp, pp)] if (tp, pp) != (1, 1) else 2
+    layout = parallel_layout(tp, pp)
+    split = SPLITS[(tp, pp)]
     total = sum(x.nbytes for x in jax.tree.leaves(init_cache(CFG, 16, PAGE, dtype)))
     got = layout.cache_bytes_per_device(CFG, 16, PAGE, dtype)
     assert got == placed_bytes_on_first_device(layout, 16, dtype)
@@ -66,4 +65,4 @@ def test_host_memory_budget_is_for_the_whole_pool(monkeypatch):
     want = 2**20 // page_bytes
     assert default_num_pages(CFG, config, 1024) == want
     assert default_num_pages(CFG, config, 1024, layout=parallel_layout(4, 2)) == want
-    assert np.isfinite(want) and want > 0
+    assert want > 0
