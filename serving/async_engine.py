@@ -71,9 +71,11 @@ class AsyncEngine:
 
     # --- the caller side -------------------------------------------------------------------------
     async def generate(self, prompt: PromptType, params: Optional[SamplingParams] = None,
-                       request_id: str = "", *, kv_import=None, kv_export=None) -> AsyncIterator[RequestOutput]:
+                       request_id: str = "", *, cache_salt: Optional[str] = None, kv_import=None,
+                       kv_export=None) -> AsyncIterator[RequestOutput]:
         """Yields cumulative outputs of one request until it finishes.
 
+        `cache_salt` isolates the request's prefix-cache pages (`Engine.make_request`).
         `kv_import` (a `kv_transfer.KVImport`) resumes the request from a shipped prefill instead of
         computing its prompt; `kv_export(PrefillExport)` is called on the engine thread when its first
         token is sampled (see `serving.kv_transfer`).
@@ -83,7 +85,7 @@ class AsyncEngine:
         """
         if self._error is not None:
             raise EngineDeadError("the engine loop has stopped") from self._error
-        req = self.engine.make_request(request_id, prompt, params)
+        req = self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt)
         req.stream = True
         if kv_import is not None or kv_export is not None:
             from serving.kv_transfer import check_import, unsupported_reason

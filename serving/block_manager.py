@@ -8,7 +8,11 @@ queue.
 Prefix caching. A *full* block is named by a chained digest of (the previous
 block's digest, this block's token ids), so equal digests mean equal prefixes
 (a cryptographic digest: a collision would serve one request another's KV).
-Full blocks are registered in `cached` once their K/V is written. A new
+A sequence whose request carries a `cache_salt` starts its chain from a
+digest of the salt instead of the shared root, so requests with different
+salts (tenants) never name a page alike: they share no cached pages and cannot
+learn from hit timing what another tenant sent. Full blocks are registered in
+`cached` once their K/V is written. A new
 sequence reuses every cached full block of its prompt. When a sequence ends,
 its pages return to the free queue *still registered*: they stay hittable
 until allocation pops them from the front of the queue, which evicts them
@@ -37,6 +41,17 @@ def block_digest(parent: Optional[bytes], token_ids) -> bytes:
     h.update(parent or b"root")
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
     return h.digest()
+
+
+def salt_digest(cache_salt: Optional[str]) -> Optional[bytes]:
+    """The parent digest of the first block of a request salted with `cache_salt` (None: no salt).
+
+    It is 16 bytes like every chained digest, while the unsalted root is the 4 bytes
+    `b"root"`, so no salted chain can start like an unsalted one.
+    """
+    if cache_salt is None:
+        return None
+    return hashlib.blake2b(b"cache_salt\0" + cache_salt.encode("utf-8"), digest_size=16).digest()
 
 
 class BlockManager:
@@ -78,7 +93,7 @@ class BlockManager:
         hashes, ps, toks = seq.block_hashes, self.page_size, seq.token_ids
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(block_digest(hashes[-1] if hashes else None, toks[i * ps:(i + 1) * ps]))
+            hashes.append(block_digest(hashes[-1] if hashes else seq.hash_root, toks[i * ps:(i + 1) * ps]))
         return hashes
 
     def lookup_prefix(self, seq) -> list[int]:

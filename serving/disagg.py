@@ -65,8 +65,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 import uuid
+from typing import Optional
 
 import httpx
 import pydantic
@@ -75,6 +77,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serving import http_protocol as P
+from serving import kv_wire
 from serving.sampling_params import InvalidParameterError
 
 PAYLOAD_MEDIA_TYPE = "application/x-ridgeline-kv"
@@ -102,8 +105,11 @@ class KVTransferRecord:
 
 
 async def run_disaggregated(client: httpx.AsyncClient, prefill_url: str, decode_url: str, endpoint: str,
-                            body: dict) -> tuple[httpx.Response, KVTransferRecord]:
+                            body: dict, headers: Optional[dict] = None) -> tuple[httpx.Response, KVTransferRecord]:
     """Prefills `body` on `prefill_url`, ships its KV to `decode_url`, returns (the decode response, record).
+
+    `headers` go to the prefill worker with the request (the client's `authorization`, where the
+    workers want an API key); the payload goes to the decode worker as the prefill worker signed it.
 
     The response is opened with `stream=True`: read it (`aread`, `aiter_lines`) or relay it, then
     `aclose()` it. If the prefill worker refuses the request (a 4xx for a bad client request, a 5xx),
@@ -112,7 +118,8 @@ async def run_disaggregated(client: httpx.AsyncClient, prefill_url: str, decode_
     rec = KVTransferRecord()
     t0 = time.perf_counter()
     pre = await client.send(client.build_request("POST", prefill_url.rstrip("/") + "/internal/prefill",
-                                                 json={"endpoint": endpoint, "body": body}), stream=True)
+                                                 json={"endpoint": endpoint, "body": body}, headers=headers),
+                            stream=True)
     t1 = time.perf_counter()
     rec.prefill_seconds = t1 - t0
     if pre.status_code != 200:
@@ -205,26 +212,58 @@ def _transfer_engine(ctx, kt):
     return engine, engine.runner.cache.k[0].dtype
 
 
-def add_kv_transfer_routes(app: FastAPI, ctx) -> None:
-    """Mounts `/internal/prefill` and `/internal/decode` (see the module docstring) on the OpenAI app."""
+def _wire_error(e: kv_wire.WireError) -> P.APIError:
+    return P.APIError(f"bad KV payload: {e}", status=e.status, param="payload", code=e.code)
+
+
+def _refuse_declared_length(request: Request, limit: int) -> None:
+    """413 before reading anything when the body's declared length is already over `limit`."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise P.APIError(f"request body of {declared} bytes exceeds this worker's limit of {limit}", status=413,
+                         param="payload", code="kv_payload_too_large")
+
+
+async def _read_json(request: Request, limit: int):
+    """The JSON body of a request, read under a cap of `limit` bytes (413 past it)."""
+    _refuse_declared_length(request, limit)
+    data = bytearray()
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > limit:
+            raise P.APIError(f"request body exceeds this worker's limit of {limit} bytes", status=413,
+                             code="request_too_large")
+    try:
+        return json.loads(bytes(data))
+    except ValueError as e:
+        raise P.APIError(f"The request body is not valid JSON: {e}", code="invalid_json") from e
+
+
+def add_kv_transfer_routes(app: FastAPI, ctx, secret: str, dependencies=()) -> None:
+    """Mounts `/internal/prefill` and `/internal/decode` (see the module docstring) on the OpenAI app.
+
+    `secret` signs the payloads this worker ships and verifies the ones it receives; `dependencies`
+    (the API-key check) guard `/internal/prefill` as they guard the OpenAI routes it stands in for.
+    """
     from serving import kv_transfer as kt  # imports jax: not needed by a router that only calls run_disaggregated
 
-    @app.post("/internal/prefill")
+    keys = kv_wire.SigningKeys(secret)
+    max_header = kt.max_header_bytes(ctx.max_model_len)
+
+    @app.post("/internal/prefill", dependencies=list(dependencies))
     async def internal_prefill(request: Request):
         t0 = time.perf_counter()
-        try:
-            data = await request.json()
-        except ValueError as e:
-            raise P.APIError(f"The request body is not valid JSON: {e}", code="invalid_json") from e
+        data = await _read_json(request, max_header)
         if not isinstance(data, dict):
             raise P.APIError("expected {\"endpoint\": ..., \"body\": ...}", code="invalid_value")
         endpoint, body = data.get("endpoint"), data.get("body")
         kind, req = _parse(endpoint, body)
         ids, params = _first_token_request(ctx, kind, req)
+        salt = ctx.cache_salt(req, request)
         engine, dtype = _transfer_engine(ctx, kt)
         exports = []
         try:
-            async for _ in ctx.engine.generate(ids, params, f"prefill-{uuid.uuid4().hex}",
+            async for _ in ctx.engine.generate(ids, params, f"prefill-{uuid.uuid4().hex}", cache_salt=salt,
                                                kv_export=exports.append):
                 pass
         except InvalidParameterError as e:
@@ -233,13 +272,14 @@ def add_kv_transfer_routes(app: FastAPI, ctx) -> None:
             raise P.APIError("the prefill ended without a first token", status=500, type="server_error")
         exp = exports[0]
         host = await asyncio.to_thread(exp.host_kv)  # the one device -> host copy, off the event loop
-        head = kt.encode_header(exp, engine.cfg, dtype,
-                                {"endpoint": endpoint, "body": body, "model": ctx.model_name})
+        signer = kv_wire.PayloadSigner(keys, kt.payload_header(
+            exp, engine.cfg, dtype, {"endpoint": endpoint, "body": body, "model": ctx.model_name}))
 
         async def chunks():
-            yield head
+            yield signer.head()
             for layer in host:  # one chunk per layer: the receiver gets bytes while later ones are sent
-                yield layer.tobytes()
+                yield signer.body(layer.tobytes())
+            yield signer.tail()
 
         return StreamingResponse(chunks(), media_type=PAYLOAD_MEDIA_TYPE, headers={
             "x-ridgeline-kv-bytes": str(host.nbytes), "x-ridgeline-kv-tokens": str(exp.num_tokens),
@@ -248,13 +288,18 @@ def add_kv_transfer_routes(app: FastAPI, ctx) -> None:
     @app.post("/internal/decode")
     async def internal_decode(request: Request):
         engine, dtype = _transfer_engine(ctx, kt)
-        data = await request.body()
+        max_tokens = ctx.max_model_len
+
+        def body_bytes(header):
+            return kt.body_bytes(header, engine.cfg, dtype, max_tokens)
+
+        _refuse_declared_length(request, kt.max_payload_bytes(engine.cfg, dtype, max_tokens))
         t0 = time.perf_counter()
-        try:
-            header, body = kt.decode_payload(data)
+        try:  # nothing is parsed before its signature is checked, nor buffered beyond what the header announces
+            header, body = await kv_wire.read_payload(request.stream(), keys, max_header, body_bytes)
             imp = kt.to_import(header, body, engine.cfg, dtype)
-        except kt.PayloadError as e:
-            raise P.APIError(f"bad KV payload: {e}", param="payload", code="invalid_kv_payload") from e
+        except kv_wire.WireError as e:
+            raise _wire_error(e) from e
         if header.get("model") != ctx.model_name:
             raise P.APIError(f"the KV payload comes from model {header.get('model')!r}; this worker serves "
                              f"{ctx.model_name!r}", param="model", code="model_mismatch")

@@ -168,10 +168,21 @@ class Engine:
 
     # --- requests ------------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
-                     arrival_time: Optional[float] = None) -> Request:
-        """Validates and tokenizes a request without queueing it (thread-safe)."""
+                     arrival_time: Optional[float] = None, cache_salt: Optional[str] = None) -> Request:
+        """Validates and tokenizes a request without queueing it (thread-safe).
+
+        `cache_salt` (or a dict prompt's "cache_salt", as vLLM's prompts carry it) isolates the
+        request's prefix-cache pages: only requests with the same salt share them.
+        """
         params = (params or SamplingParams()).clone()
         params.validate(self.cfg.vocab_size)
+        if isinstance(prompt, dict) and "cache_salt" in prompt:
+            if cache_salt is not None and cache_salt != prompt["cache_salt"]:
+                raise InvalidParameterError("cache_salt", "cache_salt: given both in the prompt and as an argument, "
+                                                          "with different values")
+            cache_salt = prompt["cache_salt"]
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidParameterError("cache_salt", f"cache_salt: must be a non-empty string, got {cache_salt!r}")
         text, ids = self._prompt_ids(prompt)
         if params.n > self.config.max_num_seqs:
             raise InvalidParameterError("n", f"n: {params.n} samples exceed max_num_seqs={self.config.max_num_seqs}")
@@ -188,12 +199,17 @@ class Engine:
                               f"{params.max_tokens} for the completion).")
         with self._lock:
             seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
-        req = Request(request_id, text, ids, params, seed, arrival_time or time.monotonic(), self.eos_token_ids)
+        req = Request(request_id, text, ids, params, seed, arrival_time or time.monotonic(), self.eos_token_ids,
+                      cache_salt)
         req.sampling_row = sampling_row(req)
         return req
 
     def _prompt_ids(self, prompt) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):
+            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"})
+            if unknown:
+                raise InvalidParameterError("prompt", f"prompt: unknown keys {unknown} in a dict prompt (it takes "
+                                                      f"'prompt' or 'prompt_token_ids', and 'cache_salt')")
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
             elif "prompt" in prompt:
@@ -223,14 +239,15 @@ class Engine:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
-        if getattr(req, "kv_import", None) is not None:  # its prompt's K/V arrives with it
+        if req.kv_import is not None:  # its prompt's K/V arrives with it
             self._pending_imports.append(req)
             return
         self.scheduler.add(req.seqs[0])
 
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
-                    arrival_time: Optional[float] = None, stream: bool = False) -> Request:
-        req = self.make_request(request_id, prompt, params, arrival_time)
+                    arrival_time: Optional[float] = None, stream: bool = False,
+                    cache_salt: Optional[str] = None) -> Request:
+        req = self.make_request(request_id, prompt, params, arrival_time, cache_salt)
         req.stream = stream
         self.enqueue(req)
         return req
@@ -363,7 +380,7 @@ class Engine:
     def _on_token(self, seq: Sequence, tok: int, row: int, result, now: float, it: IterationStats) -> None:
         req = seq.request
         p = req.params
-        if getattr(req, "kv_export", None) is not None and seq.num_output_tokens == 1:
+        if req.kv_export is not None and seq.num_output_tokens == 1:
             req.kv_export(self.export_prompt_kv(seq, tok, result, row))  # before a finish frees the pages
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
@@ -433,7 +450,7 @@ class Engine:
                   "top_logprobs": [float(x) for x in result.top_logprobs[row]]}
         return kv_transfer.PrefillExport(list(seq.request.prompt_token_ids), int(first_token), seq.request.seed,
                                          self.config.page_size, kv_transfer.gather_pages(self.runner.cache, table),
-                                         lp)
+                                         lp, seq.request.cache_salt)
 
     def _admit_imports(self):
         """Resumes pending imported requests: their first token now, their K/V once seats and pages allow.

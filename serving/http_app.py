@@ -23,14 +23,16 @@ import logging
 import uuid
 from typing import AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from model.tokenizer import ByteTokenizer
 from serving import http_protocol as P
 from serving import kv_transfer
 from serving.chat_template import ChatTemplateError, encode_chat
+from serving.http_auth import APIKeys
 from serving.profiling import TraceControl
 from serving.async_engine import EngineDeadError
 from serving.engine import ContextLengthError
@@ -45,8 +47,9 @@ class ServingContext:
     """What the routes need: the engine, the tokenizer, the name and the context window."""
 
     def __init__(self, engine, tokenizer, model_name: str, max_model_len: int, metrics=None,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, api_keys: APIKeys | None = None):
         self.engine = engine
+        self.api_keys = api_keys or APIKeys()
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -92,6 +95,14 @@ class ServingContext:
             return encode_chat(messages, self.tokenizer, req.add_generation_prompt)
         except ChatTemplateError as e:
             raise P.APIError(str(e), param="messages", code="invalid_value") from e
+
+    def cache_salt(self, req: P._SamplingFields, request: Request) -> str | None:
+        """The prefix-cache salt of a request: the one its shipped KV was computed under when it resumes
+        a disaggregated prefill (signed by the prefill worker), else the client's, bound to its API key."""
+        imp = kv_transfer.current_import.get()
+        if imp is not None:
+            return imp.cache_salt
+        return self.api_keys.cache_salt(request, req.cache_salt)
 
     def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None, prompt_field: str,
                            max_tokens_field: str) -> int:
@@ -146,7 +157,7 @@ class ServingContext:
     # --- running requests ------------------------------------------------------------------
 
     async def stream_outputs(self, prompts: list[list[int]], params: SamplingParams, base_id: str,
-                             kind: str) -> AsyncIterator[tuple[int, object]]:
+                             kind: str, cache_salt: str | None = None) -> AsyncIterator[tuple[int, object]]:
         """Cumulative RequestOutputs of every prompt, interleaved as they come: (prompt index, output).
 
         Closing this iterator (the client went away) aborts every engine request still running.
@@ -157,7 +168,8 @@ class ServingContext:
 
         async def pump(i: int):
             try:
-                async for out in self.engine.generate(prompts[i], params, ids[i], **kv_transfer.engine_kwargs()):
+                async for out in self.engine.generate(prompts[i], params, ids[i], cache_salt=cache_salt,
+                                                      **kv_transfer.engine_kwargs()):
                     queue.put_nowait((i, out))
             except InvalidParameterError as e:
                 queue.put_nowait((i, self.api_error(e, kind)))
@@ -187,12 +199,12 @@ class ServingContext:
             for rid in ids:
                 self.engine.abort(rid)
 
-    async def final_outputs(self, request: Request, prompts, params, base_id, kind) -> list:
+    async def final_outputs(self, request: Request, prompts, params, base_id, kind, cache_salt=None) -> list:
         """The last output of every prompt; aborts them all if the client disconnects meanwhile."""
         finals: list = [None] * len(prompts)
 
         async def collect():
-            async for i, out in self.stream_outputs(prompts, params, base_id, kind):
+            async for i, out in self.stream_outputs(prompts, params, base_id, kind, cache_salt):
                 finals[i] = out
 
         await until_disconnect(request, collect())
@@ -337,16 +349,29 @@ def _error_response(err: P.APIError) -> JSONResponse:
 
 
 def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=None,
-               vocab_size: int | None = None, profile_dir: str | None = None) -> FastAPI:
-    """The FastAPI app serving `engine` (an `AsyncEngine`) under the name `model_name`."""
-    ctx = ServingContext(engine, tokenizer, model_name, max_model_len, metrics, vocab_size)
+               vocab_size: int | None = None, profile_dir: str | None = None, api_keys: APIKeys | None = None,
+               kv_transfer_secret: str | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` (an `AsyncEngine`) under the name `model_name`.
+
+    `api_keys` guards the OpenAI and profiling routes (`serving.http_auth`); the internal KV
+    routes of disaggregated serving are mounted only with a `kv_transfer_secret`, which signs
+    and verifies their payloads (`serving.disagg`).
+    """
+    ctx = ServingContext(engine, tokenizer, model_name, max_model_len, metrics, vocab_size, api_keys)
     app = FastAPI(title="Ridgeline OpenAI-compatible API")
     app.state.ctx = ctx
     profiler = app.state.profiler = TraceControl(profile_dir)
+    keyed = [Depends(ctx.api_keys.require)]
 
     @app.exception_handler(P.APIError)
     async def _api_error(_request, err: P.APIError):
         return _error_response(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request, err: StarletteHTTPException):  # unknown routes, wrong methods
+        code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
+        body = P.error_body(str(err.detail), code=code)
+        return JSONResponse(body, status_code=err.status_code, headers=getattr(err, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request, err: RequestValidationError):
@@ -378,7 +403,7 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
                                 status_code=503)
         return Response(status_code=200)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=keyed)
     async def models():
         return P.ModelList(data=[P.ModelCard(id=model_name, max_model_len=max_model_len)])
 
@@ -389,15 +414,15 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    @app.post("/start_profile")
+    @app.post("/start_profile", dependencies=keyed)
     async def start_profile():
         return await asyncio.to_thread(profiler.start)  # starting a profiler session blocks briefly
 
-    @app.post("/stop_profile")
+    @app.post("/stop_profile", dependencies=keyed)
     async def stop_profile():
         return await asyncio.to_thread(profiler.stop)  # writing the trace takes a moment
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=keyed)
     async def completions(req: P.CompletionRequest, request: Request):
         ctx.check_model(req.model)
         prompts = ctx.completion_prompts(req.prompt)
@@ -405,15 +430,17 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
         max_tokens = min(ctx.resolve_max_tokens(n, req.max_tokens, "prompt", "max_tokens") for n in lengths)
         echo_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
         params = ctx.sampling_params(req, "completions", max_tokens, req.logprobs, echo_lp)
+        salt = ctx.cache_salt(req, request)
         base_id = f"cmpl-{uuid.uuid4().hex}"
         token_prompts = [ids for _, ids in prompts]
         # A model served without a tokenizer takes token ids only; its prompt text is empty.
         texts = [t if t is not None else (tokenizer.decode(ids) if tokenizer is not None else "")
                  for t, ids in prompts]
         if req.stream:
-            return await primed_stream(request, _stream_completion(ctx, req, token_prompts, texts, params, base_id))
+            return await primed_stream(request, _stream_completion(ctx, req, token_prompts, texts, params, base_id,
+                                                                   salt))
         try:
-            finals = await ctx.final_outputs(request, token_prompts, params, base_id, "completions")
+            finals = await ctx.final_outputs(request, token_prompts, params, base_id, "completions", salt)
         except ClientGone:
             return Response(status_code=499)
         choices, completion_tokens = [], 0
@@ -433,7 +460,7 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
         return P.CompletionResponse(id=base_id, model=model_name, choices=choices,
                                     usage=_usage(sum(lengths), completion_tokens))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=keyed)
     async def chat_completions(req: P.ChatCompletionRequest, request: Request):
         ctx.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
@@ -443,11 +470,12 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
         max_tokens = ctx.resolve_max_tokens(len(ids), req.requested_max_tokens(), "messages", req.max_tokens_field())
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = ctx.sampling_params(req, "chat", max_tokens, logprobs, None)
+        salt = ctx.cache_salt(req, request)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return await primed_stream(request, _stream_chat(ctx, req, ids, params, base_id))
+            return await primed_stream(request, _stream_chat(ctx, req, ids, params, base_id, salt))
         try:
-            (out,) = await ctx.final_outputs(request, [ids], params, base_id, "chat")
+            (out,) = await ctx.final_outputs(request, [ids], params, base_id, "chat", salt)
         except ClientGone:
             return Response(status_code=499)
         choices = []
@@ -458,19 +486,23 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
         usage = _usage(len(ids), sum(len(o.token_ids) for o in out.outputs))
         return P.ChatCompletionResponse(id=base_id, model=model_name, choices=choices, usage=usage)
 
-    from serving.disagg import add_kv_transfer_routes
+    if kv_transfer_secret:
+        from serving.disagg import add_kv_transfer_routes
 
-    add_kv_transfer_routes(app, ctx)  # /internal/prefill and /internal/decode (disaggregated serving)
+        # /internal/prefill and /internal/decode (disaggregated serving); without a secret they do
+        # not exist (404), since an unsigned import could put forged pages into the shared prefix cache.
+        add_kv_transfer_routes(app, ctx, kv_transfer_secret, keyed)
     return app
 
 
-async def _stream_completion(ctx: ServingContext, req: P.CompletionRequest, prompts, texts, params, base_id):
+async def _stream_completion(ctx: ServingContext, req: P.CompletionRequest, prompts, texts, params, base_id,
+                             cache_salt=None):
     """SSE chunks of a completions request: one choice entry per index and chunk, as OpenAI sends them."""
     trackers: dict[int, _DeltaTracker] = {}
     tok = ctx.tokenizer
     completion_tokens: dict[int, int] = {}
     try:
-        async for i, out in ctx.stream_outputs(prompts, params, base_id, "completions"):
+        async for i, out in ctx.stream_outputs(prompts, params, base_id, "completions", cache_salt):
             choices = []
             for o in out.outputs:
                 index = i * req.n + o.index
@@ -510,12 +542,12 @@ async def _stream_completion(ctx: ServingContext, req: P.CompletionRequest, prom
     yield P.SSE_DONE
 
 
-async def _stream_chat(ctx: ServingContext, req: P.ChatCompletionRequest, ids, params, base_id):
+async def _stream_chat(ctx: ServingContext, req: P.ChatCompletionRequest, ids, params, base_id, cache_salt=None):
     trackers: dict[int, _DeltaTracker] = {}
     completion_tokens: dict[int, int] = {}
     top_n = params.logprobs or 0
     try:
-        async for _, out in ctx.stream_outputs([ids], params, base_id, "chat"):
+        async for _, out in ctx.stream_outputs([ids], params, base_id, "chat", cache_salt):
             choices = []
             for o in out.outputs:
                 tr = trackers.get(o.index)

@@ -80,6 +80,8 @@ class _SamplingFields(_Request):
     stream_options: Optional[StreamOptions] = None
     echo: bool = False
     ignore_eos: bool = False
+    # Prefix-cache isolation (as vLLM's): only requests with the same salt share cached KV pages.
+    cache_salt: Optional[str] = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

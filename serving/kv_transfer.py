@@ -12,12 +12,15 @@ head_dim]` host K/V into the donated cache at the given slots (token count
 padded to a power of two, padding slots dropped). It works per token, so the
 two engines may use different page sizes.
 
-The payload (`encode_payload` / `decode_payload`) is framed as
-`b"RKV1" | u32 header length | header JSON | array bytes`; the header lists
-the per-layer arrays by name and shape, so quantized caches can add scale
-arrays without a new framing. `decode_payload` raises `PayloadError` for
-anything malformed; `check_compatible` raises it for a payload this engine
-cannot hold (other geometry, dtype or arrays).
+The payload is signed and read under size caps by `serving.kv_wire` (its
+framing and tags); this module says what its header holds (`payload_header`)
+and how many array bytes an engine accepts after it (`body_bytes`: the same
+geometry and dtype, at most the tokens the pool and context window hold). The
+header lists the per-layer arrays by name and shape, so quantized caches can
+add scale arrays without a new framing. `PayloadError` is an authenticated
+payload this engine cannot hold; `to_import` turns a checked one into a
+`KVImport` (the prompt, its K/V, the first token, seed, logprobs and the
+request's cache salt).
 """
 
 from __future__ import annotations
@@ -33,16 +36,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.cache import KVCache
+from serving import kv_wire
 
-MAGIC = b"RKV1"
-VERSION = 1
+VERSION = 2
 KV_ARRAYS = ("k", "v")  # what this engine reads and writes; quantized caches would add e.g. "k_scale"
 
 
-class PayloadError(ValueError):
-    """A KV payload that is malformed or does not fit this engine (an HTTP 400)."""
-
-    param = "payload"
+class PayloadError(kv_wire.WireError):
+    """An authenticated KV payload that does not fit this engine (an HTTP 400, or 413 when too large)."""
 
 
 # --- device side -------------------------------------------------------------------------------
@@ -138,6 +139,7 @@ class PrefillExport:
     page_size: int
     pages: Any  # device array [layers, 2, P, page_size, kv_heads, head_dim] (not yet on host)
     logprobs: Optional[dict]  # the first token's chosen_logprob, rank, top_ids, top_logprobs (or None)
+    cache_salt: Optional[str] = None  # the request's prefix-cache salt (the decode side keeps it)
 
     @property
     def num_tokens(self) -> int:
@@ -159,6 +161,7 @@ class KVImport:
     seed: int
     kv: np.ndarray  # [layers, 2, tokens, kv_heads, head_dim]
     logprobs: Optional[dict] = None
+    cache_salt: Optional[str] = None  # the salt the prefill side used; the resumed request keeps it
 
     def step_result(self, k: Optional[int]):
         """The first token's logprobs in the shape of a one-row `StepResult` (for the engine's output path)."""
@@ -200,6 +203,9 @@ def check_import(req, imp: KVImport) -> None:
     if req.prompt_token_ids != imp.prompt_token_ids:
         raise InvalidParameterError("prompt", "prompt: tokenizes to other token ids than the shipped KV's prompt "
                                               "(prefill and decode workers must serve the same model)")
+    if req.cache_salt != imp.cache_salt:
+        raise InvalidParameterError("cache_salt", "cache_salt: differs from the salt the shipped KV was computed "
+                                                  "under")
     if p.n != 1 or p.prompt_logprobs is not None:
         raise InvalidParameterError("n", "n: a disaggregated request must have n=1 and no prompt logprobs")
     if imp.kv.shape[2] != len(req.prompt_token_ids):
@@ -227,69 +233,86 @@ def geometry(cfg, dtype) -> dict:
             "dtype": np.dtype(dtype).name}
 
 
-def encode_header(export: PrefillExport, cfg, dtype, extra: dict) -> bytes:
-    """The framing and header of a payload (the array bytes follow)."""
+def payload_header(export: PrefillExport, cfg, dtype, extra: dict) -> dict:
+    """The header of the payload that ships `export` (the array bytes follow it)."""
     shape = [export.num_tokens, cfg.num_kv_heads, cfg.head_dim]
-    header = {"version": VERSION, **extra, **geometry(cfg, dtype), "page_size": export.page_size,
-              "num_tokens": export.num_tokens, "prompt_token_ids": export.prompt_token_ids,
-              "first_token": export.first_token, "seed": export.seed, "logprobs": export.logprobs,
-              "arrays": [{"name": n, "shape": shape} for n in KV_ARRAYS]}
-    blob = json.dumps(header).encode()
-    return MAGIC + struct.pack("<I", len(blob)) + blob
+    return {"version": VERSION, **extra, **geometry(cfg, dtype), "page_size": export.page_size,
+            "num_tokens": export.num_tokens, "prompt_token_ids": export.prompt_token_ids,
+            "first_token": export.first_token, "seed": export.seed, "logprobs": export.logprobs,
+            "cache_salt": export.cache_salt, "arrays": [{"name": n, "shape": shape} for n in KV_ARRAYS]}
 
 
-def encode_payload(export: PrefillExport, cfg, dtype, extra: Optional[dict] = None) -> bytes:
-    return encode_header(export, cfg, dtype, extra or {}) + export.host_kv().tobytes()
+def encode_payload(export: PrefillExport, cfg, dtype, keys: kv_wire.SigningKeys,
+                   extra: Optional[dict] = None) -> bytes:
+    """The whole signed payload in memory (the HTTP route streams the same bytes layer by layer)."""
+    return kv_wire.sign_payload(keys, payload_header(export, cfg, dtype, extra or {}), export.host_kv().tobytes())
 
 
-def decode_payload(data: bytes) -> tuple[dict, memoryview]:
-    """(header, the array bytes) of a payload; raises PayloadError on bad framing."""
-    if len(data) < 8 or data[:4] != MAGIC:
-        raise PayloadError("not a KV payload (bad magic)")
-    (n,) = struct.unpack("<I", data[4:8])
-    if 8 + n > len(data):
-        raise PayloadError(f"KV payload truncated inside its header ({len(data)} bytes, header of {n})")
-    try:
-        header = json.loads(bytes(data[8:8 + n]))
-    except ValueError as e:
-        raise PayloadError(f"KV payload header is not JSON: {e}") from e
-    if not isinstance(header, dict) or header.get("version") != VERSION:
-        raise PayloadError(f"KV payload version {header.get('version') if isinstance(header, dict) else None} "
-                           f"is not {VERSION}")
-    return header, memoryview(data)[8 + n:]
+def max_header_bytes(max_model_len: int) -> int:
+    """The largest header a worker reads: the prompt's ids and the client's request echoed, generously."""
+    return 2**20 + 256 * max_model_len
 
 
-def check_compatible(header: dict, cfg, dtype) -> None:
-    """Raises PayloadError unless this engine (config `cfg`, cache `dtype`) can hold the payload's K/V."""
+def bytes_per_token(cfg, dtype) -> int:
+    """K/V bytes one prompt token takes in a payload."""
+    return cfg.num_layers * len(KV_ARRAYS) * cfg.num_kv_heads * cfg.head_dim * np.dtype(jnp.dtype(dtype)).itemsize
+
+
+def max_payload_bytes(cfg, dtype, max_tokens: int) -> int:
+    """The largest payload a worker holding at most `max_tokens` tokens per request accepts."""
+    return (kv_wire.PREFIX_BYTES + max_header_bytes(max_tokens) + 2 * kv_wire.TAG_BYTES
+            + bytes_per_token(cfg, dtype) * max_tokens)
+
+
+def body_bytes(header: dict, cfg, dtype, max_tokens: int) -> int:
+    """The array bytes that must follow `header`; raises PayloadError unless this engine (config `cfg`,
+    cache `dtype`, at most `max_tokens` tokens per request) can hold the payload's K/V."""
+    if header.get("version") != VERSION:
+        raise PayloadError(f"KV payload version {header.get('version')!r} is not {VERSION}")
     mine = geometry(cfg, dtype)
     for key, want in mine.items():
         if header.get(key) != want:
             raise PayloadError(f"KV payload {key}={header.get(key)!r} does not match this worker's {want!r} "
                                f"(prefill and decode workers must serve the same model and KV dtype)")
-    names = [a.get("name") for a in header.get("arrays", []) if isinstance(a, dict)]
+    arrays = header.get("arrays")
+    names = [a.get("name") for a in arrays if isinstance(a, dict)] if isinstance(arrays, list) else None
     if names != list(KV_ARRAYS):
         raise PayloadError(f"KV payload arrays {names} are not supported; this worker reads exactly "
                            f"{list(KV_ARRAYS)} (quantized KV with scales is not supported yet)")
-
-
-def to_import(header: dict, body: memoryview, cfg, dtype) -> KVImport:
-    """The checked `KVImport` of a payload (zero-copy view of `body`)."""
-    check_compatible(header, cfg, dtype)
-    ids = header.get("prompt_token_ids")
     n = header.get("num_tokens")
-    if not isinstance(ids, list) or not ids or n != len(ids) or not all(isinstance(t, int) for t in ids):
-        raise PayloadError("KV payload prompt_token_ids must be a non-empty list of num_tokens ints")
-    first, seed = header.get("first_token"), header.get("seed")
-    if not isinstance(first, int) or not 0 <= first < cfg.vocab_size or not isinstance(seed, int):
-        raise PayloadError("KV payload first_token/seed missing or out of range")
-    for a in header["arrays"]:
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= max_tokens:
+        raise PayloadError(f"KV payload num_tokens={n!r} is not in [1, {max_tokens}] (this worker's context "
+                           f"window and pool)", status=413 if isinstance(n, int) and n > max_tokens else 400)
+    for a in arrays:
         if a.get("shape") != [n, cfg.num_kv_heads, cfg.head_dim]:
             raise PayloadError(f"KV payload array {a.get('name')} has shape {a.get('shape')}, expected "
                                f"{[n, cfg.num_kv_heads, cfg.head_dim]}")
-    dt = np.dtype(jnp.dtype(dtype))
-    shape = (cfg.num_layers, len(KV_ARRAYS), n, cfg.num_kv_heads, cfg.head_dim)
-    want = int(np.prod(shape)) * dt.itemsize
+    return n * bytes_per_token(cfg, dtype)
+
+
+def decode_payload(data: bytes, keys: kv_wire.SigningKeys, cfg, dtype, max_tokens: int) -> tuple[dict, memoryview]:
+    """(header, the array bytes) of a signed payload in memory; raises `kv_wire.WireError` (PayloadError
+    for one this engine cannot hold)."""
+    return kv_wire.read_payload_bytes(data, keys, max_header_bytes(max_tokens),
+                                      lambda h: body_bytes(h, cfg, dtype, max_tokens))
+
+
+def to_import(header: dict, body: memoryview, cfg, dtype) -> KVImport:
+    """The checked `KVImport` of an authenticated payload (zero-copy view of `body`)."""
+    ids = header.get("prompt_token_ids")
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+        raise PayloadError("KV payload prompt_token_ids must be a non-empty list of ints")
+    want = body_bytes(header, cfg, dtype, len(ids))
+    if header["num_tokens"] != len(ids):
+        raise PayloadError(f"KV payload num_tokens={header['num_tokens']} but {len(ids)} prompt_token_ids")
     if len(body) != want:
-        raise PayloadError(f"KV payload carries {len(body)} bytes of K/V, expected {want} for {n} tokens")
-    kv = np.frombuffer(body, dtype=dt).reshape(shape)
-    return KVImport(list(ids), first, seed, kv, header.get("logprobs"))
+        raise PayloadError(f"KV payload carries {len(body)} bytes of K/V, expected {want} for {len(ids)} tokens")
+    first, seed = header.get("first_token"), header.get("seed")
+    if not isinstance(first, int) or not 0 <= first < cfg.vocab_size or not isinstance(seed, int):
+        raise PayloadError("KV payload first_token/seed missing or out of range")
+    salt = header.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise PayloadError("KV payload cache_salt must be a non-empty string or null")
+    shape = (cfg.num_layers, len(KV_ARRAYS), len(ids), cfg.num_kv_heads, cfg.head_dim)
+    kv = np.frombuffer(body, dtype=np.dtype(jnp.dtype(dtype))).reshape(shape)
+    return KVImport(list(ids), first, seed, kv, header.get("logprobs"), salt)

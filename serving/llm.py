@@ -159,7 +159,9 @@ class LLM:
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in prompt order.
 
-        A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]}.
+        A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."};
+        a dict prompt may carry "cache_salt" (requests share cached prefix pages only with
+        requests of the same salt).
         Every request is validated before any is queued, so one bad prompt or
         parameter raises (`InvalidParameterError`) without running the others.
 

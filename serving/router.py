@@ -197,7 +197,8 @@ class RouterService:
             except httpx.TransportError as e:
                 raise UpstreamFailed(workers[0], "connect", f"{type(e).__name__}: {e}") from e
         try:
-            result = await self.disagg_fn(self.client, workers[0], workers[1], ENDPOINTS[endpoint], body)
+            auth = {k: v for k, v in headers.items() if k == "authorization"}
+            result = await self.disagg_fn(self.client, workers[0], workers[1], ENDPOINTS[endpoint], body, auth)
         except httpx.TransportError as e:
             url = str(e.request.url) if getattr(e, "_request", None) is not None else ""
             blamed = workers[1] if url.startswith(workers[1]) else workers[0]

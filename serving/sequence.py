@@ -23,6 +23,7 @@ import enum
 import itertools
 from typing import Optional
 
+from serving.block_manager import salt_digest
 from serving.outputs import Logprob, RequestMetrics
 from serving.sampling_params import SamplingParams
 
@@ -76,6 +77,11 @@ class Sequence:
         return self.request.params
 
     @property
+    def hash_root(self) -> Optional[bytes]:
+        """The parent digest of this sequence's first block (its request's cache salt, or None)."""
+        return self.request.hash_root
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
@@ -120,7 +126,8 @@ class Request:
     """One submitted prompt and its samples."""
 
     def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
-                 params: SamplingParams, seed: int, arrival_time: float, eos_token_ids: tuple[int, ...] = ()):
+                 params: SamplingParams, seed: int, arrival_time: float, eos_token_ids: tuple[int, ...] = (),
+                 cache_salt: Optional[str] = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -134,6 +141,13 @@ class Request:
         self.error: Optional[str] = None
         self.stream = False  # emit an output every step (else only when finished)
         self.sampling_row = None  # packed sampling parameters, set by the engine
+        # Prefix-cache isolation: requests with different salts share no cached pages.
+        self.cache_salt = cache_salt
+        self.hash_root = salt_digest(cache_salt)
+        # Disaggregated serving (serving.kv_transfer): the shipped prompt K/V this request resumes
+        # from, and the callback that receives this request's prompt K/V when its first token exists.
+        self.kv_import = None
+        self.kv_export = None
 
     @property
     def is_finished(self) -> bool:

@@ -27,6 +27,7 @@ notebooks): uvicorn on a background thread, bound to loopback by default.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import sys
 import threading
@@ -39,6 +40,8 @@ from absl import flags
 log = logging.getLogger("ridgeline.server")
 
 FLAGS = flags.FLAGS
+SECRET_ENV = "RIDGELINE_KV_TRANSFER_SECRET"
+API_KEY_ENV = "RIDGELINE_API_KEY"
 
 
 def define_flags() -> None:
@@ -84,6 +87,14 @@ def define_flags() -> None:
                                                    "(default: the embedded draft model).")
     flags.DEFINE_boolean("kv_transfer_warmup", False, "Also compile the KV export/import of disaggregated "
                                                       "serving at startup (/internal/prefill, /internal/decode).")
+    flags.DEFINE_string("kv_transfer_secret", None, "Shared secret of disaggregated serving: mounts /internal/prefill "
+                        "and /internal/decode, whose KV payloads are signed and verified with it (HMAC-SHA256); "
+                        "every prefill and decode worker gets the same one. Unset: those routes do not exist. "
+                        f"Default: ${SECRET_ENV} (prefer it: flags show in the process list).")
+    flags.DEFINE_string("api_key", None, "Comma-separated API keys; when set, the /v1 routes, /internal/prefill and "
+                        f"the profiling routes need 'Authorization: Bearer <key>'. Default: ${API_KEY_ENV}.")
+    flags.DEFINE_boolean("cache_salt_per_api_key", False, "Bind every request's prefix-cache salt to its API key, "
+                         "so clients with different keys never share cached KV pages (needs --api_key).")
     flags.DEFINE_enum("log_level", "info", ["debug", "info", "warning", "error"], "Log level of the server.")
     flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0's coordination service "
                                                      "(default: $RIDGELINE_COORDINATOR_ADDRESS, else detected).")
@@ -116,11 +127,13 @@ def default_model_name(llm) -> str:
 
 
 def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window_s: float = 10.0,
-                num_devices: int = 1, profile_dir: str | None = None):
+                num_devices: int = 1, profile_dir: str | None = None, api_keys=None,
+                kv_transfer_secret: str | None = None):
     """(FastAPI app, AsyncEngine, ServerMetrics) over an `LLM` whose engine is not yet running.
 
     The engine thread starts here; stop it with `async_engine.shutdown()`. `profile_dir` enables
-    `/start_profile` and `/stop_profile` (traces land there).
+    `/start_profile` and `/stop_profile` (traces land there); `api_keys` (`http_auth.APIKeys`)
+    guards the API; `kv_transfer_secret` mounts the signed KV routes of disaggregated serving.
     """
     from serving.async_engine import AsyncEngine
     from serving.http_app import create_app
@@ -137,7 +150,8 @@ def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window
     metrics = ServerMetrics(async_engine, model_name, cost, peak, metrics_window_s,
                             engine.config.max_num_batched_tokens).attach()
     fastapi_app = create_app(async_engine, llm.tokenizer, model_name, engine.max_model_len, metrics,
-                             vocab_size=llm.config.vocab_size, profile_dir=profile_dir)
+                             vocab_size=llm.config.vocab_size, profile_dir=profile_dir, api_keys=api_keys,
+                             kv_transfer_secret=kv_transfer_secret)
     return fastapi_app, async_engine, metrics
 
 
@@ -208,11 +222,13 @@ class ServerThread:
     """
 
     def __init__(self, llm, model_name: str | None = None, host: str = "127.0.0.1", port: int | None = None,
-                 peak=None, log_level: str = "warning", profile_dir: str | None = None):
+                 peak=None, log_level: str = "warning", profile_dir: str | None = None, api_keys=None,
+                 kv_transfer_secret: str | None = None):
         import uvicorn
 
         self.app, self.async_engine, self.metrics = build_stack(llm, model_name, peak=peak,
-                                                                profile_dir=profile_dir)
+                                                                profile_dir=profile_dir, api_keys=api_keys,
+                                                                kv_transfer_secret=kv_transfer_secret)
         self.model_name = model_name or default_model_name(llm)
         self.host, self.port = host, port or free_port(host)
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level=log_level,
@@ -305,14 +321,24 @@ def main(argv) -> None:
         log.info("%s", line)
     if llm.multihost is not None and not llm.multihost.is_leader:
         sys.exit(llm.multihost.serve())  # process 0 serves HTTP; this one replays its device calls
-    if FLAGS.kv_transfer_warmup:
+    from serving.http_auth import APIKeys
+
+    secret = FLAGS.kv_transfer_secret or os.environ.get(SECRET_ENV) or None
+    api_keys = APIKeys.parse(FLAGS.api_key or os.environ.get(API_KEY_ENV), FLAGS.cache_salt_per_api_key)
+    log.info("API keys: %s; disaggregated serving routes (/internal/*): %s",
+             f"{len(api_keys.keys)} accepted" if api_keys.enabled else "none (the API is open)",
+             "on (signed payloads)" if secret else f"off (set --kv_transfer_secret or ${SECRET_ENV})")
+    if FLAGS.kv_transfer_warmup and secret:
         from serving import kv_transfer
 
         log.info("KV transfer warm-up: %d executables", kv_transfer.warm_up(llm.engine))
+    elif FLAGS.kv_transfer_warmup:
+        log.warning("--kv_transfer_warmup ignored: the KV transfer routes are off without a secret")
     fastapi_app, async_engine, _ = build_stack(llm, FLAGS.served_model_name, peak=_peak_from_flags(),
                                                metrics_window_s=FLAGS.metrics_window_s,
                                                num_devices=FLAGS.tensor_parallel_size * FLAGS.pipeline_parallel_size,
-                                               profile_dir=FLAGS.profile_dir)
+                                               profile_dir=FLAGS.profile_dir, api_keys=api_keys,
+                                               kv_transfer_secret=secret)
     if FLAGS.profile_dir:
         log.info("profiling: POST /start_profile and /stop_profile write traces under %s", FLAGS.profile_dir)
     if llm.multihost is not None:

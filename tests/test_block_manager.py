@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from serving.block_manager import BlockManager, block_digest
+from serving.block_manager import BlockManager, block_digest, salt_digest
 
 _ids = itertools.count(10_000)
 
@@ -12,11 +12,12 @@ _ids = itertools.count(10_000)
 class Seq:
     """The few attributes the block manager reads from a sequence."""
 
-    def __init__(self, tokens):
+    def __init__(self, tokens, cache_salt=None):
         self.seq_id = next(_ids)
         self.token_ids = list(tokens)
         self.num_computed_tokens = 0
         self.block_hashes = []
+        self.hash_root = salt_digest(cache_salt)
 
     @property
     def num_tokens(self):
@@ -93,6 +94,24 @@ def test_prefix_hit_shares_full_blocks_only():
     assert bm.table(b)[:2] == bm.table(a)[:2] and bm.table(b)[2] != bm.table(a)[2]
     assert [bm.ref[p] for p in bm.table(a)] == [2, 2, 1]
     bm.check_invariants([a.seq_id, b.seq_id])
+
+
+def test_cache_salts_share_pages_only_with_the_same_salt():
+    bm = BlockManager(num_pages=32, page_size=4)
+    prompt = list(range(1, 14))  # 3 full blocks + 1 token
+    owner = Seq(prompt, cache_salt="tenant-a")
+    compute(bm, owner, len(prompt))
+    assert bm.lookup_prefix(Seq(prompt, cache_salt="tenant-a")) == bm.table(owner)[:3]
+    assert bm.lookup_prefix(Seq(prompt, cache_salt="tenant-b")) == []
+    assert bm.lookup_prefix(Seq(prompt)) == []  # unsalted requests do not see salted pages
+    plain = Seq(prompt)
+    compute(bm, plain, len(prompt))
+    assert bm.lookup_prefix(Seq(prompt, cache_salt="tenant-b")) == []  # ... nor salted ones unsalted pages
+    assert bm.lookup_prefix(Seq(prompt)) == bm.table(plain)[:3]
+    # A salt is not a block: no salted chain starts like the unsalted chain of other tokens.
+    assert salt_digest("x") != block_digest(None, []) and len(salt_digest("x")) == 16
+    assert salt_digest("a") != salt_digest("b") and salt_digest(None) is None
+    bm.check_invariants([owner.seq_id, plain.seq_id])
 
 
 def test_fully_cached_prompt_still_recomputes_its_last_token():

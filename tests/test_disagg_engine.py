@@ -14,12 +14,14 @@ from conftest import tiny_config
 from model.params import init_params
 from serving import LLM, SamplingParams
 from serving import kv_transfer as kt
+from serving import kv_wire
 from serving.sampling_params import InvalidParameterError
 
 CFG = tiny_config()
 COMMON = dict(max_model_len=64, min_token_bucket=8, min_context_bucket=16, attention_backend="reference")
 PREFILL = dict(page_size=8, num_pages=32, max_num_seqs=4, max_num_batched_tokens=16, **COMMON)  # shared shapes
 LENGTHS = [1, 3, 7, 8, 9, 16, 17, 30]
+KEYS = kv_wire.SigningKeys("a secret both workers share")
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +62,15 @@ def prefill(engine, rid, prompt, sp) -> bytes:
     run(engine)
     (exp,) = exports
     assert exp.num_tokens == len(prompt) and exp.pages.shape[2] * exp.page_size >= len(prompt)
-    return kt.encode_payload(exp, engine.cfg, engine.runner.cache.k[0].dtype)
+    return kt.encode_payload(exp, engine.cfg, engine.runner.cache.k[0].dtype, KEYS)
+
+
+def decode(engine, payload: bytes):
+    return kt.decode_payload(payload, KEYS, engine.cfg, engine.runner.cache.k[0].dtype, engine.max_model_len)
 
 
 def submit_import(engine, rid, prompt, sp, payload: bytes):
-    header, body = kt.decode_payload(payload)
+    header, body = decode(engine, payload)
     imp = kt.to_import(header, body, engine.cfg, engine.runner.cache.k[0].dtype)
     req = engine.make_request(rid, prompt, sp)
     kt.check_import(req, imp)
@@ -86,7 +92,7 @@ def test_export_import_equals_one_engine(params):
     item = np.dtype(np.float32).itemsize
     per_token = 2 * CFG.num_layers * CFG.num_kv_heads * CFG.head_dim * item
     for rid, p, _ in jobs():
-        assert len(kt.decode_payload(payloads[rid])[1]) == per_token * len(p)
+        assert len(decode(dec, payloads[rid])[1]) == per_token * len(p)
 
     for rid, p, sp in jobs():  # all at once: more than max_num_seqs, so some wait for a seat
         submit_import(dec, rid, p, sp, payloads[rid])
@@ -122,11 +128,13 @@ def test_bad_payloads_are_refused_before_anything_is_queued(params):
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     good = prefill(pre, "x", p, sp)
     dtype = dec.runner.cache.k[0].dtype
-    with pytest.raises(kt.PayloadError, match="bad magic"):
-        kt.decode_payload(b"nope" + good[4:])
+    with pytest.raises(kv_wire.WireError, match="bad magic"):
+        decode(dec, b"nope" + good[4:])
+    with pytest.raises(kv_wire.WireError, match="bytes of K/V"):
+        decode(dec, good[:-4 - kv_wire.TAG_BYTES])
+    header, body = decode(dec, good)
     with pytest.raises(kt.PayloadError, match="bytes of K/V"):
-        kt.to_import(*kt.decode_payload(good[:-4]), CFG, dtype)
-    header, body = kt.decode_payload(good)
+        kt.to_import(header, body[:-4], CFG, dtype)
     with pytest.raises(kt.PayloadError, match="num_kv_heads"):
         kt.to_import({**header, "num_kv_heads": 4}, body, CFG, dtype)
     with pytest.raises(kt.PayloadError, match="dtype"):

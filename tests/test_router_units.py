@@ -28,6 +28,7 @@ from serving.server import free_port
 class _Seq:
     def __init__(self, tokens):
         self.token_ids, self.block_hashes, self.num_tokens = list(tokens), [], len(tokens)
+        self.hash_root = None
 
 
 def test_block_hashes_are_the_engines_page_names():
@@ -360,7 +361,7 @@ def test_disaggregated_mode_uses_both_pools_and_records_transfers(fleet):
     workers, make = fleet
     calls = []
 
-    async def fake_disagg(client, prefill_url, decode_url, endpoint, body):
+    async def fake_disagg(client, prefill_url, decode_url, endpoint, body, headers=None):
         calls.append((prefill_url, decode_url, endpoint))
         req = client.build_request("POST", decode_url + endpoint, json=body)
         # serving.disagg's record: kv_bytes and transfer_seconds (among others)

@@ -274,6 +274,21 @@ def test_bad_inputs_get_400_and_the_server_keeps_serving(server, stream):
     assert m[("ridgeline:kv_cache_usage_perc", ())] == 0
 
 
+def test_internal_kv_routes_do_not_exist_without_a_secret(server):
+    """A server started without --kv_transfer_secret has no route that imports KV into its prefix cache:
+    those paths, like any unknown one, answer 404 in OpenAI's envelope; a wrong method is a 405."""
+    for path in ("/internal/decode", "/internal/prefill", "/v1/nope"):
+        r = httpx.post(server.url + path, content=b"RKV1" + b"\0" * 64)
+        assert r.status_code == 404, path
+        assert r.json()["error"]["code"] == "not_found" and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.get(server.url + "/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    # Without API keys the API is open, and a salted request is served.
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x = 1", "max_tokens": 2,
+                                                        "cache_salt": "tenant"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
 # --- disconnects and load -------------------------------------------------------------------------
 
 
