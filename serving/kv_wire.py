@@ -130,8 +130,9 @@ class _Stream:
                 if not self._buf:
                     return got
             n = min(len(self._buf), len(out) - got)
-            view[got:got + n] = self._buf[:n]
-            mac.update(self._buf[:n])
+            with memoryview(self._buf) as buffered:  # no copies but the one into `out`
+                view[got:got + n] = buffered[:n]
+                mac.update(view[got:got + n])
             del self._buf[:n]
             got += n
         return got

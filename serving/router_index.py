@@ -38,7 +38,7 @@ import json
 import os
 from typing import Optional, Sequence
 
-from serving.block_manager import block_digest
+from serving.block_manager import block_digest, salt_digest
 
 POLICIES = ("kv_aware", "round_robin", "least_loaded")
 
@@ -87,11 +87,13 @@ def default_model_dir() -> str:
     return os.path.join(os.path.dirname(os.path.abspath(model.__file__)), "default")
 
 
-def block_hashes(token_ids: Sequence[int], page_size: int) -> list[bytes]:
-    """Chained digests of the full blocks of `token_ids`, as `BlockManager` names its pages."""
+def block_hashes(token_ids: Sequence[int], page_size: int, cache_salt: Optional[str] = None) -> list[bytes]:
+    """Chained digests of the full blocks of `token_ids`, as `BlockManager` names its pages (a request's
+    `cache_salt` starts the chain)."""
     out: list[bytes] = []
+    root = salt_digest(cache_salt)
     for i in range(len(token_ids) // page_size):
-        out.append(block_digest(out[-1] if out else None, token_ids[i * page_size:(i + 1) * page_size]))
+        out.append(block_digest(out[-1] if out else root, token_ids[i * page_size:(i + 1) * page_size]))
     return out
 
 
@@ -190,17 +192,19 @@ class Router:
         self.load_weight, self.kv_weight = load_weight, kv_weight
         self._next = 0  # round-robin cursor (also breaks ties)
 
-    def hashes(self, prompts: Sequence[Sequence[int]]) -> list[list[bytes]]:
-        return [block_hashes(p, self.page_size) for p in prompts]
+    def hashes(self, prompts: Sequence[Sequence[int]], cache_salt: Optional[str] = None) -> list[list[bytes]]:
+        return [block_hashes(p, self.page_size, cache_salt) for p in prompts]
 
     def choose(self, workers: Sequence[WorkerLoad], prompts: Sequence[Sequence[int]],
-               exclude: Sequence[str] = (), policy: Optional[str] = None) -> Optional[Choice]:
-        """The worker for a request with these prompts (token ids); None when no healthy worker is left."""
+               exclude: Sequence[str] = (), policy: Optional[str] = None,
+               cache_salt: Optional[str] = None) -> Optional[Choice]:
+        """The worker for a request with these prompts (token ids) and salt; None when no healthy worker
+        is left."""
         pool = [w for w in workers if w.healthy and w.url not in exclude]
         if not pool:
             return None
         policy = policy or self.policy
-        hashes = self.hashes(prompts)
+        hashes = self.hashes(prompts, cache_salt)
         hittable = [h[:hittable_blocks(len(p), self.page_size)] for p, h in zip(prompts, hashes)]
         total = sum(len(h) for h in hittable)
         matched = {w.url: sum(self.index.overlap(w.url, h) for h in hittable) for w in pool}
@@ -219,7 +223,7 @@ class Router:
             best = min(order, key=cost)
         return Choice(best.url, matched[best.url])
 
-    def record(self, worker: str, prompts: Sequence[Sequence[int]]) -> None:
+    def record(self, worker: str, prompts: Sequence[Sequence[int]], cache_salt: Optional[str] = None) -> None:
         """The worker was sent these prompts: their full blocks will be cached there."""
-        for h in self.hashes(prompts):
+        for h in self.hashes(prompts, cache_salt):
             self.index.record(worker, h)

@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from model.tokenizer import load_tokenizer
-from serving.block_manager import BlockManager, block_digest
+from serving.block_manager import BlockManager, block_digest, salt_digest
 from serving.chat_template import encode_chat
 from serving.llm import default_checkpoint_dir
 from serving.router import RouterService, create_router_app, transfer_figures
@@ -37,6 +37,9 @@ def test_block_hashes_are_the_engines_page_names():
     assert block_hashes(tokens, 4) == bm._hashes_upto(_Seq(tokens), 3)
     assert block_hashes(tokens, 4)[1] == block_digest(block_digest(None, tokens[:4]), tokens[4:8])
     assert block_hashes(tokens[:3], 4) == []
+    salted = _Seq(tokens)
+    salted.hash_root = salt_digest("tenant")
+    assert block_hashes(tokens, 4, "tenant") == bm._hashes_upto(salted, 3) != block_hashes(tokens, 4)
 
 
 def test_prompt_encoder_tokenizes_like_the_worker():
