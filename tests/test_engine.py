@@ -19,6 +19,7 @@ from model.cache import pack_batch
 from model.forward import forward_jit
 from model.params import init_params
 from serving import LLM, SamplingParams
+from serving.sampling_params import InvalidParameterError
 from serving.input_batch import StepShape
 from serving.model_runner import _step_jit, compilation_count
 
@@ -138,6 +139,28 @@ def test_prefix_cache_warm_equals_cold(params, alone):
     assert after.prefix_cache_queried_tokens > before.prefix_cache_queried_tokens
     assert cold["p0"] == warm["p0"]
     assert all(warm[rid] == alone((rid, p, sp)) for rid, p, sp in jobs)
+
+
+def test_cache_salted_prompts_share_pages_only_with_their_salt(params, alone):
+    rng = random.Random(8)
+    prompt = [1] + [rng.randrange(3, 97) for _ in range(30)]  # 3 full pages + 7 tokens
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    llm = make_llm(params)
+    hits = []
+    for salt in ("a", "b", "a", None, None):
+        before = llm.engine.stats().prefix_cache_hit_tokens
+        dict_prompt = {"prompt_token_ids": prompt} if salt is None else {"prompt_token_ids": prompt, "cache_salt": salt}
+        out = llm.generate(dict_prompt, sp)[0]
+        hits.append(llm.engine.stats().prefix_cache_hit_tokens - before)
+        assert [c.token_ids for c in out.outputs] == alone(("s", prompt, sp))
+    assert hits == [0, 0, 3 * PAGE, 0, 3 * PAGE]
+    for bad, param in (({"prompt_token_ids": prompt, "cache_salt": ""}, "cache_salt"),
+                       ({"prompt_token_ids": prompt, "cache_salt": 5}, "cache_salt"),
+                       ({"prompt_token_ids": prompt, "salt": "a"}, "prompt")):
+        with pytest.raises(InvalidParameterError) as e:
+            llm.generate(bad, sp)
+        assert e.value.param == param
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_seeded_sampling_same_alone_and_batched(params, alone):
