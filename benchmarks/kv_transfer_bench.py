@@ -15,8 +15,12 @@ token (2 x layers x kv_heads x head_dim x dtype bytes), `prefill_seconds`
 copy), `transfer_seconds` (payload begins until its last byte was forwarded to
 the decode worker) per token and as MB/s, `decode_start_seconds` (payload
 begins until the decode worker answered: transfer, parse, scatter, response),
-the decode worker's own parse time, and `recompute_seconds` (the peer: the
-whole request on one worker), with the ratio transfer / recompute per token.
+the decode worker's own read-verify-parse time (it reads the body as it streams
+in and checks both HMAC tags), and `recompute_seconds` (the peer: the whole
+request on one worker), with the ratio transfer / recompute per token. The
+workers share a random `--kv_transfer_secret`; `sign_verify_seconds` is what
+HMAC-SHA256 signing plus verifying a payload of that size costs in this
+process, measured in the same run (`serving.kv_wire`).
 
 Writes benchmarks/results/kv_transfer_cpu.json (or `--out`).
 """
@@ -30,6 +34,7 @@ import json
 import os
 import platform
 import random
+import secrets
 import signal
 import subprocess
 import sys
@@ -40,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import httpx  # noqa: E402
 
+from serving import kv_wire  # noqa: E402
 from serving.disagg import run_disaggregated  # noqa: E402
 from serving.server import free_port  # noqa: E402
 
@@ -48,8 +54,11 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 MODEL = "bench"
 
 
+SECRET = secrets.token_hex(16)
+
+
 def start_worker(port: int, args, log_path: str, cache_dir: str):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", RIDGELINE_KV_TRANSFER_SECRET=SECRET)
     env.pop("XLA_FLAGS", None)
     cmd = [sys.executable, "-m", "serving.server", f"--port={port}", f"--served_model_name={MODEL}",
            "--max_num_seqs=4", f"--max_num_batched_tokens={args.budget}", "--min_token_bucket=16",
@@ -69,6 +78,31 @@ def wait_healthy(proc, url: str, timeout: float) -> None:
             pass
         time.sleep(0.5)
     raise RuntimeError(f"worker {url} did not come up")
+
+
+def sign_verify_seconds(num_bytes: int, num_layers: int = 4, repeats: int = 5) -> float:
+    """Best time to sign a payload of `num_bytes` array bytes layer by layer (as /internal/prefill streams
+    it) and to read and verify it from 64 KiB chunks (as the decode worker receives it)."""
+    keys, layer = kv_wire.SigningKeys(SECRET), os.urandom(num_bytes // num_layers)
+
+    async def verify(payload: bytes):
+        async def chunks():
+            for i in range(0, len(payload), 1 << 16):
+                yield payload[i:i + (1 << 16)]
+
+        await kv_wire.read_payload(chunks(), keys, 4096, lambda h: num_layers * len(layer))
+
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        signer = kv_wire.PayloadSigner(keys, {"num_tokens": num_bytes})
+        pieces = [signer.head()] + [signer.body(layer) for _ in range(num_layers)] + [signer.tail()]
+        t1 = time.perf_counter()
+        payload = b"".join(pieces)  # the socket's job, not counted
+        t2 = time.perf_counter()
+        asyncio.run(verify(payload))
+        best = min(best, (t1 - t0) + (time.perf_counter() - t2))
+    return best
 
 
 def prompt_of(n: int, rng: random.Random) -> list[int]:
@@ -127,13 +161,15 @@ def main() -> None:
                    "transfer_seconds_per_token": best["transfer_seconds"] / n,
                    "transfer_MB_per_s": kv / best["transfer_seconds"] / 1e6,
                    "recompute_seconds_per_token": best["recompute_seconds"] / n,
-                   "transfer_over_recompute": best["transfer_seconds"] / best["recompute_seconds"]}
+                   "transfer_over_recompute": best["transfer_seconds"] / best["recompute_seconds"],
+                   "sign_verify_seconds": sign_verify_seconds(kv)}
             rows.append(row)
             print(f"{n:5d} tokens  {kv / 1e6:7.3f} MB  ({kv // n} B/token)  prefill {best['prefill_seconds']:.3f} s  "
                   f"transfer {best['transfer_seconds'] * 1e3:.2f} ms = {row['transfer_seconds_per_token'] * 1e6:.2f} "
                   f"us/token ({row['transfer_MB_per_s']:.0f} MB/s)  decode start "
                   f"{best['decode_start_seconds'] * 1e3:.1f} ms  recompute {best['recompute_seconds']:.3f} s  "
-                  f"transfer/recompute {row['transfer_over_recompute']:.3f}", flush=True)
+                  f"transfer/recompute {row['transfer_over_recompute']:.3f}  "
+                  f"sign+verify {row['sign_verify_seconds'] * 1e3:.2f} ms", flush=True)
     finally:
         for p in procs:
             p.send_signal(signal.SIGINT)
@@ -144,7 +180,8 @@ def main() -> None:
                 p.kill()
     record = {"benchmark": "kv_transfer", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared)", "model": "embedded default",
-              "transport": "HTTP over 127.0.0.1 via the router process (httpx -> uvicorn), host-staged",
+              "transport": "HTTP over 127.0.0.1 via the router process (httpx -> uvicorn), host-staged, "
+                           "HMAC-SHA256-signed payloads (RKV2)",
               "worker_flags": {"max_num_seqs": 4, "max_num_batched_tokens": args.budget,
                                "max_model_len": args.max_model_len},
               "repeats": args.repeats, "statistic": "best of repeats", "rows": rows}
