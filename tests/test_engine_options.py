@@ -3,6 +3,8 @@ server's flags, all as `serving.engine_args` declares it; and each one is a flag
 
 import dataclasses
 import inspect
+import os
+import re
 import typing
 
 import pytest
@@ -118,3 +120,24 @@ def test_naming_an_option_twice_is_refused():
 
     with pytest.raises(TypeError, match="min_token_bucket"):
         engine_args.with_option_keywords(__init__)
+
+
+def test_the_docs_flag_table_lists_every_option_with_its_default():
+    """docs/serving.md's table: a row per option, between --max_num_seqs and --compilation_cache_dir; a default
+    written as a literal (a number, true / false, `text`) is the declared one."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = open(os.path.join(root, "docs", "serving.md")).read()
+    rows = re.findall(r"^\| `--(\w+)` \| ([^|]*) \|", text, re.M)
+    names = [name for name, _ in rows]
+    block = names[names.index("max_num_seqs"):names.index("compilation_cache_dir") + 1]
+    assert sorted(block) == sorted(_ids(OPTIONS))
+    for name, cell in rows:
+        if name not in engine_args.BY_NAME:
+            continue
+        cell, default = cell.strip(), engine_args.BY_NAME[name].default
+        if re.fullmatch(r"-?[\d.]+", cell):
+            assert float(cell) == default, name
+        elif cell in ("true", "false"):
+            assert default is (cell == "true"), name
+        elif re.fullmatch(r"`[\w.]+`", cell):
+            assert cell.strip("`") == default, name
