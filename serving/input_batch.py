@@ -29,19 +29,11 @@ import functools
 
 import numpy as np
 
+from kernels_pallas.pow2 import powers_of_two
 from serving.scheduler import SchedulerOutput
 from serving.sequence import Sequence
 
 NUM_FLAGS = 3  # any_random, any_filter, want_logprobs
-
-
-def _powers_of_two(limit: int, start: int = 1) -> list[int]:
-    out, b = [], max(1, start)
-    while b < limit:
-        out.append(b)
-        b *= 2
-    out.append(limit)
-    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,11 +53,11 @@ class Buckets:
 
     @functools.cached_property
     def token_sizes(self) -> list[int]:
-        return _powers_of_two(self.max_num_batched_tokens, self.min_tokens)
+        return powers_of_two(self.max_num_batched_tokens, self.min_tokens)
 
     @functools.cached_property
     def page_sizes(self) -> list[int]:
-        return _powers_of_two(self.max_pages_per_seq, min(self.min_pages, self.max_pages_per_seq))
+        return powers_of_two(self.max_pages_per_seq, min(self.min_pages, self.max_pages_per_seq))
 
     def tokens_for(self, n: int) -> int:
         sizes = self.token_sizes
