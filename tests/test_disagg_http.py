@@ -4,75 +4,31 @@ not, completions and chat; bad payloads get a 400 and the worker keeps serving w
 
 import asyncio
 import json
-import os
-import re
-import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
+from conftest import metric_value
 from serving.disagg import run_disaggregated
-from serving.server import free_port
+from serving.local_fleet import LocalFleet
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL = "tiny-disagg"
+MODEL = "fleet"  # the --served_model_name LocalFleet gives its workers
 BYTES_PER_TOKEN = 2 * 4 * 2 * 64 * 4  # the embedded model: 4 layers, 2 KV heads of 64, float32
-
-
-def _start(port, log_path, cache_dir):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    cmd = [sys.executable, "-m", "serving.server", f"--port={port}", f"--served_model_name={MODEL}",
-           "--max_num_seqs=4", "--max_num_batched_tokens=16", "--min_token_bucket=16", "--max_model_len=64",
-           "--attention_backend=reference", f"--compilation_cache_dir={cache_dir}", "--log_level=warning",
-           "--kv_transfer_warmup"]
-    with open(log_path, "w") as log:
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-
-def _wait_healthy(proc, url, log_path, deadline):
-    while True:
-        assert proc.poll() is None, f"server exited early:\n{log_path.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"server did not come up:\n{log_path.read_text()[-3000:]}"
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
+WORKER_FLAGS = ["--max_num_seqs=4", "--max_num_batched_tokens=16", "--min_token_bucket=16", "--max_model_len=64",
+                "--attention_backend=reference", "--kv_transfer_warmup"]
 
 
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):
+    """[prefill URL, decode URL]: started one after the other, so the second loads what the first compiled."""
     tmp = tmp_path_factory.mktemp("disagg")
-    cache_dir = tmp / "jax-cache"  # shared: the second worker loads what the first compiled
-    procs, urls = [], []
-    try:
-        for name in ("prefill", "decode"):
-            port = free_port()
-            log_path = tmp / f"{name}.log"
-            proc = _start(port, log_path, cache_dir)
-            procs.append(proc)
-            urls.append(f"http://127.0.0.1:{port}")
-            _wait_healthy(proc, urls[-1], log_path, time.monotonic() + 240)
-        yield urls
-    finally:
-        for proc in procs:
-            proc.send_signal(signal.SIGINT)
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    with LocalFleet(str(tmp), str(tmp / "jax-cache"), WORKER_FLAGS) as fleet:
+        fleet.start_workers(2, timeout_s=480, parallel=False)
+        yield [w.url for w in fleet.workers]
 
 
 def _metric(url, name):
-    text = httpx.get(url + "/metrics", timeout=30).text
-    m = re.search(rf"^ridgeline:{name}(?:_total)?{{[^}}]*}} ([\d.e+-]+)$", text, re.M)
-    return float(m.group(1))
+    return metric_value(httpx.get(url + "/metrics", timeout=30).text, f"ridgeline:{name}", require=True)
 
 
 def _sse_text(lines, chat):
