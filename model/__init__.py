@@ -18,12 +18,9 @@ __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
+    if name not in _EXPORTS:
         raise AttributeError(f"module 'model' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+    return getattr(importlib.import_module(_EXPORTS[name]), name)  # a module imports once; later calls find it
 
 
 def __dir__():
