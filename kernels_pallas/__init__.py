@@ -5,17 +5,15 @@ A backend is a pair (attention, write_kv) with the signatures of
 "reference" is plain jnp (the oracle); "xla" is plain jnp organised for the
 CPU (`kernels_pallas.xla_attention`); "auto" picks the Pallas kernels on GPU
 and "xla" elsewhere.
+
+A backend's modules (and jax) are imported when it is first asked for, so
+the package's small jax-free helpers (`kernels_pallas.pow2`) import alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Callable
-
-import jax
-
-from kernels_pallas.reference import ragged_paged_attention_reference, write_kv_reference
-from kernels_pallas.xla_attention import ragged_paged_attention_xla
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,11 +26,20 @@ class AttentionBackend:
     quantized_kv: bool = False
 
 
-_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
-    "reference": lambda: AttentionBackend("reference", ragged_paged_attention_reference, write_kv_reference,
-                                          quantized_kv=True),
-    "xla": lambda: AttentionBackend("xla", ragged_paged_attention_xla, write_kv_reference, quantized_kv=True),
-}
+def _reference() -> AttentionBackend:
+    from kernels_pallas.reference import ragged_paged_attention_reference, write_kv_reference
+
+    return AttentionBackend("reference", ragged_paged_attention_reference, write_kv_reference, quantized_kv=True)
+
+
+def _xla() -> AttentionBackend:
+    from kernels_pallas.reference import write_kv_reference
+    from kernels_pallas.xla_attention import ragged_paged_attention_xla
+
+    return AttentionBackend("xla", ragged_paged_attention_xla, write_kv_reference, quantized_kv=True)
+
+
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"reference": _reference, "xla": _xla}
 
 
 def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
@@ -54,6 +61,8 @@ def _load_kernels() -> None:
 
 
 def get_backend(name: str = "auto") -> AttentionBackend:
+    import jax
+
     _load_kernels()
     if name == "auto":
         name = "pallas" if jax.default_backend() == "gpu" and "pallas" in _BACKENDS else "xla"

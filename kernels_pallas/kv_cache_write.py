@@ -33,11 +33,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas.kv_quant import quantize_kv
+from kernels_pallas.pow2 import next_pow2
 from kernels_pallas.reference import check_kv_scales
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _write_kernel(slot_ref, k_new_ref, v_new_ref, *refs, block_t, num_tokens, page_size, num_pages, quantized):
@@ -84,7 +81,7 @@ def write_kv(k_pages, v_pages, k_new, v_new, slot_mapping, k_scale=None, v_scale
     quantized = check_kv_scales(k_pages, v_pages, k_scale, v_scale, "write_kv")
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     num_tokens = slot_mapping.shape[0]
-    block_t = block_t or min(_next_pow2(num_tokens), 32)
+    block_t = block_t or min(next_pow2(num_tokens), 32)
     kernel = functools.partial(_write_kernel, block_t=block_t, num_tokens=num_tokens, page_size=page_size,
                                num_pages=num_pages, quantized=quantized)
     caches = (k_pages, v_pages) + ((k_scale, v_scale) if quantized else ())

@@ -100,15 +100,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kernels_pallas.pow2 import next_pow2
 from kernels_pallas.reference import check_kv_scales
 
 NUM_SMS = 132  # H100/H200; only steers the split-K default.
 MIN_TOKENS_PER_SPLIT = 512
 MAX_SPLITS = 16
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +127,7 @@ def kernel_config(num_tokens: int, max_seqs: int, pages_per_seq: int, page_size:
                   num_kv_heads: int, dtype, *, rows: int | None = None, block_kv: int | None = None,
                   num_kv_splits: int | None = None) -> KernelConfig:
     """Fills in the tuning knobs left as None from the static shapes of a call."""
-    group_pad = _next_pow2(num_q_heads // num_kv_heads)
+    group_pad = next_pow2(num_q_heads // num_kv_heads)
     if rows is None:
         # Decode-heavy buckets (no more tokens than sequences) get short tiles.
         rows = max(16 if num_tokens <= max_seqs else 64, group_pad)

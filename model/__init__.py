@@ -1,12 +1,27 @@
-"""A pure-functional Llama-3-family decoder: config, weights, paged cache, forward."""
+"""A pure-functional Llama-3-family decoder: config, weights, paged cache, forward.
 
-from model.cache import BatchMetadata, KVCache, cache_bytes, init_cache, pad_slot
-from model.config import LlamaConfig, RopeScaling, config_by_name, from_hf_config
-from model.forward import forward, forward_hidden, forward_jit
-from model.params import Layer, Weights, abstract_params, init_params, logical_axes, param_bytes
+The names below are imported on first use (PEP 562), not with the package: they import jax, which
+`model.tokenizer` does not need, and the router (`python -m serving.router`) loads the tokenizer without it.
+"""
 
-__all__ = [
-    "BatchMetadata", "KVCache", "LlamaConfig", "Layer", "RopeScaling", "Weights", "abstract_params",
-    "cache_bytes", "config_by_name", "forward", "forward_hidden", "forward_jit", "from_hf_config",
-    "init_cache", "init_params", "logical_axes", "pad_slot", "param_bytes",
-]
+import importlib
+
+_EXPORTS = {
+    **dict.fromkeys(("BatchMetadata", "KVCache", "cache_bytes", "init_cache", "pad_slot"), "model.cache"),
+    **dict.fromkeys(("LlamaConfig", "RopeScaling", "config_by_name", "from_hf_config"), "model.config"),
+    **dict.fromkeys(("forward", "forward_hidden", "forward_jit"), "model.forward"),
+    **dict.fromkeys(("Layer", "Weights", "abstract_params", "init_params", "logical_axes", "param_bytes"),
+                    "model.params"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'model' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)  # a module imports once; later calls find it
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

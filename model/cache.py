@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from model.config import LlamaConfig
 from model.params import ArrayInfo, is_array_info, pytree_dataclass
@@ -87,9 +88,37 @@ def pad_slot(num_pages: int, page_size: int) -> int:
     return num_pages * page_size
 
 
+def fill_ragged(num_new, starts, tables, page_size: int, *, positions, slots, cu_q_lens, kv_lens,
+                block_tables) -> np.ndarray:
+    """Writes the layout of a ragged batch into padded numpy arrays (views of one buffer or not).
+
+    Sequence i brings `num_new[i]` tokens at positions `starts[i]`, ... and holds the pages `tables[i]`:
+    its tokens' positions and cache slots, its query offsets, KV length and block table are written;
+    every entry past the live ones is left as it was (the caller's padding). Vectorised over tokens:
+    the engine packs every step with it (`serving.input_batch.pack_step`), and `pack_batch` builds a
+    `BatchMetadata` with it. Returns the end offset of each sequence's tokens (`cu_q_lens[1:n + 1]`).
+    """
+    n = len(num_new)
+    cu = np.cumsum(num_new)
+    total = int(cu[-1]) if n else 0
+    cu_q_lens[0] = 0
+    cu_q_lens[1:n + 1] = cu
+    cu_q_lens[n + 1:] = total
+    seq_of = np.repeat(np.arange(n), num_new)
+    pos = np.arange(total) - (cu - num_new)[seq_of] + starts[seq_of]
+    positions[:total] = pos
+    for i, table in enumerate(tables):
+        block_tables[i, :len(table)] = table
+    slots[:total] = block_tables[seq_of, pos // page_size] * page_size + pos % page_size
+    kv_lens[:n] = starts + num_new
+    return cu
+
+
 def pack_batch(chunks, *, page_size: int, num_pages: int, num_tokens: int, max_seqs: int, pages_per_seq: int,
                logits_rows: int | None = None, all_logits: bool = False):
-    """Host-side packing of a ragged batch into padded numpy arrays.
+    """Host-side packing of a ragged batch into padded numpy arrays (tests and benchmarks that call the
+    model directly; the engine packs its steps with `serving.input_batch.pack_step`, on the same
+    `fill_ragged`).
 
     `chunks` is a list of (token_ids, start_position, block_table): the new
     tokens of one sequence, the position of the first of them, and the pages
@@ -97,19 +126,9 @@ def pack_batch(chunks, *, page_size: int, num_pages: int, num_tokens: int, max_s
     Logit rows are each sequence's last token (or every token with
     `all_logits`), padded with row 0 up to `logits_rows`.
     """
-    import numpy as np
-
     total = sum(len(t) for t, _, _ in chunks)
     if total > num_tokens or len(chunks) > max_seqs:
         raise ValueError(f"batch of {total} tokens / {len(chunks)} seqs exceeds {num_tokens} / {max_seqs}")
-    tokens = np.zeros(num_tokens, np.int32)
-    positions = np.zeros(num_tokens, np.int32)
-    slots = np.full(num_tokens, pad_slot(num_pages, page_size), np.int32)
-    cu = np.zeros(max_seqs + 1, np.int32)
-    kv_lens = np.zeros(max_seqs, np.int32)
-    tables = np.zeros((max_seqs, pages_per_seq), np.int32)
-    rows = []
-    t = 0
     for i, (ids, start, table) in enumerate(chunks):
         n = len(ids)
         if len(table) > pages_per_seq:
@@ -123,16 +142,21 @@ def pack_batch(chunks, *, page_size: int, num_pages: int, num_tokens: int, max_s
         used = table[:(start + n + page_size - 1) // page_size]
         if used.min() < 0 or used.max() >= num_pages:
             raise ValueError(f"chunk {i}: block table {table.tolist()} has page ids outside [0, {num_pages})")
-        pos = np.arange(start, start + n, dtype=np.int32)
-        tokens[t:t + n] = ids
-        positions[t:t + n] = pos
-        slots[t:t + n] = table[pos // page_size] * page_size + pos % page_size
-        tables[i, :len(table)] = table
-        kv_lens[i] = start + n
-        rows.extend(range(t, t + n) if all_logits else [t + n - 1])
-        t += n
-        cu[i + 1] = t
-    cu[len(chunks) + 1:] = t
+    tokens = np.zeros(num_tokens, np.int32)
+    positions = np.zeros(num_tokens, np.int32)
+    slots = np.full(num_tokens, pad_slot(num_pages, page_size), np.int32)
+    cu = np.zeros(max_seqs + 1, np.int32)
+    kv_lens = np.zeros(max_seqs, np.int32)
+    tables = np.zeros((max_seqs, pages_per_seq), np.int32)
+    num_new = np.array([len(ids) for ids, _, _ in chunks], np.int64)
+    ends = fill_ragged(num_new, np.array([start for _, start, _ in chunks], np.int64),
+                       [np.asarray(table, np.int32) for _, _, table in chunks], page_size, positions=positions,
+                       slots=slots, cu_q_lens=cu, kv_lens=kv_lens, block_tables=tables)
+    if chunks:
+        tokens[:total] = np.concatenate([np.asarray(ids, np.int32) for ids, _, _ in chunks])
+    rows = []
+    for n, end in zip(num_new.tolist(), ends.tolist()):
+        rows.extend(range(end - n, end) if all_logits else [end - 1])
     logits_rows = logits_rows or len(rows)
     if len(rows) > logits_rows:
         raise ValueError(f"{len(rows)} logit rows exceed logits_rows={logits_rows}")

@@ -2,13 +2,35 @@
 
     from serving import LLM, SamplingParams
     outputs = LLM().generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+
+The names below are imported on first use (PEP 562), not with the package: the engine imports jax, and
+a process that only routes requests (`python -m serving.router`) must start without it.
 """
 
-from serving.async_engine import AsyncEngine, EngineDeadError
-from serving.engine import ContextLengthError, Engine, EngineConfig
-from serving.llm import LLM
-from serving.outputs import CompletionOutput, Logprob, RequestOutput
-from serving.sampling_params import InvalidParameterError, SamplingParams
+import importlib
 
-__all__ = ["AsyncEngine", "EngineDeadError", "CompletionOutput", "ContextLengthError", "Engine", "EngineConfig", "InvalidParameterError",
-           "LLM", "Logprob", "RequestOutput", "SamplingParams"]
+_EXPORTS = {
+    "AsyncEngine": "serving.async_engine",
+    "EngineDeadError": "serving.async_engine",
+    "CompletionOutput": "serving.outputs",
+    "ContextLengthError": "serving.engine",
+    "Engine": "serving.engine",
+    "EngineConfig": "serving.engine",
+    "InvalidParameterError": "serving.sampling_params",
+    "LLM": "serving.llm",
+    "Logprob": "serving.outputs",
+    "RequestOutput": "serving.outputs",
+    "SamplingParams": "serving.sampling_params",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'serving' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)  # a module imports once; later calls find it
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

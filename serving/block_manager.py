@@ -180,14 +180,8 @@ class BlockManager:
         """Drops `seq`'s hold on its pages; pages nobody holds go back to the free queue."""
         table = self.tables.pop(seq.seq_id, None)
         self._registered.pop(seq.seq_id, None)
-        if not table:
-            return
-        for b in reversed(table):
-            self.ref[b] -= 1
-            if self.ref[b] == 0:
-                self.free[b] = None
-                if self.block_hash[b] is None:
-                    self.free.move_to_end(b, last=False)
+        if table:
+            self._release(table)
 
     def trim(self, seq, num_tokens: int) -> int:
         """Releases `seq`'s trailing pages beyond the first `num_tokens` tokens (rejected
@@ -198,13 +192,19 @@ class BlockManager:
             return 0
         dropped = table[keep:]
         del table[keep:]
-        for b in reversed(dropped):
+        self._release(dropped)
+        return len(dropped)
+
+    def _release(self, pages: list[int]) -> None:
+        """One hold less on each of `pages`; a page nobody holds any more joins the free queue: at its
+        end (evicted last) while it is cached and may still be hit, at its front (reused first) if not.
+        Last page first, so a sequence's tail is evicted before the prefix other prompts share."""
+        for b in reversed(pages):
             self.ref[b] -= 1
             if self.ref[b] == 0:
                 self.free[b] = None
                 if self.block_hash[b] is None:
                     self.free.move_to_end(b, last=False)
-        return len(dropped)
 
     def register_full_blocks(self, seq) -> None:
         """Enters `seq`'s newly completed full blocks into the prefix cache.

@@ -26,6 +26,7 @@ import numpy as np
 
 from model.config import LlamaConfig
 from model.quant import check_kv_cache_dtype, check_weight_dtype, kv_bytes_per_token, kv_cache_dtype, quantize_params
+from serving import engine_args
 from serving.block_manager import BlockManager
 from serving.detokenizer import make_detokenizer
 from serving.input_batch import Buckets, pack_step, sampling_row
@@ -46,33 +47,9 @@ class ContextLengthError(InvalidParameterError):
     """The prompt plus the requested tokens do not fit the context window."""
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    page_size: int = 16
-    num_pages: Optional[int] = None  # None: size the pool from the memory budget
-    max_model_len: Optional[int] = None  # None: the model's, capped by the pool
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"
-    seed: int = 0
-    kv_cache_memory_fraction: float = 0.9  # of device memory, on devices that report it
-    host_kv_cache_bytes: int = 256 * 2**20  # pool budget where the device reports no memory (CPU)
-    min_token_bucket: int = 1  # smallest padded token count per step
-    min_context_bucket: int = 64  # smallest padded context (tokens) attention reads per sequence
-    # Quantization (model.quant): "auto" keeps the weights as loaded / the KV cache in the model dtype;
-    # "int8" / "fp8" quantize the linear layers at load time / store K and V with per-token scales.
-    weight_dtype: str = "auto"
-    kv_cache_dtype: str = "auto"
-    # Speculative decoding (serving/spec_decode): None (off), "draft" or "ngram"; k drafts per step;
-    # the draft model's checkpoint directory (None: the embedded draft model).
-    speculative_method: Optional[str] = None
-    num_speculative_tokens: int = 0
-    speculative_model: Optional[str] = None
-    # Schedule and dispatch step t+1 while the device runs step t (decodes read their last
-    # token from step t's sampled ids on the device). Off: every step is processed before
-    # the next is scheduled. Speculative decoding always runs one step at a time.
-    async_scheduling: bool = True
+# How the engine batches, caches and samples: a frozen dataclass with one field per option of
+# `serving.engine_args` that the engine reads (same names, types, defaults; the help there says what each does).
+EngineConfig = engine_args.make_engine_config_class(__name__)
 
 
 def device_memory_stats(device) -> Optional[dict]:

@@ -25,7 +25,7 @@ from typing import AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from model.tokenizer import ByteTokenizer
@@ -36,11 +36,10 @@ from serving.http_auth import APIKeys
 from serving.profiling import TraceControl
 from serving.async_engine import EngineDeadError
 from serving.engine import ContextLengthError
+from serving.http_util import ClientGone, primed_stream, until_disconnect  # noqa: F401 (also imported from here)
 from serving.sampling_params import InvalidParameterError, SamplingParams
 
 log = logging.getLogger("ridgeline.http")
-
-_DISCONNECT_POLL_S = 0.25
 
 
 class ServingContext:
@@ -209,57 +208,6 @@ class ServingContext:
 
         await until_disconnect(request, collect())
         return finals
-
-
-async def until_disconnect(request: Request, awaitable, on_orphan=None):
-    """Awaits `awaitable`, cancelling it (and raising ClientGone) if the client disconnects first.
-
-    If it finished just as it was cancelled, `on_orphan(result)` (a coroutine
-    function) releases what it opened, e.g. an upstream response.
-    """
-    task = asyncio.ensure_future(awaitable)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
-            task.cancel()
-            results = await asyncio.gather(task, return_exceptions=True)
-            if on_orphan is not None and not isinstance(results[0], BaseException):
-                await on_orphan(results[0])
-            raise ClientGone()
-
-
-async def primed_stream(request: Request, agen):
-    """A StreamingResponse over `agen`, started only once its first event exists.
-
-    Errors the engine raises while accepting the request (a parameter it
-    rejects) thus still become an HTTP 400 instead of an in-band error after a
-    200; the first event is ready no later than the first token would have been
-    sent anyway.
-    """
-    try:
-        first = await until_disconnect(request, agen.__anext__())
-    except StopAsyncIteration:
-        first = None
-    except ClientGone:
-        await agen.aclose()
-        return Response(status_code=499)
-
-    async def chained():
-        try:
-            if first is not None:
-                yield first
-                async for event in agen:
-                    yield event
-        finally:
-            await agen.aclose()
-
-    return StreamingResponse(chained(), media_type="text/event-stream")
-
-
-class ClientGone(Exception):
-    """The client disconnected before its non-streaming response was ready."""
 
 
 def _token_bytes(tokenizer, token_id: int, text: str) -> list[int]:

@@ -28,6 +28,8 @@ import threading
 import time
 from typing import Optional
 
+from kernels_pallas.pow2 import powers_of_two
+
 # --- device peaks ----------------------------------------------------------------------------
 
 
@@ -183,12 +185,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 def _token_buckets(max_tokens: int) -> tuple[float, ...]:
-    out, b = [], 1
-    while b < max_tokens:
-        out.append(float(b))
-        b *= 2
-    out.append(float(max_tokens))
-    return tuple(out)
+    return tuple(float(b) for b in powers_of_two(max_tokens))
 
 
 class ServerMetrics:

@@ -29,19 +29,12 @@ import functools
 
 import numpy as np
 
+from kernels_pallas.pow2 import powers_of_two
+from model.cache import fill_ragged
 from serving.scheduler import SchedulerOutput
 from serving.sequence import Sequence
 
 NUM_FLAGS = 3  # any_random, any_filter, want_logprobs
-
-
-def _powers_of_two(limit: int, start: int = 1) -> list[int]:
-    out, b = [], max(1, start)
-    while b < limit:
-        out.append(b)
-        b *= 2
-    out.append(limit)
-    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,11 +54,11 @@ class Buckets:
 
     @functools.cached_property
     def token_sizes(self) -> list[int]:
-        return _powers_of_two(self.max_num_batched_tokens, self.min_tokens)
+        return powers_of_two(self.max_num_batched_tokens, self.min_tokens)
 
     @functools.cached_property
     def page_sizes(self) -> list[int]:
-        return _powers_of_two(self.max_pages_per_seq, min(self.min_pages, self.max_pages_per_seq))
+        return powers_of_two(self.max_pages_per_seq, min(self.min_pages, self.max_pages_per_seq))
 
     def tokens_for(self, n: int) -> int:
         sizes = self.token_sizes
@@ -196,19 +189,10 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
     v["tokens"][:total] = toks
     for i, row in feeds:
         v["feed_rows"][i] = row
-    cu = np.cumsum(n_new)
-    v["cu_q_lens"][1:n + 1] = cu
-    v["cu_q_lens"][n + 1:] = total
-    seq_of = np.repeat(np.arange(n), n_new)
+    cu = fill_ragged(n_new, starts, seq_tables, page_size, positions=v["positions"], slots=v["slots"],
+                     cu_q_lens=v["cu_q_lens"], kv_lens=v["kv_lens"], block_tables=v["block_tables"])
     first = cu - n_new
-    pos = np.arange(total) - first[seq_of] + starts[seq_of]
-    v["positions"][:total] = pos
-    tbl = v["block_tables"]
-    for i, t in enumerate(seq_tables):
-        tbl[i, :len(t)] = t
-    v["slots"][:total] = tbl[seq_of, pos // page_size] * page_size + pos % page_size
     kv_lens = starts + n_new
-    v["kv_lens"][:n] = kv_lens
     v["num_seqs"][0] = n
 
     sample_rows: list[tuple[Sequence, int]] = []

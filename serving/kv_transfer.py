@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.pow2 import next_pow2
 from model.cache import KVCache
 from serving import kv_wire
 
@@ -66,16 +67,9 @@ _gather_jit = jax.jit(_gather_pages)
 _write_jit = jax.jit(_write_tokens, donate_argnums=(0,))
 
 
-def _pow2_at_least(n: int, floor: int) -> int:
-    b = floor
-    while b < n:
-        b *= 2
-    return b
-
-
 def gather_pages(cache: KVCache, table: list[int]):
     """`[layers, 2, P, page_size, kv_heads, head_dim]` on device, P >= len(table) (extra pages are page 0)."""
-    pages = np.zeros(_pow2_at_least(len(table), 1), np.int32)
+    pages = np.zeros(next_pow2(len(table)), np.int32)
     pages[:len(table)] = table
     return _gather_jit(cache, pages)
 
@@ -83,7 +77,7 @@ def gather_pages(cache: KVCache, table: list[int]):
 def write_tokens(cache: KVCache, slots: np.ndarray, kv: np.ndarray) -> KVCache:
     """The cache with `kv` ([layers, 2, n, kv_heads, head_dim], host) written at `slots` ([n]); donates `cache`."""
     n = len(slots)
-    size = _pow2_at_least(n, 16)
+    size = next_pow2(n, 16)
     pad_slot = cache.num_pages * cache.page_size
     padded_slots = np.full(size, pad_slot, np.int32)
     padded_slots[:n] = slots

@@ -17,7 +17,7 @@ from typing import Optional, Sequence, Union
 from model.checkpoint import load_checkpoint, load_config
 from model.quant import check_kv_cache_dtype, check_weight_dtype
 from model.tokenizer import ByteTokenizer, load_tokenizer
-from serving import compile_cache, distributed, multihost
+from serving import compile_cache, distributed, engine_args, multihost
 from serving.engine import Engine, EngineConfig
 from serving.outputs import RequestOutput
 from serving.sampling_params import SamplingParams
@@ -94,22 +94,22 @@ class LLM:
     directory.
     """
 
-    def __init__(self, checkpoint: Optional[str] = None, *, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 512, page_size: int = 16, num_pages: Optional[int] = None,
-                 enable_prefix_caching: bool = True, attention_backend: str = "auto",
-                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, num_microbatches: int = 1,
-                 max_model_len: Optional[int] = None, seed: int = 0,
-                 config=None, params=None, tokenizer=None, warmup: bool = False,
-                 compilation_cache_dir: Optional[str] = None, weight_dtype: str = "auto",
-                 kv_cache_dtype: str = "auto", speculative_draft=None, **engine_kwargs):
+    @engine_args.with_option_keywords
+    def __init__(self, checkpoint: Optional[str] = None, *, config=None, params=None, tokenizer=None,
+                 warmup: bool = False, speculative_draft=None, **options):
+        """Every option of `serving.engine_args.OPTIONS` is a keyword here, with its declared default (the
+        signature lists them); `EngineConfig` gets those it holds. The options:
+        """
+        opts = engine_args.resolve(options)
         t0 = time.perf_counter()
-        check_weight_dtype(weight_dtype)  # before any loading: a typo costs nothing
-        check_kv_cache_dtype(kv_cache_dtype)
-        self.compilation_cache_dir = compile_cache.enable(compilation_cache_dir)
+        check_weight_dtype(opts["weight_dtype"])  # before any loading: a typo costs nothing
+        check_kv_cache_dtype(opts["kv_cache_dtype"])
+        self.compilation_cache_dir = compile_cache.enable(opts["compilation_cache_dir"])
         distributed.initialize()  # joins a multi-process run when the environment asks for one
         if (config is None) != (params is None):
             raise ValueError("pass both config and params (an in-memory model) or neither")
-        layout = parallel_layout(tensor_parallel_size, pipeline_parallel_size, num_microbatches)
+        layout = parallel_layout(opts["tensor_parallel_size"], opts["pipeline_parallel_size"],
+                                 opts["num_microbatches"])
         multihost.check_layout(layout)  # several processes: the mesh must span them all
         if config is None:
             directory = checkpoint or default_checkpoint_dir()
@@ -132,11 +132,7 @@ class LLM:
         self.layout = layout
         self.config = config
         self.tokenizer = tokenizer
-        engine_config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                     page_size=page_size, num_pages=num_pages,
-                                     enable_prefix_caching=enable_prefix_caching,
-                                     attention_backend=attention_backend, max_model_len=max_model_len, seed=seed,
-                                     weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype, **engine_kwargs)
+        engine_config = EngineConfig(**{o.name: opts[o.name] for o in engine_args.ENGINE_CONFIG_OPTIONS})
         self.engine = Engine(config, params, tokenizer, engine_config, layout=layout, draft=speculative_draft)
         self.config = self.engine.cfg  # with weight_dtype set when the engine quantized the weights
         self.load_seconds = time.perf_counter() - t0

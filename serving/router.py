@@ -41,7 +41,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serving import http_protocol as P
-from serving.http_app import ClientGone, until_disconnect as _watch
+from serving.http_util import ClientGone, until_disconnect as _watch
 from serving.router_index import POLICIES, PrefixIndex, PromptEncoder, Router
 from serving.router_metrics import RouterMetrics
 from serving.router_workers import WorkerPool

@@ -26,6 +26,7 @@ notebooks): uvicorn on a background thread, bound to loopback by default.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -44,47 +45,27 @@ SECRET_ENV = "RIDGELINE_KV_TRANSFER_SECRET"
 API_KEY_ENV = "RIDGELINE_API_KEY"
 
 
-def define_flags() -> None:
+def define_flags(flag_values: Optional[flags.FlagValues] = None) -> None:
     """The command-line flags, defined only when the server runs as a program (importing this module from
-    tests or other binaries must not claim flag names such as --seed or --checkpoint)."""
+    tests or other binaries must not claim flag names such as --seed or --checkpoint). `flag_values`: where
+    to define them (default: absl's global FLAGS; tests pass a fresh `flags.FlagValues()`).
+
+    The engine options (--max_num_seqs, --min_token_bucket, ...) come from `serving.engine_args`, with the
+    defaults `LLM` has; the flags below are the server's own."""
+    from serving import engine_args
+
+    fv = FLAGS if flag_values is None else flag_values
+    flags = _DefinitionsInto(fv)  # every flags.DEFINE_* below lands in `fv`
+    engine_args.define_flags(fv)
     flags.DEFINE_string("checkpoint", None, "Checkpoint directory; none serves the embedded default model.")
     flags.DEFINE_string("host", "127.0.0.1", "Address to bind (0.0.0.0 to serve other machines).")
     flags.DEFINE_integer("port", 8000, "Port to listen on.")
     flags.DEFINE_string("served_model_name", None, "The model name clients send (default: the checkpoint's).")
-    flags.DEFINE_integer("max_num_seqs", 64, "Most sequences in one step.")
-    flags.DEFINE_integer("max_num_batched_tokens", 512, "Token budget of one step (prefill chunks + decodes).")
-    flags.DEFINE_integer("min_token_bucket", 16, "Smallest padded token count of a step (fewer shapes to compile).")
-    flags.DEFINE_integer("page_size", 16, "Tokens per KV-cache page.")
-    flags.DEFINE_integer("num_pages", None, "KV pool size in pages; default: sized from device memory.")
-    flags.DEFINE_integer("max_model_len", None, "Context window; default: the model's, capped by the pool.")
-    flags.DEFINE_boolean("enable_prefix_caching", True, "Reuse cached KV pages of shared prompt prefixes.")
-    flags.DEFINE_boolean("async_scheduling", True, "Schedule and dispatch step t+1 while the device runs step t "
-                         "(--noasync_scheduling: one step at a time).")
-    flags.DEFINE_integer("tensor_parallel_size", 1, "Devices to shard the model over (tensor parallelism).")
-    flags.DEFINE_integer("pipeline_parallel_size", 1, "Pipeline stages (contiguous layers each), each stage "
-                                                      "tensor_parallel_size devices.")
-    flags.DEFINE_integer("num_microbatches", 1, "Microbatches a step's tokens are cut into so pipeline stages "
-                                                "overlap (needs pipeline_parallel_size > 1).")
-    flags.DEFINE_string("attention_backend", "auto", "Attention backend: auto, xla, reference, pallas, pallas_interpret.")
-    flags.DEFINE_enum("weight_dtype", "auto", ["auto", "int8", "fp8"],
-                      "Linear-layer weights: as loaded (auto), or quantized at load time to int8 / fp8 (e4m3) "
-                      "with per-output-channel scales.")
-    flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "int8", "fp8", "bfloat16", "float16", "float32"],
-                      "KV cache storage: the model dtype (auto), or int8 / fp8 with per-token scales.")
-    flags.DEFINE_integer("seed", 0, "Engine seed (for requests that give none).")
     flags.DEFINE_float("peak_bandwidth_gbps", None, "Device memory bandwidth for MBU, GB/s (default: GPU table).")
     flags.DEFINE_float("peak_tflops", None, "Device dense bf16 TFLOP/s for MFU (default: GPU table).")
     flags.DEFINE_float("metrics_window_s", 10.0, "Window of the MBU/MFU gauges, seconds.")
-    flags.DEFINE_string("compilation_cache_dir", None,
-                        "Persistent compilation cache directory ('' turns it off); default: "
-                        "$RIDGELINE_COMPILATION_CACHE_DIR, else ~/.cache/ridgeline/jax.")
     flags.DEFINE_string("profile_dir", None, "Directory for /start_profile and /stop_profile traces "
                                              "(unset: those routes answer 400).")
-    flags.DEFINE_enum("speculative_method", None, ["draft", "ngram"],
-                      "Speculative decoding: a draft model or prompt lookup (unset: off).")
-    flags.DEFINE_integer("num_speculative_tokens", 0, "Drafted tokens verified per step (with --speculative_method).")
-    flags.DEFINE_string("speculative_model", None, "Draft model checkpoint directory for --speculative_method=draft "
-                                                   "(default: the embedded draft model).")
     flags.DEFINE_boolean("kv_transfer_warmup", False, "Also compile the KV export/import of disaggregated "
                                                       "serving at startup (/internal/prefill, /internal/decode).")
     flags.DEFINE_string("kv_transfer_secret", None, "Shared secret of disaggregated serving: mounts /internal/prefill "
@@ -110,6 +91,17 @@ def define_flags() -> None:
                                                                   "declared dead, ending the run (default 30).")
     flags.DEFINE_float("distributed_call_timeout_s", None, "Multi-host: longest wait on a live peer (a device "
                                                            "call, or process 0's next call) (default 300).")
+
+
+class _DefinitionsInto:
+    """absl's `flags.DEFINE_*` functions with `flag_values` bound, so `define_flags` can define into a
+    `FlagValues` of the caller's choosing while reading like plain absl."""
+
+    def __init__(self, flag_values: flags.FlagValues):
+        self._flag_values = flag_values
+
+    def __getattr__(self, name: str):
+        return functools.partial(getattr(flags, name), flag_values=self._flag_values)
 
 
 def _human_bytes(n: float) -> str:
@@ -272,19 +264,13 @@ def join_from_flags() -> bool:
         heartbeat_timeout_s=FLAGS.distributed_heartbeat_timeout_s, call_timeout_s=FLAGS.distributed_call_timeout_s)
 
 
-def make_llm_from_flags():
+def make_llm_from_flags(flag_values: Optional[flags.FlagValues] = None):
+    """The `LLM` the flags describe: every engine option passed through, every shape compiled up front."""
+    from serving import engine_args
     from serving.llm import LLM
 
-    return LLM(FLAGS.checkpoint, max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
-               page_size=FLAGS.page_size, num_pages=FLAGS.num_pages, max_model_len=FLAGS.max_model_len,
-               enable_prefix_caching=FLAGS.enable_prefix_caching, async_scheduling=FLAGS.async_scheduling,
-               attention_backend=FLAGS.attention_backend,
-               tensor_parallel_size=FLAGS.tensor_parallel_size, pipeline_parallel_size=FLAGS.pipeline_parallel_size,
-               num_microbatches=FLAGS.num_microbatches, seed=FLAGS.seed,
-               min_token_bucket=FLAGS.min_token_bucket, compilation_cache_dir=FLAGS.compilation_cache_dir,
-               weight_dtype=FLAGS.weight_dtype, kv_cache_dtype=FLAGS.kv_cache_dtype,
-               speculative_method=FLAGS.speculative_method, num_speculative_tokens=FLAGS.num_speculative_tokens,
-               speculative_model=FLAGS.speculative_model, warmup=True)
+    fv = FLAGS if flag_values is None else flag_values
+    return LLM(fv.checkpoint, warmup=True, **engine_args.from_flags(fv))
 
 
 def _peak_from_flags():

@@ -31,3 +31,68 @@ def tiny_config(**overrides):
 @pytest.fixture
 def small_cfg():
     return tiny_config()
+
+
+# --- helpers shared by several test files ------------------------------------------------------------
+
+
+def ragged_prompts(vocab: int, n: int = 6, seed: int = 0, max_len: int = 40) -> list[list[int]]:
+    """`n` prompts of BOS plus 2..`max_len` random token ids (seeded), ragged so batches mix lengths."""
+    import random
+
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(3, vocab) for _ in range(rng.randint(2, max_len))] for _ in range(n)]
+
+
+def greedy(llm, batch, max_tokens: int = 8) -> list[list[int]]:
+    """Sample 0's token ids of each prompt, greedy and ignoring EOS (a fixed-length, comparable output)."""
+    from serving import SamplingParams
+
+    outs = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def run_to_completion(engine, max_steps: int = 10_000) -> dict:
+    """Steps `engine` until it has nothing left; {request_id: final RequestOutput}."""
+    outs = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return outs
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    raise AssertionError("engine did not finish")
+
+
+def run_with_random_arrivals(engine, jobs, seed: int, spread: int, max_steps: int) -> dict:
+    """Adds each (request_id, prompt, SamplingParams) job at a random step in [0, spread] (seeded) and steps
+    until every job has output; {request_id: its last RequestOutput}."""
+    import random
+
+    rng = random.Random(seed)
+    arrivals = {}
+    for job in jobs:
+        arrivals.setdefault(rng.randint(0, spread), []).append(job)
+    done, step = {}, 0
+    while len(done) < len(jobs):
+        for rid, prompt, sp in arrivals.get(step, []):
+            engine.add_request(rid, prompt, sp)
+        for out in engine.step():
+            done[out.request_id] = out
+        step += 1
+        assert step < max_steps
+    return done
+
+
+def metric_value(text: str, name: str, require: bool = False, **labels) -> float:
+    """The sum of the samples of `name` (or `name`_total, a counter's) in Prometheus text whose labels
+    include `labels`: 0 when there is none (a labelled counter nothing has counted yet), unless `require`."""
+    total, found = 0.0, False
+    for line in text.splitlines():
+        sample, _, value = line.rpartition(" ")
+        metric, _, rest = sample.partition("{")
+        if metric in (name, name + "_total") and all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            total += float(value)
+            found = True
+    assert found or not require, f"no sample of {name} {labels or ''} in:\n{text[-2000:]}"
+    return total

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import run_to_completion, tiny_config
 from model.params import init_params
 from serving import LLM, SamplingParams
 from serving import kv_transfer as kt
@@ -43,15 +43,6 @@ def jobs():
     return out
 
 
-def run(engine):
-    outs = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                outs[o.request_id] = o
-    return outs
-
-
 def prefill(engine, rid, prompt, sp) -> bytes:
     exports = []
     first = sp.clone()
@@ -59,7 +50,7 @@ def prefill(engine, rid, prompt, sp) -> bytes:
     req = engine.make_request(rid, prompt, first)
     req.kv_export = exports.append
     engine.enqueue(req)
-    run(engine)
+    run_to_completion(engine)
     (exp,) = exports
     assert exp.num_tokens == len(prompt) and exp.pages.shape[2] * exp.page_size >= len(prompt)
     return kt.encode_payload(exp, engine.cfg, engine.runner.cache.k[0].dtype, KEYS)
@@ -96,7 +87,7 @@ def test_export_import_equals_one_engine(params):
 
     for rid, p, sp in jobs():  # all at once: more than max_num_seqs, so some wait for a seat
         submit_import(dec, rid, p, sp, payloads[rid])
-    got = run(dec)
+    got = run_to_completion(dec)
     for rid, _, _ in jobs():
         o = got[rid].outputs[0]
         assert o.token_ids == want[rid].token_ids, rid
@@ -114,7 +105,7 @@ def test_export_import_equals_one_engine(params):
     assert len(p) == 30
     hits_before = dec.scheduler.prefix_hit_tokens
     submit_import(dec, "again", p, sp, payloads[rid])
-    again = run(dec)["again"].outputs[0]
+    again = run_to_completion(dec)["again"].outputs[0]
     assert dec.scheduler.prefix_hit_tokens - hits_before == 28  # 7 full pages of 4
     assert again.token_ids == want[rid].token_ids
     assert dec.block_manager.num_used_blocks == 0

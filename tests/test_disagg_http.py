@@ -1,16 +1,13 @@
 """One prefill worker and one decode worker (real `python -m serving.server` processes on 127.0.0.1, embedded
 model, sharing a KV transfer secret and API keys): `run_disaggregated` gives what the decode worker gives when it
 serves the request alone, streaming and not, completions and chat; bad payloads get a 4xx and the worker keeps
-serving with no pages held. The security tests are in test_disagg_security.py, on the same workers."""
+serving with no pages held. Then the security tests, on the same workers: forged imports, tenants' salts, API keys,
+oversized payloads."""
 
 import asyncio
 import json
-import os
 import re
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -18,73 +15,38 @@ import httpx
 import numpy as np
 import pytest
 
+from conftest import metric_value
 from serving import kv_wire
 from serving.disagg import run_disaggregated
-from serving.server import free_port
+from serving.local_fleet import LocalFleet
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL = "tiny-disagg"
+MODEL = "fleet"  # the --served_model_name LocalFleet gives its workers
 BYTES_PER_TOKEN = 2 * 4 * 2 * 64 * 4  # the embedded model: 4 layers, 2 KV heads of 64, float32
 SECRET = "the workers' shared KV transfer secret"
 KEYS = ("key-of-tenant-a", "key-of-tenant-b")
 AUTH = {"authorization": f"Bearer {KEYS[0]}"}  # tenant a, unless a test says otherwise
-
-
-def _start(port, log_path, cache_dir, secret_in_env):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    cmd = [sys.executable, "-m", "serving.server", f"--port={port}", f"--served_model_name={MODEL}",
-           "--max_num_seqs=4", "--max_num_batched_tokens=16", "--min_token_bucket=16", "--max_model_len=64",
-           "--attention_backend=reference", f"--compilation_cache_dir={cache_dir}", "--log_level=warning",
-           "--kv_transfer_warmup", f"--api_key={','.join(KEYS)}", "--cache_salt_per_api_key"]
-    if secret_in_env:  # both ways of giving the secret are used: the environment for one worker, the flag for the other
-        env["RIDGELINE_KV_TRANSFER_SECRET"] = SECRET
-    else:
-        cmd.append(f"--kv_transfer_secret={SECRET}")
-    with open(log_path, "w") as log:
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-
-def _wait_healthy(proc, url, log_path, deadline):
-    while True:
-        assert proc.poll() is None, f"server exited early:\n{log_path.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"server did not come up:\n{log_path.read_text()[-3000:]}"
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
+WORKER_FLAGS = ["--max_num_seqs=4", "--max_num_batched_tokens=16", "--min_token_bucket=16", "--max_model_len=64",
+                "--attention_backend=reference", "--kv_transfer_warmup", f"--api_key={','.join(KEYS)}",
+                "--cache_salt_per_api_key"]
 
 
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):
+    """[prefill URL, decode URL, prefill pid, decode pid]: started one after the other, so the second loads
+    what the first compiled. The secret reaches them through the environment (the flag's default)."""
     tmp = tmp_path_factory.mktemp("disagg")
-    cache_dir = tmp / "jax-cache"  # shared: the second worker loads what the first compiled
-    procs, urls = [], []
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RIDGELINE_KV_TRANSFER_SECRET", SECRET)
     try:
-        for name in ("prefill", "decode"):
-            port = free_port()
-            log_path = tmp / f"{name}.log"
-            proc = _start(port, log_path, cache_dir, secret_in_env=name == "decode")
-            procs.append(proc)
-            urls.append(f"http://127.0.0.1:{port}")
-            _wait_healthy(proc, urls[-1], log_path, time.monotonic() + 240)
-        yield urls + [p.pid for p in procs]
+        with LocalFleet(str(tmp), str(tmp / "jax-cache"), WORKER_FLAGS) as fleet:
+            fleet.start_workers(2, timeout_s=480, parallel=False)
+            yield [w.url for w in fleet.workers] + [w.proc.pid for w in fleet.workers]
     finally:
-        for proc in procs:
-            proc.send_signal(signal.SIGINT)
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        mp.undo()
 
 
 def _metric(url, name):
-    text = httpx.get(url + "/metrics", timeout=30).text
-    m = re.search(rf"^ridgeline:{name}(?:_total)?{{[^}}]*}} ([\d.e+-]+)$", text, re.M)
-    return float(m.group(1))
+    return metric_value(httpx.get(url + "/metrics", timeout=30).text, f"ridgeline:{name}", require=True)
 
 
 def _sse_text(lines, chat):

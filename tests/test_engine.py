@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import run_with_random_arrivals, tiny_config
 from model.cache import pack_batch
 from model.forward import forward_jit
 from model.params import init_params
@@ -55,21 +55,9 @@ def workload(n, seed, min_prompt=1, max_prompt=40, max_out=24):
 
 def run_with_arrivals(llm, jobs, seed, spread=30):
     """Adds each job at a random step; returns {request_id: [token ids of each sample]}."""
-    rng = random.Random(seed)
-    arrivals = {}
-    for job in jobs:
-        arrivals.setdefault(rng.randint(0, spread), []).append(job)
-    engine = llm.engine
-    done, step = {}, 0
-    while len(done) < len(jobs):
-        for rid, prompt, sp in arrivals.get(step, []):
-            engine.add_request(rid, prompt, sp)
-        for out in engine.step():
-            done[out.request_id] = [c.token_ids for c in out.outputs]
-        step += 1
-        assert step < 20_000
-    assert engine.stats().kv_pages_used == 0
-    return done
+    outs = run_with_random_arrivals(llm.engine, jobs, seed, spread, max_steps=20_000)
+    assert llm.engine.stats().kv_pages_used == 0
+    return {rid: [c.token_ids for c in out.outputs] for rid, out in outs.items()}
 
 
 @pytest.fixture(scope="module")

@@ -7,28 +7,16 @@ replicated there), and on the embedded checkpoint restored straight into the
 TP shardings.
 """
 
-import random
-
 import jax
 import pytest
 
-from conftest import tiny_config
+from conftest import greedy, ragged_prompts as prompts, tiny_config
 from model.params import init_params
-from serving import LLM, SamplingParams
+from serving import LLM
 
 CFG = tiny_config(vocab_size=128, num_heads=8, num_kv_heads=2, head_dim=8)
 COMMON = dict(page_size=8, max_model_len=64, num_pages=48, max_num_seqs=8, max_num_batched_tokens=32,
               min_token_bucket=32, min_context_bucket=64, attention_backend="reference")
-
-
-def prompts(vocab, n=6, seed=0):
-    rng = random.Random(seed)
-    return [[1] + [rng.randrange(3, vocab) for _ in range(rng.randint(2, 40))] for _ in range(n)]
-
-
-def greedy(llm, batch):
-    outs = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 @pytest.fixture(scope="module")

@@ -159,3 +159,14 @@ def test_write_kv_in_place_on_donated_cache():
     assert k.is_deleted() and v.is_deleted()
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_power_of_two_sizes():
+    """The one padding helper (kernels_pallas.pow2) the kernels, step buckets, KV transfer and metrics share."""
+    from kernels_pallas.pow2 import next_pow2, powers_of_two
+
+    assert [next_pow2(n) for n in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 16]
+    assert [next_pow2(n, 16) for n in (0, 1, 16, 17, 33)] == [16, 16, 16, 32, 64]
+    assert powers_of_two(512, 16) == [16, 32, 64, 128, 256, 512]
+    assert powers_of_two(100) == [1, 2, 4, 8, 16, 32, 64, 100]
+    assert powers_of_two(1, 4) == [1] and powers_of_two(8, 0) == [1, 2, 4, 8]

@@ -10,14 +10,13 @@ nothing may compile after warm-up, and impossible layouts must fail with a clear
 """
 
 import functools
-import random
 import re
 
 import jax
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import greedy, ragged_prompts as prompts, tiny_config
 from model.cache import cache_bytes, init_cache, pack_batch
 from model.forward import forward_jit
 from model.params import init_params
@@ -32,16 +31,6 @@ CFG = tiny_config(vocab_size=128, num_layers=4, num_heads=8, num_kv_heads=2, hea
 NUM_PAGES, PAGE = 48, 8
 COMMON = dict(page_size=PAGE, max_model_len=64, num_pages=NUM_PAGES, max_num_seqs=8, max_num_batched_tokens=32,
               min_token_bucket=32, min_context_bucket=64, attention_backend="reference")
-
-
-def prompts(vocab, n=6, seed=0):
-    rng = random.Random(seed)
-    return [[1] + [rng.randrange(3, vocab) for _ in range(rng.randint(2, 40))] for _ in range(n)]
-
-
-def greedy(llm, batch):
-    outs = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 @functools.cache

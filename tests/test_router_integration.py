@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from conftest import metric_value
 from serving.local_fleet import LocalFleet
 
 # Tiny buckets: one token bucket x four page buckets, so a cold start compiles a handful of shapes.
@@ -21,17 +22,8 @@ WORKER_FLAGS = ["--max_num_seqs=4", "--max_num_batched_tokens=16", "--min_token_
                 "--page_size=16", "--attention_backend=reference"]
 
 
-def _counter(metrics: str, name: str, **labels) -> float:
-    total = 0.0
-    for line in metrics.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def _hits(worker) -> float:
-    return _counter(httpx.get(worker.url + "/metrics", timeout=30).text, "ridgeline:prefix_cache_hits_total")
+    return metric_value(httpx.get(worker.url + "/metrics", timeout=30).text, "ridgeline:prefix_cache_hits_total")
 
 
 def _routed(router) -> dict[str, float]:
@@ -91,7 +83,7 @@ def test_a_client_disconnect_aborts_the_request_on_the_worker(fleet):
     router = fleet.start_router(["--policy=round_robin", "--page_size=16", "--check_interval_s=0.5"])
 
     def aborted():
-        return sum(_counter(httpx.get(w.url + "/metrics", timeout=30).text, "ridgeline:request_success_total",
+        return sum(metric_value(httpx.get(w.url + "/metrics", timeout=30).text, "ridgeline:request_success_total",
                             finished_reason="abort") for w in fleet.workers)
 
     try:
@@ -122,9 +114,9 @@ def test_a_killed_worker_is_routed_around(fleet):
                                  "temperature": 0, "stream": i % 2 == 1})
             assert r.status_code == 200, r.text
         text = httpx.get(router.url + "/metrics", timeout=30).text
-        assert _counter(text, "ridgeline:router_worker_healthy", worker=victim.url) == 0.0
-        assert _counter(text, "ridgeline:router_worker_healthy", worker=survivor.url) == 1.0
-        assert _counter(text, "ridgeline:router_requests_failed_total") == 0.0
+        assert metric_value(text, "ridgeline:router_worker_healthy", worker=victim.url) == 0.0
+        assert metric_value(text, "ridgeline:router_worker_healthy", worker=survivor.url) == 1.0
+        assert metric_value(text, "ridgeline:router_requests_failed_total") == 0.0
         assert httpx.get(router.url + "/health", timeout=30).status_code == 200
     finally:
         fleet.stop_router()

@@ -3,6 +3,9 @@
 import asyncio
 import json
 import logging
+import os
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -21,6 +24,41 @@ from serving.router import RouterService, create_router_app, transfer_figures
 from serving.router_index import PrefixIndex, PromptEncoder, Router, WorkerLoad, block_hashes
 from serving.router_workers import parse_worker_metrics
 from serving.server import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# --- imports -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("code", [
+    "import serving.router, sys; assert 'jax' not in sys.modules",
+    # Running: the router's prompt encoder loads the tokenizer and tokenizes a completion and a chat.
+    "import sys; from serving.router import RouterService; from serving.router_index import PromptEncoder; "
+    "e = PromptEncoder(); assert e.prompts('completions', {'prompt': 'hi'}) and e.prompts('chat', "
+    "{'model': 'm', 'messages': [{'role': 'user', 'content': 'hi'}]}); "
+    "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if m.startswith('jax'))[:5]",
+], ids=["import", "prompt_encoder"])
+def test_the_router_runs_without_jax(code):
+    """A router only relays requests: it must not pay for (or need) jax. A fresh interpreter, since this
+    one imported jax long ago."""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_old_import_paths_still_work():
+    import serving
+    from serving import LLM, SamplingParams  # noqa: F401
+    from serving.http_app import ClientGone, primed_stream, until_disconnect
+    from serving import http_util
+
+    assert (ClientGone, primed_stream, until_disconnect) == (http_util.ClientGone, http_util.primed_stream,
+                                                            http_util.until_disconnect)
+    assert set(serving.__all__) <= set(dir(serving))
+    for name in serving.__all__:
+        assert getattr(serving, name).__name__ == name
+    with pytest.raises(AttributeError):
+        serving.no_such_name  # noqa: B018
+
 
 # --- index and policies ------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
-from conftest import tiny_config
+from conftest import run_to_completion, tiny_config
 from serving.engine import Engine, EngineConfig
 from serving.model_runner import StepResult
 from serving.sampling_params import SamplingParams
@@ -117,17 +117,6 @@ def make_engine(num_pages=64, page_size=4, max_num_seqs=8, budget=16, max_model_
     engine = Engine(cfg, None, None, config, runner=fake)
     fake.attach(engine)
     return engine, fake
-
-
-def run_to_completion(engine, max_steps=10_000):
-    outs = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            return outs
-        for o in engine.step():
-            if o.finished:
-                outs[o.request_id] = o
-    raise AssertionError("engine did not finish")
 
 
 def check_against_reference(engine, out, prompt, params, eos_every=0):

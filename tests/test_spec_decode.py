@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import run_with_random_arrivals, tiny_config
 from model.params import init_params
 from serving import LLM, SamplingParams
 from serving.spec_decode import compilation_count
@@ -64,20 +64,8 @@ def workload(n, seed, min_prompt=2, max_prompt=40, max_out=30):
 
 def run_with_arrivals(llm, jobs, seed, spread=20):
     """Adds each job at a random step; returns {request_id: CompletionOutput of sample 0}."""
-    rng = random.Random(seed)
-    arrivals = {}
-    for job in jobs:
-        arrivals.setdefault(rng.randint(0, spread), []).append(job)
-    engine = llm.engine
-    done, step = {}, 0
-    while len(done) < len(jobs):
-        for rid, prompt, sp in arrivals.get(step, []):
-            engine.add_request(rid, prompt, sp)
-        for out in engine.step():
-            done[out.request_id] = out.outputs[0]
-        step += 1
-        assert step < 10_000
-    return done
+    outs = run_with_random_arrivals(llm.engine, jobs, seed, spread, max_steps=10_000)
+    return {rid: out.outputs[0] for rid, out in outs.items()}
 
 
 def assert_idle_and_clean(llm):

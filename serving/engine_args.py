@@ -1,0 +1,163 @@
+"""Every engine option, declared once: name, Python type, default, help.
+
+Three things are derived from `OPTIONS`, so they cannot drift apart:
+
+* `serving.engine.EngineConfig`, the frozen dataclass of the options the
+  engine itself reads (`EngineOption.engine_config`);
+* the keyword arguments of `serving.LLM(...)`: every option, with the same
+  default (the others, `tensor_parallel_size` and the like, shape how the
+  model is loaded rather than how the engine runs);
+* the server's absl flags (`define_flags`, used by `serving.server`), whose
+  flag type follows the Python type: int, float, bool, str, `Optional[...]`
+  of those (default None), and `choices` for an enum.
+
+A default chosen by measurement says so in its help ("measured: ...").
+tests/test_engine_options.py checks that all three agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+from typing import Any, Optional
+
+from absl import flags
+
+from model.quant import KV_CACHE_DTYPE_CHOICES, WEIGHT_DTYPE_CHOICES
+from serving.spec_decode.options import METHODS as SPECULATIVE_METHODS
+
+# The flags `define_flags` defines belong to its caller (absl lists a program's own flags under --help).
+flags.disclaim_key_flags()
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOption:
+    name: str
+    type: Any  # int, float, bool, str, or Optional[one of them]
+    default: Any
+    help: str
+    choices: Optional[tuple] = None  # the values a flag accepts (an absl enum); None: any value of `type`
+    engine_config: bool = True  # a field of EngineConfig; False: only `LLM` reads it (how the model is loaded)
+
+    @property
+    def base_type(self) -> type:
+        """`type` without its `Optional`."""
+        args = [a for a in typing.get_args(self.type) if a is not type(None)]
+        return args[0] if args else self.type
+
+
+OPTIONS: tuple[EngineOption, ...] = (
+    EngineOption("max_num_seqs", int, 64, "Most sequences in one step."),
+    EngineOption("max_num_batched_tokens", int, 512, "Token budget of one step (prefill chunks + decodes)."),
+    EngineOption("page_size", int, 16, "Tokens per KV-cache page."),
+    EngineOption("num_pages", Optional[int], None, "KV pool size in pages; default: sized from device memory."),
+    EngineOption("max_model_len", Optional[int], None, "Context window; default: the model's, capped by the pool."),
+    EngineOption("enable_prefix_caching", bool, True, "Reuse cached KV pages of shared prompt prefixes."),
+    EngineOption("attention_backend", str, "auto",
+                 "Attention backend: auto, xla, reference, pallas, pallas_interpret."),
+    EngineOption("seed", int, 0, "Engine seed (for requests that give none)."),
+    EngineOption("kv_cache_memory_fraction", float, 0.9,
+                 "Share of device memory the KV pool may take, on devices that report their memory."),
+    EngineOption("host_kv_cache_bytes", int, 256 * 2**20,
+                 "KV pool budget in bytes where the device reports no memory (CPU)."),
+    EngineOption("min_token_bucket", int, 1,
+                 "Smallest padded token count of a step (raising it compiles fewer shapes, but pads every small "
+                 "step up to it). Measured: batch-1 greedy decode of the embedded model through LLM.generate "
+                 "on a 2-core CPU, 1: 1000-1100 tok/s, 16: 240-250 tok/s."),
+    EngineOption("min_context_bucket", int, 64, "Smallest padded context (tokens) attention reads per sequence."),
+    EngineOption("weight_dtype", str, "auto",
+                 "Linear-layer weights: as loaded (auto), or quantized at load time to int8 / fp8 (e4m3) "
+                 "with per-output-channel scales.", choices=WEIGHT_DTYPE_CHOICES),
+    EngineOption("kv_cache_dtype", str, "auto",
+                 "KV cache storage: the model dtype (auto), or int8 / fp8 with per-token scales.",
+                 choices=KV_CACHE_DTYPE_CHOICES),
+    EngineOption("speculative_method", Optional[str], None,
+                 "Speculative decoding: a draft model or prompt lookup (unset: off).", choices=SPECULATIVE_METHODS),
+    EngineOption("num_speculative_tokens", int, 0, "Drafted tokens verified per step (with speculative_method)."),
+    EngineOption("speculative_model", Optional[str], None,
+                 "Draft model checkpoint directory for speculative_method=draft (default: the embedded draft "
+                 "model)."),
+    EngineOption("async_scheduling", bool, True,
+                 "Schedule and dispatch step t+1 while the device runs step t (off: one step at a time; "
+                 "speculative decoding always runs one step at a time)."),
+    EngineOption("tensor_parallel_size", int, 1, "Devices to shard the model over (tensor parallelism).",
+                 engine_config=False),
+    EngineOption("pipeline_parallel_size", int, 1,
+                 "Pipeline stages (contiguous layers each), each stage tensor_parallel_size devices.",
+                 engine_config=False),
+    EngineOption("num_microbatches", int, 1, "Microbatches a step's tokens are cut into so pipeline stages "
+                                             "overlap (needs pipeline_parallel_size > 1).", engine_config=False),
+    EngineOption("compilation_cache_dir", Optional[str], None,
+                 "Persistent compilation cache directory ('' turns it off); default: "
+                 "$RIDGELINE_COMPILATION_CACHE_DIR, else ~/.cache/ridgeline/jax.", engine_config=False),
+)
+
+BY_NAME = {o.name: o for o in OPTIONS}
+ENGINE_CONFIG_OPTIONS = tuple(o for o in OPTIONS if o.engine_config)
+
+
+def make_engine_config_class(module: str) -> type:
+    """`EngineConfig`: a frozen dataclass of the `engine_config` options, fields in declaration order."""
+    fields = [(o.name, o.type, dataclasses.field(default=o.default)) for o in ENGINE_CONFIG_OPTIONS]
+    cls = dataclasses.make_dataclass("EngineConfig", fields, frozen=True)
+    cls.__module__ = module  # where pickle and repr find it
+    cls.__doc__ = ("How the engine batches, caches and samples; generated from `serving.engine_args.OPTIONS`, "
+                   "the table `LLM(...)`'s keywords and the server's flags come from too.\n\n"
+                   + describe(ENGINE_CONFIG_OPTIONS))
+    return cls
+
+
+def resolve(options: dict, caller: str = "LLM()") -> dict:
+    """Every option's value: those given, the declared default for the rest. A name that is no option is a
+    TypeError, as an unknown keyword argument would be."""
+    unknown = sorted(set(options) - BY_NAME.keys())
+    if unknown:
+        raise TypeError(f"{caller} got an unexpected keyword argument {unknown[0]!r}")
+    return {o.name: options.get(o.name, o.default) for o in OPTIONS}
+
+
+def with_option_keywords(fn):
+    """`fn`, which takes the options as **kwargs, with a signature that lists them instead, keyword-only
+    with their defaults (what `help()` and `inspect.signature` show), and their help in its docstring.
+    `fn` must not name an option itself: a second declaration, with a default of its own, would be
+    the drift this table exists to prevent."""
+    sig = inspect.signature(fn)
+    head = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    named = sorted({p.name for p in head} & BY_NAME.keys())
+    if named:
+        raise TypeError(f"{fn.__qualname__} declares {named} itself; they are options of serving.engine_args")
+    added = [inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.type)
+             for o in OPTIONS]
+    fn.__signature__ = sig.replace(parameters=head + added)
+    fn.__doc__ = (fn.__doc__ or "").rstrip() + "\n\n" + describe(indent=" " * 8) + "\n"
+    return fn
+
+
+def describe(options=OPTIONS, indent: str = "    ") -> str:
+    """One line per option (name = default: help), for docstrings."""
+    return "\n".join(f"{indent}{o.name} = {o.default!r}: {o.help}" for o in options)
+
+
+def define_flags(flag_values) -> None:
+    """One absl flag per option, same name, default and help, into `flag_values` (an absl `FlagValues`)."""
+    for o in OPTIONS:
+        kind = o.base_type
+        kw = dict(name=o.name, default=o.default, help=o.help, flag_values=flag_values)
+        if o.choices is not None:
+            flags.DEFINE_enum(enum_values=list(o.choices), **kw)
+        elif kind is bool:
+            flags.DEFINE_boolean(**kw)
+        elif kind is int:
+            flags.DEFINE_integer(**kw)
+        elif kind is float:
+            flags.DEFINE_float(**kw)
+        elif kind is str:
+            flags.DEFINE_string(**kw)
+        else:
+            raise TypeError(f"option {o.name}: no flag type for {o.type!r}")
+
+
+def from_flags(flag_values) -> dict:
+    """Every option's value from parsed flags, as `LLM(**...)` takes them."""
+    return {o.name: getattr(flag_values, o.name) for o in OPTIONS}
