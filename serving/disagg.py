@@ -218,7 +218,7 @@ def _transfer_engine(ctx, kt):
     reason = kt.unsupported_reason(engine)
     if reason:
         raise P.APIError(reason, param="endpoint", code="kv_transfer_unsupported")
-    return engine, engine.runner.cache.k[0].dtype
+    return engine, engine.runner.kv_dtype
 
 
 def _wire_error(e: kv_wire.WireError) -> P.APIError:

@@ -33,8 +33,8 @@ from serving.input_batch import Buckets, pack_step, sampling_row
 from serving.model_runner import ModelRunner
 from serving.outputs import CompletionOutput, Logprob, RequestOutput
 from serving.sampling_params import InvalidParameterError, SamplingParams
-from serving.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from serving.sequence import Request, Sequence, SequenceStatus
+from serving.scheduler import PoolTooSmall, Scheduler, SchedulerConfig, SchedulerOutput
+from serving.sequence import Request, Sequence
 from serving.spec_decode.options import check_options as check_spec_options, logit_rows as spec_logit_rows
 from serving.stats import EngineStats, FinishedRequestStats, IterationStats, StatsLog
 
@@ -89,9 +89,6 @@ class Engine:
         check_weight_dtype(config.weight_dtype)
         check_kv_cache_dtype(config.kv_cache_dtype)
         check_spec_options(config.speculative_method, config.num_speculative_tokens)
-        if config.speculative_method is not None and layout is not None:
-            raise ValueError("speculative decoding is not supported with tensor parallelism or pipeline parallelism "
-                             "(tensor_parallel_size or pipeline_parallel_size > 1) yet")
         if runner is None:  # load-time quantization of float weights (a no-op for "auto")
             cfg, params = quantize_params(params, cfg, config.weight_dtype)
         self.cfg = cfg
@@ -128,8 +125,9 @@ class Engine:
         if config.speculative_method is not None:
             from serving.spec_decode import SpecDecoder
 
-            self.spec = SpecDecoder(self, config.speculative_method, config.num_speculative_tokens, draft,
-                                    config.speculative_model)
+            self.spec = SpecDecoder(self.scheduler, self.block_manager, self.runner, max_model_len=model_len,
+                                    max_num_seqs=config.max_num_seqs, method=config.speculative_method,
+                                    k=config.num_speculative_tokens, draft=draft, draft_dir=config.speculative_model)
         self.eos_token_ids = tuple(sorted(set(cfg.eos_token_ids) | set(getattr(tokenizer, "eos_ids", ()) or ())))
         self.requests: dict[str, Request] = {}
         self.stats_log = StatsLog()
@@ -140,7 +138,7 @@ class Engine:
         self._pending_imports: list[Request] = []  # requests resuming a shipped prefill (serving.kv_transfer)
         # Overlapped scheduling needs a runner that dispatches without waiting; speculative
         # steps choose the next step's drafts from this step's tokens, so they run one at a time.
-        self.overlap = config.async_scheduling and self.spec is None and hasattr(self.runner, "dispatch")
+        self.overlap = config.async_scheduling and self.spec is None
         self._in_flight: Optional[_StepInFlight] = None  # dispatched, not yet processed
 
     # --- requests ------------------------------------------------------------------------------
@@ -316,14 +314,14 @@ class Engine:
         while the device works; a speculative step verifies its drafts synchronously)."""
         if out.copies:
             self.runner.copy_pages(out.copies)
-        batch = pack_step(out, self.block_manager.tables, self.buckets, self.config.page_size, self.num_pages)
+        previous = self._in_flight.batch.draw_rows if self._in_flight is not None else None
+        batch = pack_step(out, self.block_manager.tables, self.buckets, self.config.page_size, self.num_pages,
+                          previous)
         it.kv_tokens_read = batch.kv_tokens
         if self.spec is not None:
             pending = self.spec.execute(batch, out)
-        elif hasattr(self.runner, "dispatch"):
+        else:
             pending = self.runner.dispatch(batch)
-        else:  # a runner that only runs steps to completion
-            pending = self.runner.execute(batch)
         for item in out.scheduled:
             m = item.seq.request.metrics
             if m.first_scheduled_time is None:
@@ -426,8 +424,8 @@ class Engine:
                   "top_ids": [int(x) for x in result.top_ids[row]],
                   "top_logprobs": [float(x) for x in result.top_logprobs[row]]}
         return kv_transfer.PrefillExport(list(seq.request.prompt_token_ids), int(first_token), seq.request.seed,
-                                         self.config.page_size, kv_transfer.gather_pages(self.runner.cache, table),
-                                         lp, seq.request.cache_salt)
+                                         self.config.page_size, self.runner.export_pages(table), lp,
+                                         seq.request.cache_salt)
 
     def _admit_imports(self):
         """Resumes pending imported requests: their first token now, their K/V once seats and pages allow.
@@ -452,30 +450,21 @@ class Engine:
             if seq.is_finished:  # finished on its first token, or aborted while pending
                 self._pending_imports.pop(0)
                 continue
-            if self.scheduler.num_seats_running + 1 > self.config.max_num_seqs:
-                break
-            n = seq.num_prompt_tokens
-            hits = self.block_manager.lookup_prefix(seq)
-            start = len(hits) * self.config.page_size
-            if self.block_manager.allocate(seq, n - start, hits) is None:
-                if self.scheduler.running:
-                    break  # wait for pages to free up
-                req.error = f"request {req.request_id}: {n} imported tokens need more than the whole KV pool"
+            try:
+                admitted = self.scheduler.admit_imported(seq)
+            except PoolTooSmall as e:
+                req.error = f"request {req.request_id}: {e}"
                 self.scheduler.finish(seq, "error")
                 touched[req.request_id] = req
                 self._pending_imports.pop(0)
                 continue
-            table = self.block_manager.table(seq)
+            if admitted is None:
+                break  # wait for a seat or pages
+            table, start = admitted
+            n = seq.num_prompt_tokens
             if start < n:
-                slots = kv_transfer.token_slots(table, self.config.page_size, start, n)
-                self.runner.cache = kv_transfer.write_tokens(self.runner.cache, slots, imp.kv[:, :, start:n])
-            seq.num_computed_tokens = n
-            seq.num_cached_tokens = start
-            self.block_manager.register_full_blocks(seq)
-            self.scheduler.prefix_queried_tokens += n
-            self.scheduler.prefix_hit_tokens += start
-            seq.status = SequenceStatus.RUNNING
-            self.scheduler.running.append(seq)
+                self.runner.import_tokens(kv_transfer.token_slots(table, self.config.page_size, start, n),
+                                          imp.kv[:, :, start:n])
             req.kv_import = None  # the host copy is no longer needed
             self._pending_imports.pop(0)
         return touched, it

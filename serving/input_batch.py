@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from typing import Optional
 import functools
 
 import numpy as np
@@ -146,6 +147,9 @@ class StepBatch:
     prompt_rows: list  # [(Sequence, first_row, p0, p1)]: rows for prompt positions p0..p1-1
     want_logprobs: bool
     kv_tokens: int  # tokens of K/V attended over (for bandwidth accounting)
+    # seq_id -> the row of its draw in this step's samples: where the next step, dispatched before
+    # this one is processed, finds the token it feeds as a placeholder (`feed_rows`).
+    draw_rows: dict = dataclasses.field(default_factory=dict)
 
 
 def _as_int32(x: int) -> int:
@@ -160,7 +164,11 @@ def sampling_row(request) -> tuple:
             _as_int32(seed >> 32), _as_int32(seed & 0xFFFFFFFF))
 
 
-def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: int, num_pages: int) -> StepBatch:
+def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: int, num_pages: int,
+              previous_draw_rows: Optional[dict] = None) -> StepBatch:
+    """The padded host buffers of one scheduled step. `previous_draw_rows` is the `draw_rows` of the
+    step dispatched just before (overlapped scheduling): a decode whose last token that step is
+    still drawing reads it from there on the device."""
     items = out.scheduled
     n = len(items)
     n_new = np.fromiter((it.num_new_tokens for it in items), np.int64, n)
@@ -183,7 +191,7 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
         else:
             known = it.seq.token_ids[it.start:it.start + it.num_new_tokens]
             if len(known) < it.num_new_tokens:  # the last one is still on the device (a placeholder)
-                feeds.append((len(toks) + len(known), it.seq.pending_row))
+                feeds.append((len(toks) + len(known), previous_draw_rows[it.seq.seq_id]))
                 known = known + [0]
             toks += known
     v["tokens"][:total] = toks
@@ -196,6 +204,7 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
     v["num_seqs"][0] = n
 
     sample_rows: list[tuple[Sequence, int]] = []
+    draw_rows: dict[int, int] = {}
     prompt_rows = []
     want_logprobs = False
     any_random = any_filter = False
@@ -216,7 +225,7 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
             want_logprobs = True
         # Draws before this one, those still in flight included (this one is pending already).
         tok_index = seq.num_output_tokens + seq.num_pending - 1
-        seq.pending_row = row  # where the next step finds this draw (`feed_rows`)
+        draw_rows[seq.seq_id] = row
         nd = len(it.draft_token_ids)  # with drafts: one row per verified position, in order
         for s in it.sample_indices:
             for j in range(nd + 1):
@@ -237,4 +246,5 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
             prompt_rows.append((it.seq, row, it.prompt_logprob_start, it.prompt_logprob_end))
             row += cnt
     v["flags"][:] = (any_random, any_filter, want_logprobs)
-    return StepBatch(shape, ibuf, fbuf, total, n, sample_rows, prompt_rows, want_logprobs, int(kv_lens.sum()))
+    return StepBatch(shape, ibuf, fbuf, total, n, sample_rows, prompt_rows, want_logprobs, int(kv_lens.sum()),
+                     draw_rows)

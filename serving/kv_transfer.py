@@ -1,16 +1,19 @@
 """Moving a finished prefill's KV between engines: device gather/scatter and the wire payload.
 
 Export (prefill side): when a request flagged with `kv_export` samples its
-first token, `Engine.export_prompt_kv` gathers the pages of its block table
-with one jitted gather (`gather_pages`, page count padded to a power of two
-so few shapes compile) into a single `[layers, 2, pages, page_size, kv_heads,
-head_dim]` device array. Nothing waits for it on the engine thread; the HTTP
-handler copies it to host once and cuts it to the prompt's tokens.
+first token, `Engine.export_prompt_kv` has the runner gather the pages of its
+block table with one jitted gather (`gather_jit`, page count padded to a power
+of two so few shapes compile) into a single `[layers, 2, pages, page_size,
+kv_heads, head_dim]` device array. Nothing waits for it on the engine thread;
+the HTTP handler copies it to host once and cuts it to the prompt's tokens.
 
-Import (decode side): `write_tokens` scatters `[layers, 2, tokens, kv_heads,
-head_dim]` host K/V into the donated cache at the given slots (token count
-padded to a power of two, padding slots dropped). It works per token, so the
-two engines may use different page sizes.
+Import (decode side): the runner scatters `[layers, 2, tokens, kv_heads,
+head_dim]` host K/V into its donated cache at the given slots (`write_jit`,
+token count padded to a power of two, padding slots dropped, a sharded
+cache kept in its shardings). It works per token, so the two engines may use
+different page sizes. Both calls go through the runner (`ModelRunner.
+export_pages` / `import_tokens`), the one place that places arrays, so they
+work under tensor parallelism too.
 
 The payload is signed and read under size caps by `serving.kv_wire` (its
 framing and tags); this module says what its header holds (`payload_header`)
@@ -27,8 +30,6 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-import json
-import struct
 from typing import Any, Optional
 
 import jax
@@ -47,73 +48,70 @@ class PayloadError(kv_wire.WireError):
     """An authenticated KV payload that does not fit this engine (an HTTP 400, or 413 when too large)."""
 
 
-# --- device side -------------------------------------------------------------------------------
+# --- device side (called by the model runner, which places the inputs) ------------------------------
 
 def _gather_pages(cache: KVCache, pages):
     return jnp.stack([jnp.stack([k[pages], v[pages]]) for k, v in zip(cache.k, cache.v)])
 
 
-def _write_tokens(cache: KVCache, slots, kv):
+def _write_tokens(cache: KVCache, slots, kv, *, shardings=None):
+    """The cache with `kv` written at `slots`; `shardings` (one per leaf, k's then v's) keeps a sharded
+    cache in the shardings it was placed with, so the next step's inputs match its executable."""
     def put(x, new):
         num_pages, page_size, heads, dim = x.shape
         flat = x.reshape(num_pages * page_size, heads, dim).at[slots].set(new.astype(x.dtype), mode="drop")
         return flat.reshape(x.shape)
 
-    return KVCache(k=[put(x, kv[i, 0]) for i, x in enumerate(cache.k)],
-                   v=[put(x, kv[i, 1]) for i, x in enumerate(cache.v)])
+    k = [put(x, kv[i, 0]) for i, x in enumerate(cache.k)]
+    v = [put(x, kv[i, 1]) for i, x in enumerate(cache.v)]
+    if shardings is not None:
+        leaves = [jax.lax.with_sharding_constraint(x, s) for x, s in zip(k + v, shardings)]
+        k, v = leaves[:len(k)], leaves[len(k):]
+    return KVCache(k=k, v=v)
 
 
-_gather_jit = jax.jit(_gather_pages)
-_write_jit = jax.jit(_write_tokens, donate_argnums=(0,))
+gather_jit = jax.jit(_gather_pages)
+write_jit = jax.jit(_write_tokens, static_argnames=("shardings",), donate_argnums=(0,))
 
 
-def gather_pages(cache: KVCache, table: list[int]):
-    """`[layers, 2, P, page_size, kv_heads, head_dim]` on device, P >= len(table) (extra pages are page 0)."""
+def padded_pages(table: list[int]) -> np.ndarray:
+    """The page ids to gather: `table`, padded with page 0 to a power of two (few shapes compile)."""
     pages = np.zeros(next_pow2(len(table)), np.int32)
     pages[:len(table)] = table
-    return _gather_jit(cache, pages)
+    return pages
 
 
-def write_tokens(cache: KVCache, slots: np.ndarray, kv: np.ndarray) -> KVCache:
-    """The cache with `kv` ([layers, 2, n, kv_heads, head_dim], host) written at `slots` ([n]); donates `cache`."""
+def padded_tokens(slots: np.ndarray, kv: np.ndarray, pad_slot: int) -> tuple[np.ndarray, np.ndarray]:
+    """`slots` and `kv` ([layers, 2, n, kv_heads, head_dim]) padded to a power-of-two token count (at
+    least 16); padding slots are `pad_slot`, one past the pool, which the scatter drops."""
     n = len(slots)
     size = next_pow2(n, 16)
-    pad_slot = cache.num_pages * cache.page_size
     padded_slots = np.full(size, pad_slot, np.int32)
     padded_slots[:n] = slots
     padded = np.zeros(kv.shape[:2] + (size,) + kv.shape[3:], kv.dtype)
     padded[:, :, :n] = kv
-    return _write_jit(cache, padded_slots, padded)
+    return padded_slots, padded
+
+
+def transfer_sizes(max_model_len: int, page_size: int) -> tuple[list[int], list[int]]:
+    """(page counts a gather compiles for, token counts a scatter compiles for) up to `max_model_len`."""
+    pages, tokens = [1], [16]
+    while pages[-1] < -(-max_model_len // page_size):
+        pages.append(pages[-1] * 2)
+    while tokens[-1] < max_model_len:
+        tokens.append(tokens[-1] * 2)
+    return pages, tokens
 
 
 def compilation_count() -> int:
     """Executables compiled so far for the page gather and the token scatter."""
-    return _gather_jit._cache_size() + _write_jit._cache_size()
+    return gather_jit._cache_size() + write_jit._cache_size()
 
 
 def warm_up(engine) -> int:
     """Compiles the gather and the scatter for every size `engine` can ship or receive; returns how many
     executables that compiled. Call before the engine loop starts (it writes nothing: every slot is padding)."""
-    before = compilation_count()
-    cache = engine.runner.cache
-    max_pages = -(-engine.max_model_len // cache.page_size)
-    pages = 1
-    while True:
-        gather_pages(cache, [0] * pages)
-        if pages >= max_pages:
-            break
-        pages *= 2
-    dtype = cache.k[0].dtype
-    shape = (len(cache.k), 2)
-    tokens = 16
-    while True:
-        slots = np.full(tokens, cache.num_pages * cache.page_size, np.int64)
-        cache = write_tokens(cache, slots, np.zeros(shape + (tokens,) + cache.k[0].shape[2:], dtype))
-        if tokens >= engine.max_model_len:
-            break
-        tokens *= 2
-    engine.runner.cache = cache
-    return compilation_count() - before
+    return engine.runner.warm_up_transfer(engine.max_model_len)
 
 
 def token_slots(table: list[int], page_size: int, start: int, stop: int) -> np.ndarray:
@@ -176,17 +174,7 @@ class KVImport:
 
 def unsupported_reason(engine) -> Optional[str]:
     """Why `engine` cannot export or import KV, or None when it can."""
-    layout = getattr(engine.runner, "layout", None)
-    if layout is not None:
-        return ("KV transfer is implemented for single-device engines only (this one is sharded or pipelined: "
-                "its cache shardings would have to be restored after the scatter)")
-    cache = getattr(engine.runner, "cache", None)
-    if not isinstance(cache, KVCache):
-        return "KV transfer needs a runner with a plain per-layer KVCache"
-    if not all(isinstance(x, jax.Array) for x in list(cache.k) + list(cache.v)):
-        return ("KV transfer supports plain K/V pages only; this worker's KV cache is quantized (pages with "
-                "scales), which the payload does not carry yet")
-    return None
+    return engine.runner.kv_transfer_unsupported()
 
 
 def check_import(req, imp: KVImport) -> None:

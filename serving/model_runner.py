@@ -205,6 +205,25 @@ class ModelRunner:
     def cache_bytes(self) -> int:
         return cache_bytes(self.cache)
 
+    @property
+    def kv_dtype(self):
+        """The dtype K and V pages are stored in (int8 / fp8 for a quantized cache)."""
+        leaf = self.cache.k[0]
+        return (leaf["data"] if isinstance(leaf, dict) else leaf).dtype
+
+    @property
+    def replicated(self):
+        """Where a small model that follows this one (a draft model) lives: the one device, or
+        replicated over the layout's mesh, so its outputs feed this runner's calls as they are."""
+        return jax.devices()[0] if self.layout is None else self.layout.replicated
+
+    def set_dispatch_hook(self, hook) -> None:
+        """Multi-host serving: `hook(kind, *host_arrays, **static)` sees every device call first."""
+        self.dispatch_hook = hook
+
+    def _spans_processes(self) -> bool:
+        return self.layout is not None and not self.layout.replicated.is_fully_addressable
+
     # --- execution ---------------------------------------------------------------------------
     def execute(self, batch: StepBatch) -> StepResult:
         """Runs one step; blocks only on copying the sampled ids (and logprobs) back."""
@@ -226,6 +245,86 @@ class ModelRunner:
             src[:len(chunk)] = [c[0] for c in chunk]
             dst[:len(chunk)] = [c[1] for c in chunk]
             self._copy(src, dst)
+
+    # --- speculative decoding: the verification step --------------------------------------------
+    def spec_decode_unsupported(self):
+        """Why this runner cannot verify drafts, or None."""
+        if self._spans_processes():
+            return "speculative decoding runs in one process only (this engine's mesh spans several)"
+        return None
+
+    def verify(self, batch: StepBatch, row_fields: np.ndarray, draft_probs) -> StepResult:
+        """Runs one verification step (`spec_decode.verify_step`) and waits for its emitted ids."""
+        ids, lp = self._verify(batch.ibuf, batch.fbuf, row_fields, draft_probs, batch.shape)
+        return PendingStep(ids, lp if batch.want_logprobs else None).result()
+
+    def _verify(self, ibuf, fbuf, row_fields, draft_probs, shape):
+        from serving.spec_decode.verify_step import verify_step_jit
+
+        ibuf, fbuf, rbuf = self._host_inputs(ibuf, fbuf, row_fields)
+        self.cache, ids, lp = verify_step_jit(self.params, self.cache, ibuf, fbuf, rbuf, draft_probs, cfg=self.cfg,
+                                              backend=self.backend, shape=shape, layout=self.layout)
+        return ids, lp
+
+    def warm_up_verify(self, draft_probs) -> int:
+        """Compiles the verification step for every bucket (on empty batches) and the page copies;
+        returns how many shapes that was."""
+        from serving.spec_decode.verify_step import empty_row_fields
+
+        pad = self.num_pages * self.page_size
+        shapes = self.buckets.all_shapes()
+        for T, S, P in shapes:
+            shape = StepShape(T, S, P)
+            ibuf, fbuf, _ = shape.empty(pad)
+            self._verify(ibuf, fbuf, empty_row_fields(S), draft_probs, shape)
+        for size in self.copy_sizes:
+            self._copy(np.zeros(size, np.int32), np.full(size, self.num_pages, np.int32))
+        jax.block_until_ready(self.cache)
+        return len(shapes) + len(self.copy_sizes)
+
+    # --- disaggregated serving: pages leaving and entering the pool -------------------------------
+    def kv_transfer_unsupported(self):
+        """Why this runner cannot export or import KV pages, or None."""
+        if self._spans_processes():
+            return "KV transfer runs in one process only (this engine's mesh spans several)"
+        if not all(isinstance(x, jax.Array) for x in list(self.cache.k) + list(self.cache.v)):
+            return ("KV transfer supports plain K/V pages only; this worker's KV cache is quantized (pages with "
+                    "scales), which the payload does not carry yet")
+        return None
+
+    def export_pages(self, table: list[int]):
+        """`[layers, 2, P, page_size, kv_heads, head_dim]` on device (not waited for), P >= len(table)."""
+        from serving import kv_transfer
+
+        (pages,) = self._host_inputs(kv_transfer.padded_pages(table))
+        return kv_transfer.gather_jit(self.cache, pages)
+
+    def import_tokens(self, slots: np.ndarray, kv: np.ndarray) -> None:
+        """Writes host K/V (`[layers, 2, n, kv_heads, head_dim]`) at token `slots` of the donated cache."""
+        from serving import kv_transfer
+
+        slots, kv = self._host_inputs(*kv_transfer.padded_tokens(slots, kv, self.num_pages * self.page_size))
+        shardings = None
+        if self.layout is not None:  # the scatter keeps every leaf where `place` put it
+            shardings = tuple(x.sharding for x in list(self.cache.k) + list(self.cache.v))
+        self.cache = kv_transfer.write_jit(self.cache, slots, kv, shardings=shardings)
+
+    def warm_up_transfer(self, max_model_len: int) -> int:
+        """Compiles the gather and the scatter for every size a request of up to `max_model_len`
+        tokens ships; writes nothing (every slot is padding). Returns how many executables compiled."""
+        from serving import kv_transfer
+
+        before = kv_transfer.compilation_count()
+        page_counts, token_counts = kv_transfer.transfer_sizes(max_model_len, self.page_size)
+        for n in page_counts:
+            self.export_pages([0] * n)
+        kv_shape = (self.cfg.num_layers, 2)
+        for n in token_counts:
+            pad = self.num_pages * self.page_size
+            self.import_tokens(np.full(n, pad, np.int64),
+                               np.zeros(kv_shape + (n,) + self.cache.k[0].shape[2:], self.kv_dtype))
+        jax.block_until_ready(self.cache)
+        return kv_transfer.compilation_count() - before
 
     def warm_up(self) -> dict:
         """Compiles (and runs once, on empty batches) every bucket; returns what it did."""

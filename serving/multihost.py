@@ -62,7 +62,7 @@ class Leader:
         self._in_operation = 0  # > 0 while a warm-up or generate is under way
         self._closed = False
         self._lock = threading.Lock()
-        engine.runner.dispatch_hook = self._announce
+        engine.runner.set_dispatch_hook(self._announce)
         self._watchdog = watchdog
         watchdog.add(self._stalled)
         atexit.register(self._close)  # before the runtime's own exit barrier (atexit runs newest first)

@@ -33,6 +33,13 @@ class PipelineRunner(ModelRunner):
         self.cache = _copy_staged_jit(self.cache, *self._host_inputs(src, dst), layout=self.layout)
         return self.cache
 
+    def spec_decode_unsupported(self):
+        return "speculative decoding is not supported with pipeline parallelism (pipeline_parallel_size > 1) yet"
+
+    def kv_transfer_unsupported(self):
+        return ("KV transfer is not supported with pipeline parallelism yet (each stage holds only its own "
+                "layers' pages)")
+
     @staticmethod
     def compilation_count() -> int:
         from serving.model_runner import compilation_count

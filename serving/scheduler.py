@@ -79,6 +79,10 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+class PoolTooSmall(Exception):
+    """A sequence that even an empty KV pool cannot hold."""
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         self.config = config
@@ -97,6 +101,43 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+
+    def admit_imported(self, seq: Sequence) -> Optional[tuple[list[int], int]]:
+        """Admits a sequence whose prompt K/V arrives from elsewhere (a shipped prefill) straight
+        into the running batch, its prompt counted as computed.
+
+        Returns (its block table, how many leading prompt tokens came from the prefix cache) so
+        the caller writes the rest of the K/V; None when no seat or pages are free now, in which
+        case nothing changed. Raises `PoolTooSmall` when even an idle pool cannot hold it.
+        """
+        if self.num_seats_running + seq.num_seats > self.config.max_num_seqs:
+            return None
+        n = seq.num_prompt_tokens
+        hits = self.bm.lookup_prefix(seq)
+        start = len(hits) * self.bm.page_size
+        if self.bm.allocate(seq, n - start, hits) is None:
+            if self.running:
+                return None  # pages free up as running sequences finish
+            raise PoolTooSmall(f"{n} imported tokens need more than the whole KV pool")
+        seq.num_computed_tokens = n
+        seq.num_cached_tokens = start
+        self.bm.register_full_blocks(seq)
+        self.prefix_queried_tokens += n
+        self.prefix_hit_tokens += start
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return self.bm.table(seq), start
+
+    def set_drafts(self, drafts: dict[int, list[int]]) -> None:
+        """Speculative drafts for the next step, {seq_id: token ids} (serving.spec_decode)."""
+        self.drafts = drafts
+
+    def keep_verified(self, item: "ScheduledSeq", num_accepted: int) -> None:
+        """A verified decode keeps the K/V of its last token and its accepted drafts (`num_accepted`
+        tokens from the item's start); the pages of the rejected ones are released."""
+        seq = item.seq
+        seq.num_computed_tokens = item.start + num_accepted
+        self.bm.trim(seq, seq.num_computed_tokens)
 
     def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
         """Ends a sequence (stop, length, abort, error) and frees its pages at once."""

@@ -42,7 +42,7 @@ class Sequence:
         "seq_id", "request", "sample_index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "num_seats", "status", "finish_reason", "stop_reason", "logprobs", "cumulative_logprob",
         "detokenizer", "num_cached_tokens", "block_hashes", "text", "last_token_time",
-        "num_pending", "pending_row", "num_in_flight",
+        "num_pending", "num_in_flight",
     )
 
     def __init__(self, request: "Request", token_ids: list[int], sample_index: int = 0, num_seats: int = 1):
@@ -66,10 +66,8 @@ class Sequence:
         self.text = ""  # detokenized output so far (cut at a stop string)
         self.last_token_time: Optional[float] = None
         # Overlapped scheduling (serving.engine): tokens already drawn by dispatched steps but not
-        # yet seen on the host, the row of the latest one in its step's samples, and how many
-        # dispatched, unprocessed steps include this sequence.
+        # yet seen on the host, and how many dispatched, unprocessed steps include this sequence.
         self.num_pending = 0
-        self.pending_row = -1
         self.num_in_flight = 0
 
     @property

@@ -172,8 +172,6 @@ def describe_startup(llm) -> list[str]:
     """The startup log lines: model, KV pool, load and warm-up time, compilation cache."""
     import jax.numpy as jnp
 
-    from model.cache import cache_bytes
-
     cfg, engine = llm.config, llm.engine
     runner = engine.runner
     lines = [
@@ -183,7 +181,7 @@ def describe_startup(llm) -> list[str]:
         f"{cfg.num_params() / 1e6:.1f}M parameters, {_human_bytes(_param_bytes(runner) or 0)} of weights; "
         f"tokenizer {type(llm.tokenizer).__name__}",
     ]
-    pool_bytes = cache_bytes(runner.cache) if getattr(runner, "cache", None) is not None else 0
+    pool_bytes = runner.cache_bytes
     kv_dtype = jnp.dtype(getattr(engine, "cache_dtype", None) or cfg.jnp_dtype).name
     lines.append(
         f"KV pool: {engine.num_pages} pages x {engine.config.page_size} tokens = "

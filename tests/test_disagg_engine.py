@@ -6,6 +6,8 @@ prefix cache: a second import of a prompt reuses the blocks the first one
 registered.
 """
 
+import types
+
 import jax
 import numpy as np
 import pytest
@@ -15,6 +17,8 @@ from model.params import init_params
 from serving import LLM, SamplingParams
 from serving import kv_transfer as kt
 from serving import kv_wire
+from serving.model_runner import ModelRunner
+from serving.pipeline_runner import PipelineRunner
 from serving.sampling_params import InvalidParameterError
 
 CFG = tiny_config()
@@ -140,13 +144,15 @@ def test_bad_payloads_are_refused_before_anything_is_queued(params):
         kt.check_import(dec.make_request("y", p, SamplingParams(max_tokens=4, logprobs=1)), imp)
     assert dec.block_manager.num_used_blocks == 0 and not dec.has_unfinished_requests()
 
-    # Engines the payload cannot serve say why (a quantized cache: pages with scales; a sharded one).
+    # Runners the payload cannot serve say why: a quantized cache (pages with scales), a mesh over several
+    # processes, pipeline stages. (Tensor parallelism in one process is supported: test_engine_tp.py.)
     assert kt.unsupported_reason(dec) is None
-    quantized = type("E", (), {"runner": type("R", (), {"layout": None, "cache": kt.KVCache(
-        k=[{"data": 0, "scale": 0}] * 2, v=[{"data": 0, "scale": 0}] * 2)})()})()
-    assert "quantized" in kt.unsupported_reason(quantized)
-    sharded = type("E", (), {"runner": type("R", (), {"layout": object(), "cache": dec.runner.cache})()})()
-    assert "single-device" in kt.unsupported_reason(sharded)
+    quantized = types.SimpleNamespace(cache=kt.KVCache(k=[{"data": 0, "scale": 0}] * 2,
+                                                       v=[{"data": 0, "scale": 0}] * 2), _spans_processes=lambda: False)
+    assert "quantized" in ModelRunner.kv_transfer_unsupported(quantized)
+    spanning = types.SimpleNamespace(cache=dec.runner.cache, _spans_processes=lambda: True)
+    assert "one process" in ModelRunner.kv_transfer_unsupported(spanning)
+    assert "pipeline" in PipelineRunner.kv_transfer_unsupported(None)
 
     # Aborted while waiting to be admitted, and after admission: nothing is held either way.
     submit_import(dec, "a", p, sp, good)

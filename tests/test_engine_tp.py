@@ -50,3 +50,65 @@ def test_embedded_checkpoint_restores_into_tp_shardings():
 def test_a_tp_degree_the_devices_cannot_hold_is_a_clear_error():
     with pytest.raises(Exception, match="16"):
         LLM(config=CFG, params=init_params(CFG, jax.random.key(0)), tensor_parallel_size=16, **COMMON)
+
+
+# --- speculative decoding and KV transfer under tensor parallelism ---------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_decoding_is_identical_at_tp_1_and_2(params, single_device_tokens, method):
+    """Greedy speculation verifies drafts to the tokens plain decoding gives, on one device and on two."""
+    # The target itself as the draft model: its drafts are mostly right, so verification really accepts.
+    spec = dict(speculative_method=method, num_speculative_tokens=3,
+                speculative_draft=(CFG, params) if method == "draft" else None)
+    batch = prompts(CFG.vocab_size)
+    got = {}
+    for tp in (1, 2):
+        llm = LLM(config=CFG, params=params, tensor_parallel_size=tp, **spec, **COMMON)
+        got[tp] = greedy(llm, batch)
+        stats = llm.engine.stats().spec_decode
+        assert stats.num_draft_tokens > 0  # drafts were verified (prompt lookup on random prompts accepts few)
+        if method == "draft":
+            assert stats.num_accepted_tokens > 0
+        if tp == 2:
+            assert len(llm.engine.runner.params.layers[0].wq.sharding.device_set) == 2
+    assert got[1] == got[2] == single_device_tokens
+
+
+def test_kv_export_and_import_are_identical_at_tp_1_and_2(params, single_device_tokens):
+    """Prefill on one engine, ship the signed payload, decode on another: every pairing of TP=1 and TP=2
+    gives the tokens one device gives alone, and the sharded pool keeps its shardings."""
+    from conftest import run_to_completion
+    from serving import SamplingParams
+    from serving import kv_transfer as kt
+    from serving import kv_wire
+
+    keys = kv_wire.SigningKeys("test secret")
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    def engine(tp):
+        return LLM(config=CFG, params=params, tensor_parallel_size=tp, **COMMON).engine
+
+    prefill, decode = {tp: engine(tp) for tp in (1, 2)}, {tp: engine(tp) for tp in (1, 2)}
+    batch = prompts(CFG.vocab_size)
+    for src, dst in ((2, 2), (1, 2), (2, 1)):
+        pre, dec = prefill[src], decode[dst]
+        shardings = [x.sharding for x in dec.runner.cache.k]
+        for i, p in enumerate(batch):
+            exports = []
+            req = pre.make_request(f"pre{src}{dst}-{i}", p, first)
+            req.kv_export = exports.append
+            pre.enqueue(req)
+            run_to_completion(pre)
+            payload = kt.encode_payload(exports[0], pre.cfg, pre.runner.kv_dtype, keys)
+            header, body = kt.decode_payload(payload, keys, dec.cfg, dec.runner.kv_dtype, dec.max_model_len)
+            imp = kt.to_import(header, body, dec.cfg, dec.runner.kv_dtype)
+            req = dec.make_request(f"dec{src}{dst}-{i}", p, sp)
+            kt.check_import(req, imp)
+            req.kv_import = imp
+            dec.enqueue(req)
+        outs = run_to_completion(dec)
+        got = [list(outs[f"dec{src}{dst}-{i}"].outputs[0].token_ids) for i in range(len(batch))]
+        assert got == single_device_tokens, (src, dst)
+        assert [x.sharding for x in dec.runner.cache.k] == shardings
+        assert dec.block_manager.num_used_blocks == 0 and pre.block_manager.num_used_blocks == 0

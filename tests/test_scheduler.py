@@ -58,6 +58,9 @@ class FakeRunner:
             self.cache[dst * ps:(dst + 1) * ps] = self.cache[src * ps:(src + 1) * ps]
         self.copies += len(copies)
 
+    def dispatch(self, batch) -> StepResult:  # runs at once: the engine takes a result as its own handle
+        return self.execute(batch)
+
     def execute(self, batch) -> StepResult:
         self.steps += 1
         v = batch.shape.split(batch.ibuf, batch.fbuf)
@@ -111,8 +114,11 @@ VOCAB = 97
 def make_engine(num_pages=64, page_size=4, max_num_seqs=8, budget=16, max_model_len=64, caching=True,
                 eos_every=0):
     cfg = tiny_config(vocab_size=VOCAB, max_position_embeddings=max_model_len)
+    # One step at a time: the fake runs a step when it is dispatched and has no device-side feed of
+    # the previous step's tokens (overlapped scheduling is tested on real runners, test_async_scheduling).
     config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, page_size=page_size,
-                          num_pages=num_pages, max_model_len=max_model_len, enable_prefix_caching=caching)
+                          num_pages=num_pages, max_model_len=max_model_len, enable_prefix_caching=caching,
+                          async_scheduling=False)
     fake = FakeRunner(VOCAB, eos_every)
     engine = Engine(cfg, None, None, config, runner=fake)
     fake.attach(engine)

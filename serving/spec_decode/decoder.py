@@ -26,7 +26,6 @@ import dataclasses
 import os
 import time
 
-import jax
 import numpy as np
 
 from serving.model_runner import StepResult, _copy_jit
@@ -35,6 +34,7 @@ from serving.spec_decode import draft_model
 from serving.spec_decode.ngram import NgramProposer
 from serving.spec_decode.options import check_options, default_draft_dir
 from serving.spec_decode.verify_step import empty_row_fields, verify_step_jit
+
 
 @dataclasses.dataclass
 class SpecStats:
@@ -57,16 +57,21 @@ class SpecStats:
 
 
 class SpecDecoder:
-    def __init__(self, engine, method: str, k: int, draft=None, draft_dir=None):
+    """Speculation over an engine's parts: it reads the scheduler's running sequences, hands it the
+    drafts, has the runner verify them, and tells the scheduler what was accepted."""
+
+    def __init__(self, scheduler, block_manager, runner, *, max_model_len: int, max_num_seqs: int, method: str,
+                 k: int, draft=None, draft_dir=None):
         check_options(method, k)
-        if getattr(engine.runner, "layout", None) is not None:
-            raise ValueError("speculative decoding is not supported with tensor parallelism "
-                             "(tensor_parallel_size > 1) yet")
-        self.engine = engine
+        reason = runner.spec_decode_unsupported()
+        if reason:
+            raise ValueError(reason)
+        self.scheduler, self.block_manager, self.runner = scheduler, block_manager, runner
+        self.max_model_len = max_model_len
         self.method = method
         self.k = k
         self.stats = SpecStats(accepted_per_position=[0] * k)
-        cfg = engine.cfg
+        cfg = runner.cfg
         if method == "ngram":
             self.proposer = NgramProposer(k)
         else:
@@ -83,26 +88,25 @@ class SpecDecoder:
                 raise ValueError(f"the draft model's vocabulary ({dcfg.vocab_size}) differs from the target's "
                                  f"({cfg.vocab_size}); they must share the tokenizer")
             self.proposer = draft_model.DraftModelProposer(
-                dcfg, dparams, num_speculative_tokens=k, num_pages=engine.num_pages,
-                page_size=engine.config.page_size, buckets=engine.buckets, max_num_seqs=engine.config.max_num_seqs,
-                backend=engine.runner.backend)
+                dcfg, dparams, num_speculative_tokens=k, num_pages=runner.num_pages, page_size=runner.page_size,
+                buckets=runner.buckets, max_num_seqs=max_num_seqs, backend=runner.backend,
+                placement=runner.replicated)
 
     # --- 1. propose --------------------------------------------------------------------------
     def propose(self) -> None:
-        eng = self.engine
-        sch = eng.scheduler
-        running = [s for s in sch.running if s.status is SequenceStatus.RUNNING]
+        running = [s for s in self.scheduler.running if s.status is SequenceStatus.RUNNING]
         self.proposer.forget(s.seq_id for s in running)
         feeds = []
         for seq in running:
             if seq.num_tokens - seq.num_computed_tokens == 1 and seq.num_seats == 1:
-                room = min(seq.params.max_tokens - seq.num_output_tokens, eng.max_model_len - seq.num_tokens) - 1
+                room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
                 feeds.append((seq, seq.num_tokens, max(0, min(self.k, room))))
             else:  # prefilling: the draft model can follow the computed prompt chunks
                 feeds.append((seq, seq.num_computed_tokens, 0))
         if self.method == "ngram":
             feeds = [(seq, limit) for seq, _, limit in feeds if limit > 0]
-        sch.drafts, _ = self.proposer.propose(feeds)
+        drafts, _ = self.proposer.propose(feeds)
+        self.scheduler.set_drafts(drafts)
 
     # --- 3. verify ---------------------------------------------------------------------------
     def row_fields(self, out, S: int) -> np.ndarray:
@@ -122,20 +126,11 @@ class SpecDecoder:
         return buf
 
     def execute(self, batch, out) -> StepResult:
-        runner = self.engine.runner
-        shape = batch.shape
-        rbuf = self.row_fields(out, shape.S)
-        runner.cache, ids, lp = verify_step_jit(runner.params, runner.cache, batch.ibuf, batch.fbuf, rbuf,
-                                                self.proposer.draft_probs, cfg=runner.cfg, backend=runner.backend,
-                                                shape=shape)
-        if batch.want_logprobs:
-            return StepResult(np.asarray(ids), tuple(np.asarray(x) for x in lp))
-        return StepResult(np.asarray(ids))
+        return self.runner.verify(batch, self.row_fields(out, batch.shape.S), self.proposer.draft_probs)
 
     # --- 4. keep what was accepted -----------------------------------------------------------
     def verified_tokens(self, out, ids):
         """Yields (sequence, token, row) for verified sequences, appending each token just before."""
-        bm = self.engine.block_manager
         st = self.stats
         row = 0
         for it in out.scheduled:
@@ -157,42 +152,28 @@ class SpecDecoder:
             for j in range(a):
                 st.accepted_per_position[j] += 1
             # K/V is valid for the last token and the accepted drafts; the rest is rolled back.
-            seq.num_computed_tokens = it.start + len(accepted)
-            bm.trim(seq, seq.num_computed_tokens)
+            self.scheduler.keep_verified(it, len(accepted))
             for j, tok in enumerate(accepted):
                 seq.token_ids.append(tok)
                 yield seq, tok, first + j
                 if seq.status is not SequenceStatus.RUNNING:
                     break  # a stop condition: the remaining accepted tokens are dropped
             else:
-                bm.register_full_blocks(seq)
+                self.block_manager.register_full_blocks(seq)
 
     def after_step(self) -> None:
         """Frees the proposer's state of sequences that finished this step (so an idle engine holds nothing)."""
-        self.proposer.forget(s.seq_id for s in self.engine.scheduler.running)
+        self.proposer.forget(s.seq_id for s in self.scheduler.running)
 
     # --- warm-up -----------------------------------------------------------------------------
     def warm_up(self) -> dict:
         """Compiles every verification shape, the page copies and the proposer's shapes."""
-        runner = self.engine.runner
         t0 = time.perf_counter()
         before = compilation_count()
-        pad = runner.num_pages * runner.page_size
-        shapes = runner.buckets.all_shapes()
-        from serving.input_batch import StepShape
-
-        for T, S, P in shapes:
-            shape = StepShape(T, S, P)
-            ibuf, fbuf, _ = shape.empty(pad)
-            runner.cache, _, _ = verify_step_jit(runner.params, runner.cache, ibuf, fbuf, empty_row_fields(S),
-                                                 self.proposer.draft_probs, cfg=runner.cfg, backend=runner.backend,
-                                                 shape=shape)
-        for size in runner.copy_sizes:
-            runner.cache = _copy_jit(runner.cache, np.zeros(size, np.int32), np.full(size, runner.num_pages, np.int32))
+        shapes = self.runner.warm_up_verify(self.proposer.draft_probs)
         drafted = self.proposer.warm_up()
-        jax.block_until_ready(runner.cache)
         return {"seconds": time.perf_counter() - t0, "compiled": compilation_count() - before,
-                "shapes": len(shapes) + len(runner.copy_sizes) + drafted["shapes"]}
+                "shapes": shapes + drafted["shapes"]}
 
 
 def compilation_count() -> int:

@@ -105,7 +105,9 @@ class _Slot:
 
 class DraftModelProposer:
     def __init__(self, cfg: LlamaConfig, params, *, num_speculative_tokens: int, num_pages: int, page_size: int,
-                 buckets: Buckets, max_num_seqs: int, backend: str = "reference"):
+                 buckets: Buckets, max_num_seqs: int, backend: str = "reference", placement=None):
+        """`placement`: a device or sharding for the draft's params, cache and distributions (default:
+        the first device); the target's runner gives its own, so the distributions feed its step."""
         self.cfg = cfg
         self.k = num_speculative_tokens
         self.page_size = page_size
@@ -115,13 +117,13 @@ class DraftModelProposer:
                                buckets.min_tokens, buckets.min_pages)
         self.max_num_seqs = max_num_seqs
         self.backend = backend
-        self.params = jax.device_put(params, jax.devices()[0])
-        self.cache = jax.device_put(init_cache(cfg, num_pages, page_size), jax.devices()[0])
+        placement = jax.devices()[0] if placement is None else placement
+        self.params = jax.device_put(params, placement)
+        self.cache = jax.device_put(init_cache(cfg, num_pages, page_size), placement)
         self.bm = BlockManager(num_pages, page_size, enable_prefix_caching=False)
         self.computed: dict[int, int] = {}  # seq_id -> tokens whose draft K/V is in the cache
         # Committed to the device like the drafting call's output, so both are the same jit input.
-        self.no_drafts = jax.device_put(jnp.zeros((max_num_seqs * self.k, cfg.vocab_size), jnp.float32),
-                                        jax.devices()[0])
+        self.no_drafts = jax.device_put(jnp.zeros((max_num_seqs * self.k, cfg.vocab_size), jnp.float32), placement)
         self.draft_probs = self.no_drafts
         self.q_base: dict[int, int] = {}  # seq_id -> row of its first draft in `draft_probs`
 

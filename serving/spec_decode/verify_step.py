@@ -36,11 +36,11 @@ def empty_row_fields(S: int) -> np.ndarray:
 
 
 def _verify_step(params, cache, ibuf, fbuf, rbuf, draft_probs, *, cfg: LlamaConfig, backend: str,
-                 shape: StepShape):
-    # The same inputs as model_runner's step; only the sampling differs.
+                 shape: StepShape, layout=None):
+    # The same inputs as model_runner's step (and the same tensor-parallel `layout`); only the sampling differs.
     v = shape.split(ibuf, fbuf)
     md, s = unpack_step(v)
-    logits, cache = forward(params, cache, v["tokens"], md, cfg, backend, None)
+    logits, cache = forward(params, cache, v["tokens"], md, cfg, backend, layout)
     S = shape.S
     draft_tokens, group_start, q_index = rbuf[:S], rbuf[S:2 * S], rbuf[2 * S:]
     q_rows = None
@@ -56,4 +56,4 @@ def _verify_step(params, cache, ibuf, fbuf, rbuf, draft_probs, *, cfg: LlamaConf
     return cache, ids, lp
 
 
-verify_step_jit = jax.jit(_verify_step, static_argnames=("cfg", "backend", "shape"), donate_argnums=(1,))
+verify_step_jit = jax.jit(_verify_step, static_argnames=("cfg", "backend", "shape", "layout"), donate_argnums=(1,))
