@@ -19,19 +19,19 @@ import itertools
 import logging
 import threading
 import time
-from typing import Optional, Sequence as Seq, Union
+from typing import Optional, Union
 
-import jax
 import numpy as np
 
 from model.config import LlamaConfig
 from model.quant import check_kv_cache_dtype, check_weight_dtype, kv_bytes_per_token, kv_cache_dtype, quantize_params
 from serving import engine_args
 from serving.block_manager import BlockManager
-from serving.detokenizer import make_detokenizer
 from serving.input_batch import Buckets, pack_step, sampling_row
 from serving.model_runner import ModelRunner
-from serving.outputs import CompletionOutput, Logprob, RequestOutput
+from serving.kv_pool import default_num_pages
+from serving.output_processor import OutputProcessor
+from serving.outputs import RequestOutput
 from serving.sampling_params import InvalidParameterError, SamplingParams
 from serving.scheduler import PoolTooSmall, Scheduler, SchedulerConfig, SchedulerOutput
 from serving.sequence import Request, Sequence
@@ -50,36 +50,6 @@ class ContextLengthError(InvalidParameterError):
 # How the engine batches, caches and samples: a frozen dataclass with one field per option of
 # `serving.engine_args` that the engine reads (same names, types, defaults; the help there says what each does).
 EngineConfig = engine_args.make_engine_config_class(__name__)
-
-
-def device_memory_stats(device) -> Optional[dict]:
-    """The device's `memory_stats()`, or None where the backend reports none (CPU)."""
-    try:
-        return device.memory_stats()
-    except Exception:  # some backends do not implement it
-        return None
-
-
-def default_num_pages(cfg: LlamaConfig, config: EngineConfig, max_model_len: int, cache_dtype=None,
-                      layout=None) -> int:
-    """Pages that fit the memory budget, and no more than `max_num_seqs` full-length sequences need.
-
-    On devices that report their memory the budget is per device, and so is a page's cost:
-    with a `layout` each device holds only its share of a page (its KV heads under tensor
-    parallelism, its stage's layers under pipeline parallelism)."""
-    page_bytes = kv_bytes_per_token(cfg, cache_dtype) * config.page_size  # scales of a quantized cache included
-    device = jax.devices()[0] if layout is None else next(  # one of this process's devices
-        d for d in layout.mesh.devices.flat if d.process_index == jax.process_index())
-    stats = device_memory_stats(device)
-    if stats and stats.get("bytes_limit"):
-        budget = stats["bytes_limit"] * config.kv_cache_memory_fraction - stats.get("bytes_in_use", 0)
-        if layout is not None:
-            probe = 64  # pages; a multiple of any split of the page axis
-            page_bytes = layout.cache_bytes_per_device(cfg, probe, config.page_size, cache_dtype) / probe
-    else:  # host memory: one budget for the whole pool, wherever its shards live
-        budget = config.host_kv_cache_bytes
-    wanted = config.max_num_seqs * -(-max_model_len // config.page_size)
-    return max(1, min(wanted, int(budget // page_bytes)))
 
 
 class Engine:
@@ -131,6 +101,7 @@ class Engine:
         self.eos_token_ids = tuple(sorted(set(cfg.eos_token_ids) | set(getattr(tokenizer, "eos_ids", ()) or ())))
         self.requests: dict[str, Request] = {}
         self.stats_log = StatsLog()
+        self.outputs = OutputProcessor(tokenizer, model_len, self.scheduler.finish, self.stats_log)
         self._rng = np.random.default_rng(config.seed)
         self._lock = threading.Lock()  # guards the seed generator (make_request may run on any thread)
         self._pending_finished: list[FinishedRequestStats] = []
@@ -298,7 +269,7 @@ class Engine:
                 self.stats_log.count_finished(reason)
                 self.requests.pop(req.request_id, None)
             if finished or req.stream:
-                outputs.append(self.make_output(req))
+                outputs.append(self.outputs.make_output(req))
         if self.spec is not None:
             self.spec.after_step()
         it.finished.extend(self._pending_finished)
@@ -340,7 +311,7 @@ class Engine:
         now = time.monotonic()
         for seq, row, p0, p1 in batch.prompt_rows:
             if not seq.is_finished:
-                self._prompt_logprobs(seq, result, row, p0, p1)
+                self.outputs.prompt_logprobs(seq, result, row, p0, p1)
         for seq, tok, row in new_tokens:
             self._on_token(seq, tok, row, result, now, it)
             touched[seq.request.request_id] = seq.request
@@ -354,63 +325,12 @@ class Engine:
 
     def _on_token(self, seq: Sequence, tok: int, row: int, result, now: float, it: IterationStats) -> None:
         req = seq.request
-        p = req.params
         if req.kv_export is not None and seq.num_output_tokens == 1:
             req.kv_export(self.export_prompt_kv(seq, tok, result, row))  # before a finish frees the pages
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = now
-            it.time_to_first_tokens.append(now - req.metrics.arrival_time)
-            self.stats_log.prompt_tokens += len(req.prompt_token_ids)
-        elif seq.last_token_time is not None:
-            it.inter_token_latencies.append(now - seq.last_token_time)
-        seq.last_token_time = req.metrics.last_token_time = now
-        if seq.logprobs is not None:
-            seq.logprobs.append(self._logprob_entry(result, row, tok, p.logprobs))
-            seq.cumulative_logprob += float(result.chosen_logprob[row])
-        reason = stop_reason = None
-        if not p.ignore_eos and tok in req.eos_token_ids:
-            reason = "stop"
-        elif tok in p.stop_token_ids:
-            reason, stop_reason = "stop", tok
-        elif self.tokenizer is not None:
-            if seq.detokenizer is None:
-                seq.detokenizer = make_detokenizer(self.tokenizer, req.prompt_token_ids)
-            delta = seq.detokenizer.push(tok)
-            if delta:
-                seq.text = seq.detokenizer.text
-                if p.stop:
-                    hit = _find_stop(seq.text, len(delta), p.stop)
-                    if hit is not None:
-                        at, s = hit
-                        seq.text = seq.text[:at + len(s)] if p.include_stop_str_in_output else seq.text[:at]
-                        reason, stop_reason = "stop", s
-        if reason is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
-            reason = "length"
-        if reason is not None:
-            if stop_reason is None or not isinstance(stop_reason, str):
-                if seq.detokenizer is not None and seq.detokenizer.flush():
-                    seq.text = seq.detokenizer.text
-            self.scheduler.finish(seq, reason, stop_reason)
+        self.outputs.on_token(seq, tok, row, result, now, it)
 
-    def _token_text(self, tok: int) -> Optional[str]:
-        if self.tokenizer is None:
-            return None
-        return self.tokenizer.token_text(int(tok))
-
-    def _logprob_entry(self, result, row: int, tok: int, k: int) -> dict:
-        entry = {tok: Logprob(float(result.chosen_logprob[row]), int(result.rank[row]), self._token_text(tok))}
-        for j in range(k):
-            tid = int(result.top_ids[row, j])
-            if tid not in entry:
-                entry[tid] = Logprob(float(result.top_logprobs[row, j]), j + 1, self._token_text(tid))
-        return entry
-
-    def _prompt_logprobs(self, seq: Sequence, result, row: int, p0: int, p1: int) -> None:
-        req = seq.request
-        k = req.params.prompt_logprobs
-        for j in range(p1 - p0):
-            target = req.prompt_token_ids[p0 + j + 1]
-            req.prompt_logprobs.append(self._logprob_entry(result, row + j, target, k))
+    def make_output(self, req: Request) -> RequestOutput:
+        return self.outputs.make_output(req)
 
     # --- shipping a prefill's KV between engines (serving.kv_transfer) ---------------------------
     def export_prompt_kv(self, seq: Sequence, first_token: int, result, row: int):
@@ -470,23 +390,6 @@ class Engine:
         return touched, it
 
     # --- outputs and stats ---------------------------------------------------------------------
-    def make_output(self, req: Request) -> RequestOutput:
-        finished = req.is_finished
-        outs = []
-        holdback = max((len(s) for s in req.params.stop), default=1) - 1
-        for seq in sorted(req.seqs, key=lambda s: s.sample_index):
-            text = seq.text
-            if holdback and not seq.is_finished:
-                text = text[:max(0, len(text) - holdback)]  # may be the start of a stop string
-            outs.append(CompletionOutput(
-                index=seq.sample_index, text=text, token_ids=seq.token_ids[seq.num_prompt_tokens:],
-                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
-        plp = list(req.prompt_logprobs) if req.prompt_logprobs is not None else None
-        return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), plp, outs, finished,
-                             req.metrics, req.seqs[0].num_cached_tokens)
-
     def stats(self) -> EngineStats:
         """A snapshot of gauges and counters; safe to call from another thread."""
         running = {s.request.request_id for s in list(self.scheduler.running)}
@@ -542,14 +445,3 @@ class _StepInFlight:
     def result(self):
         """The step's host results (waits for the device; a synchronous step already has them)."""
         return self.pending.result() if hasattr(self.pending, "result") else self.pending
-
-
-def _find_stop(text: str, delta_len: int, stops: Seq[str]):
-    """The earliest stop string that ends inside the newly added text, as (index, string)."""
-    best = None
-    for s in stops:
-        start = max(0, len(text) - delta_len - len(s) + 1)
-        i = text.find(s, start)
-        if i != -1 and (best is None or i < best[0]):
-            best = (i, s)
-    return best

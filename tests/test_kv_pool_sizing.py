@@ -11,7 +11,7 @@ import pytest
 
 from conftest import tiny_config
 from model.cache import init_cache
-from serving import engine as engine_module
+from serving import kv_pool
 from serving.engine import EngineConfig, default_num_pages
 from serving.llm import parallel_layout
 
@@ -46,7 +46,7 @@ def test_cache_bytes_per_device_is_what_a_device_holds(tp, pp, dtype):
 
 def test_default_pool_fills_each_devices_budget(monkeypatch):
     budget = 64 * 2**20
-    monkeypatch.setattr(engine_module, "device_memory_stats",
+    monkeypatch.setattr(kv_pool, "device_memory_stats",
                         lambda device: {"bytes_limit": budget, "bytes_in_use": 0})
     config = EngineConfig(page_size=PAGE, max_num_seqs=10**6, kv_cache_memory_fraction=1.0)
     one = default_num_pages(CFG, config, 1024)
@@ -59,7 +59,7 @@ def test_default_pool_fills_each_devices_budget(monkeypatch):
 
 
 def test_host_memory_budget_is_for_the_whole_pool(monkeypatch):
-    monkeypatch.setattr(engine_module, "device_memory_stats", lambda device: None)
+    monkeypatch.setattr(kv_pool, "device_memory_stats", lambda device: None)
     config = EngineConfig(page_size=PAGE, max_num_seqs=10**6, host_kv_cache_bytes=2**20)
     page_bytes = sum(x.nbytes for x in jax.tree.leaves(init_cache(CFG, 1, PAGE)))
     want = 2**20 // page_bytes

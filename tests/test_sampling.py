@@ -7,7 +7,7 @@ import pytest
 
 from model.tokenizer import ByteTokenizer
 from serving.detokenizer import ByteDetokenizer, WindowDetokenizer
-from serving.engine import _find_stop
+from serving.output_processor import _find_stop
 from serving.sampler import SamplingInputs, sample
 from serving.sampling_params import InvalidParameterError, SamplingParams
 
