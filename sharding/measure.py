@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from model.cache import BatchMetadata, KVCache
-from model.config import LlamaConfig
+from model.config import ModelConfig
 from model.forward import forward
 from model.params import abstract_params, is_array_info
 from sharding.hlo import collectives_per_layer, collective_counts
@@ -28,7 +28,7 @@ from sharding.rules import load_rules, shard_count
 from sharding.shardings import cache_resolutions, cache_shardings, param_resolutions, param_shardings
 
 
-def abstract_step_inputs(cfg: LlamaConfig, mesh, rules, *, batch: int, context_len: int, page_size: int,
+def abstract_step_inputs(cfg: ModelConfig, mesh, rules, *, batch: int, context_len: int, page_size: int,
                          kv_dtype=None):
     """ShapeDtypeStructs (with shardings) for params, cache, tokens and metadata of a decode step."""
     pages_per_seq = math.ceil(context_len / page_size)
@@ -45,7 +45,7 @@ def abstract_step_inputs(cfg: LlamaConfig, mesh, rules, *, batch: int, context_l
     return params, cache, i32(batch), md, num_pages
 
 
-def measure(cfg: LlamaConfig, *, tp: int, batch: int, context_len: int, rules="megatron", page_size: int = 16,
+def measure(cfg: ModelConfig, *, tp: int, batch: int, context_len: int, rules="megatron", page_size: int = 16,
             kv_dtype=None, backend: str = "reference", devices=None) -> dict:
     """Compiles the TP decode step on the first `tp` devices present and reports memory and collectives."""
     rules = load_rules(rules)
