@@ -24,7 +24,7 @@ from typing import Optional, Sequence as Seq, Union
 import jax
 import numpy as np
 
-from model.config import LlamaConfig
+from model.config import ModelConfig
 from model.quant import check_kv_cache_dtype, check_weight_dtype, kv_bytes_per_token, kv_cache_dtype, quantize_params
 from serving import engine_args
 from serving.block_manager import BlockManager
@@ -60,7 +60,7 @@ def device_memory_stats(device) -> Optional[dict]:
         return None
 
 
-def default_num_pages(cfg: LlamaConfig, config: EngineConfig, max_model_len: int, cache_dtype=None,
+def default_num_pages(cfg: ModelConfig, config: EngineConfig, max_model_len: int, cache_dtype=None,
                       layout=None) -> int:
     """Pages that fit the memory budget, and no more than `max_num_seqs` full-length sequences need.
 
@@ -83,7 +83,7 @@ def default_num_pages(cfg: LlamaConfig, config: EngineConfig, max_model_len: int
 
 
 class Engine:
-    def __init__(self, cfg: LlamaConfig, params, tokenizer=None, config: EngineConfig = EngineConfig(), *,
+    def __init__(self, cfg: ModelConfig, params, tokenizer=None, config: EngineConfig = EngineConfig(), *,
                  runner=None, layout=None, draft=None):
         """`draft`: an in-memory (config, params) draft model for speculative_method="draft"."""
         check_weight_dtype(config.weight_dtype)
