@@ -24,8 +24,9 @@ import functools
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from model.cache import CACHE_AXES, KVCache
+from model.cache import CACHE_AXES
 from model.config import ModelConfig
+from model.families import family_for_config
 from sharding.mesh import mesh_axis_sizes
 from sharding.rules import Rules, load_rules, resolve_dims, spec_from_dims
 from sharding.shardings import bytes_per_device, check_attention_groups, cache_shardings, param_shardings
@@ -60,7 +61,7 @@ class Layout:
 
     def cache_bytes_per_device(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype=None) -> int:
         """What each device holds of a `num_pages` cache: its KV heads' share of every page."""
-        return bytes_per_device(KVCache.declare(cfg, num_pages, page_size, dtype),
+        return bytes_per_device(family_for_config(cfg).declare_cache(cfg, num_pages, page_size, dtype),
                                 self.cache_shardings(cfg, num_pages, page_size, dtype))
 
     @property
