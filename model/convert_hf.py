@@ -53,7 +53,7 @@ from tqdm import tqdm
 
 from model.checkpoint import save_checkpoint
 from model.config import ModelConfig, UnsupportedModelError, from_hf_config
-from model.families import TensorPlan, family_for_config
+from model.families import ModelFamily, TensorPlan, family_for_config, family_for_hf_config
 from model.params import unflatten_params
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -68,9 +68,10 @@ class ConversionError(ValueError):
     """The input directory cannot be converted; the message says why."""
 
 
-def conversion_plan(cfg: ModelConfig) -> list[TensorPlan]:
-    """Every tensor a checkpoint of this config must contain, in our order (its family's names)."""
-    return family_for_config(cfg).checkpoint_tensors(cfg)
+def conversion_plan(cfg: ModelConfig, family: ModelFamily | None = None) -> list[TensorPlan]:
+    """Every tensor a checkpoint of this config must contain, in our order: the names of
+    `family` (the one `config.json` named), by default the family that runs `cfg`."""
+    return (family or family_for_config(cfg)).checkpoint_tensors(cfg)
 
 
 def read_hf_config(hf_dir: str, dtype: str | None = None) -> tuple[dict, ModelConfig]:
@@ -135,10 +136,11 @@ def _open(path: str):
         raise ConversionError(f"cannot read {path}: {e}") from None
 
 
-def check_tensors(plan: list[TensorPlan], located: dict[str, str], cfg: ModelConfig) -> None:
+def check_tensors(plan: list[TensorPlan], located: dict[str, str], cfg: ModelConfig,
+                  family: ModelFamily | None = None) -> None:
     """Validates names, shapes and dtypes from the file headers alone (no tensor data is read)."""
     wanted = {t.hf for t in plan}
-    family = family_for_config(cfg).name
+    family = (family or family_for_config(cfg)).name
     missing = [t.hf for t in plan if t.hf not in located]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -212,12 +214,13 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
     """
     if weight_dtype not in (None, "auto", "int8", "fp8"):
         raise ConversionError(f"--weight_dtype must be int8 or fp8 (or unset), got {weight_dtype!r}")
-    _, cfg = read_hf_config(hf_dir, dtype)
+    hf, cfg = read_hf_config(hf_dir, dtype)
+    family = family_for_hf_config(hf)  # the family config.json names (read_hf_config refused any other)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ConversionError(f"--out_dir {out_dir} exists and is not a directory")
-    plan = conversion_plan(cfg)
+    plan = conversion_plan(cfg, family)
     located = weight_files(hf_dir)
-    check_tensors(plan, located, cfg)
+    check_tensors(plan, located, cfg, family)
     flat = read_weights(plan, located, np.dtype(cfg.jnp_dtype), progress)
     params = unflatten_params(cfg, flat)
     del flat

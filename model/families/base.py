@@ -58,6 +58,12 @@ class ModelFamily:
     Parameter counts and KV bytes per token are not stored here: they are
     summed from `declare_weights` / `declare_cache` (`model.families.num_params`,
     `kv_bytes_per_token`), so they cannot disagree with the arrays.
+
+    A loaded config finds its family by `config_class` alone (our checkpoints'
+    `model_config.json` records no architecture), so a family that shares another's
+    config class must share its declarations and blocks too, differing only in
+    what it reads from Hugging Face (`config_from_hf`, `checkpoint_tensors`, which
+    conversion takes from the family `config.json` named).
     """
 
     name: str  # human name, used in messages ("a 2-layer Llama")
