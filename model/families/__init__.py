@@ -21,6 +21,7 @@ Llama is the first and only entry. A new family is a module beside
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Iterable
 
@@ -81,9 +82,14 @@ def _leaves(decl):
     return jax.tree.leaves(decl, is_leaf=is_quantized)
 
 
+@functools.lru_cache(maxsize=32)
 def num_params(cfg) -> int:
     """Parameters of `cfg`: the elements of every declared weight. A quantized weight counts
-    its data, not its per-channel scales (those are bytes, not parameters)."""
+    its data, not its per-channel scales (those are bytes, not parameters).
+
+    Cached per config (configs are frozen and hashable, being jit-static): declaring a 405B
+    model's 1,100 weights takes ~10 ms, and startup logs, `Engine.describe` and the metrics'
+    cost model each ask."""
     decl = family_for_config(cfg).declare_weights(cfg)
     return sum(math.prod((w.data if is_quantized(w) else w).shape) for w in _leaves(decl))
 
