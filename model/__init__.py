@@ -1,4 +1,5 @@
-"""A pure-functional Llama-3-family decoder: config, weights, paged cache, forward.
+"""A pure-functional Llama-3-family decoder: config, weights, paged cache, forward, and the
+registry of model families (`model.families`) that maps a checkpoint's architecture to them.
 
 The names below are imported on first use (PEP 562), not with the package: they import jax, which
 `model.tokenizer` does not need, and the router (`python -m serving.router`) loads the tokenizer without it.
@@ -8,7 +9,10 @@ import importlib
 
 _EXPORTS = {
     **dict.fromkeys(("BatchMetadata", "KVCache", "cache_bytes", "init_cache", "pad_slot"), "model.cache"),
-    **dict.fromkeys(("LlamaConfig", "RopeScaling", "config_by_name", "from_hf_config"), "model.config"),
+    **dict.fromkeys(("LlamaConfig", "ModelConfig", "RopeScaling", "config_by_name", "from_hf_config"),
+                    "model.config"),
+    **dict.fromkeys(("ModelFamily", "family_for_architectures", "family_for_config", "family_for_hf_config",
+                     "num_params"), "model.families"),
     **dict.fromkeys(("forward", "forward_hidden", "forward_jit"), "model.forward"),
     **dict.fromkeys(("Layer", "Weights", "abstract_params", "init_params", "logical_axes", "param_bytes"),
                     "model.params"),

@@ -2,7 +2,9 @@
 
 The config is hashable so it can be a static argument of `jax.jit`. It loads
 from our own JSON (`configs/*.json`, `model_config.json` in a checkpoint) and
-from a Hugging Face `config.json` written by transformers 4 or 5.
+from a Hugging Face `config.json` written by transformers 4 or 5; the latter
+goes through the family registry (`model.families`), which picks the
+translation by the file's `architectures` name.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ _DTYPES = {
     "bfloat16": jnp.bfloat16,
     "float16": jnp.float16,
 }
+COMPUTE_DTYPES = tuple(_DTYPES)  # the names a config's `dtype` may take
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,17 +83,17 @@ class LlamaConfig:
         return dataclasses.replace(self, **changes)
 
     # --- parameter and KV arithmetic, used by the planner and the metrics ---
+    # Both are sums over the declarations (`model.families`), not formulas of their own.
     def num_params(self) -> int:
-        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        per_layer = attn + 3 * h * i + 2 * h
-        head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.vocab_size * h + self.num_layers * per_layer + h + head
+        from model.families import num_params  # the families import this module
+
+        return num_params(self)
 
     def kv_bytes_per_token(self, bytes_per_element: int | None = None) -> int:
-        if bytes_per_element is None:
-            bytes_per_element = jnp.dtype(self.jnp_dtype).itemsize
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+        """K and V of every layer in the model's dtype (or `bytes_per_element` each), no scales."""
+        from model.families import kv_bytes_per_token
+
+        return kv_bytes_per_token(self, bytes_per_element=bytes_per_element)
 
     # --- serialization ---
     def to_dict(self) -> dict[str, Any]:
@@ -123,6 +126,12 @@ class LlamaConfig:
             return cls.from_dict(json.load(f))
 
 
+# The config type of every family today. Code outside the Llama implementation (serving,
+# sharding) annotates with this name, so a family with a config class of its own changes this
+# line (to a Union or a Protocol) rather than every annotation.
+ModelConfig = LlamaConfig
+
+
 def config_by_name(name: str) -> LlamaConfig:
     """A named shape from `configs/` ("tiny", "llama3-8b", ...) or a path to a JSON file."""
     path = name if name.endswith(".json") else os.path.join(CONFIGS_DIR, f"{name}.json")
@@ -137,75 +146,15 @@ def config_by_name(name: str) -> LlamaConfig:
 
 
 class UnsupportedModelError(ValueError):
-    """The checkpoint is not a Llama-family decoder this stack can run."""
+    """The checkpoint is not a model family this stack can run (`model.families`)."""
 
 
 def from_hf_config(hf: dict[str, Any], dtype: str | None = None) -> LlamaConfig:
-    """Builds a config from an HF `config.json` dict (transformers 4 or 5 layout)."""
-    model_type = hf.get("model_type")
-    archs = hf.get("architectures") or []
-    if model_type != "llama" and "LlamaForCausalLM" not in archs:
-        raise UnsupportedModelError(
-            f"unsupported architecture: model_type={model_type!r}, architectures={archs}; "
-            "only Llama-family checkpoints (LlamaForCausalLM) are supported"
-        )
-    _check_llama_features(hf)
-    missing = [k for k in _HF_REQUIRED if hf.get(k) is None]
-    if missing:
-        raise ValueError(f"HF config lacks required fields: {missing}")
-    # transformers 5 nests rope settings under `rope_parameters`; 4 keeps them flat.
-    rope = hf.get("rope_parameters") or {}
-    rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default") else None)
-    rope_scaling = None
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind == "llama3":
-            rope_scaling = RopeScaling(
-                factor=float(scaling["factor"]),
-                low_freq_factor=float(scaling["low_freq_factor"]),
-                high_freq_factor=float(scaling["high_freq_factor"]),
-                original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-            )
-        elif kind not in (None, "default"):
-            raise UnsupportedModelError(f"unsupported rope scaling type {kind!r}; supported: llama3")
-    heads = hf["num_attention_heads"]
-    hidden = hf["hidden_size"]
-    torch_dtype = dtype or hf.get("dtype") or hf.get("torch_dtype") or "bfloat16"
-    if torch_dtype not in _DTYPES:
-        torch_dtype = "bfloat16"
-    eos = hf.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    return LlamaConfig(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hidden,
-        intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hidden // heads,
-        rope_theta=float(rope_theta),
-        rope_scaling=rope_scaling,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
-        dtype=torch_dtype,
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=eos_ids,
-    )
+    """Builds a config from an HF `config.json` dict (transformers 4 or 5 layout).
 
+    The registry picks the family by the dict's `architectures` (or `model_type`) and
+    raises `UnsupportedModelError`, naming what is supported, for any other; the
+    family translates the fields (`model.families.llama.config_from_hf`)."""
+    from model.families import family_for_hf_config  # the families import this module
 
-_HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-
-
-def _check_llama_features(hf: dict[str, Any]) -> None:
-    """Rejects Llama variants whose weights would load but compute something else."""
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise UnsupportedModelError("unsupported Llama variant: projections with biases "
-                                    "(attention_bias / mlp_bias) are not implemented")
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"unsupported activation hidden_act={act!r}; Llama uses 'silu'")
-    if hf.get("quantization_config"):
-        method = hf["quantization_config"].get("quant_method", "?")
-        raise UnsupportedModelError(f"quantized checkpoints ({method}) are not supported; use a float checkpoint")
+    return family_for_hf_config(hf).config_from_hf(hf, dtype)

@@ -1,4 +1,4 @@
-"""Converts a Hugging Face Llama checkpoint into a ridgeline checkpoint.
+"""Converts a Hugging Face checkpoint of a supported family (Llama) into a ridgeline checkpoint.
 
     python -m model.convert_hf --hf_dir=DIR --out_dir=DIR [--dtype=bfloat16] [--weight_dtype=int8|fp8]
 
@@ -6,12 +6,13 @@ Reads `config.json` and the safetensors weights (one `model.safetensors`, or
 shards listed by `model.safetensors.index.json`) tensor by tensor through
 `safetensors.safe_open`, so the input is never loaded whole. Every tensor's
 name and shape is checked against the config *before* any data is read, so a
-broken directory fails fast with one message. Each tensor is then renamed to
-our flat naming (`model.params.flatten_params`), its head dims split out by a
-reshape (no transposes: both sides store linear weights [out, in]) and cast to
-the target dtype; the source tensor is dropped before the next one
-is read, so the converter holds one copy of the model (the converted one) plus
-one tensor in flight. The result is an orbax checkpoint written by
+broken directory fails fast with one message. The family (`model.families`,
+looked up by `config.json`'s `architectures`) says which tensors there are.
+Each is then renamed to our flat naming (`model.params.flatten_params`), its
+head dims split out by a reshape (no transposes: both sides store linear
+weights [out, in]) and cast to the target dtype; the source tensor is dropped
+before the next one is read, so the converter holds one copy of the model
+(the converted one) plus one tensor in flight. The result is an orbax checkpoint written by
 `model.checkpoint.save_checkpoint`, plus `model_config.json` and the
 tokenizer files.
 
@@ -26,17 +27,9 @@ converted, or split the work by layer across hosts, so that peak memory is one
 tensor rather than the model. Restore already reads each device's shard
 straight from disk, so only conversion has this limit.
 
-Layouts (HF stores `nn.Linear` weights as [out, in], and so do we; only the
-fused head dims are split):
-    q_proj.weight [q_heads*head_dim, embed]  -> wq [q_heads, head_dim, embed]
-    k/v_proj.weight                          -> wk/wv [kv_heads, head_dim, embed]
-    o_proj.weight [embed, q_heads*head_dim]  -> wo [embed, q_heads, head_dim]
-    gate/up_proj.weight [ffw, embed]         -> w_gate/w_up (unchanged)
-    down_proj.weight [embed, ffw]            -> w_down (unchanged)
-    embed_tokens.weight [vocab, embed]       -> embed (unchanged)
-    lm_head.weight [vocab, embed]            -> lm_head (unchanged; absent when tied)
-No q/k permutation is needed: HF checkpoints already use the half-rotation
-RoPE convention that `model.forward.apply_rope` implements.
+The tensor names and layouts of each family are in its module
+(`model.families.llama.checkpoint_tensors`: HF stores `nn.Linear` weights as
+[out, in], and so do we; only the fused head dims are split).
 
 `--weight_dtype=int8|fp8` quantizes the linear layers after conversion
 (`model.quant`: per-output-channel scales, computed from the float weights
@@ -47,12 +40,10 @@ server load it as it is, at half the bytes of bf16.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
 import sys
-from typing import Callable
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so safetensors' numpy reader can return it)
 import numpy as np
@@ -61,7 +52,8 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from model.checkpoint import save_checkpoint
-from model.config import LlamaConfig, UnsupportedModelError, from_hf_config
+from model.config import ModelConfig, UnsupportedModelError, from_hf_config
+from model.families import ModelFamily, TensorPlan, family_for_config, family_for_hf_config
 from model.params import unflatten_params
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -76,55 +68,13 @@ class ConversionError(ValueError):
     """The input directory cannot be converted; the message says why."""
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorPlan:
-    """How one HF tensor becomes one of our weights."""
-
-    ours: str  # flat name, e.g. "layers.0.wq"
-    hf: str  # e.g. "model.layers.0.self_attn.q_proj.weight"
-    hf_shape: tuple[int, ...]
-    relayout: Callable[[np.ndarray], np.ndarray]
+def conversion_plan(cfg: ModelConfig, family: ModelFamily | None = None) -> list[TensorPlan]:
+    """Every tensor a checkpoint of this config must contain, in our order: the names of
+    `family` (the one `config.json` named), by default the family that runs `cfg`."""
+    return (family or family_for_config(cfg)).checkpoint_tensors(cfg)
 
 
-def _identity(w):
-    return w
-
-
-def _split_out_heads(n: int, d: int):
-    """[n*d, embed] -> [n, d, embed]: the output rows grouped by head (a view)."""
-    return lambda w: w.reshape(n, d, w.shape[1])
-
-
-def _split_in_heads(n: int, d: int):
-    """[embed, n*d] -> [embed, n, d]: the input columns grouped by head (a view)."""
-    return lambda w: w.reshape(w.shape[0], n, d)
-
-
-def conversion_plan(cfg: LlamaConfig) -> list[TensorPlan]:
-    """Every tensor a Llama checkpoint of this config must contain, in our order."""
-    h, f, v, d = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
-    nq, nkv = cfg.num_heads, cfg.num_kv_heads
-    plan = [TensorPlan("embed", "model.embed_tokens.weight", (v, h), _identity)]
-    for i in range(cfg.num_layers):
-        p, a, m = f"layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        plan += [
-            TensorPlan(p + "attn_norm", f"model.layers.{i}.input_layernorm.weight", (h,), _identity),
-            TensorPlan(p + "wq", a + "q_proj.weight", (nq * d, h), _split_out_heads(nq, d)),
-            TensorPlan(p + "wk", a + "k_proj.weight", (nkv * d, h), _split_out_heads(nkv, d)),
-            TensorPlan(p + "wv", a + "v_proj.weight", (nkv * d, h), _split_out_heads(nkv, d)),
-            TensorPlan(p + "wo", a + "o_proj.weight", (h, nq * d), _split_in_heads(nq, d)),
-            TensorPlan(p + "mlp_norm", f"model.layers.{i}.post_attention_layernorm.weight", (h,), _identity),
-            TensorPlan(p + "w_gate", m + "gate_proj.weight", (f, h), _identity),
-            TensorPlan(p + "w_up", m + "up_proj.weight", (f, h), _identity),
-            TensorPlan(p + "w_down", m + "down_proj.weight", (h, f), _identity),
-        ]
-    plan.append(TensorPlan("final_norm", "model.norm.weight", (h,), _identity))
-    if not cfg.tie_word_embeddings:
-        plan.append(TensorPlan("lm_head", "lm_head.weight", (v, h), _identity))
-    return plan
-
-
-def read_hf_config(hf_dir: str, dtype: str | None = None) -> tuple[dict, LlamaConfig]:
+def read_hf_config(hf_dir: str, dtype: str | None = None) -> tuple[dict, ModelConfig]:
     if not os.path.isdir(hf_dir):
         raise ConversionError(f"{hf_dir} is not a directory")
     path = os.path.join(hf_dir, "config.json")
@@ -186,18 +136,20 @@ def _open(path: str):
         raise ConversionError(f"cannot read {path}: {e}") from None
 
 
-def check_tensors(plan: list[TensorPlan], located: dict[str, str], cfg: LlamaConfig) -> None:
+def check_tensors(plan: list[TensorPlan], located: dict[str, str], cfg: ModelConfig,
+                  family: ModelFamily | None = None) -> None:
     """Validates names, shapes and dtypes from the file headers alone (no tensor data is read)."""
     wanted = {t.hf for t in plan}
+    family = (family or family_for_config(cfg)).name
     missing = [t.hf for t in plan if t.hf not in located]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise ConversionError(f"missing tensors for a {cfg.num_layers}-layer Llama: {missing[:5]}{more}")
+        raise ConversionError(f"missing tensors for a {cfg.num_layers}-layer {family}: {missing[:5]}{more}")
     unexpected = sorted(n for n in located if n not in wanted and not n.endswith(IGNORED_SUFFIXES)
                         and not (n == "lm_head.weight" and cfg.tie_word_embeddings))
     if unexpected:
         more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
-        raise ConversionError(f"unexpected tensors (not part of a {cfg.num_layers}-layer Llama "
+        raise ConversionError(f"unexpected tensors (not part of a {cfg.num_layers}-layer {family} "
                               f"as config.json describes it): {unexpected[:5]}{more}")
     by_file: dict[str, list[TensorPlan]] = {}
     for t in plan:
@@ -252,7 +204,7 @@ def copy_tokenizer(hf_dir: str, out_dir: str) -> list[str]:
 
 
 def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool = True,
-            weight_dtype: str | None = None) -> LlamaConfig:
+            weight_dtype: str | None = None) -> ModelConfig:
     """Converts `hf_dir` into a ridgeline checkpoint at `out_dir`; returns its config.
 
     `dtype` ("float32", "bfloat16", "float16") is both the stored dtype and the
@@ -262,12 +214,13 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
     """
     if weight_dtype not in (None, "auto", "int8", "fp8"):
         raise ConversionError(f"--weight_dtype must be int8 or fp8 (or unset), got {weight_dtype!r}")
-    _, cfg = read_hf_config(hf_dir, dtype)
+    hf, cfg = read_hf_config(hf_dir, dtype)
+    family = family_for_hf_config(hf)  # the family config.json names (read_hf_config refused any other)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ConversionError(f"--out_dir {out_dir} exists and is not a directory")
-    plan = conversion_plan(cfg)
+    plan = conversion_plan(cfg, family)
     located = weight_files(hf_dir)
-    check_tensors(plan, located, cfg)
+    check_tensors(plan, located, cfg, family)
     flat = read_weights(plan, located, np.dtype(cfg.jnp_dtype), progress)
     params = unflatten_params(cfg, flat)
     del flat

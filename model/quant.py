@@ -175,10 +175,11 @@ def kv_cache_dtype(cfg, name: str | None):
 
 
 def kv_bytes_per_token(cfg, dtype=None) -> int:
-    """Bytes one token occupies in the KV pool (all layers, K and V), scales included."""
-    dtype = jnp.dtype(dtype or cfg.jnp_dtype)
-    per_head = cfg.head_dim * dtype.itemsize + (SCALE_BYTES if is_quantized_dtype(dtype) else 0)
-    return 2 * cfg.num_layers * cfg.num_kv_heads * per_head
+    """Bytes one token occupies in the KV pool (all layers, K and V), scales included: the sum
+    of the cache declaration's arrays for one token (`model.families.kv_bytes_per_token`)."""
+    from model.families import kv_bytes_per_token as declared  # the families import this module
+
+    return declared(cfg, dtype)
 
 
 def _check_choice(option: str, name, choices) -> str:

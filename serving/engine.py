@@ -23,7 +23,7 @@ from typing import Optional, Union
 
 import numpy as np
 
-from model.config import LlamaConfig
+from model.config import ModelConfig
 from model.quant import check_kv_cache_dtype, check_weight_dtype, kv_bytes_per_token, kv_cache_dtype, quantize_params
 from serving import engine_args
 from serving.block_manager import BlockManager
@@ -53,7 +53,7 @@ EngineConfig = engine_args.make_engine_config_class(__name__)
 
 
 class Engine:
-    def __init__(self, cfg: LlamaConfig, params, tokenizer=None, config: EngineConfig = EngineConfig(), *,
+    def __init__(self, cfg: ModelConfig, params, tokenizer=None, config: EngineConfig = EngineConfig(), *,
                  runner=None, layout=None, draft=None):
         """`draft`: an in-memory (config, params) draft model for speculative_method="draft"."""
         check_weight_dtype(config.weight_dtype)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.cache import BatchMetadata, KVCache, cache_bytes, init_cache
-from model.config import LlamaConfig
+from model.config import ModelConfig
 from model.forward import forward
 from model.params import param_bytes
 from serving.input_batch import Buckets, StepShape, StepBatch
@@ -56,7 +56,7 @@ def feed_tokens(tokens, feed_rows, feed):
     return jnp.where(feed_rows >= 0, feed[jnp.maximum(feed_rows, 0)], tokens)
 
 
-def _step(params, cache, ibuf, fbuf, feed=None, *, cfg: LlamaConfig, backend: str, shape: StepShape, layout=None):
+def _step(params, cache, ibuf, fbuf, feed=None, *, cfg: ModelConfig, backend: str, shape: StepShape, layout=None):
     """One engine step. With `feed` (the previous step's sampled ids, [max rows]) it also
     fills placeholder tokens from it and returns this step's ids padded the same way."""
     v = shape.split(ibuf, fbuf)
@@ -123,7 +123,7 @@ class PendingStep:
 
 
 class ModelRunner:
-    def __init__(self, cfg: LlamaConfig, params, *, num_pages: int, page_size: int, buckets: Buckets,
+    def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int, buckets: Buckets,
                  backend: str = "auto", cache_dtype=None, layout=None):
         self.cfg = cfg
         self.num_pages = num_pages

@@ -31,16 +31,17 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from model.config import LlamaConfig
+from model.config import ModelConfig
+from model.families import kv_bytes_per_token
 from sharding.hardware import GPU
 from sharding.rules import RuleError, load_rules, shard_count
-from model.quant import SCALE_BYTES
 from sharding.shardings import cache_resolutions, check_rules, param_resolutions
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1, "fp8": 1, "int8": 1, "int4": 0.5}
 # Weight dtypes the stack implements (model.quant): the plan then counts the bytes of the real
 # declarations (int8 / fp8 linear layers, their fp32 per-channel scales, float norms and embedding).
-# Other names (int4) stay nominal: every weight at that many bytes.
+# Other names (int4) stay nominal: every weight at that many bytes. The same holds for the KV cache
+# (an int8 / fp8 cache with its per-token scales, as `model.cache.KVCache` declares it).
 QUANTIZED_WEIGHTS = {"int8": "int8", "fp8": "fp8", "float8": "fp8"}
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -53,7 +54,7 @@ def dtype_bytes(name: str) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class PlanInputs:
-    cfg: LlamaConfig
+    cfg: ModelConfig
     gpu: GPU
     tp: int = 1
     pp: int = 1
@@ -81,7 +82,7 @@ class PlanInputs:
             return self.kv_dtype
         return self.w_dtype if self.w_dtype in FLOAT_DTYPES else self.cfg.dtype
 
-    def declared_cfg(self) -> LlamaConfig | None:
+    def declared_cfg(self) -> ModelConfig | None:
         """The config whose declarations hold exactly the weights this plan stores (None: nominal)."""
         if self.w_dtype in FLOAT_DTYPES:
             return self.cfg.replace(dtype=self.w_dtype, weight_dtype=None)
@@ -133,7 +134,8 @@ def plan(inp: PlanInputs) -> dict:
             raise ValueError(f"{name} must be >= 1, got {v}")
     if pp > cfg.num_layers:
         raise ValueError(f"pp={pp} exceeds the model's {cfg.num_layers} layers")
-    wb, kvb = dtype_bytes(inp.w_dtype), dtype_bytes(inp.kv_dt)
+    wb = dtype_bytes(inp.w_dtype)
+    dtype_bytes(inp.kv_dt)  # an unknown KV dtype name is refused before anything else
     act_b = 2 if wb < 4 else 4  # activations travel in bf16 unless the model runs in fp32
     sizes = {"data": 1, "pipeline": pp, "tensor": tp}
     rules = load_rules(inp.rules)
@@ -150,6 +152,7 @@ def plan(inp: PlanInputs) -> dict:
     st_stream = [0.0] * pp  # bytes decode streams per device
     st_mm = [0.0] * pp  # matmul params per device
     total_params = 0
+    embed_params = 0  # the input table: looked up, not multiplied (unless tied to the head)
     total_bytes = 0.0
     declared = inp.declared_cfg()
     for name, (info, dims) in param_resolutions(declared or cfg, sizes, rules).items():
@@ -157,6 +160,7 @@ def plan(inp: PlanInputs) -> dict:
         is_scale = name.endswith(".scale")  # per-channel scales of a quantized weight: bytes, not parameters
         elem = wb if declared is None else _itemsize(info.dtype)
         total_params += 0 if is_scale else n
+        embed_params += n if name == "embed" else 0
         total_bytes += n * elem
         per_dev = n / shard_count(dims, sizes)
         lookup_only = name == "embed" and not tied
@@ -169,10 +173,10 @@ def plan(inp: PlanInputs) -> dict:
     # KV: one cache array per layer and K/V; per-device share from the cache rules.
     _, kv_dims = next(iter(cache_resolutions(cfg, sizes, rules, 1, 1).values()))
     kv_ways = shard_count(kv_dims, sizes)
-    # K and V, one layer, whole model; an int8 / fp8 cache adds one fp32 scale per token and KV head.
-    kv_scale = SCALE_BYTES if inp.kv_dt in QUANTIZED_WEIGHTS else 0
-    kv_layer_token = 2 * cfg.num_kv_heads * (cfg.head_dim * kvb + kv_scale)
-    kv_token_total = kv_layer_token * cfg.num_layers
+    # Bytes per token from the cache declaration (an int8 / fp8 cache's scales included); a nominal
+    # dtype (int4) prices the declared elements at its width.
+    kv_token_total = _kv_bytes_per_token(cfg, inp.kv_dt)
+    kv_layer_token = kv_token_total / cfg.num_layers  # every layer caches the same per token
     st_kv_token = [kv_layer_token * len(r) / kv_ways for r in stages]
     q_ways = shard_count(param_resolutions(cfg, sizes, rules)["layers.0.wq"][1], sizes)
     attn_flops_layer = 4 * cfg.num_heads * cfg.head_dim / q_ways  # per token per cached position per device
@@ -245,7 +249,7 @@ def plan(inp: PlanInputs) -> dict:
     return {
         "inputs": _inputs(inp),
         "model": {"params": total_params, "weight_bytes_total": total_bytes,
-                  "matmul_flops_per_token": 2 * (total_params - (0 if tied else cfg.vocab_size * cfg.hidden_size))},
+                  "matmul_flops_per_token": 2 * (total_params - (0 if tied else embed_params))},
         "layout": {"devices": tp * pp, "tp": tp, "pp": pp, "rules": rules.name, "notes": notes,
                    "layers_per_stage": [len(r) for r in stages], "kv_heads_per_device":
                    cfg.num_kv_heads // kv_ways},
@@ -290,6 +294,16 @@ def _inputs(inp: PlanInputs) -> dict:
             "microbatches": inp.microbatches, "context_len": inp.context_len, "batch": inp.batch,
             "prompt_len": inp.prompt_len or inp.context_len, "weight_dtype": inp.w_dtype,
             "kv_dtype": inp.kv_dt, "reserve_bytes": inp.reserve_bytes, "mfu": inp.mfu, "rules": inp.rules}
+
+
+def _kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str):
+    """`model.families.kv_bytes_per_token` for a planner dtype name: the real declaration for
+    the dtypes the stack stores, the declared elements at the nominal width for the others."""
+    if kv_dtype in FLOAT_DTYPES:
+        return kv_bytes_per_token(cfg, kv_dtype)
+    if kv_dtype in QUANTIZED_WEIGHTS:
+        return kv_bytes_per_token(cfg, QUANTIZED_WEIGHTS[kv_dtype])
+    return kv_bytes_per_token(cfg, bytes_per_element=dtype_bytes(kv_dtype))
 
 
 def _itemsize(dtype) -> int:

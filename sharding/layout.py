@@ -24,8 +24,9 @@ import functools
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from model.cache import CACHE_AXES, KVCache
-from model.config import LlamaConfig
+from model.cache import CACHE_AXES
+from model.config import ModelConfig
+from model.families import family_for_config
 from sharding.mesh import mesh_axis_sizes
 from sharding.rules import Rules, load_rules, resolve_dims, spec_from_dims
 from sharding.shardings import bytes_per_device, check_attention_groups, cache_shardings, param_shardings
@@ -50,17 +51,17 @@ class Layout:
     def tensor_parallel_size(self) -> int:
         return self.axis_sizes.get("tensor", 1)
 
-    def param_shardings(self, cfg: LlamaConfig):
+    def param_shardings(self, cfg: ModelConfig):
         """`Weights` of NamedSharding: pass to `init_params` / `load_checkpoint`."""
         return param_shardings(cfg, self.mesh, self.rules)
 
-    def cache_shardings(self, cfg: LlamaConfig, num_pages: int, page_size: int, dtype=None):
+    def cache_shardings(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype=None):
         """`KVCache` of NamedSharding: pass to `init_cache`."""
         return cache_shardings(cfg, self.mesh, self.rules, num_pages, page_size, dtype)
 
-    def cache_bytes_per_device(self, cfg: LlamaConfig, num_pages: int, page_size: int, dtype=None) -> int:
+    def cache_bytes_per_device(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype=None) -> int:
         """What each device holds of a `num_pages` cache: its KV heads' share of every page."""
-        return bytes_per_device(KVCache.declare(cfg, num_pages, page_size, dtype),
+        return bytes_per_device(family_for_config(cfg).declare_cache(cfg, num_pages, page_size, dtype),
                                 self.cache_shardings(cfg, num_pages, page_size, dtype))
 
     @property
@@ -80,7 +81,7 @@ class Layout:
         shape = tuple(None if a == "tokens" else s for a, s in zip(logical_axes, x.shape))
         return jax.lax.with_sharding_constraint(x, self.sharding(logical_axes, shape))
 
-    def attention_backend(self, impl, cfg: LlamaConfig):
+    def attention_backend(self, impl, cfg: ModelConfig):
         """`impl` (an `AttentionBackend`) run per device on its own KV heads."""
         check_attention_groups(self.rules, cfg, self.axis_sizes)
         q_dims = resolve_dims(("q_heads",), (cfg.num_heads,), self.rules, self.axis_sizes, where="q")[0]

@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from model.cache import BatchMetadata, KVCache
-from model.config import LlamaConfig
-from model.forward import forward
+from model.cache import BatchMetadata
+from model.config import ModelConfig
+from model.families import family_for_config
 from model.params import abstract_params, is_array_info
 from sharding.hlo import collectives_per_layer, collective_counts
 from sharding.layout import Layout
@@ -28,13 +28,13 @@ from sharding.rules import load_rules, shard_count
 from sharding.shardings import cache_resolutions, cache_shardings, param_resolutions, param_shardings
 
 
-def abstract_step_inputs(cfg: LlamaConfig, mesh, rules, *, batch: int, context_len: int, page_size: int,
+def abstract_step_inputs(cfg: ModelConfig, mesh, rules, *, batch: int, context_len: int, page_size: int,
                          kv_dtype=None):
     """ShapeDtypeStructs (with shardings) for params, cache, tokens and metadata of a decode step."""
     pages_per_seq = math.ceil(context_len / page_size)
     num_pages = batch * pages_per_seq
     params = abstract_params(cfg, param_shardings(cfg, mesh, rules))
-    decl = KVCache.declare(cfg, num_pages, page_size, kv_dtype)
+    decl = family_for_config(cfg).declare_cache(cfg, num_pages, page_size, kv_dtype)
     cache = jax.tree.map(lambda i, s: jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=s), decl,
                          cache_shardings(cfg, mesh, rules, num_pages, page_size, kv_dtype), is_leaf=is_array_info)
     rep = NamedSharding(mesh, PartitionSpec())
@@ -45,7 +45,7 @@ def abstract_step_inputs(cfg: LlamaConfig, mesh, rules, *, batch: int, context_l
     return params, cache, i32(batch), md, num_pages
 
 
-def measure(cfg: LlamaConfig, *, tp: int, batch: int, context_len: int, rules="megatron", page_size: int = 16,
+def measure(cfg: ModelConfig, *, tp: int, batch: int, context_len: int, rules="megatron", page_size: int = 16,
             kv_dtype=None, backend: str = "reference", devices=None) -> dict:
     """Compiles the TP decode step on the first `tp` devices present and reports memory and collectives."""
     rules = load_rules(rules)
@@ -53,6 +53,7 @@ def measure(cfg: LlamaConfig, *, tp: int, batch: int, context_len: int, rules="m
     layout = Layout(mesh, rules)
     params, cache, tokens, md, num_pages = abstract_step_inputs(
         cfg, mesh, rules, batch=batch, context_len=context_len, page_size=page_size, kv_dtype=kv_dtype)
+    forward = family_for_config(cfg).blocks.forward
     step = jax.jit(functools.partial(forward, cfg=cfg, backend=backend, layout=layout), donate_argnums=1)
     compiled = step.lower(params, cache, tokens, md).compile()
     hlo = compiled.as_text()

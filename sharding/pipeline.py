@@ -63,7 +63,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kernels_pallas import get_backend
 from model.cache import BatchMetadata, KVCache
-from model.config import LlamaConfig
+from model.config import ModelConfig
 from model.forward import attention_block, mlp_block, output_logits, rope_frequencies
 from model.params import Layer, Weights, is_array_info, pytree_dataclass
 from sharding.layout import Layout
@@ -142,7 +142,7 @@ class PipelineLayout:
         (embedding, logits), where everything is replicated over `pipeline`."""
         return Layout(self.mesh, self.rules)
 
-    def check(self, cfg: LlamaConfig) -> None:
+    def check(self, cfg: ModelConfig) -> None:
         """Raises `PipelineError` when the model's layers do not split into the stages."""
         p = self.pipeline_parallel_size
         if cfg.num_layers % p:
@@ -152,11 +152,11 @@ class PipelineLayout:
             raise RuleError(f"rule table {self.rules.name!r} maps a logical axis to {PIPELINE!r}, which "
                             "pipeline parallelism reserves for stages")
 
-    def layers_per_stage(self, cfg: LlamaConfig) -> int:
+    def layers_per_stage(self, cfg: ModelConfig) -> int:
         self.check(cfg)
         return cfg.num_layers // self.pipeline_parallel_size
 
-    def stage_of_layer(self, cfg: LlamaConfig, layer: int) -> int:
+    def stage_of_layer(self, cfg: ModelConfig, layer: int) -> int:
         return layer // self.layers_per_stage(cfg)
 
     def stage_mesh(self, stage: int) -> Mesh:
@@ -177,7 +177,7 @@ class PipelineLayout:
         first = () if first is None else (first,) if isinstance(first, str) else tuple(first)
         return PartitionSpec((PIPELINE,) + first if first else PIPELINE, *spec[1:])
 
-    def param_shardings(self, cfg: LlamaConfig) -> Weights:
+    def param_shardings(self, cfg: ModelConfig) -> Weights:
         """Shardings of the unstaged `Weights` (e.g. to restore a checkpoint into): each layer on
         its stage's devices, split over `tensor` by the rules; the rest on every device."""
         from sharding.shardings import param_shardings as tp_param_shardings
@@ -189,7 +189,7 @@ class PipelineLayout:
                   for i, layer in enumerate(full.layers)]
         return dataclasses.replace(full, layers=layers)
 
-    def staged_shardings(self, cfg: LlamaConfig) -> StagedWeights:
+    def staged_shardings(self, cfg: ModelConfig) -> StagedWeights:
         """Shardings of the `StagedWeights`: every layer weight's first dimension split over
         `pipeline` (then over its own mesh axes)."""
         self.check(cfg)
@@ -206,7 +206,7 @@ class PipelineLayout:
         return StagedWeights(embed=full.embed, stages=[stage_layer] * self.layers_per_stage(cfg),
                              final_norm=full.final_norm, lm_head=full.lm_head)
 
-    def cache_shardings(self, cfg: LlamaConfig, num_pages: int, page_size: int, dtype=None) -> KVCache:
+    def cache_shardings(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype=None) -> KVCache:
         """Shardings of the staged cache: per stage-local layer `[p * pages, slot, kv_heads, head_dim]`,
         the page axis split over `pipeline` (a quantized cache's `[p * pages, slot, kv_heads]` scales
         likewise, so every page keeps its scales on its stage)."""
@@ -217,7 +217,7 @@ class PipelineLayout:
         return KVCache(k=[sh] * n, v=[sh] * n)
 
     # --- building the staged pytrees ---------------------------------------------------------------
-    def stage_params(self, cfg: LlamaConfig, params: Weights) -> StagedWeights:
+    def stage_params(self, cfg: ModelConfig, params: Weights) -> StagedWeights:
         """Regroups `Weights` by stage. Each layer is first put on its stage's devices (a no-op
         for weights restored with `param_shardings`); the `[p]` arrays are then assembled from
         those per-device buffers (no copy), so nothing crosses stages and no device ever
@@ -233,7 +233,7 @@ class PipelineLayout:
         return StagedWeights(embed=params.embed, stages=stages, final_norm=params.final_norm,
                              lm_head=params.lm_head)
 
-    def staged_cache_layer(self, cfg: LlamaConfig, num_pages: int, page_size: int, dtype=None):
+    def staged_cache_layer(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype=None):
         """The declaration of one stage-local cache layer (K or V): pages (and the scales of a
         quantized cache) `[p * num_pages, ...]`, the page axis holding every stage's block."""
         p = self.pipeline_parallel_size
@@ -241,13 +241,13 @@ class PipelineLayout:
         return jax.tree.map(lambda i: dataclasses.replace(i, shape=(p * i.shape[0],) + tuple(i.shape[1:])), info,
                             is_leaf=is_array_info)
 
-    def cache_bytes_per_device(self, cfg: LlamaConfig, num_pages: int, page_size: int, dtype=None) -> int:
+    def cache_bytes_per_device(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype=None) -> int:
         """What each device holds of a `num_pages` cache: its stage's layers, its KV heads."""
         per_layer = bytes_per_device(self.staged_cache_layer(cfg, num_pages, page_size, dtype),
                                      self.cache_shardings(cfg, num_pages, page_size, dtype).k[0])
         return 2 * self.layers_per_stage(cfg) * per_layer  # K and V
 
-    def init_cache(self, cfg: LlamaConfig, num_pages: int, page_size: int, dtype=None) -> KVCache:
+    def init_cache(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype=None) -> KVCache:
         layer = self.staged_cache_layer(cfg, num_pages, page_size, dtype)
         shardings = self.cache_shardings(cfg, num_pages, page_size, dtype)
 
@@ -261,7 +261,7 @@ class PipelineLayout:
         return jax.jit(build, out_shardings=shardings)()
 
     # --- the forward pass ---------------------------------------------------------------------------
-    def forward(self, params: StagedWeights, cache: KVCache, tokens, md: BatchMetadata, cfg: LlamaConfig,
+    def forward(self, params: StagedWeights, cache: KVCache, tokens, md: BatchMetadata, cfg: ModelConfig,
                 backend: str = "auto"):
         return pipeline_forward(params, cache, tokens, md, cfg, backend, self)
 
@@ -320,7 +320,7 @@ def _pad_to(x, length: int, value):
     return jnp.pad(x, (0, length - x.shape[0]), constant_values=value)
 
 
-def pipeline_forward(params: StagedWeights, cache: KVCache, tokens, md: BatchMetadata, cfg: LlamaConfig,
+def pipeline_forward(params: StagedWeights, cache: KVCache, tokens, md: BatchMetadata, cfg: ModelConfig,
                      backend: str, layout: PipelineLayout, num_ticks: int | None = None):
     """Logits `[R, vocab]` (fp32) for rows `md.logits_indices`, and the updated staged cache.
 
@@ -410,6 +410,6 @@ def copy_staged_pages(cache: KVCache, src, dst, layout: PipelineLayout) -> KVCac
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "layout", "num_ticks"), donate_argnames=("cache",))
-def pipeline_forward_jit(params, cache, tokens, md, cfg: LlamaConfig, backend: str, layout: PipelineLayout,
+def pipeline_forward_jit(params, cache, tokens, md, cfg: ModelConfig, backend: str, layout: PipelineLayout,
                          num_ticks: int | None = None):
     return pipeline_forward(params, cache, tokens, md, cfg, backend, layout, num_ticks)

@@ -1,7 +1,8 @@
 """Shardings of the weights and the paged KV cache, derived from their declarations.
 
 `param_shardings` and `cache_shardings` walk the `ArrayInfo` declaration trees
-of `model.params.Weights` and `model.cache.KVCache`, resolve each leaf's logical
+that the config's model family declares (`model.families`; for Llama
+`model.params.Weights` and `model.cache.KVCache`), resolve each leaf's logical
 axes through a rule table, and return pytrees of `NamedSharding` with the same
 structure as the arrays (so they can be passed to `init_params`,
 `init_cache`, `load_checkpoint` or `jax.jit(in_shardings=...)`).
@@ -17,7 +18,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from model.cache import KVCache
-from model.config import LlamaConfig
+from model.config import ModelConfig
+from model.families import family_for_config
 from model.params import ArrayInfo, Weights, _path_name, is_array_info
 from sharding.mesh import mesh_axis_sizes
 from sharding.rules import DimResolution, RuleError, Rules, load_rules, resolve_dims, spec_from_dims
@@ -32,16 +34,17 @@ def _resolve_tree(decl, rules: Rules, axis_sizes: Mapping[str, int], prefix: str
     return out
 
 
-def param_resolutions(cfg: LlamaConfig, mesh_or_sizes, rules) -> dict[str, tuple[ArrayInfo, list[DimResolution]]]:
-    return _resolve_tree(Weights.declare(cfg), load_rules(rules), mesh_axis_sizes(mesh_or_sizes), "")
+def param_resolutions(cfg: ModelConfig, mesh_or_sizes, rules) -> dict[str, tuple[ArrayInfo, list[DimResolution]]]:
+    return _resolve_tree(family_for_config(cfg).declare_weights(cfg), load_rules(rules),
+                         mesh_axis_sizes(mesh_or_sizes), "")
 
 
-def cache_resolutions(cfg: LlamaConfig, mesh_or_sizes, rules, num_pages: int, page_size: int, dtype=None):
-    decl = KVCache.declare(cfg, num_pages, page_size, dtype)
+def cache_resolutions(cfg: ModelConfig, mesh_or_sizes, rules, num_pages: int, page_size: int, dtype=None):
+    decl = family_for_config(cfg).declare_cache(cfg, num_pages, page_size, dtype)
     return _resolve_tree(decl, load_rules(rules), mesh_axis_sizes(mesh_or_sizes), "cache.")
 
 
-def check_rules(rules, cfg: LlamaConfig, mesh_or_sizes, *, num_pages: int = 1, page_size: int = 1,
+def check_rules(rules, cfg: ModelConfig, mesh_or_sizes, *, num_pages: int = 1, page_size: int = 1,
                 kv_dtype=None) -> list[str]:
     """Validates a rule table against every weight and cache array of `cfg` on a mesh
     (a `Mesh` or an {axis: size} dict). Raises `RuleError` on the first problem;
@@ -59,7 +62,7 @@ def check_rules(rules, cfg: LlamaConfig, mesh_or_sizes, *, num_pages: int = 1, p
     return notes
 
 
-def check_attention_groups(rules: Rules, cfg: LlamaConfig, sizes: Mapping[str, int]) -> None:
+def check_attention_groups(rules: Rules, cfg: ModelConfig, sizes: Mapping[str, int]) -> None:
     """Query heads may be split only if each device's query heads share their KV heads' split."""
     q = resolve_dims(("q_heads",), (cfg.num_heads,), rules, sizes, where="wq")[0]
     kv = resolve_dims(("kv_heads",), (cfg.num_kv_heads,), rules, sizes, where="wk")[0]
@@ -72,20 +75,20 @@ def _named(mesh: Mesh, resolved) -> list[NamedSharding]:
     return [NamedSharding(mesh, spec_from_dims(dims)) for _, dims in resolved.values()]
 
 
-def param_shardings(cfg: LlamaConfig, mesh: Mesh, rules="megatron") -> Weights:
+def param_shardings(cfg: ModelConfig, mesh: Mesh, rules="megatron") -> Weights:
     """A `Weights` pytree of `NamedSharding`, one per declared weight."""
     rules = load_rules(rules)
     check_attention_groups(rules, cfg, mesh_axis_sizes(mesh))
-    decl = Weights.declare(cfg)
+    decl = family_for_config(cfg).declare_weights(cfg)
     treedef = jax.tree_util.tree_structure(decl, is_leaf=is_array_info)
     return jax.tree_util.tree_unflatten(treedef, _named(mesh, param_resolutions(cfg, mesh, rules)))
 
 
-def cache_shardings(cfg: LlamaConfig, mesh: Mesh, rules="megatron", num_pages: int = 1, page_size: int = 16,
+def cache_shardings(cfg: ModelConfig, mesh: Mesh, rules="megatron", num_pages: int = 1, page_size: int = 16,
                     dtype=None) -> KVCache:
     """A `KVCache` pytree of `NamedSharding` (pages follow their KV heads)."""
     rules = load_rules(rules)
-    decl = KVCache.declare(cfg, num_pages, page_size, dtype)
+    decl = family_for_config(cfg).declare_cache(cfg, num_pages, page_size, dtype)
     treedef = jax.tree_util.tree_structure(decl, is_leaf=is_array_info)
     return jax.tree_util.tree_unflatten(
         treedef, _named(mesh, cache_resolutions(cfg, mesh, rules, num_pages, page_size, dtype)))

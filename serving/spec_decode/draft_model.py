@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.cache import BatchMetadata, init_cache
-from model.config import LlamaConfig
+from model.config import ModelConfig
 from model.forward import forward
 from serving.block_manager import BlockManager
 from serving.input_batch import Buckets, StepShape, sampling_row
@@ -45,7 +45,7 @@ def _draw(logits, temperature, key_data, sample_index, token_index):
     return tok, q
 
 
-def _draft_step(params, cache, ibuf, fbuf, num_drafts, *, cfg: LlamaConfig, backend: str, shape: StepShape, k: int,
+def _draft_step(params, cache, ibuf, fbuf, num_drafts, *, cfg: ModelConfig, backend: str, shape: StepShape, k: int,
                 out_seqs: int):
     v = shape.split(ibuf, fbuf)
     S, ps = shape.S, cache.page_size
@@ -104,7 +104,7 @@ class _Slot:
 
 
 class DraftModelProposer:
-    def __init__(self, cfg: LlamaConfig, params, *, num_speculative_tokens: int, num_pages: int, page_size: int,
+    def __init__(self, cfg: ModelConfig, params, *, num_speculative_tokens: int, num_pages: int, page_size: int,
                  buckets: Buckets, max_num_seqs: int, backend: str = "reference", placement=None):
         """`placement`: a device or sharding for the draft's params, cache and distributions (default:
         the first device); the target's runner gives its own, so the distributions feed its step."""

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.forward import forward
-from model.config import LlamaConfig
+from model.config import ModelConfig
 from serving.input_batch import StepShape
 from serving.model_runner import unpack_step
 from serving.sampler import _logprobs, num_top_logprobs, LogprobsOutput
@@ -35,7 +35,7 @@ def empty_row_fields(S: int) -> np.ndarray:
     return buf
 
 
-def _verify_step(params, cache, ibuf, fbuf, rbuf, draft_probs, *, cfg: LlamaConfig, backend: str,
+def _verify_step(params, cache, ibuf, fbuf, rbuf, draft_probs, *, cfg: ModelConfig, backend: str,
                  shape: StepShape, layout=None):
     # The same inputs as model_runner's step (and the same tensor-parallel `layout`); only the sampling differs.
     v = shape.split(ibuf, fbuf)

@@ -1,0 +1,118 @@
+"""The registry of model families, keyed on the Hugging Face `architectures` name.
+
+A checkpoint's `config.json` names its class (`"architectures":
+["LlamaForCausalLM"]`); `family_for_hf_config` maps that name to the
+`ModelFamily` that knows how to translate the config, which weights and
+cache arrays it declares, which HF tensor each weight comes from, and the
+blocks of its forward (`model.families.base`). Config loading
+(`model.config.from_hf_config`) and checkpoint conversion
+(`model.convert_hf`) go through it, so an unsupported checkpoint gets one
+error, naming what is supported, wherever it is opened.
+
+Sizes derive from the declarations, never from a formula of their own:
+`num_params` sums the declared weight shapes, `kv_bytes_per_token` the
+declared cache arrays of one token (scales of a quantized cache included).
+Both work from a config alone (declarations are shapes; nothing is
+allocated), so the planner can size a 405B preset on a laptop.
+
+Llama is the first and only entry. A new family is a module beside
+`llama.py` and one entry in `FAMILIES`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Iterable
+
+import jax
+import jax.numpy as jnp
+
+from model.config import UnsupportedModelError
+from model.families.base import ForwardBlocks, ModelFamily, TensorPlan
+from model.families.llama import LLAMA
+from model.quant import KV_CACHE_DTYPE_CHOICES, is_quantized, kv_cache_dtype
+
+__all__ = ["FAMILIES", "ForwardBlocks", "ModelFamily", "TensorPlan", "family_for_architectures",
+           "family_for_config", "family_for_hf_config", "kv_bytes_per_token", "num_params",
+           "supported_architectures"]
+
+FAMILIES: tuple[ModelFamily, ...] = (LLAMA,)
+
+
+def supported_architectures() -> list[str]:
+    return [a for f in FAMILIES for a in f.architectures]
+
+
+def _supported_text() -> str:
+    return ", ".join(f"{a} ({f.name}; model_type {', '.join(map(repr, f.model_types))})"
+                     for f in FAMILIES for a in f.architectures)
+
+
+def family_for_architectures(names: Iterable[str] | None, model_type: str | None = None) -> ModelFamily:
+    """The family serving any of the HF `architectures` `names`; failing that, the one that
+    accepts `model_type`. Raises `UnsupportedModelError` naming the supported architectures."""
+    names = list(names or [])
+    for family in FAMILIES:
+        if any(n in family.architectures for n in names):
+            return family
+    for family in FAMILIES:
+        if model_type is not None and model_type in family.model_types:
+            return family
+    raise UnsupportedModelError(f"unsupported architecture: model_type={model_type!r}, architectures={names}; "
+                                f"supported: {_supported_text()}")
+
+
+def family_for_hf_config(hf: dict[str, Any]) -> ModelFamily:
+    """The family of an HF `config.json` dict, by its `architectures` (or `model_type`)."""
+    return family_for_architectures(hf.get("architectures") or [], hf.get("model_type"))
+
+
+def family_for_config(cfg) -> ModelFamily:
+    """The family that runs `cfg` (by its config class)."""
+    for family in FAMILIES:
+        if isinstance(cfg, family.config_class):
+            return family
+    raise UnsupportedModelError(f"no model family runs a {type(cfg).__name__}; "
+                                f"supported: {', '.join(f.config_class.__name__ for f in FAMILIES)}")
+
+
+def _leaves(decl):
+    """Declared arrays: `ArrayInfo`s, and quantized weights / pages as one `QuantizedArray` each."""
+    return jax.tree.leaves(decl, is_leaf=is_quantized)
+
+
+@functools.lru_cache(maxsize=32)
+def num_params(cfg) -> int:
+    """Parameters of `cfg`: the elements of every declared weight. A quantized weight counts
+    its data, not its per-channel scales (those are bytes, not parameters).
+
+    Cached per config (configs are frozen and hashable, being jit-static): declaring a 405B
+    model's 1,100 weights takes ~10 ms, and startup logs, `Engine.describe` and the metrics'
+    cost model each ask."""
+    decl = family_for_config(cfg).declare_weights(cfg)
+    return sum(math.prod((w.data if is_quantized(w) else w).shape) for w in _leaves(decl))
+
+
+def kv_bytes_per_token(cfg, dtype=None, *, bytes_per_element: float | None = None):
+    """Bytes one token occupies in the KV pool: the family's cache declared with room for one
+    token (one page of one slot), summed over its arrays, so K and V of every layer and, for an
+    int8 / fp8 cache, the scales beside the pages (`model.quant`).
+
+    `dtype` is the pages' storage dtype: None for the model's, an engine `kv_cache_dtype` name
+    ("auto", "int8", "fp8", "bfloat16", ...) or any dtype. `bytes_per_element`, when given, prices
+    the cached elements nominally (the planner's int4, a cost model's assumed width); scales keep
+    their real size.
+    """
+    if isinstance(dtype, str) and dtype in KV_CACHE_DTYPE_CHOICES:
+        dtype = kv_cache_dtype(cfg, dtype)
+    elif dtype is not None:
+        dtype = jnp.dtype(dtype)
+    decl = family_for_config(cfg).declare_cache(cfg, 1, 1, dtype)
+    total = 0
+    for leaf in _leaves(decl):
+        data, scales = (leaf.data, [leaf.scale]) if is_quantized(leaf) else (leaf, [])
+        element = jnp.dtype(data.dtype).itemsize if bytes_per_element is None else bytes_per_element
+        total += math.prod(data.shape) * element
+        total += sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in scales)
+    return total

@@ -1,0 +1,77 @@
+"""The record of a model family, and the two records it is made of.
+
+A *family* is everything that differs between kinds of decoder checkpoint:
+how its Hugging Face `config.json` becomes our config, which weights and KV
+cache arrays it declares (shape, dtype, logical axes), which tensor of the HF
+checkpoint each weight is read from, and the blocks its forward pass is built
+of. The registry (`model.families`) looks a family up by the HF
+`architectures` name, so a checkpoint reaches its family's code by that name
+alone and nothing else asks "is this Llama?".
+
+This module holds only the records (no jax), so a family module and the
+registry can both import it without importing each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorPlan:
+    """How one tensor of a Hugging Face checkpoint becomes one of our weights."""
+
+    ours: str  # flat name, e.g. "layers.0.wq" (`model.params.flatten_params` naming)
+    hf: str  # e.g. "model.layers.0.self_attn.q_proj.weight"
+    hf_shape: tuple[int, ...]
+    relayout: Callable[[np.ndarray], np.ndarray]  # HF array -> ours; a view where it can be
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardBlocks:
+    """The functions a family's forward pass is built of.
+
+    `forward` is the whole pass (`model.forward.forward`'s signature); the
+    blocks are what other drivers of the same weights reassemble (the
+    pipeline-parallel forward runs `attention` and `mlp` per stage, training
+    reuses them), so they are named here rather than found by import path.
+    """
+
+    norm: Callable  # (x, weight, eps) -> x
+    rope: Callable  # (cfg) -> inverse frequencies
+    attention: Callable  # (layer, x, k_pages, v_pages, md, inv_freq, cfg, backend, layout) -> (x, k, v)
+    mlp: Callable  # (layer, x, cfg, layout) -> x
+    logits: Callable  # (params, x, cfg, layout) -> fp32 logits
+    forward: Callable  # (params, cache, tokens, md, cfg, backend, layout) -> (logits, cache)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFamily:
+    """One kind of decoder: a registry entry (`model.families.FAMILIES`).
+
+    `architectures` are the HF `architectures` names it serves (the lookup key);
+    `model_types` the HF `model_type` values it accepts from a `config.json`
+    whose `architectures` names none of ours (older exports leave the list out).
+    Parameter counts and KV bytes per token are not stored here: they are
+    summed from `declare_weights` / `declare_cache` (`model.families.num_params`,
+    `kv_bytes_per_token`), so they cannot disagree with the arrays.
+
+    A loaded config finds its family by `config_class` alone (our checkpoints'
+    `model_config.json` records no architecture), so a family that shares another's
+    config class must share its declarations and blocks too, differing only in
+    what it reads from Hugging Face (`config_from_hf`, `checkpoint_tensors`, which
+    conversion takes from the family `config.json` named).
+    """
+
+    name: str  # human name, used in messages ("a 2-layer Llama")
+    architectures: tuple[str, ...]
+    model_types: tuple[str, ...]
+    config_class: type  # the configs this family runs (`family_for_config` dispatches on it)
+    config_from_hf: Callable[..., Any]  # (hf config.json dict, dtype: str | None) -> config
+    declare_weights: Callable[[Any], Any]  # cfg -> pytree of `ArrayInfo` (every weight)
+    declare_cache: Callable[..., Any]  # (cfg, num_pages, page_size, dtype) -> pytree of `ArrayInfo`
+    checkpoint_tensors: Callable[[Any], list[TensorPlan]]  # cfg -> every HF tensor, in our order
+    blocks: ForwardBlocks
