@@ -32,6 +32,7 @@ import numpy as np
 
 from kernels_pallas.pow2 import powers_of_two
 from model.cache import fill_ragged
+from serving import sampling_table
 from serving.scheduler import SchedulerOutput
 from serving.sequence import Sequence
 
@@ -94,13 +95,12 @@ class StepShape:
     def int_fields(self):
         T, S, P = self.T, self.S, self.P
         return (("tokens", T), ("feed_rows", T), ("positions", T), ("slots", T), ("cu_q_lens", S + 1), ("kv_lens", S),
-                ("block_tables", S * P), ("num_seqs", 1), ("logits_indices", S), ("top_k", S),
-                ("key_data", 2 * S), ("sample_index", S), ("token_index", S), ("target", S),
-                ("flags", NUM_FLAGS))
+                ("block_tables", S * P), ("num_seqs", 1), ("logits_indices", S), ("sample_index", S),
+                ("token_index", S), ("target", S), ("flags", NUM_FLAGS)) + sampling_table.buffer_fields(np.int32, S)
 
     @property
     def float_fields(self):
-        return (("temperature", self.S), ("top_p", self.S), ("min_p", self.S))
+        return sampling_table.buffer_fields(np.float32, self.S)
 
     @staticmethod
     def offsets(fields):
@@ -121,7 +121,7 @@ class StepShape:
             for name, (o, n) in offs.items():
                 views[name] = buf[o:o + n]
         views["block_tables"] = views["block_tables"].reshape(self.S, self.P)
-        views["key_data"] = views["key_data"].reshape(self.S, 2)
+        sampling_table.shaped(views, self.S)
         return views
 
     def empty(self, pad_slot: int):
@@ -132,7 +132,7 @@ class StepShape:
         v["slots"][:] = pad_slot
         v["feed_rows"][:] = -1
         v["target"][:] = -1
-        v["top_p"][:] = 1.0
+        sampling_table.reset(v)
         return ibuf, fbuf, v
 
 
@@ -152,16 +152,9 @@ class StepBatch:
     draw_rows: dict = dataclasses.field(default_factory=dict)
 
 
-def _as_int32(x: int) -> int:
-    return ((x + 2**31) % 2**32) - 2**31
-
-
-def sampling_row(request) -> tuple:
-    """(temperature, top_k, top_p, min_p, key_hi, key_lo), computed once per request."""
-    p = request.params
-    seed = request.seed % 2**64
-    return (float(p.temperature), int(p.top_k if p.top_k > 0 else 0), float(p.top_p), float(p.min_p),
-            _as_int32(seed >> 32), _as_int32(seed & 0xFFFFFFFF))
+def sampling_row(request) -> dict:
+    """A request's per-row sampling values (`sampling_table.row_values`), computed once per request."""
+    return sampling_table.row_values(request)
 
 
 def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: int, num_pages: int,
@@ -209,18 +202,16 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
     want_logprobs = False
     any_random = any_filter = False
     row = 0
-    li, tk, kd, si, ti = v["logits_indices"], v["top_k"], v["key_data"], v["sample_index"], v["token_index"]
-    temp, top_p, min_p = v["temperature"], v["top_p"], v["min_p"]
+    li, si, ti = v["logits_indices"], v["sample_index"], v["token_index"]
     for i, it in enumerate(items):
         if not it.sample_indices:
             continue
         seq = it.seq
         req = seq.request
-        row_params = req.sampling_row
-        t, k, p, m, hi, lo = row_params
-        if t > 0:
+        values = req.sampling_row
+        if values["temperature"] > 0:
             any_random = True
-            any_filter = any_filter or k > 0 or p < 1.0
+            any_filter = any_filter or sampling_table.needs_filter(values)
         if req.params.logprobs is not None:
             want_logprobs = True
         # Draws before this one, those still in flight included (this one is pending already).
@@ -230,8 +221,7 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
         for s in it.sample_indices:
             for j in range(nd + 1):
                 li[row] = cu[i] - 1 - nd + j
-                temp[row], tk[row], top_p[row], min_p[row] = t, k, p, m
-                kd[row, 0], kd[row, 1] = hi, lo
+                sampling_table.write_row(v, row, values)
                 si[row], ti[row] = s, tok_index + j
                 sample_rows.append((seq, s))
                 row += 1

@@ -30,6 +30,7 @@ from model.forward import forward
 from model.params import param_bytes
 from serving.input_batch import Buckets, StepShape, StepBatch
 from serving.sampler import SamplingInputs, sample
+from serving.sampling_table import ROW_PARAMS
 
 
 def unpack_step(v: dict) -> tuple[BatchMetadata, SamplingInputs]:
@@ -38,10 +39,10 @@ def unpack_step(v: dict) -> tuple[BatchMetadata, SamplingInputs]:
                        kv_lens=v["kv_lens"], block_tables=v["block_tables"], num_seqs=v["num_seqs"][0],
                        logits_indices=v["logits_indices"])
     flags = v["flags"]
+    params = {p.name: v[p.name] if p.device_dtype is None else jax.lax.bitcast_convert_type(v[p.name], p.device_dtype)
+              for p in ROW_PARAMS}
     s = SamplingInputs(
-        temperature=v["temperature"], top_k=v["top_k"], top_p=v["top_p"], min_p=v["min_p"],
-        key_data=jax.lax.bitcast_convert_type(v["key_data"], jnp.uint32),
-        sample_index=v["sample_index"], token_index=v["token_index"], target=v["target"],
+        **params, sample_index=v["sample_index"], token_index=v["token_index"], target=v["target"],
         any_random=flags[0] != 0, any_filter=flags[1] != 0, want_logprobs=flags[2] != 0,
     )
     return md, s

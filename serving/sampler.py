@@ -26,6 +26,9 @@ from serving.sampling_params import MAX_LOGPROBS
 
 
 class SamplingInputs(NamedTuple):
+    """The sampler's inputs: the per-row parameters of `serving.sampling_table` (same names), then
+    what packing computes per row and per batch."""
+
     temperature: jax.Array  # [R] f32, 0 = greedy
     top_k: jax.Array  # [R] i32, <= 0 = off
     top_p: jax.Array  # [R] f32, 1 = off

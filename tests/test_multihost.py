@@ -286,7 +286,8 @@ class FakeWatchdog:
 
 class FakeEngine:
     def __init__(self):
-        self.runner = type("Runner", (), {"dispatch_hook": None})()
+        self.runner = type("Runner", (), {"dispatch_hook": None,
+                                          "set_dispatch_hook": lambda self, hook: setattr(self, "dispatch_hook", hook)})()
         self.unfinished = False
 
     def has_unfinished_requests(self):

@@ -215,9 +215,9 @@ class DraftModelProposer:
         v["logits_indices"][:m] = cu - 1
         nd_arr = np.zeros(S, np.int32)
         for i, (seq, dc, n, nd) in enumerate(items):
-            row = seq.request.sampling_row or sampling_row(seq.request)
-            v["temperature"][i] = row[0]
-            v["key_data"][i] = row[4:6]
+            values = seq.request.sampling_row or sampling_row(seq.request)
+            v["temperature"][i] = values["temperature"]  # the draft samples at the target's temperature and seed
+            v["key_data"][i] = values["key_data"]
             v["sample_index"][i] = seq.sample_index
             v["token_index"][i] = seq.num_output_tokens
             nd_arr[i] = nd
