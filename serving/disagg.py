@@ -186,21 +186,25 @@ def _parse(endpoint, body):
 
 
 def _first_token_request(ctx, kind: str, req):
-    """(prompt ids, sampling params with max_tokens=1) as the endpoint would build them, with its checks."""
+    """(prompt ids, sampling params with max_tokens=1) as the endpoint would build them. The client's own
+    parameters, its max_tokens included, are validated by the engine first, as the endpoint's are, so a
+    request the decode worker would refuse is refused before anything is computed."""
     ctx.check_model(req.model)
     if kind == "completions":
         ((_, ids),) = ctx.completion_prompts(req.prompt)
-        max_tokens = ctx.resolve_max_tokens(len(ids), req.max_tokens, "prompt", "max_tokens")
-        params = ctx.sampling_params(req, kind, max_tokens, req.logprobs, None)
+        params = ctx.sampling_params(req, req.max_tokens, req.logprobs, None)
     else:
         if req.top_logprobs is not None and not req.logprobs:
             raise P.APIError("top_logprobs requires logprobs to be true", param="top_logprobs",
                              code="invalid_value")
         ids = ctx.chat_prompt(req)
-        max_tokens = ctx.resolve_max_tokens(len(ids), req.requested_max_tokens(), "messages",
-                                            req.max_tokens_field())
-        params = ctx.sampling_params(req, kind, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
-                                     None)
+        params = ctx.sampling_params(req, req.requested_max_tokens(), (req.top_logprobs or 0) if req.logprobs
+                                     else None, None)
+    try:
+        ctx.engine.engine.make_request("check", ids, params)
+    except InvalidParameterError as e:
+        raise ctx.api_error(e, kind, req) from e
+    params = params.clone()
     params.max_tokens = 1
     return ids, params
 
@@ -276,7 +280,7 @@ def add_kv_transfer_routes(app: FastAPI, ctx, secret: str, dependencies=()) -> N
                                                kv_export=exports.append):
                 pass
         except InvalidParameterError as e:
-            raise ctx.api_error(e, kind) from e
+            raise ctx.api_error(e, kind, req) from e
         if not exports:
             raise P.APIError("the prefill ended without a first token", status=500, type="server_error")
         exp = exports[0]

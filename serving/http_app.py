@@ -81,11 +81,7 @@ class ServingContext:
                 ids = list(p)
                 if not ids:
                     raise P.APIError("a token-id prompt must not be empty", param="prompt", code="invalid_value")
-                bad = [t for t in ids if not 0 <= t < (self.vocab_size or 2**31)]
-                if bad:
-                    raise P.APIError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
-                                     param="prompt", code="invalid_value")
-                out.append((None, ids))
+                out.append((None, ids))  # the engine checks the ids against the vocabulary
         return out
 
     def chat_prompt(self, req: P.ChatCompletionRequest) -> list[int]:
@@ -103,31 +99,12 @@ class ServingContext:
             return imp.cache_salt
         return self.api_keys.cache_salt(request, req.cache_salt)
 
-    def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None, prompt_field: str,
-                           max_tokens_field: str) -> int:
-        """The request's max_tokens, checked against the context window (both lengths in the message)."""
-        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-            raise P.APIError(f"{max_tokens_field} must be an integer >= 1, got {max_tokens!r}",
-                             param=max_tokens_field, code="invalid_value")
-        limit = self.max_model_len
-        if prompt_len >= limit:
-            raise P.APIError(
-                f"This model's maximum context length is {limit} tokens, but the prompt has {prompt_len} tokens, "
-                f"leaving no room for a completion.", param=prompt_field, code="context_length_exceeded")
-        if max_tokens is None:
-            return limit - prompt_len
-        if prompt_len + max_tokens > limit:
-            raise P.APIError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the completion "
-                f"via {max_tokens_field}). Please reduce the prompt or {max_tokens_field}.",
-                param=max_tokens_field, code="context_length_exceeded")
-        return max_tokens
-
-    def sampling_params(self, req: P._SamplingFields, kind: str, max_tokens: int, logprobs: int | None,
+    def sampling_params(self, req: P._SamplingFields, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None) -> SamplingParams:
+        """The request's sampling parameters as the client wrote them; the engine validates them (and the
+        prompt against the context window) when the request is made, in one place for every entry point."""
         defaults = SamplingParams()
-        params = SamplingParams(
+        return SamplingParams(
             n=req.n,
             temperature=defaults.temperature if req.temperature is None else req.temperature,
             top_p=defaults.top_p if req.top_p is None else req.top_p,
@@ -141,22 +118,21 @@ class ServingContext:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
-        try:
-            return params.validate(self.vocab_size)
-        except InvalidParameterError as e:
-            raise self.api_error(e, kind) from e
 
     @staticmethod
-    def api_error(e: InvalidParameterError, kind: str) -> P.APIError:
+    def api_error(e: InvalidParameterError, kind: str, req=None) -> P.APIError:
         """The engine's parameter error, named as the client named the field."""
-        field = P.API_PARAM_NAMES[kind].get(e.param, e.param)
+        names = dict(P.API_PARAM_NAMES[kind])
+        if kind == "chat" and req is not None:
+            names["max_tokens"] = req.max_tokens_field()
+        field = names.get(e.param, e.param)
         code = "context_length_exceeded" if isinstance(e, ContextLengthError) else "invalid_value"
         return P.APIError(str(e).replace(e.param, field, 1), param=field, code=code)
 
     # --- running requests ------------------------------------------------------------------
 
     async def stream_outputs(self, prompts: list[list[int]], params: SamplingParams, base_id: str,
-                             kind: str, cache_salt: str | None = None) -> AsyncIterator[tuple[int, object]]:
+                             kind: str, cache_salt: str | None = None, req=None) -> AsyncIterator[tuple[int, object]]:
         """Cumulative RequestOutputs of every prompt, interleaved as they come: (prompt index, output).
 
         Closing this iterator (the client went away) aborts every engine request still running.
@@ -171,7 +147,7 @@ class ServingContext:
                                                       **kv_transfer.engine_kwargs()):
                     queue.put_nowait((i, out))
             except InvalidParameterError as e:
-                queue.put_nowait((i, self.api_error(e, kind)))
+                queue.put_nowait((i, self.api_error(e, kind, req)))
             except EngineDeadError as e:
                 queue.put_nowait((i, P.APIError(f"the engine has stopped: {e}", status=503, type="server_error",
                                                 code="engine_dead")))
@@ -198,12 +174,12 @@ class ServingContext:
             for rid in ids:
                 self.engine.abort(rid)
 
-    async def final_outputs(self, request: Request, prompts, params, base_id, kind, cache_salt=None) -> list:
+    async def final_outputs(self, request: Request, prompts, params, base_id, kind, cache_salt=None, req=None) -> list:
         """The last output of every prompt; aborts them all if the client disconnects meanwhile."""
         finals: list = [None] * len(prompts)
 
         async def collect():
-            async for i, out in self.stream_outputs(prompts, params, base_id, kind, cache_salt):
+            async for i, out in self.stream_outputs(prompts, params, base_id, kind, cache_salt, req):
                 finals[i] = out
 
         await until_disconnect(request, collect())
@@ -375,9 +351,8 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
         ctx.check_model(req.model)
         prompts = ctx.completion_prompts(req.prompt)
         lengths = [len(ids) for _, ids in prompts]
-        max_tokens = min(ctx.resolve_max_tokens(n, req.max_tokens, "prompt", "max_tokens") for n in lengths)
         echo_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
-        params = ctx.sampling_params(req, "completions", max_tokens, req.logprobs, echo_lp)
+        params = ctx.sampling_params(req, req.max_tokens, req.logprobs, echo_lp)
         salt = ctx.cache_salt(req, request)
         base_id = f"cmpl-{uuid.uuid4().hex}"
         token_prompts = [ids for _, ids in prompts]
@@ -388,7 +363,7 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
             return await primed_stream(request, _stream_completion(ctx, req, token_prompts, texts, params, base_id,
                                                                    salt))
         try:
-            finals = await ctx.final_outputs(request, token_prompts, params, base_id, "completions", salt)
+            finals = await ctx.final_outputs(request, token_prompts, params, base_id, "completions", salt, req)
         except ClientGone:
             return Response(status_code=499)
         choices, completion_tokens = [], 0
@@ -415,15 +390,14 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
             raise P.APIError("top_logprobs requires logprobs to be true", param="top_logprobs",
                              code="invalid_value")
         ids = ctx.chat_prompt(req)
-        max_tokens = ctx.resolve_max_tokens(len(ids), req.requested_max_tokens(), "messages", req.max_tokens_field())
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = ctx.sampling_params(req, "chat", max_tokens, logprobs, None)
+        params = ctx.sampling_params(req, req.requested_max_tokens(), logprobs, None)
         salt = ctx.cache_salt(req, request)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return await primed_stream(request, _stream_chat(ctx, req, ids, params, base_id, salt))
         try:
-            (out,) = await ctx.final_outputs(request, [ids], params, base_id, "chat", salt)
+            (out,) = await ctx.final_outputs(request, [ids], params, base_id, "chat", salt, req)
         except ClientGone:
             return Response(status_code=499)
         choices = []
@@ -450,7 +424,7 @@ async def _stream_completion(ctx: ServingContext, req: P.CompletionRequest, prom
     tok = ctx.tokenizer
     completion_tokens: dict[int, int] = {}
     try:
-        async for i, out in ctx.stream_outputs(prompts, params, base_id, "completions", cache_salt):
+        async for i, out in ctx.stream_outputs(prompts, params, base_id, "completions", cache_salt, req):
             choices = []
             for o in out.outputs:
                 index = i * req.n + o.index
@@ -495,7 +469,7 @@ async def _stream_chat(ctx: ServingContext, req: P.ChatCompletionRequest, ids, p
     completion_tokens: dict[int, int] = {}
     top_n = params.logprobs or 0
     try:
-        async for _, out in ctx.stream_outputs([ids], params, base_id, "chat", cache_salt):
+        async for _, out in ctx.stream_outputs([ids], params, base_id, "chat", cache_salt, req):
             choices = []
             for o in out.outputs:
                 tr = trackers.get(o.index)

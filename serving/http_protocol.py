@@ -47,7 +47,7 @@ def error_body(message: str, *, type: str = "invalid_request_error", param: str 
 # Engine (SamplingParams) field -> the request field a client wrote, where they differ.
 API_PARAM_NAMES = {
     "completions": {"logprobs": "logprobs", "prompt_logprobs": "logprobs"},
-    "chat": {"logprobs": "top_logprobs", "prompt_logprobs": "top_logprobs"},
+    "chat": {"logprobs": "top_logprobs", "prompt_logprobs": "top_logprobs", "prompt": "messages"},
 }
 
 # --- requests ----------------------------------------------------------------------------
