@@ -46,8 +46,8 @@ from model.cache import init_cache  # noqa: E402
 from model.config import LlamaConfig, config_by_name  # noqa: E402
 from model.params import init_params, param_bytes  # noqa: E402
 from serving import LLM, SamplingParams  # noqa: E402
-from serving.input_batch import StepShape  # noqa: E402
-from serving.model_runner import _step_jit  # noqa: E402
+from serving.core.input_batch import StepShape  # noqa: E402
+from serving.core.model_runner import _step_jit  # noqa: E402
 
 H200_PEAKS = {"bandwidth": 4.8e12, "bf16_flops": 989e12}
 SMOKE_SHAPE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -20,7 +20,7 @@ in and checks both HMAC tags), and `recompute_seconds` (the peer: the whole
 request on one worker), with the ratio transfer / recompute per token. The
 workers share a random `--kv_transfer_secret`; `sign_verify_seconds` is what
 HMAC-SHA256 signing plus verifying a payload of that size costs in this
-process, measured in the same run (`serving.kv_wire`).
+process, measured in the same run (`serving.disaggregation.kv_wire`).
 
 Writes benchmarks/results/kv_transfer_cpu.json (or `--out`).
 """
@@ -45,8 +45,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import httpx  # noqa: E402
 
-from serving import kv_wire  # noqa: E402
-from serving.disagg import run_disaggregated  # noqa: E402
+from serving.disaggregation import kv_wire  # noqa: E402
+from serving.disaggregation.disagg import run_disaggregated  # noqa: E402
 from serving.server import free_port  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -3,7 +3,7 @@
     python -m serving.launch --num_processes=2 --devices_per_process=2 -- \\
         python benchmarks/multihost_channel.py --steps 200 --result benchmarks/results/multihost_channel_cpu.json
 
-* `kv`: `serving.distributed.Channel`, what multi-host serving uses: process 0
+* `kv`: `serving.cluster.distributed.Channel`, what multi-host serving uses: process 0
   writes the pickled (ibuf, fbuf, shape) to the coordination service's
   key-value store; the others block on the key.
 * `collective`: `jax.experimental.multihost_utils.broadcast_one_to_all` of the
@@ -29,11 +29,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from serving import distributed  # noqa: E402
+from serving.cluster import distributed  # noqa: E402
 
 
 def step_buffers(T: int, S: int, P: int):
-    from serving.input_batch import StepShape
+    from serving.core.input_batch import StepShape
 
     shape = StepShape(T, S, P)
     ibuf, fbuf, _ = shape.empty(0)

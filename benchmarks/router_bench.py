@@ -39,7 +39,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from serving.local_fleet import LocalFleet  # noqa: E402
+from serving.cluster.local_fleet import LocalFleet  # noqa: E402
 
 WORDS = ("ridge trail summit valley river stone pine cloud wind path camp map rope snow peak lake "
          "bridge forest meadow cliff").split()

@@ -44,7 +44,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from serving import LLM, SamplingParams  # noqa: E402
-from serving.compile_cache import compile_counts  # noqa: E402
+from serving.core.compile_cache import compile_counts  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -67,7 +67,7 @@ def load_model(args):
         return cfg, init_params(cfg, jax.random.key(args.seed)), None, f"random weights, shape {args.random_config}"
     from model.checkpoint import load_checkpoint
     from model.tokenizer import load_tokenizer
-    from serving.llm import default_checkpoint_dir
+    from serving.core.llm import default_checkpoint_dir
 
     directory = args.checkpoint or default_checkpoint_dir()
     cfg, params = load_checkpoint(directory)

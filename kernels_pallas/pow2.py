@@ -1,8 +1,8 @@
 """Power-of-two sizes, the one definition every padded shape uses.
 
 A jitted function compiles once per input shape, so lengths are padded up to a power of two: the
-kernels' tiles and head groups, the engine's step buckets (`serving.input_batch`), the KV transfer's
-page and token counts (`serving.kv_transfer`), and the metrics' token histograms follow the same
+kernels' tiles and head groups, the engine's step buckets (`serving.core.input_batch`), the KV transfer's
+page and token counts (`serving.disaggregation.kv_transfer`), and the metrics' token histograms follow the same
 ladder. Plain Python, no jax: the metrics import it too.
 """
 

@@ -95,7 +95,7 @@ def fill_ragged(num_new, starts, tables, page_size: int, *, positions, slots, cu
     Sequence i brings `num_new[i]` tokens at positions `starts[i]`, ... and holds the pages `tables[i]`:
     its tokens' positions and cache slots, its query offsets, KV length and block table are written;
     every entry past the live ones is left as it was (the caller's padding). Vectorised over tokens:
-    the engine packs every step with it (`serving.input_batch.pack_step`), and `pack_batch` builds a
+    the engine packs every step with it (`serving.core.input_batch.pack_step`), and `pack_batch` builds a
     `BatchMetadata` with it. Returns the end offset of each sequence's tokens (`cu_q_lens[1:n + 1]`).
     """
     n = len(num_new)
@@ -117,7 +117,7 @@ def fill_ragged(num_new, starts, tables, page_size: int, *, positions, slots, cu
 def pack_batch(chunks, *, page_size: int, num_pages: int, num_tokens: int, max_seqs: int, pages_per_seq: int,
                logits_rows: int | None = None, all_logits: bool = False):
     """Host-side packing of a ragged batch into padded numpy arrays (tests and benchmarks that call the
-    model directly; the engine packs its steps with `serving.input_batch.pack_step`, on the same
+    model directly; the engine packs its steps with `serving.core.input_batch.pack_step`, on the same
     `fill_ragged`).
 
     `chunks` is a list of (token_ids, start_position, block_table): the new

@@ -10,17 +10,17 @@ a process that only routes requests (`python -m serving.router`) must start with
 import importlib
 
 _EXPORTS = {
-    "AsyncEngine": "serving.async_engine",
-    "EngineDeadError": "serving.async_engine",
-    "CompletionOutput": "serving.outputs",
-    "ContextLengthError": "serving.engine",
-    "Engine": "serving.engine",
-    "EngineConfig": "serving.engine",
-    "InvalidParameterError": "serving.sampling_params",
-    "LLM": "serving.llm",
-    "Logprob": "serving.outputs",
-    "RequestOutput": "serving.outputs",
-    "SamplingParams": "serving.sampling_params",
+    "AsyncEngine": "serving.core.async_engine",
+    "EngineDeadError": "serving.core.async_engine",
+    "CompletionOutput": "serving.core.outputs",
+    "ContextLengthError": "serving.core.engine",
+    "Engine": "serving.core.engine",
+    "EngineConfig": "serving.core.engine",
+    "InvalidParameterError": "serving.core.sampling_params",
+    "LLM": "serving.core.llm",
+    "Logprob": "serving.core.outputs",
+    "RequestOutput": "serving.core.outputs",
+    "SamplingParams": "serving.core.sampling_params",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -5,7 +5,7 @@
     python -m serving.launch --num_processes=2 --devices_per_process=4 -- python my_script.py
 
 Runs COMMAND as `--num_processes` processes with `--devices_per_process` CPU
-devices each and the settings `serving.distributed.initialize` reads
+devices each and the settings `serving.cluster.distributed.initialize` reads
 (`RIDGELINE_COORDINATOR_ADDRESS` on a free loopback port,
 `RIDGELINE_NUM_PROCESSES`, `RIDGELINE_PROCESS_ID`) in their environment.
 Their output (stdout and stderr) comes out line by line prefixed `[p0] `,
@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Optional, Sequence
 
-from serving import distributed
+from serving.cluster import distributed
 
 INTERRUPTED_EXIT_CODE = 130
 

@@ -22,7 +22,7 @@ and a request with no worker left gets a 502/503 with OpenAI's error envelope.
 
 Disaggregated mode (`--prefill_workers` and `--decode_workers`): the prefill
 worker is chosen `kv_aware` within the prefill pool, the decode worker
-least-loaded within the decode pool, and `serving.disagg.run_disaggregated`
+least-loaded within the decode pool, and `serving.disaggregation.disagg.run_disaggregated`
 runs the request across the pair; its KV shipping bytes and seconds go to the
 router's metrics.
 """
@@ -40,11 +40,11 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from serving import http_protocol as P
-from serving.http_util import ClientGone, until_disconnect as _watch
-from serving.router_index import POLICIES, PrefixIndex, PromptEncoder, Router
-from serving.router_metrics import RouterMetrics
-from serving.router_workers import WorkerPool
+from serving.http import http_protocol as P
+from serving.http.http_util import ClientGone, until_disconnect as _watch
+from serving.routing.router_index import POLICIES, PrefixIndex, PromptEncoder, Router
+from serving.routing.router_metrics import RouterMetrics
+from serving.routing.router_workers import WorkerPool
 
 log = logging.getLogger("ridgeline.router")
 
@@ -52,7 +52,7 @@ DEFAULT_PAGE_SIZE = 16  # the server's default --page_size, until a worker repor
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
-# serving.disagg.run_disaggregated(client, prefill_url, decode_url, endpoint, body)
+# serving.disaggregation.disagg.run_disaggregated(client, prefill_url, decode_url, endpoint, body)
 #     -> (the decode worker's streaming httpx.Response, KVTransferRecord with kv_bytes and transfer_seconds)
 DisaggFn = Callable[[httpx.AsyncClient, str, str, str, dict], Awaitable[tuple]]
 
@@ -158,7 +158,7 @@ class RouterService:
         self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1024,
                                                                             max_keepalive_connections=256))
         if self.disaggregated and self.disagg_fn is None:
-            from serving.disagg import run_disaggregated  # the worker-side half of disaggregated serving
+            from serving.disaggregation.disagg import run_disaggregated  # the worker-side half of disaggregated serving
 
             self.disagg_fn = run_disaggregated
         for pool in self.pools:
@@ -203,7 +203,7 @@ class RouterService:
             url = str(e.request.url) if getattr(e, "_request", None) is not None else ""
             blamed = workers[1] if url.startswith(workers[1]) else workers[0]
             raise UpstreamFailed(blamed, "connect", f"{type(e).__name__}: {e}") from e
-        # serving.disagg returns (decode response, KVTransferRecord); the prefill's own response if it refused.
+        # serving.disaggregation.disagg returns (decode response, KVTransferRecord); the prefill's own response if it refused.
         resp, record = result if isinstance(result, tuple) else (result, getattr(result, "transfer", None))
         return resp, record
 

@@ -4,12 +4,12 @@
     python -m serving.server --checkpoint /ckpt/llama3-8b --max_num_seqs 256 \\
         --max_num_batched_tokens 4096 --page_size 16
 
-Startup turns on JAX's persistent compilation cache (`serving.compile_cache`;
+Startup turns on JAX's persistent compilation cache (`serving.core.compile_cache`;
 `--compilation_cache_dir`, default `~/.cache/ridgeline/jax`), builds the `LLM`
 (loading the checkpoint), compiles every step shape (so serving never
 compiles; with a warm cache they are loaded from disk instead), starts the
 engine loop on its own thread (`AsyncEngine`) and serves the FastAPI app from
-`serving.http_app` with uvicorn. The log says what was loaded, how big the KV
+`serving.http.http_app` with uvicorn. The log says what was loaded, how big the KV
 pool is (pages, tokens, bytes), how long loading and warm-up took and how many
 executables warm-up compiled or found in the cache.
 
@@ -18,7 +18,7 @@ serving.launch`, or one per node under SLURM with `--distributed`); they join
 JAX's distributed runtime first (`--coordinator_address`, `--num_processes`,
 `--process_id`, else the `RIDGELINE_*` environment, else cluster
 auto-detection). Process 0 serves HTTP and schedules; the others follow its
-device calls until it shuts down (`serving.multihost`).
+device calls until it shuts down (`serving.cluster.multihost`).
 
 `ServerThread` runs the same stack inside a Python process (tests, benchmarks,
 notebooks): uvicorn on a background thread, bound to loopback by default.
@@ -50,9 +50,9 @@ def define_flags(flag_values: Optional[flags.FlagValues] = None) -> None:
     tests or other binaries must not claim flag names such as --seed or --checkpoint). `flag_values`: where
     to define them (default: absl's global FLAGS; tests pass a fresh `flags.FlagValues()`).
 
-    The engine options (--max_num_seqs, --min_token_bucket, ...) come from `serving.engine_args`, with the
+    The engine options (--max_num_seqs, --min_token_bucket, ...) come from `serving.core.engine_args`, with the
     defaults `LLM` has; the flags below are the server's own."""
-    from serving import engine_args
+    from serving.core import engine_args
 
     fv = FLAGS if flag_values is None else flag_values
     flags = _DefinitionsInto(fv)  # every flags.DEFINE_* below lands in `fv`
@@ -127,9 +127,9 @@ def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window
     `/start_profile` and `/stop_profile` (traces land there); `api_keys` (`http_auth.APIKeys`)
     guards the API; `kv_transfer_secret` mounts the signed KV routes of disaggregated serving.
     """
-    from serving.async_engine import AsyncEngine
-    from serving.http_app import create_app
-    from serving.http_metrics import ModelCost, ServerMetrics
+    from serving.core.async_engine import AsyncEngine
+    from serving.http.http_app import create_app
+    from serving.http.http_metrics import ModelCost, ServerMetrics
 
     model_name = model_name or default_model_name(llm)
     engine = llm.engine
@@ -192,7 +192,7 @@ def describe_startup(llm) -> list[str]:
         f"prefix caching {'on' if engine.config.enable_prefix_caching else 'off'}")
     lines.append(f"loaded in {llm.load_seconds:.1f} s")
     if llm.warmup_info:
-        from serving.compile_cache import describe_warmup
+        from serving.core.compile_cache import describe_warmup
 
         lines.append(describe_warmup(llm.warmup_info, getattr(llm, "compilation_cache_dir", None)))
     return lines
@@ -254,7 +254,7 @@ class ServerThread:
 
 def join_from_flags() -> bool:
     """Joins the multi-process runtime when the flags or environment ask for it (before any device use)."""
-    from serving import distributed
+    from serving.cluster import distributed
 
     return distributed.initialize(
         coordinator_address=FLAGS.coordinator_address, num_processes=FLAGS.num_processes,
@@ -264,15 +264,15 @@ def join_from_flags() -> bool:
 
 def make_llm_from_flags(flag_values: Optional[flags.FlagValues] = None):
     """The `LLM` the flags describe: every engine option passed through, every shape compiled up front."""
-    from serving import engine_args
-    from serving.llm import LLM
+    from serving.core import engine_args
+    from serving.core.llm import LLM
 
     fv = FLAGS if flag_values is None else flag_values
     return LLM(fv.checkpoint, warmup=True, **engine_args.from_flags(fv))
 
 
 def _peak_from_flags():
-    from serving.http_metrics import device_peak
+    from serving.http.http_metrics import device_peak
 
     bw = FLAGS.peak_bandwidth_gbps * 1e9 if FLAGS.peak_bandwidth_gbps else None
     fl = FLAGS.peak_tflops * 1e12 if FLAGS.peak_tflops else None
@@ -294,7 +294,7 @@ def main(argv) -> None:
     if level > logging.DEBUG:  # checkpoint and backend chatter only when debugging
         for noisy in ("absl", "jax", "orbax"):
             logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
-    from serving import compile_cache
+    from serving.core import compile_cache
 
     join_from_flags()
     cache_dir = compile_cache.enable(FLAGS.compilation_cache_dir)  # before anything compiles
@@ -305,7 +305,7 @@ def main(argv) -> None:
         log.info("%s", line)
     if llm.multihost is not None and not llm.multihost.is_leader:
         sys.exit(llm.multihost.serve())  # process 0 serves HTTP; this one replays its device calls
-    from serving.http_auth import APIKeys
+    from serving.http.http_auth import APIKeys
 
     secret = FLAGS.kv_transfer_secret or os.environ.get(SECRET_ENV) or None
     api_keys = APIKeys.parse(FLAGS.api_key or os.environ.get(API_KEY_ENV), FLAGS.cache_salt_per_api_key)
@@ -313,7 +313,7 @@ def main(argv) -> None:
              f"{len(api_keys.keys)} accepted" if api_keys.enabled else "none (the API is open)",
              "on (signed payloads)" if secret else f"off (set --kv_transfer_secret or ${SECRET_ENV})")
     if FLAGS.kv_transfer_warmup and secret:
-        from serving import kv_transfer
+        from serving.disaggregation import kv_transfer
 
         log.info("KV transfer warm-up: %d executables", kv_transfer.warm_up(llm.engine))
     elif FLAGS.kv_transfer_warmup:

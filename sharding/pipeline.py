@@ -106,7 +106,7 @@ class _StageLayout(Layout):
 class PipelineLayout:
     """A (data, pipeline, tensor) mesh, a rule table and the number of microbatches.
 
-    Hashable: a static argument of `jax.jit`. Offers what `serving.model_runner`
+    Hashable: a static argument of `jax.jit`. Offers what `serving.core.model_runner`
     expects of a layout (`param_shardings`, `cache_shardings`, `replicated`), plus
     `stage_params` / `init_cache` for the staged pytrees and `forward`, the
     pipelined forward pass.

@@ -28,7 +28,8 @@ import jax  # noqa: E402
 
 from model.config import LlamaConfig  # noqa: E402
 from model.params import init_params  # noqa: E402
-from serving import LLM, SamplingParams, distributed  # noqa: E402
+from serving import LLM, SamplingParams  # noqa: E402
+from serving.cluster import distributed
 
 CFG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=8, num_kv_heads=4,
                   head_dim=8, rope_theta=10000.0, dtype="float32", max_position_embeddings=1024,

@@ -18,7 +18,7 @@ import pytest
 from conftest import tiny_config
 from model.params import init_params
 from serving import LLM, SamplingParams
-from serving.model_runner import PendingStep, feed_tokens
+from serving.core.model_runner import PendingStep, feed_tokens
 
 CFG = tiny_config()
 PAGE = 8

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from serving.block_manager import BlockManager, block_digest, salt_digest
+from serving.core.block_manager import BlockManager, block_digest, salt_digest
 
 _ids = itertools.count(10_000)
 

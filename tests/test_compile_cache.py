@@ -3,7 +3,7 @@
 Each start is a fresh Python process (the in-memory jit caches die with it),
 so only the persistent cache can carry executables from one start to the
 next. Compilations are counted from JAX's monitoring events
-(`serving.compile_cache.compile_counts`), never by timing.
+(`serving.core.compile_cache.compile_counts`), never by timing.
 """
 
 import json
@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-from serving import compile_cache
+from serving.core import compile_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,7 +21,7 @@ START = r"""
 import json, sys
 sys.path.insert(0, "tests")
 cache_dir = sys.argv[1]
-from serving import compile_cache
+from serving.core import compile_cache
 compile_cache.enable(cache_dir)  # before anything compiles, so the whole process is counted
 before = compile_cache.compile_counts()
 import jax

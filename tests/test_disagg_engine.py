@@ -15,11 +15,11 @@ import pytest
 from conftest import run_to_completion, tiny_config
 from model.params import init_params
 from serving import LLM, SamplingParams
-from serving import kv_transfer as kt
-from serving import kv_wire
-from serving.model_runner import ModelRunner
-from serving.pipeline_runner import PipelineRunner
-from serving.sampling_params import InvalidParameterError
+from serving.disaggregation import kv_transfer as kt
+from serving.disaggregation import kv_wire
+from serving.core.model_runner import ModelRunner
+from serving.core.pipeline_runner import PipelineRunner
+from serving.core.sampling_params import InvalidParameterError
 
 CFG = tiny_config()
 COMMON = dict(max_model_len=64, min_token_bucket=8, min_context_bucket=16, attention_backend="reference")

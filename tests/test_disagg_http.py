@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from conftest import metric_value
-from serving import kv_wire
-from serving.disagg import run_disaggregated
-from serving.local_fleet import LocalFleet
+from serving.disaggregation import kv_wire
+from serving.disaggregation.disagg import run_disaggregated
+from serving.cluster.local_fleet import LocalFleet
 
 MODEL = "fleet"  # the --served_model_name LocalFleet gives its workers
 BYTES_PER_TOKEN = 2 * 4 * 2 * 64 * 4  # the embedded model: 4 layers, 2 KV heads of 64, float32

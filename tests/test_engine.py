@@ -19,9 +19,9 @@ from model.cache import pack_batch
 from model.forward import forward_jit
 from model.params import init_params
 from serving import LLM, SamplingParams
-from serving.sampling_params import InvalidParameterError
-from serving.input_batch import StepShape
-from serving.model_runner import _step_jit, compilation_count
+from serving.core.sampling_params import InvalidParameterError
+from serving.core.input_batch import StepShape
+from serving.core.model_runner import _step_jit, compilation_count
 
 CFG = tiny_config()  # vocab 97, 2 layers, hidden 64, EOS 2
 PAGE = 8

@@ -1,5 +1,5 @@
 """Every engine option has one default: the same in `EngineConfig`, in `LLM(...)`'s keywords and in the
-server's flags, all as `serving.engine_args` declares it; and each one is a flag and an `LLM` keyword."""
+server's flags, all as `serving.core.engine_args` declares it; and each one is a flag and an `LLM` keyword."""
 
 import dataclasses
 import inspect
@@ -11,8 +11,9 @@ import pytest
 from absl import flags
 
 from serving import LLM, EngineConfig
-from serving import engine_args, server
-from serving.engine_args import OPTIONS
+from serving import server
+from serving.core import engine_args
+from serving.core.engine_args import OPTIONS
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +97,7 @@ def test_flags_pass_through_to_llm(flag_values, monkeypatch):
         def __init__(self, checkpoint, **kw):
             seen.update(kw, checkpoint=checkpoint)
 
-    monkeypatch.setattr("serving.llm.LLM", FakeLLM)
+    monkeypatch.setattr("serving.core.llm.LLM", FakeLLM)
     server.make_llm_from_flags(fv)
     want = {o.name: o.default for o in OPTIONS}
     want.update(min_token_bucket=8, enable_prefix_caching=False, kv_cache_dtype="int8", speculative_method="ngram",

@@ -80,8 +80,8 @@ def test_kv_export_and_import_are_identical_at_tp_1_and_2(params, single_device_
     gives the tokens one device gives alone, and the sharded pool keeps its shardings."""
     from conftest import run_to_completion
     from serving import SamplingParams
-    from serving import kv_transfer as kt
-    from serving import kv_wire
+    from serving.disaggregation import kv_transfer as kt
+    from serving.disaggregation import kv_wire
 
     keys = kv_wire.SigningKeys("test secret")
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

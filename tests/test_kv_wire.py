@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 
-from serving import kv_wire
+from serving.disaggregation import kv_wire
 
 KEYS = kv_wire.SigningKeys("shared secret")
 HEADER = {"version": 2, "num_tokens": 3, "model": "m"}

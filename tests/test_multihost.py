@@ -31,7 +31,7 @@ import pytest
 
 import multihost_worker as worker
 from serving import LLM, SamplingParams
-from serving.distributed import Channel, DistributedConfig
+from serving.cluster.distributed import Channel, DistributedConfig
 from serving.launch import process_env, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -174,7 +174,7 @@ def test_a_process_that_never_joins_makes_the_other_give_up():
     env = process_env(0, 2, f"127.0.0.1:{free_port()}", 1)
     env["RIDGELINE_DIST_INIT_TIMEOUT_S"] = "3"
     code = ("import logging; logging.basicConfig(level=logging.INFO)\n"
-            "from serving import distributed; distributed.initialize(); print('joined')")
+            "from serving.cluster import distributed; distributed.initialize(); print('joined')")
     p = subprocess.Popen([PY, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, start_new_session=True)
     try:
@@ -295,8 +295,8 @@ class FakeEngine:
 
 
 def test_a_stuck_step_or_wait_is_reported_once_it_outlasts_the_call_timeout():
-    from serving.distributed import Deadline
-    from serving.multihost import Leader
+    from serving.cluster.distributed import Deadline
+    from serving.cluster.multihost import Leader
 
     store, dog, engine = FakeStore(), FakeWatchdog(), FakeEngine()
     config = DistributedConfig(call_timeout_s=0.2)

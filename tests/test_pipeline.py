@@ -21,8 +21,8 @@ from model.cache import cache_bytes, init_cache, pack_batch
 from model.forward import forward_jit
 from model.params import init_params
 from serving import LLM, SamplingParams
-from serving.input_batch import StepShape
-from serving.model_runner import _step_jit
+from serving.core.input_batch import StepShape
+from serving.core.model_runner import _step_jit
 from sharding import MeshError, make_mesh, param_shardings
 from sharding.hlo import collectives, shape_dims
 from sharding.pipeline import PipelineError, copy_staged_pages, make_pipeline_layout, pipeline_forward_jit

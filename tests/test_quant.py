@@ -212,7 +212,7 @@ THRESHOLDS = {
 
 @pytest.fixture(scope="module")
 def embedded():
-    from serving.llm import default_checkpoint_dir
+    from serving.core.llm import default_checkpoint_dir
 
     return load_checkpoint(default_checkpoint_dir())
 
@@ -288,9 +288,9 @@ def test_quantized_forward_matches_full_precision_on_the_embedded_model(embedded
 # --- the engine ----------------------------------------------------------------------------------------
 
 def test_llm_generate_with_int8_weights_and_int8_kv(embedded):
-    from serving.llm import LLM
-    from serving.model_runner import compilation_count
-    from serving.sampling_params import SamplingParams
+    from serving.core.llm import LLM
+    from serving.core.model_runner import compilation_count
+    from serving.core.sampling_params import SamplingParams
 
     prompts = ["def main(", "import os\nimport ", "class Foo:\n    def __init__(self", "for i in range(",
                "    return ", "# Copyright"]
@@ -322,7 +322,7 @@ def test_llm_generate_with_int8_weights_and_int8_kv(embedded):
     assert quant.streamed_weight_bytes(llm.engine.runner.params, cfg) < 0.45 * float_bytes
     # The MBU gauge's cost model and the startup log use those real counts.
     from serving import server
-    from serving.http_metrics import ModelCost
+    from serving.http.http_metrics import ModelCost
 
     cost = ModelCost.from_config(cfg, streamed_weight_bytes=server._streamed_weight_bytes(llm.engine.runner, cfg),
                                  kv_bytes_per_token=server._kv_bytes_per_token(llm.engine))
@@ -333,7 +333,7 @@ def test_llm_generate_with_int8_weights_and_int8_kv(embedded):
 
 
 def test_kv_pool_sizing_uses_real_bytes_per_token():
-    from serving.engine import EngineConfig, default_num_pages
+    from serving.core.engine import EngineConfig, default_num_pages
 
     cfg = tiny_config()
     config = EngineConfig(page_size=16, host_kv_cache_bytes=2**20, max_num_seqs=1000)
@@ -346,8 +346,8 @@ def test_kv_pool_sizing_uses_real_bytes_per_token():
 
 
 def test_bad_quantization_flags_are_clear_errors():
-    from serving.engine import Engine, EngineConfig
-    from serving.llm import LLM
+    from serving.core.engine import Engine, EngineConfig
+    from serving.core.llm import LLM
 
     with pytest.raises(ValueError, match=r"weight_dtype must be one of \['auto', 'int8', 'fp8'\], got 'int4'"):
         LLM(weight_dtype="int4")
@@ -404,7 +404,7 @@ def test_plan_counts_real_quantized_bytes():
 
 
 def test_copy_on_write_copies_quantized_pages_and_their_scales():
-    from serving.model_runner import _copy_jit
+    from serving.core.model_runner import _copy_jit
 
     cfg = tiny_config(num_layers=1)
     rng = np.random.RandomState(5)

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from conftest import metric_value
-from serving.local_fleet import LocalFleet
+from serving.cluster.local_fleet import LocalFleet
 
 # Tiny buckets: one token bucket x four page buckets, so a cold start compiles a handful of shapes.
 WORKER_FLAGS = ["--max_num_seqs=4", "--max_num_batched_tokens=16", "--min_token_bucket=16", "--max_model_len=256",

@@ -17,12 +17,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from model.tokenizer import load_tokenizer
-from serving.block_manager import BlockManager, block_digest, salt_digest
-from serving.chat_template import encode_chat
-from serving.llm import default_checkpoint_dir
+from serving.core.block_manager import BlockManager, block_digest, salt_digest
+from serving.http.chat_template import encode_chat
+from serving.core.llm import default_checkpoint_dir
 from serving.router import RouterService, create_router_app, transfer_figures
-from serving.router_index import PrefixIndex, PromptEncoder, Router, WorkerLoad, block_hashes
-from serving.router_workers import parse_worker_metrics
+from serving.routing.router_index import PrefixIndex, PromptEncoder, Router, WorkerLoad, block_hashes
+from serving.routing.router_workers import parse_worker_metrics
 from serving.server import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.parametrize("code", [
     "import serving.router, sys; assert 'jax' not in sys.modules",
     # Running: the router's prompt encoder loads the tokenizer and tokenizes a completion and a chat.
-    "import sys; from serving.router import RouterService; from serving.router_index import PromptEncoder; "
+    "import sys; from serving.router import RouterService; from serving.routing.router_index import PromptEncoder; "
     "e = PromptEncoder(); assert e.prompts('completions', {'prompt': 'hi'}) and e.prompts('chat', "
     "{'model': 'm', 'messages': [{'role': 'user', 'content': 'hi'}]}); "
     "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if m.startswith('jax'))[:5]",
@@ -48,8 +48,8 @@ def test_the_router_runs_without_jax(code):
 def test_old_import_paths_still_work():
     import serving
     from serving import LLM, SamplingParams  # noqa: F401
-    from serving.http_app import ClientGone, primed_stream, until_disconnect
-    from serving import http_util
+    from serving.http.http_app import ClientGone, primed_stream, until_disconnect
+    from serving.http import http_util
 
     assert (ClientGone, primed_stream, until_disconnect) == (http_util.ClientGone, http_util.primed_stream,
                                                             http_util.until_disconnect)
@@ -405,7 +405,7 @@ def test_disaggregated_mode_uses_both_pools_and_records_transfers(fleet):
     async def fake_disagg(client, prefill_url, decode_url, endpoint, body, headers=None):
         calls.append((prefill_url, decode_url, endpoint))
         req = client.build_request("POST", decode_url + endpoint, json=body)
-        # serving.disagg's record: kv_bytes and transfer_seconds (among others)
+        # serving.disaggregation.disagg's record: kv_bytes and transfer_seconds (among others)
         return await client.send(req, stream=True), types.SimpleNamespace(kv_bytes=1000, transfer_seconds=0.01,
                                                                            num_tokens=10)
 

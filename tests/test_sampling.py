@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from model.tokenizer import ByteTokenizer
-from serving.detokenizer import ByteDetokenizer, WindowDetokenizer
-from serving.output_processor import _find_stop
-from serving.sampler import SamplingInputs, sample
-from serving.sampling_params import InvalidParameterError, SamplingParams
+from serving.core.detokenizer import ByteDetokenizer, WindowDetokenizer
+from serving.core.output_processor import _find_stop
+from serving.core.sampler import SamplingInputs, sample
+from serving.core.sampling_params import InvalidParameterError, SamplingParams
 
 
 # --- parameters -----------------------------------------------------------------------------------

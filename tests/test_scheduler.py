@@ -17,11 +17,11 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from conftest import run_to_completion, tiny_config
-from serving.engine import Engine, EngineConfig
-from serving.model_runner import StepResult
-from serving.sampling_params import SamplingParams
-from serving.scheduler import Scheduler, SchedulerConfig
-from serving.block_manager import BlockManager
+from serving.core.engine import Engine, EngineConfig
+from serving.core.model_runner import StepResult
+from serving.core.sampling_params import SamplingParams
+from serving.core.scheduler import Scheduler, SchedulerConfig
+from serving.core.block_manager import BlockManager
 
 EOS = 2
 
@@ -135,7 +135,7 @@ def check_against_reference(engine, out, prompt, params, eos_every=0):
 # --- the scheduler alone ----------------------------------------------------------------------
 
 def make_seq(prompt, rid="r", n=1, max_tokens=8):
-    from serving.sequence import Request
+    from serving.core.sequence import Request
 
     params = SamplingParams(n=n, max_tokens=max_tokens, temperature=0)
     return Request(rid, None, prompt, params, 0, 0.0).seqs[0]
@@ -210,7 +210,7 @@ def test_a_request_that_can_never_fit_errors():
 
 
 def test_engine_rejects_what_the_pool_could_never_hold():
-    from serving.engine import ContextLengthError
+    from serving.core.engine import ContextLengthError
 
     engine, _ = make_engine(num_pages=4, page_size=4, max_model_len=16)
     with pytest.raises(ContextLengthError) as e:

@@ -24,7 +24,7 @@ import pytest
 from conftest import tiny_config
 from model.params import init_params
 from serving import LLM, SamplingParams
-from serving.sampler import SamplingInputs
+from serving.core.sampler import SamplingInputs
 from serving.spec_decode import rejection_sampler, verify_step
 
 # Critical values of chi-square at p = 0.001 by degrees of freedom.

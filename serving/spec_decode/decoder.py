@@ -28,8 +28,8 @@ import time
 
 import numpy as np
 
-from serving.model_runner import StepResult, _copy_jit
-from serving.sequence import SequenceStatus
+from serving.core.model_runner import StepResult, _copy_jit
+from serving.core.sequence import SequenceStatus
 from serving.spec_decode import draft_model
 from serving.spec_decode.ngram import NgramProposer
 from serving.spec_decode.options import check_options, default_draft_dir

@@ -30,9 +30,9 @@ import numpy as np
 from model.cache import BatchMetadata, init_cache
 from model.config import ModelConfig
 from model.forward import forward
-from serving.block_manager import BlockManager
-from serving.input_batch import Buckets, StepShape, sampling_row
-from serving.sampler import inverse_cdf
+from serving.core.block_manager import BlockManager
+from serving.core.input_batch import Buckets, StepShape, sampling_row
+from serving.core.sampler import inverse_cdf
 from serving.spec_decode.rejection_sampler import DRAFT_STREAM, stream_uniforms
 
 

@@ -7,7 +7,7 @@ next position (or -1 on the last row, the "bonus" row, and on every ordinary
 row), and `q`, the distribution the proposer drew `d` from.
 
 Per row, with `p` the target's sampling distribution (temperature, min-p,
-top-k and top-p applied exactly as `serving.sampler` does):
+top-k and top-p applied exactly as `serving.core.sampler` does):
 
 * a random row accepts `d` with probability min(1, p(d) / q(d)); when it
   rejects, it draws from norm(max(0, p - q)). Accepting or drawing the
@@ -34,7 +34,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from serving.sampler import SamplingInputs, filtered_logits, inverse_cdf, row_uniforms
+from serving.core.sampler import SamplingInputs, filtered_logits, inverse_cdf, row_uniforms
 
 ACCEPT_STREAM = 0x5EC0  # folded into a row's key for its acceptance test
 DRAFT_STREAM = 0xD4AF  # folded into a row's key when a draft model samples it

@@ -1,6 +1,6 @@
 """The target model's step when speculation is on: forward, then verify drafts on device.
 
-Same padded inputs as `serving.model_runner`'s step (one int32 and one
+Same padded inputs as `serving.core.model_runner`'s step (one int32 and one
 float32 buffer laid out by `StepShape`), plus one more int32 buffer of three
 `[S]` row fields (draft token, first row of the row's sequence, index of the
 row's draft distribution) and, for a draft model, its distributions
@@ -18,9 +18,9 @@ import numpy as np
 
 from model.forward import forward
 from model.config import ModelConfig
-from serving.input_batch import StepShape
-from serving.model_runner import unpack_step
-from serving.sampler import _logprobs, num_top_logprobs, LogprobsOutput
+from serving.core.input_batch import StepShape
+from serving.core.model_runner import unpack_step
+from serving.core.sampler import _logprobs, num_top_logprobs, LogprobsOutput
 from serving.spec_decode.rejection_sampler import verify
 
 NUM_ROW_FIELDS = 3  # draft_token, group_start, q_index

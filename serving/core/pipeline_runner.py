@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 
 from sharding.pipeline import copy_staged_pages
-from serving.model_runner import ModelRunner
+from serving.core.model_runner import ModelRunner
 
 
 _copy_staged_jit = jax.jit(copy_staged_pages, static_argnames=("layout",), donate_argnums=(0,))
@@ -42,6 +42,6 @@ class PipelineRunner(ModelRunner):
 
     @staticmethod
     def compilation_count() -> int:
-        from serving.model_runner import compilation_count
+        from serving.core.model_runner import compilation_count
 
         return compilation_count() + _copy_staged_jit._cache_size()

@@ -25,18 +25,18 @@ import numpy as np
 
 from model.config import ModelConfig
 from model.quant import check_kv_cache_dtype, check_weight_dtype, kv_bytes_per_token, kv_cache_dtype, quantize_params
-from serving import engine_args
-from serving.block_manager import BlockManager
-from serving.input_batch import Buckets, pack_step, sampling_row
-from serving.model_runner import ModelRunner
-from serving.kv_pool import default_num_pages
-from serving.output_processor import OutputProcessor
-from serving.outputs import RequestOutput
-from serving.sampling_params import InvalidParameterError, SamplingParams
-from serving.scheduler import PoolTooSmall, Scheduler, SchedulerConfig, SchedulerOutput
-from serving.sequence import Request, Sequence
+from serving.core import engine_args
+from serving.core.block_manager import BlockManager
+from serving.core.input_batch import Buckets, pack_step, sampling_row
+from serving.core.model_runner import ModelRunner
+from serving.core.kv_pool import default_num_pages
+from serving.core.output_processor import OutputProcessor
+from serving.core.outputs import RequestOutput
+from serving.core.sampling_params import InvalidParameterError, SamplingParams
+from serving.core.scheduler import PoolTooSmall, Scheduler, SchedulerConfig, SchedulerOutput
+from serving.core.sequence import Request, Sequence
 from serving.spec_decode.options import check_options as check_spec_options, logit_rows as spec_logit_rows
-from serving.stats import EngineStats, FinishedRequestStats, IterationStats, StatsLog
+from serving.core.stats import EngineStats, FinishedRequestStats, IterationStats, StatsLog
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class ContextLengthError(InvalidParameterError):
 
 
 # How the engine batches, caches and samples: a frozen dataclass with one field per option of
-# `serving.engine_args` that the engine reads (same names, types, defaults; the help there says what each does).
+# `serving.core.engine_args` that the engine reads (same names, types, defaults; the help there says what each does).
 EngineConfig = engine_args.make_engine_config_class(__name__)
 
 
@@ -84,7 +84,7 @@ class Engine:
                                config.min_token_bucket, -(-config.min_context_bucket // ps))
         runner_class = ModelRunner
         if getattr(layout, "pipeline_parallel_size", 1) > 1:  # staged params and KV cache
-            from serving.pipeline_runner import PipelineRunner as runner_class
+            from serving.core.pipeline_runner import PipelineRunner as runner_class
         self.runner = runner or runner_class(cfg, params, num_pages=num_pages, page_size=ps, buckets=self.buckets,
                                              backend=config.attention_backend, layout=layout,
                                              cache_dtype=self.cache_dtype)
@@ -106,7 +106,7 @@ class Engine:
         self._lock = threading.Lock()  # guards the seed generator (make_request may run on any thread)
         self._pending_finished: list[FinishedRequestStats] = []
         self._step_count = 0
-        self._pending_imports: list[Request] = []  # requests resuming a shipped prefill (serving.kv_transfer)
+        self._pending_imports: list[Request] = []  # requests resuming a shipped prefill (serving.disaggregation.kv_transfer)
         # Overlapped scheduling needs a runner that dispatches without waiting; speculative
         # steps choose the next step's drafts from this step's tokens, so they run one at a time.
         self.overlap = config.async_scheduling and self.spec is None
@@ -332,10 +332,10 @@ class Engine:
     def make_output(self, req: Request) -> RequestOutput:
         return self.outputs.make_output(req)
 
-    # --- shipping a prefill's KV between engines (serving.kv_transfer) ---------------------------
+    # --- shipping a prefill's KV between engines (serving.disaggregation.kv_transfer) ---------------------------
     def export_prompt_kv(self, seq: Sequence, first_token: int, result, row: int):
         """The prompt's K/V pages (gathered on device, not yet copied) and its first sampled token."""
-        from serving import kv_transfer
+        from serving.disaggregation import kv_transfer
 
         table = self.block_manager.table(seq)[:self.block_manager.blocks_needed(seq.num_prompt_tokens)]
         lp = None
@@ -352,7 +352,7 @@ class Engine:
 
         Returns ({request id: request} that produced output, stats of those first tokens).
         """
-        from serving import kv_transfer
+        from serving.disaggregation import kv_transfer
 
         touched, it = {}, IterationStats(0, 0, 0, 0, 0, 0, 0.0, 0.0, 0)
         now = time.monotonic()

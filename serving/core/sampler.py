@@ -22,11 +22,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from serving.sampling_params import MAX_LOGPROBS
+from serving.core.sampling_params import MAX_LOGPROBS
 
 
 class SamplingInputs(NamedTuple):
-    """The sampler's inputs: the per-row parameters of `serving.sampling_table` (same names), then
+    """The sampler's inputs: the per-row parameters of `serving.core.sampling_table` (same names), then
     what packing computes per row and per batch."""
 
     temperature: jax.Array  # [R] f32, 0 = greedy

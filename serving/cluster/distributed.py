@@ -146,7 +146,7 @@ def initialize(config: Optional[DistributedConfig] = None, **overrides) -> bool:
     except RuntimeError as e:
         if "must be called before" in str(e):
             raise RuntimeError("a multi-process run must join the JAX distributed runtime before JAX uses any "
-                               "device: call serving.distributed.initialize() first (before building params, "
+                               "device: call serving.cluster.distributed.initialize() first (before building params, "
                                "jax.devices(), ...)") from e
         raise
     finally:
@@ -255,7 +255,7 @@ def coordination_client():
 
     client = jax_distributed.global_state.client
     if client is None:
-        raise RuntimeError("the JAX distributed runtime is not initialized (call serving.distributed.initialize)")
+        raise RuntimeError("the JAX distributed runtime is not initialized (call serving.cluster.distributed.initialize)")
     return client
 
 

@@ -1,9 +1,9 @@
 """`LLM`: the offline, programmatic API (`llm.generate(prompts, params)`).
 
 In a multi-process run (`serving.launch`, or `RIDGELINE_*` / cluster settings, see
-`serving.distributed`) every process builds the same `LLM` and calls the same
+`serving.cluster.distributed`) every process builds the same `LLM` and calls the same
 methods: process 0 schedules and runs, the others replay its device calls
-(`serving.multihost`), and `generate` returns process 0's outputs everywhere.
+(`serving.cluster.multihost`), and `generate` returns process 0's outputs everywhere.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from typing import Optional, Sequence, Union
 from model.checkpoint import load_checkpoint, load_config
 from model.quant import check_kv_cache_dtype, check_weight_dtype
 from model.tokenizer import ByteTokenizer, load_tokenizer
-from serving import compile_cache, distributed, engine_args, multihost
-from serving.engine import Engine, EngineConfig
-from serving.outputs import RequestOutput
-from serving.sampling_params import SamplingParams
+from serving.core import compile_cache, engine_args
+from serving.cluster import distributed, multihost
+from serving.core.engine import Engine, EngineConfig
+from serving.core.outputs import RequestOutput
+from serving.core.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class LLM:
     benchmarks. `warmup=True` compiles every step shape up front (a server
     wants that; a short script usually does not). `compilation_cache_dir`
     points JAX's persistent compilation cache somewhere (None: the default
-    location, see `serving.compile_cache`; "": off), so a second start loads
+    location, see `serving.core.compile_cache`; "": off), so a second start loads
     its executables instead of compiling them.
 
     `tensor_parallel_size=T` shards every layer over T devices;
@@ -97,7 +98,7 @@ class LLM:
     @engine_args.with_option_keywords
     def __init__(self, checkpoint: Optional[str] = None, *, config=None, params=None, tokenizer=None,
                  warmup: bool = False, speculative_draft=None, **options):
-        """Every option of `serving.engine_args.OPTIONS` is a keyword here, with its declared default (the
+        """Every option of `serving.core.engine_args.OPTIONS` is a keyword here, with its declared default (the
         signature lists them); `EngineConfig` gets those it holds. The options:
         """
         opts = engine_args.resolve(options)

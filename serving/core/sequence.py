@@ -23,9 +23,9 @@ import enum
 import itertools
 from typing import Optional
 
-from serving.block_manager import salt_digest
-from serving.outputs import Logprob, RequestMetrics
-from serving.sampling_params import SamplingParams
+from serving.core.block_manager import salt_digest
+from serving.core.outputs import Logprob, RequestMetrics
+from serving.core.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -65,7 +65,7 @@ class Sequence:
         self.block_hashes: list[bytes] = []  # chained digests of this sequence's full blocks
         self.text = ""  # detokenized output so far (cut at a stop string)
         self.last_token_time: Optional[float] = None
-        # Overlapped scheduling (serving.engine): tokens already drawn by dispatched steps but not
+        # Overlapped scheduling (serving.core.engine): tokens already drawn by dispatched steps but not
         # yet seen on the host, and how many dispatched, unprocessed steps include this sequence.
         self.num_pending = 0
         self.num_in_flight = 0
@@ -142,7 +142,7 @@ class Request:
         # Prefix-cache isolation: requests with different salts share no cached pages.
         self.cache_salt = cache_salt
         self.hash_root = salt_digest(cache_salt)
-        # Disaggregated serving (serving.kv_transfer): the shipped prompt K/V this request resumes
+        # Disaggregated serving (serving.disaggregation.kv_transfer): the shipped prompt K/V this request resumes
         # from, and the callback that receives this request's prompt K/V when its first token exists.
         self.kv_import = None
         self.kv_export = None

@@ -17,7 +17,7 @@ completes its tokens this step needs one row per sample it draws (n at the
 end of a prompt with `n > 1`), and a prompt that asked for `prompt_logprobs`
 needs one row per prompt position.
 
-With overlapped scheduling (serving.engine) the next step is planned while
+With overlapped scheduling (serving.core.engine) the next step is planned while
 the last one still runs: a step's tokens count as computed, and its draws as
 `num_pending`, from the moment it is dispatched; `update` later appends the
 drawn tokens.
@@ -29,8 +29,8 @@ import collections
 import dataclasses
 from typing import Optional
 
-from serving.block_manager import BlockManager
-from serving.sequence import Sequence, SequenceStatus
+from serving.core.block_manager import BlockManager
+from serving.core.sequence import Sequence, SequenceStatus
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,10 +22,10 @@ import logging
 import threading
 from typing import AsyncIterator, Optional
 
-from serving.engine import Engine, PromptType
-from serving.outputs import RequestOutput
-from serving.sampling_params import InvalidParameterError, SamplingParams
-from serving.stats import EngineStats
+from serving.core.engine import Engine, PromptType
+from serving.core.outputs import RequestOutput
+from serving.core.sampling_params import InvalidParameterError, SamplingParams
+from serving.core.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class AsyncEngine:
         `cache_salt` isolates the request's prefix-cache pages (`Engine.make_request`).
         `kv_import` (a `kv_transfer.KVImport`) resumes the request from a shipped prefill instead of
         computing its prompt; `kv_export(PrefillExport)` is called on the engine thread when its first
-        token is sampled (see `serving.kv_transfer`).
+        token is sampled (see `serving.disaggregation.kv_transfer`).
 
         Raises `InvalidParameterError` (bad prompt or parameter, nothing queued),
         `ValueError` (request id in use) or `EngineDeadError`.
@@ -88,7 +88,7 @@ class AsyncEngine:
         req = self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt)
         req.stream = True
         if kv_import is not None or kv_export is not None:
-            from serving.kv_transfer import check_import, unsupported_reason
+            from serving.disaggregation.kv_transfer import check_import, unsupported_reason
 
             reason = unsupported_reason(self.engine)
             if reason:

@@ -2,7 +2,7 @@
 
 Three things are derived from `OPTIONS`, so they cannot drift apart:
 
-* `serving.engine.EngineConfig`, the frozen dataclass of the options the
+* `serving.core.engine.EngineConfig`, the frozen dataclass of the options the
   engine itself reads (`EngineOption.engine_config`);
 * the keyword arguments of `serving.LLM(...)`: every option, with the same
   default (the others, `tensor_parallel_size` and the like, shape how the
@@ -102,7 +102,7 @@ def make_engine_config_class(module: str) -> type:
     fields = [(o.name, o.type, dataclasses.field(default=o.default)) for o in ENGINE_CONFIG_OPTIONS]
     cls = dataclasses.make_dataclass("EngineConfig", fields, frozen=True)
     cls.__module__ = module  # where pickle and repr find it
-    cls.__doc__ = ("How the engine batches, caches and samples; generated from `serving.engine_args.OPTIONS`, "
+    cls.__doc__ = ("How the engine batches, caches and samples; generated from `serving.core.engine_args.OPTIONS`, "
                    "the table `LLM(...)`'s keywords and the server's flags come from too.\n\n"
                    + describe(ENGINE_CONFIG_OPTIONS))
     return cls
@@ -126,7 +126,7 @@ def with_option_keywords(fn):
     head = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
     named = sorted({p.name for p in head} & BY_NAME.keys())
     if named:
-        raise TypeError(f"{fn.__qualname__} declares {named} itself; they are options of serving.engine_args")
+        raise TypeError(f"{fn.__qualname__} declares {named} itself; they are options of serving.core.engine_args")
     added = [inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.type)
              for o in OPTIONS]
     fn.__signature__ = sig.replace(parameters=head + added)

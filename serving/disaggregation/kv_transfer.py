@@ -15,7 +15,7 @@ different page sizes. Both calls go through the runner (`ModelRunner.
 export_pages` / `import_tokens`), the one place that places arrays, so they
 work under tensor parallelism too.
 
-The payload is signed and read under size caps by `serving.kv_wire` (its
+The payload is signed and read under size caps by `serving.disaggregation.kv_wire` (its
 framing and tags); this module says what its header holds (`payload_header`)
 and how many array bytes an engine accepts after it (`body_bytes`: the same
 geometry and dtype, at most the tokens the pool and context window hold). The
@@ -38,7 +38,7 @@ import numpy as np
 
 from kernels_pallas.pow2 import next_pow2
 from model.cache import KVCache
-from serving import kv_wire
+from serving.disaggregation import kv_wire
 
 VERSION = 2
 KV_ARRAYS = ("k", "v")  # what this engine reads and writes; quantized caches would add e.g. "k_scale"
@@ -157,7 +157,7 @@ class KVImport:
 
     def step_result(self, k: Optional[int]):
         """The first token's logprobs in the shape of a one-row `StepResult` (for the engine's output path)."""
-        from serving.model_runner import StepResult
+        from serving.core.model_runner import StepResult
 
         if k is None:
             return StepResult(np.asarray([self.first_token]))
@@ -179,7 +179,7 @@ def unsupported_reason(engine) -> Optional[str]:
 
 def check_import(req, imp: KVImport) -> None:
     """Raises InvalidParameterError unless `imp` can resume `req` (same prompt, one sample, logprobs shipped)."""
-    from serving.sampling_params import InvalidParameterError
+    from serving.core.sampling_params import InvalidParameterError
 
     p = req.params
     if req.prompt_token_ids != imp.prompt_token_ids:

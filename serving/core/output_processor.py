@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence as Seq
 
-from serving.detokenizer import make_detokenizer
-from serving.outputs import CompletionOutput, Logprob, RequestOutput
-from serving.sequence import Request, Sequence
-from serving.stats import IterationStats, StatsLog
+from serving.core.detokenizer import make_detokenizer
+from serving.core.outputs import CompletionOutput, Logprob, RequestOutput
+from serving.core.sequence import Request, Sequence
+from serving.core.stats import IterationStats, StatsLog
 
 
 class OutputProcessor:

@@ -5,10 +5,10 @@ profiling routes need `Authorization: Bearer <key>` with one of the keys;
 anything else is a 401 in OpenAI's error envelope (`invalid_api_key`).
 `/health` and `/metrics` stay open, as load balancers and Prometheus expect,
 and `/internal/decode` is authenticated by the payload's signature instead
-(`serving.kv_wire`).
+(`serving.disaggregation.kv_wire`).
 
 The salt a request's prefix-cache pages are named under (`cache_salt`, see
-`serving.block_manager`) is the client's own `cache_salt` field; with
+`serving.core.block_manager`) is the client's own `cache_salt` field; with
 `--cache_salt_per_api_key` it is also bound to the key the request came with,
 so tenants holding different keys never share cached pages, whatever salt
 they send. (A client that names another tenant's salt cannot reach that
@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 from fastapi import Request
 
-from serving import http_protocol as P
+from serving.http import http_protocol as P
 
 
 class APIKeys:

@@ -28,7 +28,7 @@ from typing import Optional
 
 import jax
 
-from serving import distributed
+from serving.cluster import distributed
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +233,7 @@ class Follower:
                 return 0
 
     def warm_up(self) -> dict:
-        from serving.model_runner import compilation_count
+        from serving.core.model_runner import compilation_count
 
         count = getattr(self.runner, "compilation_count", compilation_count)
         t0 = time.perf_counter()

@@ -4,7 +4,7 @@ Contract (what a router relies on)
 ----------------------------------
 Both roles are ordinary `python -m serving.server` processes started with the
 same `--kv_transfer_secret`; such a server mounts two internal routes next to
-the OpenAI API (`serving.http_app`), so any worker can act as a prefill
+the OpenAI API (`serving.http.http_app`), so any worker can act as a prefill
 worker, a decode worker, or serve whole requests. Without a secret the routes
 do not exist: an import writes into the prefix cache every client shares, so
 it must come from a worker that computed it.
@@ -16,7 +16,7 @@ parameters and seed (max_tokens is forced to 1 here; the client's value is
 still checked against the context window; where the server has API keys the
 route needs one, like the endpoint it stands in for). The answer is a binary
 KV payload (`application/x-ridgeline-kv`), streamed and signed
-(`serving.kv_wire`):
+(`serving.disaggregation.kv_wire`):
 
     b"RKV2" | uint32 LE header length | header JSON (utf-8) | header tag | raw array bytes | payload tag
 
@@ -85,9 +85,9 @@ from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from serving import http_protocol as P
-from serving import kv_wire
-from serving.sampling_params import InvalidParameterError
+from serving.http import http_protocol as P
+from serving.disaggregation import kv_wire
+from serving.core.sampling_params import InvalidParameterError
 
 PAYLOAD_MEDIA_TYPE = "application/x-ridgeline-kv"
 ENDPOINTS = {"/v1/completions": ("completions", P.CompletionRequest),
@@ -258,7 +258,7 @@ def add_kv_transfer_routes(app: FastAPI, ctx, secret: str, dependencies=()) -> N
     `secret` signs the payloads this worker ships and verifies the ones it receives; `dependencies`
     (the API-key check) guard `/internal/prefill` as they guard the OpenAI routes it stands in for.
     """
-    from serving import kv_transfer as kt  # imports jax: not needed by a router that only calls run_disaggregated
+    from serving.disaggregation import kv_transfer as kt  # imports jax: not needed by a router that only calls run_disaggregated
 
     keys = kv_wire.SigningKeys(secret)
     max_header = kt.max_header_bytes(ctx.max_model_len)

@@ -13,7 +13,7 @@ accepts as its `layout` (`sharding.Layout` is one). With `layout=None`
 everything lives on the default device and no sharding code runs. A layout
 with a `forward` method of its own (`sharding.pipeline.PipelineLayout`) runs
 the model through it instead; its staged params and cache are placed by
-`serving.pipeline_runner.PipelineRunner`.
+`serving.core.pipeline_runner.PipelineRunner`.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from model.cache import BatchMetadata, KVCache, cache_bytes, init_cache
 from model.config import ModelConfig
 from model.forward import forward
 from model.params import param_bytes
-from serving.input_batch import Buckets, StepShape, StepBatch
-from serving.sampler import SamplingInputs, sample
-from serving.sampling_table import ROW_PARAMS
+from serving.core.input_batch import Buckets, StepShape, StepBatch
+from serving.core.sampler import SamplingInputs, sample
+from serving.core.sampling_table import ROW_PARAMS
 
 
 def unpack_step(v: dict) -> tuple[BatchMetadata, SamplingInputs]:
@@ -53,7 +53,7 @@ def feed_tokens(tokens, feed_rows, feed):
 
     `feed_rows[i] >= 0` marks token i as the id sampled in row `feed_rows[i]` of the step
     dispatched just before this one (`feed`), which the host has not seen yet (see
-    `serving.engine`'s overlapped scheduling); -1 keeps the host's token."""
+    `serving.core.engine`'s overlapped scheduling); -1 keeps the host's token."""
     return jnp.where(feed_rows >= 0, feed[jnp.maximum(feed_rows, 0)], tokens)
 
 
@@ -153,7 +153,7 @@ class ModelRunner:
         return params, cache
 
     # --- device calls: every one passes through _run or _copy ----------------------------------
-    # Multi-host serving (serving.multihost) plugs in here: `dispatch_hook(kind, *host_arrays, **static)`
+    # Multi-host serving (serving.cluster.multihost) plugs in here: `dispatch_hook(kind, *host_arrays, **static)`
     # sees each device call with its host inputs before it is dispatched, so process 0 can send it to
     # the other processes, which run it with `replay`. When the mesh spans processes, host inputs
     # become global arrays.
@@ -295,14 +295,14 @@ class ModelRunner:
 
     def export_pages(self, table: list[int]):
         """`[layers, 2, P, page_size, kv_heads, head_dim]` on device (not waited for), P >= len(table)."""
-        from serving import kv_transfer
+        from serving.disaggregation import kv_transfer
 
         (pages,) = self._host_inputs(kv_transfer.padded_pages(table))
         return kv_transfer.gather_jit(self.cache, pages)
 
     def import_tokens(self, slots: np.ndarray, kv: np.ndarray) -> None:
         """Writes host K/V (`[layers, 2, n, kv_heads, head_dim]`) at token `slots` of the donated cache."""
-        from serving import kv_transfer
+        from serving.disaggregation import kv_transfer
 
         slots, kv = self._host_inputs(*kv_transfer.padded_tokens(slots, kv, self.num_pages * self.page_size))
         shardings = None
@@ -313,7 +313,7 @@ class ModelRunner:
     def warm_up_transfer(self, max_model_len: int) -> int:
         """Compiles the gather and the scatter for every size a request of up to `max_model_len`
         tokens ships; writes nothing (every slot is padding). Returns how many executables compiled."""
-        from serving import kv_transfer
+        from serving.disaggregation import kv_transfer
 
         before = kv_transfer.compilation_count()
         page_counts, token_counts = kv_transfer.transfer_sizes(max_model_len, self.page_size)

@@ -16,7 +16,7 @@ from typing import Iterable, Optional
 
 import httpx
 
-from serving.router_index import PrefixIndex, WorkerLoad
+from serving.routing.router_index import PrefixIndex, WorkerLoad
 
 log = logging.getLogger("ridgeline.router")
 

@@ -29,15 +29,15 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from model.tokenizer import ByteTokenizer
-from serving import http_protocol as P
-from serving import kv_transfer
-from serving.chat_template import ChatTemplateError, encode_chat
-from serving.http_auth import APIKeys
-from serving.profiling import TraceControl
-from serving.async_engine import EngineDeadError
-from serving.engine import ContextLengthError
-from serving.http_util import ClientGone, primed_stream, until_disconnect  # noqa: F401 (also imported from here)
-from serving.sampling_params import InvalidParameterError, SamplingParams
+from serving.http import http_protocol as P
+from serving.disaggregation import kv_transfer
+from serving.http.chat_template import ChatTemplateError, encode_chat
+from serving.http.http_auth import APIKeys
+from serving.http.profiling import TraceControl
+from serving.core.async_engine import EngineDeadError
+from serving.core.engine import ContextLengthError
+from serving.http.http_util import ClientGone, primed_stream, until_disconnect  # noqa: F401 (also imported from here)
+from serving.core.sampling_params import InvalidParameterError, SamplingParams
 
 log = logging.getLogger("ridgeline.http")
 
@@ -277,9 +277,9 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
                kv_transfer_secret: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (an `AsyncEngine`) under the name `model_name`.
 
-    `api_keys` guards the OpenAI and profiling routes (`serving.http_auth`); the internal KV
+    `api_keys` guards the OpenAI and profiling routes (`serving.http.http_auth`); the internal KV
     routes of disaggregated serving are mounted only with a `kv_transfer_secret`, which signs
-    and verifies their payloads (`serving.disagg`).
+    and verifies their payloads (`serving.disaggregation.disagg`).
     """
     ctx = ServingContext(engine, tokenizer, model_name, max_model_len, metrics, vocab_size, api_keys)
     app = FastAPI(title="Ridgeline OpenAI-compatible API")
@@ -409,7 +409,7 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
         return P.ChatCompletionResponse(id=base_id, model=model_name, choices=choices, usage=usage)
 
     if kv_transfer_secret:
-        from serving.disagg import add_kv_transfer_routes
+        from serving.disaggregation.disagg import add_kv_transfer_routes
 
         # /internal/prefill and /internal/decode (disaggregated serving); without a secret they do
         # not exist (404), since an unsigned import could put forged pages into the shared prefix cache.

@@ -2,7 +2,7 @@
 
 Prompts are tokenized exactly as the workers tokenize them (`PromptEncoder`:
 the same tokenizer and chat template, loaded from the same model directory)
-and cut into the engine's chained block digests (`serving.block_manager.
+and cut into the engine's chained block digests (`serving.core.block_manager.
 block_digest`, the same page size), so a digest the router computed names the
 same KV page a worker registered for that prefix.
 
@@ -38,7 +38,7 @@ import json
 import os
 from typing import Optional, Sequence
 
-from serving.block_manager import block_digest, salt_digest
+from serving.core.block_manager import block_digest, salt_digest
 
 POLICIES = ("kv_aware", "round_robin", "least_loaded")
 
@@ -63,8 +63,8 @@ class PromptEncoder:
         """The token ids of each prompt in `body`; [] when the body is malformed (the worker will say why)."""
         try:
             if endpoint == "chat":
-                from serving.chat_template import encode_chat
-                from serving.http_protocol import ChatCompletionRequest
+                from serving.http.chat_template import encode_chat
+                from serving.http.http_protocol import ChatCompletionRequest
 
                 req = ChatCompletionRequest.model_validate(body)
                 messages = [{"role": m.role, "content": m.text()} for m in req.messages]

@@ -16,7 +16,7 @@ Logit rows: first one row per sample drawn this step (at the sequence's last
 token), then one row per prompt position whose prompt logprob is wanted.
 
 A decode whose input token was drawn by the step still running (overlapped
-scheduling, see `serving.engine`) gets a placeholder: `feed_rows` names the
+scheduling, see `serving.core.engine`) gets a placeholder: `feed_rows` names the
 row of that step's samples the device takes it from. Packing records on each
 sampling sequence the row its draw lands in, for the step after this one.
 """
@@ -32,9 +32,9 @@ import numpy as np
 
 from kernels_pallas.pow2 import powers_of_two
 from model.cache import fill_ragged
-from serving import sampling_table
-from serving.scheduler import SchedulerOutput
-from serving.sequence import Sequence
+from serving.core import sampling_table
+from serving.core.scheduler import SchedulerOutput
+from serving.core.sequence import Sequence
 
 NUM_FLAGS = 3  # any_random, any_filter, want_logprobs
 
