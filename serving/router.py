@@ -40,8 +40,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from serving.http import http_protocol as P
-from serving.http.http_util import ClientGone, until_disconnect as _watch
+from serving.api import http_protocol as P
+from serving.api.http_util import ClientGone, until_disconnect as _watch
 from serving.routing.router_index import POLICIES, PrefixIndex, PromptEncoder, Router
 from serving.routing.router_metrics import RouterMetrics
 from serving.routing.router_workers import WorkerPool

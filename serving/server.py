@@ -9,7 +9,7 @@ Startup turns on JAX's persistent compilation cache (`serving.core.compile_cache
 (loading the checkpoint), compiles every step shape (so serving never
 compiles; with a warm cache they are loaded from disk instead), starts the
 engine loop on its own thread (`AsyncEngine`) and serves the FastAPI app from
-`serving.http.http_app` with uvicorn. The log says what was loaded, how big the KV
+`serving.api.http_app` with uvicorn. The log says what was loaded, how big the KV
 pool is (pages, tokens, bytes), how long loading and warm-up took and how many
 executables warm-up compiled or found in the cache.
 
@@ -128,8 +128,8 @@ def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window
     guards the API; `kv_transfer_secret` mounts the signed KV routes of disaggregated serving.
     """
     from serving.core.async_engine import AsyncEngine
-    from serving.http.http_app import create_app
-    from serving.http.http_metrics import ModelCost, ServerMetrics
+    from serving.api.http_app import create_app
+    from serving.api.http_metrics import ModelCost, ServerMetrics
 
     model_name = model_name or default_model_name(llm)
     engine = llm.engine
@@ -272,7 +272,7 @@ def make_llm_from_flags(flag_values: Optional[flags.FlagValues] = None):
 
 
 def _peak_from_flags():
-    from serving.http.http_metrics import device_peak
+    from serving.api.http_metrics import device_peak
 
     bw = FLAGS.peak_bandwidth_gbps * 1e9 if FLAGS.peak_bandwidth_gbps else None
     fl = FLAGS.peak_tflops * 1e12 if FLAGS.peak_tflops else None
@@ -305,7 +305,7 @@ def main(argv) -> None:
         log.info("%s", line)
     if llm.multihost is not None and not llm.multihost.is_leader:
         sys.exit(llm.multihost.serve())  # process 0 serves HTTP; this one replays its device calls
-    from serving.http.http_auth import APIKeys
+    from serving.api.http_auth import APIKeys
 
     secret = FLAGS.kv_transfer_secret or os.environ.get(SECRET_ENV) or None
     api_keys = APIKeys.parse(FLAGS.api_key or os.environ.get(API_KEY_ENV), FLAGS.cache_salt_per_api_key)

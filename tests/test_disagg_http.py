@@ -240,7 +240,8 @@ def test_cache_salts_and_api_keys_isolate_tenants(workers):
                                                      "temperature": 0, "cache_salt": "conversation-3"}))
     assert _completion_hits(decode, turn + "next", AUTH, cache_salt="conversation-3")[0] == 32
     assert _completion_hits(decode, turn + "next", AUTH)[0] == 0
-    r = httpx.post(decode + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1, "cache_salt": ""},
+    r = httpx.post(decode + "/v1/completions",
+                   json={"model": MODEL, "prompt": prompt, "max_tokens": 1, "cache_salt": ""},
                    headers=AUTH, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
 

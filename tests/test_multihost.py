@@ -286,8 +286,10 @@ class FakeWatchdog:
 
 class FakeEngine:
     def __init__(self):
-        self.runner = type("Runner", (), {"dispatch_hook": None,
-                                          "set_dispatch_hook": lambda self, hook: setattr(self, "dispatch_hook", hook)})()
+        def set_dispatch_hook(runner, hook):
+            runner.dispatch_hook = hook
+
+        self.runner = type("Runner", (), {"dispatch_hook": None, "set_dispatch_hook": set_dispatch_hook})()
         self.unfinished = False
 
     def has_unfinished_requests(self):

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from conftest import tiny_config
 from model.params import init_params
 from serving import LLM
-from serving.http.http_app import create_app
+from serving.api.http_app import create_app
 from serving.server import ServerThread
 
 

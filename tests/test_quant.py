@@ -322,7 +322,7 @@ def test_llm_generate_with_int8_weights_and_int8_kv(embedded):
     assert quant.streamed_weight_bytes(llm.engine.runner.params, cfg) < 0.45 * float_bytes
     # The MBU gauge's cost model and the startup log use those real counts.
     from serving import server
-    from serving.http.http_metrics import ModelCost
+    from serving.api.http_metrics import ModelCost
 
     cost = ModelCost.from_config(cfg, streamed_weight_bytes=server._streamed_weight_bytes(llm.engine.runner, cfg),
                                  kv_bytes_per_token=server._kv_bytes_per_token(llm.engine))

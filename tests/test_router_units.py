@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from model.tokenizer import load_tokenizer
 from serving.core.block_manager import BlockManager, block_digest, salt_digest
-from serving.http.chat_template import encode_chat
+from serving.api.chat_template import encode_chat
 from serving.core.llm import default_checkpoint_dir
 from serving.router import RouterService, create_router_app, transfer_figures
 from serving.routing.router_index import PrefixIndex, PromptEncoder, Router, WorkerLoad, block_hashes
@@ -48,8 +48,8 @@ def test_the_router_runs_without_jax(code):
 def test_old_import_paths_still_work():
     import serving
     from serving import LLM, SamplingParams  # noqa: F401
-    from serving.http.http_app import ClientGone, primed_stream, until_disconnect
-    from serving.http import http_util
+    from serving.api.http_app import ClientGone, primed_stream, until_disconnect
+    from serving.api import http_util
 
     assert (ClientGone, primed_stream, until_disconnect) == (http_util.ClientGone, http_util.primed_stream,
                                                             http_util.until_disconnect)

@@ -223,7 +223,7 @@ def test_options_are_checked(params, draft):
 
 def test_spec_metrics_in_stats_and_prometheus(params):
     from test_server_units import _FakeEngine, _samples
-    from serving.http.http_metrics import ServerMetrics
+    from serving.api.http_metrics import ServerMetrics
 
     llm = make_llm(params, speculative_method="ngram", num_speculative_tokens=3)
     llm.generate([[1] + [5, 6, 7] * 6], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))

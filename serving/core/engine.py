@@ -106,7 +106,8 @@ class Engine:
         self._lock = threading.Lock()  # guards the seed generator (make_request may run on any thread)
         self._pending_finished: list[FinishedRequestStats] = []
         self._step_count = 0
-        self._pending_imports: list[Request] = []  # requests resuming a shipped prefill (serving.disaggregation.kv_transfer)
+        # Requests resuming a shipped prefill (serving.disaggregation.kv_transfer).
+        self._pending_imports: list[Request] = []
         # Overlapped scheduling needs a runner that dispatches without waiting; speculative
         # steps choose the next step's drafts from this step's tokens, so they run one at a time.
         self.overlap = config.async_scheduling and self.spec is None
@@ -332,7 +333,7 @@ class Engine:
     def make_output(self, req: Request) -> RequestOutput:
         return self.outputs.make_output(req)
 
-    # --- shipping a prefill's KV between engines (serving.disaggregation.kv_transfer) ---------------------------
+    # --- shipping a prefill's KV between engines (serving.disaggregation.kv_transfer) ----------------
     def export_prompt_kv(self, seq: Sequence, first_token: int, result, row: int):
         """The prompt's K/V pages (gathered on device, not yet copied) and its first sampled token."""
         from serving.disaggregation import kv_transfer

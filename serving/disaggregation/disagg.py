@@ -4,7 +4,7 @@ Contract (what a router relies on)
 ----------------------------------
 Both roles are ordinary `python -m serving.server` processes started with the
 same `--kv_transfer_secret`; such a server mounts two internal routes next to
-the OpenAI API (`serving.http.http_app`), so any worker can act as a prefill
+the OpenAI API (`serving.api.http_app`), so any worker can act as a prefill
 worker, a decode worker, or serve whole requests. Without a secret the routes
 do not exist: an import writes into the prefix cache every client shares, so
 it must come from a worker that computed it.
@@ -85,7 +85,7 @@ from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from serving.http import http_protocol as P
+from serving.api import http_protocol as P
 from serving.disaggregation import kv_wire
 from serving.core.sampling_params import InvalidParameterError
 
@@ -258,7 +258,8 @@ def add_kv_transfer_routes(app: FastAPI, ctx, secret: str, dependencies=()) -> N
     `secret` signs the payloads this worker ships and verifies the ones it receives; `dependencies`
     (the API-key check) guard `/internal/prefill` as they guard the OpenAI routes it stands in for.
     """
-    from serving.disaggregation import kv_transfer as kt  # imports jax: not needed by a router that only calls run_disaggregated
+    # kv_transfer imports jax: a router that only calls run_disaggregated does not need it.
+    from serving.disaggregation import kv_transfer as kt
 
     keys = kv_wire.SigningKeys(secret)
     max_header = kt.max_header_bytes(ctx.max_model_len)

@@ -63,8 +63,8 @@ class PromptEncoder:
         """The token ids of each prompt in `body`; [] when the body is malformed (the worker will say why)."""
         try:
             if endpoint == "chat":
-                from serving.http.chat_template import encode_chat
-                from serving.http.http_protocol import ChatCompletionRequest
+                from serving.api.chat_template import encode_chat
+                from serving.api.http_protocol import ChatCompletionRequest
 
                 req = ChatCompletionRequest.model_validate(body)
                 messages = [{"role": m.role, "content": m.text()} for m in req.messages]

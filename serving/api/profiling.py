@@ -13,7 +13,7 @@ import os
 import threading
 import time
 
-from serving.http import http_protocol as P
+from serving.api import http_protocol as P
 
 log = logging.getLogger("ridgeline.http")
 

@@ -29,14 +29,14 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from model.tokenizer import ByteTokenizer
-from serving.http import http_protocol as P
+from serving.api import http_protocol as P
 from serving.disaggregation import kv_transfer
-from serving.http.chat_template import ChatTemplateError, encode_chat
-from serving.http.http_auth import APIKeys
-from serving.http.profiling import TraceControl
+from serving.api.chat_template import ChatTemplateError, encode_chat
+from serving.api.http_auth import APIKeys
+from serving.api.profiling import TraceControl
 from serving.core.async_engine import EngineDeadError
 from serving.core.engine import ContextLengthError
-from serving.http.http_util import ClientGone, primed_stream, until_disconnect  # noqa: F401 (also imported from here)
+from serving.api.http_util import ClientGone, primed_stream, until_disconnect  # noqa: F401 (also imported from here)
 from serving.core.sampling_params import InvalidParameterError, SamplingParams
 
 log = logging.getLogger("ridgeline.http")
@@ -277,7 +277,7 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
                kv_transfer_secret: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (an `AsyncEngine`) under the name `model_name`.
 
-    `api_keys` guards the OpenAI and profiling routes (`serving.http.http_auth`); the internal KV
+    `api_keys` guards the OpenAI and profiling routes (`serving.api.http_auth`); the internal KV
     routes of disaggregated serving are mounted only with a `kv_transfer_secret`, which signs
     and verifies their payloads (`serving.disaggregation.disagg`).
     """

@@ -1,6 +1,6 @@
-"""The HTTP helpers both the server (`serving.http.http_app`) and the router (`serving.router`) use.
+"""The HTTP helpers both the server (`serving.api.http_app`) and the router (`serving.router`) use.
 
-Kept apart from `serving.http.http_app` because that module imports the engine (and so jax), while the router
+Kept apart from `serving.api.http_app` because that module imports the engine (and so jax), while the router
 must start without jax: it only relays requests. Only asyncio and FastAPI/Starlette here.
 """
 

@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 from fastapi import Request
 
-from serving.http import http_protocol as P
+from serving.api import http_protocol as P
 
 
 class APIKeys:

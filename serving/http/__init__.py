@@ -1,3 +1,0 @@
-"""The OpenAI-compatible HTTP layer: the app, its protocol types, API keys, metrics, chat templates, profiling.
-
-Nothing is imported here: importing a module of the package imports only what it needs."""
