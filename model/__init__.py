@@ -5,7 +5,7 @@ The names below are imported on first use (PEP 562), not with the package: they 
 `model.tokenizer` does not need, and the router (`python -m serving.router`) loads the tokenizer without it.
 """
 
-import importlib
+from model.lazy_exports import lazy_exports
 
 _EXPORTS = {
     **dict.fromkeys(("BatchMetadata", "KVCache", "cache_bytes", "init_cache", "pad_slot"), "model.cache"),
@@ -21,11 +21,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'model' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)  # a module imports once; later calls find it
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

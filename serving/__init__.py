@@ -7,7 +7,7 @@ The names below are imported on first use (PEP 562), not with the package: the e
 a process that only routes requests (`python -m serving.router`) must start without it.
 """
 
-import importlib
+from model.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "AsyncEngine": "serving.core.async_engine",
@@ -26,11 +26,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'serving' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)  # a module imports once; later calls find it
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
