@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 from fastapi import Request
 
 from serving.api import http_protocol as P
+from serving.core.block_manager import is_cache_salt
 
 
 class APIKeys:
@@ -63,7 +64,7 @@ class APIKeys:
 
     def cache_salt(self, request: Request, client_salt: Optional[str]) -> Optional[str]:
         """The salt a request's cached pages are named under."""
-        if client_salt is not None and (not isinstance(client_salt, str) or not client_salt):
+        if client_salt is not None and not is_cache_salt(client_salt):
             raise P.APIError("cache_salt must be a non-empty string", param="cache_salt", code="invalid_value")
         key = getattr(request.state, "api_key", None)
         if not self.salt_per_key or key is None:

@@ -43,6 +43,11 @@ def block_digest(parent: Optional[bytes], token_ids) -> bytes:
     return h.digest()
 
 
+def is_cache_salt(value) -> bool:
+    """Whether `value` can salt a request's pages: a non-empty string (None means unsalted)."""
+    return isinstance(value, str) and bool(value)
+
+
 def salt_digest(cache_salt: Optional[str]) -> Optional[bytes]:
     """The parent digest of the first block of a request salted with `cache_salt` (None: no salt).
 

@@ -26,7 +26,7 @@ import numpy as np
 from model.config import ModelConfig
 from model.quant import check_kv_cache_dtype, check_weight_dtype, kv_bytes_per_token, kv_cache_dtype, quantize_params
 from serving.core import engine_args
-from serving.core.block_manager import BlockManager
+from serving.core.block_manager import BlockManager, is_cache_salt
 from serving.core.input_batch import Buckets, pack_step, sampling_row
 from serving.core.model_runner import ModelRunner
 from serving.core.kv_pool import default_num_pages
@@ -128,7 +128,7 @@ class Engine:
                 raise InvalidParameterError("cache_salt", "cache_salt: given both in the prompt and as an argument, "
                                                           "with different values")
             cache_salt = prompt["cache_salt"]
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        if cache_salt is not None and not is_cache_salt(cache_salt):
             raise InvalidParameterError("cache_salt", f"cache_salt: must be a non-empty string, got {cache_salt!r}")
         text, ids = self._prompt_ids(prompt)
         if params.n > self.config.max_num_seqs:
@@ -329,9 +329,6 @@ class Engine:
         if req.kv_export is not None and seq.num_output_tokens == 1:
             req.kv_export(self.export_prompt_kv(seq, tok, result, row))  # before a finish frees the pages
         self.outputs.on_token(seq, tok, row, result, now, it)
-
-    def make_output(self, req: Request) -> RequestOutput:
-        return self.outputs.make_output(req)
 
     # --- shipping a prefill's KV between engines (serving.disaggregation.kv_transfer) ----------------
     def export_prompt_kv(self, seq: Sequence, first_token: int, result, row: int):

@@ -272,16 +272,8 @@ class ModelRunner:
         returns how many shapes that was."""
         from serving.spec_decode.verify_step import empty_row_fields
 
-        pad = self.num_pages * self.page_size
-        shapes = self.buckets.all_shapes()
-        for T, S, P in shapes:
-            shape = StepShape(T, S, P)
-            ibuf, fbuf, _ = shape.empty(pad)
-            self._verify(ibuf, fbuf, empty_row_fields(S), draft_probs, shape)
-        for size in self.copy_sizes:
-            self._copy(np.zeros(size, np.int32), np.full(size, self.num_pages, np.int32))
-        jax.block_until_ready(self.cache)
-        return len(shapes) + len(self.copy_sizes)
+        return self._warm_up_shapes(
+            lambda ibuf, fbuf, shape: self._verify(ibuf, fbuf, empty_row_fields(shape.S), draft_probs, shape))
 
     # --- disaggregated serving: pages leaving and entering the pool -------------------------------
     def kv_transfer_unsupported(self):
@@ -331,16 +323,23 @@ class ModelRunner:
         """Compiles (and runs once, on empty batches) every bucket; returns what it did."""
         t0 = time.perf_counter()
         before = self.compilation_count()
+        shapes = self._warm_up_shapes(self._run)
+        return {"seconds": time.perf_counter() - t0, "compiled": self.compilation_count() - before,
+                "shapes": shapes}
+
+    def _warm_up_shapes(self, run_step) -> int:
+        """Runs `run_step(ibuf, fbuf, shape)` once per bucket on an empty batch, and every page-copy
+        size; returns how many shapes that was."""
         pad = self.num_pages * self.page_size
-        for T, S, P in self.buckets.all_shapes():
+        shapes = self.buckets.all_shapes()
+        for T, S, P in shapes:
             shape = StepShape(T, S, P)
             ibuf, fbuf, _ = shape.empty(pad)
-            self._run(ibuf, fbuf, shape)
+            run_step(ibuf, fbuf, shape)
         for size in self.copy_sizes:
             self._copy(np.zeros(size, np.int32), np.full(size, self.num_pages, np.int32))
         jax.block_until_ready(self.cache)
-        return {"seconds": time.perf_counter() - t0, "compiled": self.compilation_count() - before,
-                "shapes": len(self.buckets.all_shapes()) + len(self.copy_sizes)}
+        return len(shapes) + len(self.copy_sizes)
 
     @staticmethod
     def compilation_count() -> int:

@@ -26,8 +26,9 @@ alone is enough for the decode worker), `model` (served name), `num_layers`,
 receiver may use another), `num_tokens` (= prompt length), `prompt_token_ids`,
 `first_token`, `seed` (the effective sampling seed), `logprobs` (the first
 token's chosen logprob, rank, top ids and top logprobs, or null),
-`cache_salt` (the salt the prompt's pages were named under) and `arrays`: the per-layer arrays, e.g. `[{"name": "k", "shape": [num_tokens,
-kv_heads, head_dim]}, {"name": "v", ...}]`. The body is, for each layer in
+`cache_salt` (the salt the prompt's pages were named under) and `arrays`:
+the per-layer arrays, e.g. `[{"name": "k", "shape": [num_tokens, kv_heads,
+head_dim]}, {"name": "v", ...}]`. The body is, for each layer in
 order, each listed array's C-order bytes, so for plain K/V it is one
 `[layers, 2, num_tokens, kv_heads, head_dim]` array. Quantized caches add
 arrays (e.g. `k_scale`, `v_scale`) to the list without changing the framing;
@@ -53,8 +54,9 @@ blocks. Only single-prompt requests with n == 1,
 without echo or prompt logprobs, can be disaggregated (400 otherwise).
 
 `run_disaggregated(client, prefill_url, decode_url, endpoint, body, headers)`
-is the router's side (it holds no secret): it pipes the prefill worker's payload into the decode request
-as it arrives (no full buffering in the router) and returns the decode
+is the router's side (it holds no secret): it pipes the prefill worker's
+payload into the decode request as it arrives (no full buffering in the
+router) and returns the decode
 worker's streaming `httpx.Response` (the caller reads or relays it and closes
 it) and a `KVTransferRecord` (bytes, tokens and seconds).
 

@@ -36,8 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.pow2 import next_pow2
+from kernels_pallas.pow2 import next_pow2, powers_of_two
 from model.cache import KVCache
+from model.quant import kv_bytes_per_token
+from serving.core.block_manager import is_cache_salt
 from serving.disaggregation import kv_wire
 
 VERSION = 2
@@ -94,13 +96,10 @@ def padded_tokens(slots: np.ndarray, kv: np.ndarray, pad_slot: int) -> tuple[np.
 
 
 def transfer_sizes(max_model_len: int, page_size: int) -> tuple[list[int], list[int]]:
-    """(page counts a gather compiles for, token counts a scatter compiles for) up to `max_model_len`."""
-    pages, tokens = [1], [16]
-    while pages[-1] < -(-max_model_len // page_size):
-        pages.append(pages[-1] * 2)
-    while tokens[-1] < max_model_len:
-        tokens.append(tokens[-1] * 2)
-    return pages, tokens
+    """(page counts a gather compiles for, token counts a scatter compiles for) up to `max_model_len`:
+    the sizes `padded_pages` and `padded_tokens` pad to."""
+    max_pages = -(-max_model_len // page_size)
+    return powers_of_two(next_pow2(max_pages)), powers_of_two(next_pow2(max_model_len, 16), 16)
 
 
 def compilation_count() -> int:
@@ -235,15 +234,10 @@ def max_header_bytes(max_model_len: int) -> int:
     return 2**20 + 256 * max_model_len
 
 
-def bytes_per_token(cfg, dtype) -> int:
-    """K/V bytes one prompt token takes in a payload."""
-    return cfg.num_layers * len(KV_ARRAYS) * cfg.num_kv_heads * cfg.head_dim * np.dtype(jnp.dtype(dtype)).itemsize
-
-
 def max_payload_bytes(cfg, dtype, max_tokens: int) -> int:
     """The largest payload a worker holding at most `max_tokens` tokens per request accepts."""
     return (kv_wire.PREFIX_BYTES + max_header_bytes(max_tokens) + 2 * kv_wire.TAG_BYTES
-            + bytes_per_token(cfg, dtype) * max_tokens)
+            + kv_bytes_per_token(cfg, dtype) * max_tokens)
 
 
 def body_bytes(header: dict, cfg, dtype, max_tokens: int) -> int:
@@ -269,7 +263,7 @@ def body_bytes(header: dict, cfg, dtype, max_tokens: int) -> int:
         if a.get("shape") != [n, cfg.num_kv_heads, cfg.head_dim]:
             raise PayloadError(f"KV payload array {a.get('name')} has shape {a.get('shape')}, expected "
                                f"{[n, cfg.num_kv_heads, cfg.head_dim]}")
-    return n * bytes_per_token(cfg, dtype)
+    return n * kv_bytes_per_token(cfg, dtype)  # plain K/V pages: what the cache holds per token
 
 
 def decode_payload(data: bytes, keys: kv_wire.SigningKeys, cfg, dtype, max_tokens: int) -> tuple[dict, memoryview]:
@@ -293,7 +287,7 @@ def to_import(header: dict, body: memoryview, cfg, dtype) -> KVImport:
     if not isinstance(first, int) or not 0 <= first < cfg.vocab_size or not isinstance(seed, int):
         raise PayloadError("KV payload first_token/seed missing or out of range")
     salt = header.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not salt):
+    if salt is not None and not is_cache_salt(salt):
         raise PayloadError("KV payload cache_salt must be a non-empty string or null")
     shape = (cfg.num_layers, len(KV_ARRAYS), len(ids), cfg.num_kv_heads, cfg.head_dim)
     kv = np.frombuffer(body, dtype=np.dtype(jnp.dtype(dtype))).reshape(shape)
