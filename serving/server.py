@@ -6,12 +6,16 @@
 
 Startup turns on JAX's persistent compilation cache (`serving.core.compile_cache`;
 `--compilation_cache_dir`, default `~/.cache/ridgeline/jax`), builds the `LLM`
-(loading the checkpoint), compiles every step shape (so serving never
-compiles; with a warm cache they are loaded from disk instead), starts the
-engine loop on its own thread (`AsyncEngine`) and serves the FastAPI app from
-`serving.api.http_app` with uvicorn. The log says what was loaded, how big the KV
-pool is (pages, tokens, bytes), how long loading and warm-up took and how many
-executables warm-up compiled or found in the cache.
+(loading the checkpoint), compiles the smallest and the largest step shape
+(with a warm cache they are loaded from disk instead), starts the engine loop
+on its own thread (`AsyncEngine`) and serves the FastAPI app from
+`serving.api.http_app` with uvicorn, while the other step shapes compile in
+the background, one at a time (`--warmup=full` compiles them all first;
+`serving.core.step_programs`). `/health` answers 200 from then on, with
+`{"status": "warming"}` until the last shape is compiled and `{"status":
+"ready"}` after. The port is checked before anything is loaded. The log says
+what was loaded, how big the KV pool is (pages, tokens, bytes), how long
+loading and warm-up took, and a progress line per compiled step shape.
 
 Multi-host: every process runs this same command (e.g. through `python -m
 serving.launch`, or one per node under SLURM with `--distributed`); they join
@@ -60,6 +64,10 @@ def define_flags(flag_values: Optional[flags.FlagValues] = None) -> None:
     flags.DEFINE_string("checkpoint", None, "Checkpoint directory; none serves the embedded default model.")
     flags.DEFINE_string("host", "127.0.0.1", "Address to bind (0.0.0.0 to serve other machines).")
     flags.DEFINE_integer("port", 8000, "Port to listen on.")
+    flags.DEFINE_enum("warmup", "background", ["background", "full"],
+                      "background: serve once the smallest and the largest step shape are compiled, the rest "
+                      "compiling one at a time meanwhile (a step whose shape is not ready runs padded into a "
+                      "larger one); full: compile every step shape before serving.")
     flags.DEFINE_string("served_model_name", None, "The model name clients send (default: the checkpoint's).")
     flags.DEFINE_float("peak_bandwidth_gbps", None, "Device memory bandwidth for MBU, GB/s (default: GPU table).")
     flags.DEFINE_float("peak_tflops", None, "Device dense bf16 TFLOP/s for MFU (default: GPU table).")
@@ -198,6 +206,17 @@ def describe_startup(llm) -> list[str]:
     return lines
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Exits with a message when `host:port` cannot be bound: before loading, not after a warm-up."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise SystemExit(f"cannot listen on {host}:{port}: {e.strerror or e}; stop what holds it or pass "
+                             "another --port") from None
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -268,7 +287,8 @@ def make_llm_from_flags(flag_values: Optional[flags.FlagValues] = None):
     from serving.core.llm import LLM
 
     fv = FLAGS if flag_values is None else flag_values
-    return LLM(fv.checkpoint, warmup=True, **engine_args.from_flags(fv))
+    return LLM(fv.checkpoint, warmup="background" if fv.warmup == "background" else True,
+               **engine_args.from_flags(fv))
 
 
 def _peak_from_flags():
@@ -296,7 +316,12 @@ def main(argv) -> None:
             logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
     from serving.core import compile_cache
 
+    from serving.cluster import distributed
+
     join_from_flags()
+    joined = distributed.current()
+    if joined is None or not joined.process_id:  # the process that will listen (process 0)
+        check_port_free(FLAGS.host, FLAGS.port)
     cache_dir = compile_cache.enable(FLAGS.compilation_cache_dir)  # before anything compiles
     log.info("persistent compilation cache: %s", cache_dir or "off")
     log.info("loading %s", FLAGS.checkpoint or "the embedded default model")

@@ -102,7 +102,7 @@ def test_flags_pass_through_to_llm(flag_values, monkeypatch):
     want = {o.name: o.default for o in OPTIONS}
     want.update(min_token_bucket=8, enable_prefix_caching=False, kv_cache_dtype="int8", speculative_method="ngram",
                 num_speculative_tokens=3, kv_cache_memory_fraction=0.5, compilation_cache_dir="")
-    assert seen.pop("checkpoint") == "/nowhere" and seen.pop("warmup") is True
+    assert seen.pop("checkpoint") == "/nowhere" and seen.pop("warmup") == "background"  # the --warmup default
     assert seen == want
 
 

@@ -3,6 +3,7 @@
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,6 +39,7 @@ def test_the_binary_starts_logs_its_setup_serves_and_stops(tmp_path):
         assert pool and int(pool.group(1)) * 16 == int(pool.group(2)), text
         assert re.search(r"max_model_len 32", text)
         assert re.search(r"warm-up: compiled \d+ executables for \d+ step shapes in [\d.]+ s", text), text
+        assert re.search(r"step executable 1/\d+ \(T=\d+, P=\d+\) (compiled|found) in [\d.]+ s", text), text
         assert "serving 'tiny-server'" in text
         assert "orbax" not in text.lower()  # checkpoint chatter stays out of the info log
 
@@ -47,6 +49,7 @@ def test_the_binary_starts_logs_its_setup_serves_and_stops(tmp_path):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
         r = httpx.post(url + "/v1/completions", json={"model": "tiny-server", "prompt": "x" * 40}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert httpx.get(url + "/health", timeout=30).json()["status"] in ("warming", "ready")
         metrics = httpx.get(url + "/metrics", timeout=30).text
         assert 'ridgeline:generation_tokens_total{model_name="tiny-server"} 5.0' in metrics
         assert "ridgeline:model_bandwidth_utilization" in metrics  # peaks came from the flags
@@ -58,3 +61,16 @@ def test_the_binary_starts_logs_its_setup_serves_and_stops(tmp_path):
             proc.kill()
             raise
     assert proc.returncode == 0, log_path.read_text()[-2000:]
+
+
+def test_a_busy_port_stops_the_binary_before_it_loads_anything():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        proc = subprocess.run([sys.executable, "-m", "serving.server", f"--port={port}"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr + proc.stdout
+    assert "loading" not in proc.stderr + proc.stdout  # it stopped before the checkpoint

@@ -325,7 +325,12 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
         if not getattr(engine, "is_running", True):
             return JSONResponse(P.error_body("the engine loop has stopped", type="server_error", code="engine_dead"),
                                 status_code=503)
-        return Response(status_code=200)
+        warm = getattr(engine.stats(), "warmup", None)
+        if warm is None or warm.ready:
+            return JSONResponse({"status": "ready"})
+        # It serves already (vLLM's contract: 200 when it can); the other step buckets still compile.
+        return JSONResponse({"status": "warming", "step_executables_compiled": warm.compiled,
+                             "step_executables_total": warm.total})
 
     @app.get("/v1/models", dependencies=keyed)
     async def models():

@@ -301,6 +301,15 @@ class _SnapshotCollector:
         yield counter("prompt_tokens", "Prompt tokens of requests that started generating.", s.prompt_tokens)
         yield counter("generation_tokens", "Generated tokens.", s.generation_tokens)
         yield counter("num_steps", "Engine steps run.", s.num_steps)
+        w = getattr(s, "warmup", None)
+        if w is not None:
+            yield gauge("warmup_step_executables", "Step buckets the warm-up compiles.", w.total)
+            yield gauge("warmup_step_executables_compiled", "Of those, compiled so far (the rest compile in the "
+                        "background while the server serves).", w.compiled)
+            yield counter("steps_in_larger_bucket", "Steps run in a larger bucket than their own because their "
+                          "own was not compiled yet.", w.steps_in_larger_bucket)
+            yield counter("compiles_after_ready", "Step buckets compiled on demand after warm-up (0 unless a "
+                          "shape escaped the bucket set).", w.compiles_after_ready)
         sd = getattr(s, "spec_decode", None)
         if sd is not None:  # speculative decoding (vLLM's names)
             yield counter("spec_decode_num_drafts", "Sequence-steps that verified drafted tokens.", sd.num_drafts)

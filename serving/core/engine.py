@@ -288,7 +288,7 @@ class Engine:
             self.runner.copy_pages(out.copies)
         previous = self._in_flight.batch.draw_rows if self._in_flight is not None else None
         batch = pack_step(out, self.block_manager.tables, self.buckets, self.config.page_size, self.num_pages,
-                          previous)
+                          previous, shape_for=None if self.spec is not None else self.runner.step_shape)
         it.kv_tokens_read = batch.kv_tokens
         if self.spec is not None:
             pending = self.spec.execute(batch, out)
@@ -401,15 +401,21 @@ class Engine:
             prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens,
             prompt_tokens=log_.prompt_tokens, generation_tokens=log_.generation_tokens,
             finished_by_reason=dict(log_.finished_by_reason), num_steps=log_.num_steps,
-            page_size=self.config.page_size,
+            page_size=self.config.page_size, warmup=self.runner.warmup_stats(),
             spec_decode=None if self.spec is None else dataclasses.replace(
                 self.spec.stats, accepted_per_position=list(self.spec.stats.accepted_per_position)))
 
-    def warm_up(self) -> dict:
-        """Compiles every step shape now, so serving never compiles; returns seconds and counts."""
+    def warm_up(self, background: bool = False) -> dict:
+        """Compiles every step shape, so serving never compiles; returns seconds and counts. With
+        `background` only the smallest and the largest compile before this returns, the rest in a
+        thread while the engine serves (`serving.core.step_programs`); speculation warms up fully."""
         if self.spec is not None:  # with speculation, every step is the verification step
             return self.spec.warm_up()
-        return self.runner.warm_up()
+        return self.runner.warm_up(background=background)
+
+    def stop_warm_up(self) -> None:
+        """Ends a background warm-up after the compile under way (before the process exits)."""
+        self.runner.stop_warm_up()
 
     def describe(self) -> dict:
         """What is loaded and how big the KV pool is (for startup logs and MBU/MFU arithmetic)."""

@@ -158,10 +158,11 @@ def sampling_row(request) -> dict:
 
 
 def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: int, num_pages: int,
-              previous_draw_rows: Optional[dict] = None) -> StepBatch:
+              previous_draw_rows: Optional[dict] = None, shape_for=None) -> StepBatch:
     """The padded host buffers of one scheduled step. `previous_draw_rows` is the `draw_rows` of the
     step dispatched just before (overlapped scheduling): a decode whose last token that step is
-    still drawing reads it from there on the device."""
+    still drawing reads it from there on the device. `shape_for(bucket) -> bucket` may hand out a
+    larger bucket than the step's own (one that is compiled already, `ModelRunner.step_shape`)."""
     items = out.scheduled
     n = len(items)
     n_new = np.fromiter((it.num_new_tokens for it in items), np.int64, n)
@@ -173,6 +174,8 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
     seq_tables = [tables[it.seq.seq_id] for it in items]
     P = buckets.pages_for(max((len(t) for t in seq_tables), default=1))
     shape = StepShape(T, S, P)
+    if shape_for is not None:
+        shape = shape_for(shape)
     ibuf, fbuf, v = shape.empty(num_pages * page_size)
 
     toks: list[int] = []

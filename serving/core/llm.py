@@ -72,8 +72,10 @@ class LLM:
 
     `config`/`params` (and optionally `tokenizer`) serve an in-memory model
     instead of a checkpoint directory, e.g. random weights in tests and
-    benchmarks. `warmup=True` compiles every step shape up front (a server
-    wants that; a short script usually does not). `compilation_cache_dir`
+    benchmarks. `warmup=True` compiles every step shape up front (a short
+    script usually does not want that); `warmup="background"` compiles the
+    smallest and the largest now and the rest in a background thread while
+    the engine already serves (what the server does). `compilation_cache_dir`
     points JAX's persistent compilation cache somewhere (None: the default
     location, see `serving.core.compile_cache`; "": off), so a second start loads
     its executables instead of compiling them.
@@ -97,7 +99,7 @@ class LLM:
 
     @engine_args.with_option_keywords
     def __init__(self, checkpoint: Optional[str] = None, *, config=None, params=None, tokenizer=None,
-                 warmup: bool = False, speculative_draft=None, **options):
+                 warmup: Union[bool, str] = False, speculative_draft=None, **options):
         """Every option of `serving.core.engine_args.OPTIONS` is a keyword here, with its declared default (the
         signature lists them); `EngineConfig` gets those it holds. The options:
         """
@@ -141,9 +143,14 @@ class LLM:
                  self.compilation_cache_dir or "off")
         self.multihost = multihost.attach(self.engine)  # None when this process runs alone
         self.warmup_info = None
+        if warmup not in (False, True, "background"):
+            raise ValueError(f"warmup must be False, True or 'background', got {warmup!r}")
         if warmup:
             before = compile_cache.compile_counts()
-            self.warmup_info = (self.multihost or self.engine).warm_up()
+            if self.multihost is not None:  # processes compile every shape together
+                self.warmup_info = self.multihost.warm_up()
+            else:
+                self.warmup_info = self.engine.warm_up(background=warmup == "background")
             done = compile_cache.compile_counts() - before
             self.warmup_info.update(xla_compiled=done.compiled, cache_hits=done.cache_hits)
             log.info("%s", compile_cache.describe_warmup(self.warmup_info, self.compilation_cache_dir))
@@ -182,7 +189,9 @@ class LLM:
             return outputs
 
     def shutdown(self) -> None:
-        """Multi-process runs: process 0 tells the others to stop following (a no-op elsewhere)."""
+        """Ends a background warm-up (after the compile under way); in multi-process runs, process 0
+        also tells the others to stop following."""
+        self.engine.stop_warm_up()
         if self.multihost is not None and self.multihost.is_leader:
             self.multihost.shutdown()
 

@@ -31,6 +31,7 @@ from model.params import param_bytes
 from serving.core.input_batch import Buckets, StepShape, StepBatch
 from serving.core.sampler import SamplingInputs, sample
 from serving.core.sampling_table import ROW_PARAMS
+from serving.core.step_programs import StepPrograms, compiled_total
 
 
 def unpack_step(v: dict) -> tuple[BatchMetadata, SamplingInputs]:
@@ -92,7 +93,7 @@ _copy_jit = jax.jit(_copy_pages, donate_argnums=(0,))
 
 def compilation_count() -> int:
     """Executables compiled so far for the step and page-copy functions (all runners)."""
-    return _step_jit._cache_size() + _copy_jit._cache_size()
+    return _step_jit._cache_size() + _copy_jit._cache_size() + compiled_total()
 
 
 class StepResult:
@@ -137,6 +138,7 @@ class ModelRunner:
         # reads its placeholder tokens from it (`feed_tokens`) without a trip through the host.
         self.feed = self._place_feed(np.zeros(buckets.max_num_seqs, np.int32))
         self.copy_sizes = _pow4_upto(buckets.max_num_seqs)  # buckets of copy-on-write pairs per step
+        self.programs = StepPrograms(self._lower_step, self._program_key)
 
     # --- placement: the one hook for shardings -----------------------------------------------
     def place(self, params, cache_dtype=None):
@@ -194,9 +196,49 @@ class ModelRunner:
         if self.dispatch_hook is not None:
             self.dispatch_hook("step", ibuf, fbuf, shape=shape)
         ibuf, fbuf = self._host_inputs(ibuf, fbuf)
-        self.cache, ids, lp, self.feed = _step_jit(self.params, self.cache, ibuf, fbuf, self.feed, cfg=self.cfg,
-                                                   backend=self.backend, shape=shape, layout=self.layout)
+        if self._spans_processes():  # every process compiles in step with the others, through jit
+            self.cache, ids, lp, self.feed = _step_jit(self.params, self.cache, ibuf, fbuf, self.feed, cfg=self.cfg,
+                                                       backend=self.backend, shape=shape, layout=self.layout)
+        else:
+            self.cache, ids, lp, self.feed = self.programs.get(shape)(self.params, self.cache, ibuf, fbuf, self.feed)
         return ids, lp
+
+    def _abstract_inputs(self, shape: StepShape):
+        """What the step of `shape` is compiled for: the shapes, dtypes and shardings of its arguments
+        (taken once, so a compile in another thread never touches arrays a running step donates)."""
+        if self._specs is None:
+            self._specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                       (self.params, self.cache, self.feed))
+        params, cache, feed = self._specs
+        sharding = None if self.layout is None else self.layout.replicated
+        (_, isize), (_, fsize) = shape.offsets(shape.int_fields), shape.offsets(shape.float_fields)
+        ibuf = jax.ShapeDtypeStruct((isize,), np.int32, sharding=sharding)
+        fbuf = jax.ShapeDtypeStruct((fsize,), np.float32, sharding=sharding)
+        return params, cache, ibuf, fbuf, feed
+
+    def _lower_step(self, shape: StepShape):
+        return _step_jit.lower(*self._abstract_inputs(shape), cfg=self.cfg, backend=self.backend, shape=shape,
+                               layout=self.layout)
+
+    def _program_key(self, shape: StepShape):
+        params, cache, _, _, feed = self._abstract_inputs(shape)
+        if self._signature is None:
+            leaves, treedef = jax.tree.flatten((params, cache, feed))
+            self._signature = (treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves))
+        return ("step", self.cfg, self.backend, self.layout, shape, self._signature)
+
+    _specs = None
+    _signature = None
+
+    def step_shape(self, shape: StepShape) -> StepShape:
+        """The bucket a step of `shape` runs in: its own, or a larger compiled one while warm-up goes on."""
+        return self.programs.shape_for(shape)
+
+    def warmup_stats(self):
+        return self.programs.stats()
+
+    def stop_warm_up(self) -> None:
+        self.programs.stop()
 
     @property
     def param_bytes(self) -> int:
@@ -319,13 +361,29 @@ class ModelRunner:
         jax.block_until_ready(self.cache)
         return kv_transfer.compilation_count() - before
 
-    def warm_up(self) -> dict:
-        """Compiles (and runs once, on empty batches) every bucket; returns what it did."""
+    def warm_up(self, background: bool = False, start_thread: bool = True) -> dict:
+        """Compiles every bucket, and the page copies; returns what it did. With `background`, only
+        the smallest and the largest bucket compile now and the rest in a thread (`step_programs`;
+        `start_thread=False` leaves it to `programs.start_background()`); steps meanwhile run in the
+        smallest compiled bucket that holds them."""
         t0 = time.perf_counter()
         before = self.compilation_count()
-        shapes = self._warm_up_shapes(self._run)
-        return {"seconds": time.perf_counter() - t0, "compiled": self.compilation_count() - before,
-                "shapes": shapes}
+        if self._spans_processes():  # processes compile together, as they run: every bucket, now
+            shapes = self._warm_up_shapes(self._run)
+            return {"seconds": time.perf_counter() - t0, "compiled": self.compilation_count() - before,
+                    "shapes": shapes, "background": 0}
+        info = self.programs.warm_up(self.warm_up_order(), background=background, start_thread=start_thread)
+        for size in self.copy_sizes:
+            self._copy(np.zeros(size, np.int32), np.full(size, self.num_pages, np.int32))
+        jax.block_until_ready(self.cache)
+        info.update(seconds=time.perf_counter() - t0, compiled=self.compilation_count() - before,
+                    shapes=info["shapes"] + len(self.copy_sizes))
+        return info
+
+    def warm_up_order(self) -> list[StepShape]:
+        """Every bucket, smallest first: the batch-1 decode first and the bucket that holds every step
+        last (the two a background warm-up compiles before serving), decode-sized buckets early."""
+        return sorted((StepShape(T, S, P) for T, S, P in self.buckets.all_shapes()), key=lambda s: (s.T, s.P))
 
     def _warm_up_shapes(self, run_step) -> int:
         """Runs `run_step(ibuf, fbuf, shape)` once per bucket on an empty batch, and every page-copy

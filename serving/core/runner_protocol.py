@@ -37,8 +37,19 @@ class Runner(Protocol):
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicates (src, dst) pages on the device before the step that writes them."""
 
-    def warm_up(self) -> dict:
-        """Compiles every step shape; {"seconds", "compiled", "shapes"}."""
+    def warm_up(self, background: bool = False) -> dict:
+        """Compiles every step shape (with `background`, the smallest and largest now and the rest in a
+        thread); {"seconds", "compiled", "shapes", "background"}."""
+
+    def step_shape(self, shape) -> Any:
+        """The bucket (`input_batch.StepShape`) a step of `shape` runs in: its own, or while a background
+        warm-up is still compiling that, the smallest compiled one that holds it."""
+
+    def warmup_stats(self) -> Any:
+        """Where warm-up stands (`step_programs.WarmupStats`)."""
+
+    def stop_warm_up(self) -> None:
+        """Ends a background warm-up after the compile under way."""
 
     def compilation_count(self) -> int:
         """Executables compiled so far for this kind of runner."""

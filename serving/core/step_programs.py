@@ -1,0 +1,192 @@
+"""The step's compiled programs, one per bucket: compiled ahead of time, most of them in the background.
+
+Why not let `jax.jit` compile each bucket on first use: a server that waits for
+every bucket before it answers starts in minutes (one executable per (T, P)
+bucket, 40-60 of them), and one that compiles on first use stalls a live
+request for seconds. So the runner compiles each bucket explicitly
+(`jit(...).lower(...).compile()`), keeps the executables here and calls them
+directly, which lets startup be split:
+
+* `warm_up(background=True)` compiles a *minimal set* first: the smallest
+  step (a batch-1 decode) and the largest (which holds every step), and
+  returns. The other buckets compile in a background thread, one at a time.
+* Until a step's exact bucket is compiled, `shape_for` hands out the smallest
+  compiled bucket that holds it (more padding, no waiting); padding rows and
+  tokens are inert, so the step's results are the same.
+* A bucket nobody compiled yet (no warm-up: scripts, tests) compiles on first
+  use, as `jit` would. After a warm-up such a compile is counted
+  (`stats().compiles_after_ready`): it means a shape escaped the bucket set.
+
+Executables are kept in one module-level table keyed by everything that
+determines the program (config, backend, layout, bucket, and the shapes,
+dtypes and shardings of params, cache and host inputs), so engines over the
+same model share them, as they shared `jit`'s cache before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Callable, Optional
+
+import jax
+
+log = logging.getLogger("ridgeline.warmup")
+
+_TABLE: dict = {}  # key -> jax.stages.Compiled
+_LOCK = threading.Lock()
+_IN_PROGRESS: dict = {}  # key -> threading.Event set when its compile ends
+_compiled_total = 0  # executables compiled by this module (every runner)
+
+
+def compiled_total() -> int:
+    """Executables compiled here so far (what `model_runner.compilation_count` adds to jit's caches)."""
+    return _compiled_total
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupStats:
+    """Where warm-up stands, for `/health`, `/metrics` and the startup log."""
+
+    total: int  # buckets in the warm-up set
+    compiled: int  # of those, compiled (or found in the table)
+    steps_in_larger_bucket: int  # steps run in a bigger bucket than their own, its own not compiled yet
+    compiles_after_ready: int  # buckets compiled on demand after the minimal set was ready
+
+    @property
+    def ready(self) -> bool:
+        return self.compiled >= self.total
+
+
+class StepPrograms:
+    """The step executables of one runner and the warm-up that fills them.
+
+    `lower(shape)` returns the `jax.stages.Lowered` step for a bucket (`StepShape`);
+    `key(shape)` the table key of its executable.
+    """
+
+    def __init__(self, lower: Callable, key: Callable):
+        self._lower = lower
+        self._key = key
+        self._warm_set: list = []  # every bucket warm-up was asked to compile
+        self._compiled: set = set()  # buckets of `_warm_set` compiled
+        self._warmed_up = False  # the minimal set is in: compiles on demand are now counted
+        self._thread: Optional[threading.Thread] = None
+        self._rest: list = []  # the buckets left to the background
+        self._stopping = False
+        self.steps_in_larger_bucket = 0
+        self.compiles_after_ready = 0
+
+    # --- the executables ------------------------------------------------------------------------
+    def get(self, shape):
+        """The executable of `shape`, compiled now if no one has (or waited for, if another thread is)."""
+        key = self._key(shape)
+        exe = _TABLE.get(key)
+        if exe is None:
+            exe = self._compile(shape, key, on_demand=True)
+        return exe
+
+    def _compile(self, shape, key, on_demand: bool):
+        global _compiled_total
+        while True:
+            with _LOCK:
+                if key in _TABLE:
+                    return _TABLE[key]
+                pending = _IN_PROGRESS.get(key)
+                if pending is None:
+                    _IN_PROGRESS[key] = threading.Event()
+                    break
+            pending.wait()  # another thread is compiling it; then take its result
+        try:
+            if on_demand and self._warmed_up:
+                self.compiles_after_ready += 1
+                log.warning("compiling step bucket T=%d, P=%d on demand after warm-up", shape.T, shape.P)
+            exe = self._lower(shape).compile()
+            with _LOCK:
+                _TABLE[key] = exe
+                _compiled_total += 1
+            return exe
+        finally:
+            with _LOCK:
+                _IN_PROGRESS.pop(key).set()
+
+    def is_compiled(self, shape) -> bool:
+        return self._key(shape) in _TABLE
+
+    # --- choosing a bucket ----------------------------------------------------------------------
+    def shape_for(self, shape):
+        """`shape`, or while warm-up is still compiling it, the smallest compiled bucket that holds it."""
+        if self._thread is None or shape in self._compiled or self.is_compiled(shape):
+            return shape
+        holders = [s for s in list(self._compiled) if s.T >= shape.T and s.S >= shape.S and s.P >= shape.P]
+        if not holders:
+            return shape  # compiles on demand (counted)
+        self.steps_in_larger_bucket += 1
+        return min(holders, key=lambda s: (s.T, s.P))
+
+    # --- warm-up --------------------------------------------------------------------------------
+    def warm_up(self, shapes: list, *, background: bool, start_thread: bool = True) -> dict:
+        """Compiles `shapes`: all of them now, or with `background` the minimal set now (the first and
+        the last of `shapes`, which must be sorted smallest to largest) and the rest in a thread
+        (`start_thread=False` leaves them for `start_background()`). Returns seconds, how many
+        compiled now and how many were left to the background."""
+        t0 = time.perf_counter()
+        self._warm_set = list(shapes)
+        first = [shapes[0], shapes[-1]] if background and len(shapes) > 2 else list(shapes)
+        self._rest = [s for s in shapes if s not in first]
+        compiled_before = _compiled_total
+        self._compile_all(first, t0, len(shapes))
+        self._warmed_up = True
+        info = {"seconds": time.perf_counter() - t0, "compiled": _compiled_total - compiled_before,
+                "shapes": len(first), "background": len(self._rest)}
+        if self._rest:
+            self._thread = threading.Thread(target=self._compile_all, args=(self._rest, None, len(shapes)),
+                                            name="ridgeline-warmup", daemon=True)
+            if start_thread:
+                self._thread.start()
+        return info
+
+    def start_background(self) -> None:
+        """Starts compiling the buckets a `warm_up(background=True, start_thread=False)` left."""
+        self._thread.start()
+
+    def _compile_all(self, shapes: list, t0: Optional[float], total: int) -> None:
+        t0 = time.perf_counter() if t0 is None else t0
+        for shape in shapes:
+            if self._stopping:
+                return
+            t = time.perf_counter()
+            key = self._key(shape)
+            found = key in _TABLE
+            if not found:
+                self._compile(shape, key, on_demand=False)
+            self._compiled.add(shape)
+            done = len(self._compiled)
+            elapsed = time.perf_counter() - t0
+            left = len(shapes) - shapes.index(shape) - 1
+            log.info("step executable %d/%d (T=%d, P=%d) %s in %.1f s; %.0f s elapsed%s", done, total, shape.T,
+                     shape.P, "found" if found else "compiled", time.perf_counter() - t, elapsed,
+                     f", about {elapsed / (shapes.index(shape) + 1) * left:.0f} s left" if left else "")
+        if self._thread is not None and threading.current_thread() is self._thread:
+            log.info("warm-up done: all %d step executables ready (%d steps ran in a larger bucket meanwhile)",
+                     total, self.steps_in_larger_bucket)
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Blocks until the background compiles end; True when none is left."""
+        if self._thread is not None:
+            if self._thread.ident is not None:  # started
+                self._thread.join(timeout)
+        return self.stats().ready
+
+    def stop(self, timeout: float = 120.0) -> None:
+        """Ends the background compiles after the one under way (a process should not exit mid-compile)."""
+        self._stopping = True
+        if self._thread is not None and self._thread.ident is not None:
+            self._thread.join(timeout)
+
+    def stats(self) -> WarmupStats:
+        return WarmupStats(total=len(self._warm_set), compiled=len(self._compiled),
+                           steps_in_larger_bucket=self.steps_in_larger_bucket,
+                           compiles_after_ready=self.compiles_after_ready)

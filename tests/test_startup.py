@@ -1,0 +1,107 @@
+"""Serving before warm-up ends: the minimal set of step buckets, larger-bucket steps, background compiles.
+
+The engine here has a KV pool size no other test uses, so its step executables are its own (the
+executable table is shared by engines over the same model and pool) and the test controls when each
+bucket is compiled.
+"""
+
+import socket
+
+import httpx
+import pytest
+
+from serving import LLM, SamplingParams
+from serving.core.model_runner import compilation_count
+from serving.server import ServerThread, check_port_free
+
+PROMPTS = ["def __init__(self", "import os\n", "class Foo(object):\n    def bar(self, x):\n        return x * 2 + 1"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    llm = LLM(num_pages=37, page_size=16, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=128,
+              attention_backend="reference")
+    yield llm
+    llm.shutdown()
+
+
+def _workload(llm):
+    """Prefill chunks (the third prompt is longer than a step's 8 tokens and its context than 64
+    tokens), decodes of several batch sizes, n > 1 and logprobs."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, logprobs=2)
+    sampled = SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=8)
+    outs = llm.generate(PROMPTS, greedy) + llm.generate(PROMPTS[:1], sampled)
+    return [[c.token_ids for c in o.outputs] for o in outs], [o.outputs[0].logprobs for o in outs[:3]]
+
+
+def test_serving_starts_on_the_minimal_set_and_finishes_warm_up_in_the_background(llm):
+    runner = llm.engine.runner
+    programs = runner.programs
+    order = runner.warm_up_order()
+    before = compilation_count()
+    info = runner.warm_up(background=True, start_thread=False)
+    assert info["background"] == len(order) - 2 > 0
+    # The smallest and the largest bucket, and the page copies (small programs), nothing else.
+    assert compilation_count() - before == info["shapes"] == 2 + len(runner.copy_sizes)
+    assert programs.is_compiled(order[0]) and programs.is_compiled(order[-1])
+    assert not any(programs.is_compiled(s) for s in order[1:-1])
+
+    # Requests are served at once: every step runs in a compiled bucket that holds it; nothing compiles.
+    before = compilation_count()
+    padded_tokens, padded_logprobs = _workload(llm)
+    stats = runner.warmup_stats()
+    assert not stats.ready and stats.compiled == 2
+    assert stats.steps_in_larger_bucket > 0
+    assert stats.compiles_after_ready == 0 and compilation_count() == before
+
+    # The rest compile in the background; then every step runs in its own bucket, with the same results.
+    programs.start_background()
+    assert programs.wait(timeout=600)
+    assert all(programs.is_compiled(s) for s in order)
+    stats = runner.warmup_stats()
+    assert stats.ready and stats.compiled == len(order)
+    before = compilation_count()
+    exact_tokens, exact_logprobs = _workload(llm)
+    assert runner.warmup_stats().steps_in_larger_bucket == stats.steps_in_larger_bucket
+    assert compilation_count() == before and runner.warmup_stats().compiles_after_ready == 0
+    assert exact_tokens == padded_tokens
+    for padded, exact in zip(padded_logprobs, exact_logprobs):
+        for p, e in zip(padded, exact):
+            assert p.keys() == e.keys()
+            for tok in p:
+                assert abs(p[tok].logprob - e[tok].logprob) < 1e-4
+
+
+def test_health_says_warming_then_ready_and_metrics_count_larger_bucket_steps():
+    llm = LLM(num_pages=41, page_size=16, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64,
+              attention_backend="reference")
+    programs = llm.engine.runner.programs
+    llm.engine.runner.warm_up(background=True, start_thread=False)
+    try:
+        with ServerThread(llm, model_name="tiny") as srv:
+            r = httpx.get(srv.url + "/health", timeout=30)
+            assert r.status_code == 200  # it can serve
+            assert r.json()["status"] == "warming"
+            assert 0 < r.json()["step_executables_compiled"] < r.json()["step_executables_total"]
+            r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 6,
+                                                              "temperature": 0, "ignore_eos": True}, timeout=120)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
+            text = httpx.get(srv.url + "/metrics", timeout=30).text
+            larger = [line for line in text.splitlines() if line.startswith("ridgeline:steps_in_larger_bucket_total")]
+            assert larger and float(larger[0].split()[-1]) > 0, text
+            programs.start_background()
+            assert programs.wait(timeout=600)
+            assert httpx.get(srv.url + "/health", timeout=30).json() == {"status": "ready"}
+            assert 'ridgeline:compiles_after_ready_total{model_name="tiny"} 0.0' in httpx.get(srv.url + "/metrics").text
+    finally:
+        programs.stop()
+
+
+def test_a_busy_port_is_reported_before_anything_loads():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        with pytest.raises(SystemExit, match=f"cannot listen on 127.0.0.1:{port}"):
+            check_port_free("127.0.0.1", port)
+    check_port_free("127.0.0.1", port)  # free again: no error
