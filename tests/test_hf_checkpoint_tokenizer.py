@@ -63,7 +63,7 @@ def test_string_prompts_get_the_ids_transformers_gives(checkpoint, llm):
         assert req.prompt_token_ids[0] != llm.tokenizer.bos_id or text.startswith("<|im_start|>")
 
 
-def test_generation_config_gives_the_defaults_and_a_request_overrides_them(llm, caplog):
+def test_generation_config_gives_the_defaults_and_a_request_overrides_them(llm):
     req = llm.engine.make_request("d", "The capital of France is")
     p = req.params
     assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.6, 0.9, 20, 7)
@@ -94,7 +94,7 @@ def test_generation_config_off(checkpoint):
         LLM(checkpoint[1], generation_config="vllm", **ENGINE)
 
 
-def test_unknown_generation_field_is_logged(tmp_path, caplog):
+def test_unknown_generation_field_is_logged(caplog):
     from serving.core.sampling_params import with_defaults
 
     with caplog.at_level(logging.WARNING):
@@ -124,3 +124,21 @@ def test_logprob_tokens_are_text_with_bytes(llm):
     completion = http_app.completion_logprobs(tok, ids, entries)
     assert completion.tokens == [e.token for e in chat.content]
     assert all(len(top) == k for top in completion.top_logprobs)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_engine_detokenizes_as_the_request_asks(llm, skip):
+    """skip_special_tokens reaches the engine's detokenizer: the text of the same tokens differs."""
+    from types import SimpleNamespace
+
+    tok = llm.tokenizer
+    req = llm.engine.make_request(f"s{skip}", "The capital of France is",
+                                  SamplingParams(max_tokens=30, skip_special_tokens=skip))
+    seq = req.seqs[0]
+    out = tok.encode(" Paris<|im_start|> 🐢", add_special_tokens=False)
+    assert not set(out) & set(req.eos_token_ids)
+    stats = SimpleNamespace(time_to_first_tokens=[], inter_token_latencies=[])
+    for t in out:
+        seq.token_ids.append(t)
+        llm.engine.outputs.on_token(seq, t, 0, None, 0.0, stats)
+    assert seq.text == (" Paris 🐢" if skip else " Paris<|im_start|> 🐢")
