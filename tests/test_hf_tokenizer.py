@@ -185,3 +185,22 @@ def test_config_names_make_tokens_special(tmp_path):
     ours = HFTokenizer(directory)
     eos = ours.eos_ids[0]
     assert eos in ours.special_ids and ours.decode(ours.encode("hi<|im_end|>")) == "hi"
+
+
+def test_config_flags_decide_where_the_file_has_no_post_processor(tmp_path):
+    """transformers 4's Llama / Gemma tokenizers added BOS / EOS from the config's flags; a file without a
+    post-processor says nothing else, so the flags decide. A chat prompt still never ends with EOS."""
+    directory = save_style("sentencepiece", tmp_path)
+    raw = json.load(open(f"{directory}/tokenizer.json"))
+    raw["post_processor"] = None
+    json.dump(raw, open(f"{directory}/tokenizer.json", "w"))
+    conf = json.load(open(f"{directory}/tokenizer_config.json"))
+    for add_bos, add_eos in ((True, True), (False, True), (False, False)):
+        conf.update(add_bos_token=add_bos, add_eos_token=add_eos)
+        json.dump(conf, open(f"{directory}/tokenizer_config.json", "w"))
+        ours = HFTokenizer(directory)
+        plain = ours.encode("hi there", add_special_tokens=False)
+        expected = [ours.bos_id] * add_bos + plain + list(ours.eos_ids) * add_eos
+        assert ours.encode("hi there") == expected and ours.adds_bos == add_bos
+        chat = encode_chat([{"role": "user", "content": "hi"}], ours)
+        assert chat[-1] not in ours.eos_ids and chat[:2] != [ours.bos_id] * 2
