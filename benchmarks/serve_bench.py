@@ -89,7 +89,7 @@ class _LengthModel:
             if self.tok is None and chars >= target:
                 return " ".join(words)[:target]
             if self.tok is not None and chars >= tokens:  # cheap pre-check; a word is >= 1 token
-                ids = self.tok.encode(" ".join(words), add_bos=False)
+                ids = self.tok.encode(" ".join(words), add_special_tokens=False)
                 if len(ids) >= tokens:
                     return self.tok.decode(ids[:tokens])
 

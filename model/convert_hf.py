@@ -13,8 +13,8 @@ head dims split out by a reshape (no transposes: both sides store linear
 weights [out, in]) and cast to the target dtype; the source tensor is dropped
 before the next one is read, so the converter holds one copy of the model
 (the converted one) plus one tensor in flight. The result is an orbax checkpoint written by
-`model.checkpoint.save_checkpoint`, plus `model_config.json` and the
-tokenizer files.
+`model.checkpoint.save_checkpoint`, plus `model_config.json`, the
+tokenizer files and `generation_config.json`.
 
 Scaling note: the converted weights are collected in one host dict and written
 by a single orbax save, so host memory must hold the model once (16 GB for 8B
@@ -58,7 +58,9 @@ from model.params import unflatten_params
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+# Carried into the converted checkpoint as they are (generation_config.json: default EOS ids and sampling).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 # Buffers some exporters keep in the state dict; they are recomputed, never read.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

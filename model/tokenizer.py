@@ -1,13 +1,20 @@
 """Tokenizers: bytes for the tiny models, Hugging Face `tokenizers` for real checkpoints.
 
-Both expose the same small interface: `encode`, `decode`, `bos_id`,
-`eos_ids`, `vocab_size`, and `chat_template` (a Jinja string or None).
+Both expose the same small interface: `encode(text, add_special_tokens)`,
+`decode(ids, skip_special_tokens, spaces_between_special_tokens)`,
+`token_text` / `token_bytes` (one token, for logprobs), `is_added`,
+`bos_id`, `adds_bos` (whether encoding a string puts BOS first), `eos_ids`,
+`vocab_size`, `bos_token` / `eos_token` and `chat_template` (a Jinja string
+or None). `HFTokenizer` lives in `model.hf_tokenizer`.
 """
 
 from __future__ import annotations
 
-import json
 import os
+
+from model.hf_tokenizer import HFTokenizer
+
+__all__ = ["ByteTokenizer", "HFTokenizer", "load_tokenizer"]
 
 
 class ByteTokenizer:
@@ -16,6 +23,9 @@ class ByteTokenizer:
     BOS = 256
     EOS = 257
     chat_template = None
+    bos_token = eos_token = None  # no text spells them
+    adds_bos = True
+    special_ids = frozenset((BOS, EOS))
 
     def __init__(self, vocab_size: int = 320):
         if vocab_size < 258:
@@ -30,12 +40,19 @@ class ByteTokenizer:
     def eos_ids(self) -> tuple[int, ...]:
         return (self.EOS,)
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
-        return [self.BOS] + ids if add_bos else ids
+        return [self.BOS] + ids if add_special_tokens else ids
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> str:
+        """Ids past 255 carry no text, skipped or not (BOS and EOS have no spelling)."""
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def is_added(self, token_id: int) -> bool:
+        return False
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        return [int(token_id)] if 0 <= int(token_id) < 256 else list(self.token_text(token_id).encode("utf-8"))
 
     def token_text(self, token_id: int) -> str:
         """A printable form of one token (for logprobs); invalid UTF-8 shows as bytes:\\xNN."""
@@ -46,69 +63,6 @@ class ByteTokenizer:
         if 0 <= token_id < 128:
             return chr(token_id)
         return f"bytes:\\x{token_id:02x}" if token_id < 256 else f"<{token_id}>"
-
-
-class HFTokenizer:
-    """A `tokenizer.json` read by the `tokenizers` library, plus its tokenizer_config.json."""
-
-    def __init__(self, directory: str):
-        from tokenizers import Tokenizer
-
-        self._tok = Tokenizer.from_file(os.path.join(directory, "tokenizer.json"))
-        conf_path = os.path.join(directory, "tokenizer_config.json")
-        conf = {}
-        if os.path.exists(conf_path):
-            with open(conf_path) as f:
-                conf = json.load(f)
-        self.chat_template = _chat_template(directory, conf)
-        self.vocab_size = self._tok.get_vocab_size()
-        self._bos = self._token_id(conf.get("bos_token"))
-        eos = self._token_id(conf.get("eos_token"))
-        self._eos = (eos,) if eos is not None else ()
-        self.bos_token = _token_str(conf.get("bos_token"))
-        self.eos_token = _token_str(conf.get("eos_token"))
-
-    def _token_id(self, token):
-        token = _token_str(token)
-        return None if token is None else self._tok.token_to_id(token)
-
-    @property
-    def bos_id(self):
-        return self._bos
-
-    @property
-    def eos_ids(self) -> tuple[int, ...]:
-        return self._eos
-
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        return [self._bos] + ids if add_bos and self._bos is not None else ids
-
-    def decode(self, ids) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
-
-    def token_text(self, token_id: int) -> str:
-        return self._tok.id_to_token(int(token_id)) or f"<{token_id}>"
-
-
-def _chat_template(directory: str, conf: dict):
-    """The template from tokenizer_config.json, else from chat_template.jinja (newer transformers
-    write it there); a list of named templates yields the "default" one."""
-    template = conf.get("chat_template")
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default") or next(iter(named.values()), None)
-    path = os.path.join(directory, "chat_template.jinja")
-    if template is None and os.path.exists(path):
-        with open(path) as f:
-            template = f.read()
-    return template
-
-
-def _token_str(token):
-    if isinstance(token, dict):
-        return token.get("content")
-    return token
 
 
 def load_tokenizer(directory: str | None, vocab_size: int = 320):

@@ -31,7 +31,8 @@ def test_engine_config_fields_are_the_engine_options_in_order():
     fields = dataclasses.fields(EngineConfig)
     assert [f.name for f in fields] == _ids(engine_args.ENGINE_CONFIG_OPTIONS)
     assert {o.name for o in OPTIONS if not o.engine_config} == {
-        "tensor_parallel_size", "pipeline_parallel_size", "num_microbatches", "compilation_cache_dir"}
+        "generation_config", "tensor_parallel_size", "pipeline_parallel_size", "num_microbatches",
+        "compilation_cache_dir"}
     assert dataclasses.fields(EngineConfig) and EngineConfig.__dataclass_params__.frozen
 
 

@@ -266,7 +266,7 @@ def test_datasets_have_the_requested_lengths():
     lengths = sb._LengthModel(ByteTokenizer())
     reqs = sb.random_dataset(20, 50, 10, 0.5, seed=1, lengths=lengths)
     assert all(25 <= r.prompt_len <= 75 and 5 <= r.output_len <= 15 for r in reqs)
-    assert all(len(ByteTokenizer().encode(r.prompt, add_bos=False)) == r.prompt_len for r in reqs)
+    assert all(len(ByteTokenizer().encode(r.prompt, add_special_tokens=False)) == r.prompt_len for r in reqs)
     assert [r.prompt for r in reqs] == [r.prompt for r in sb.random_dataset(20, 50, 10, 0.5, 1, lengths)]
     chat = sb.synthetic_chat_dataset(300, 100, 120, 0.9, 1000, 500, seed=2, lengths=sb._LengthModel(None, 4.0))
     ins = np.array([r.prompt_len for r in chat])

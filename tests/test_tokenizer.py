@@ -21,7 +21,7 @@ def test_byte_round_trip(text):
     assert ids[0] == tok.bos_id == 256
     assert ids[1:] == list(text.encode("utf-8"))
     assert tok.decode(ids) == text
-    assert tok.decode(tok.encode(text, add_bos=False)) == text
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
 
 
 @settings(max_examples=200, deadline=None)
@@ -69,7 +69,7 @@ def build_tokenizer_json(path):
 def hf_dir(tmp_path):
     build_tokenizer_json(tmp_path / "tokenizer.json")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|begin|>",
+        "bos_token": "<|begin|>", "add_bos_token": True,  # the file has no post-processor: the flag decides
         "eos_token": {"content": "<|end|>", "lstrip": False},  # the older AddedToken-dict form
         "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}",
     }))
@@ -82,7 +82,7 @@ def test_hf_round_trip(hf_dir, text):
     ids = tok.encode(text)
     assert ids[0] == tok.bos_id == 0
     assert tok.decode(ids) == text
-    assert tok.decode(tok.encode(text, add_bos=False) + list(tok.eos_ids)) == text
+    assert tok.decode(tok.encode(text, add_special_tokens=False) + list(tok.eos_ids)) == text
 
 
 def test_hf_merges_and_specials(hf_dir):
@@ -90,7 +90,7 @@ def test_hf_merges_and_specials(hf_dir):
     assert tok.eos_ids == (1,)
     assert tok.bos_token == "<|begin|>" and tok.eos_token == "<|end|>"
     assert 258 < tok.vocab_size <= 300
-    ids = tok.encode("the quick brown fox", add_bos=False)
+    ids = tok.encode("the quick brown fox", add_special_tokens=False)
     assert len(ids) < len("the quick brown fox")  # trained merges apply
     assert tok.token_text(0) == "<|begin|>"
     assert tok.chat_template.startswith("{% for m in messages %}")
@@ -100,7 +100,7 @@ def test_chat_template_file_and_missing_config(tmp_path):
     build_tokenizer_json(tmp_path / "tokenizer.json")
     tok = HFTokenizer(str(tmp_path))  # no tokenizer_config.json at all
     assert tok.bos_id is None and tok.eos_ids == () and tok.chat_template is None
-    assert tok.encode("abc") == tok.encode("abc", add_bos=False)
+    assert tok.encode("abc") == tok.encode("abc", add_special_tokens=False)
     (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content }}")
     assert HFTokenizer(str(tmp_path)).chat_template == "{{ messages[0].content }}"
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [

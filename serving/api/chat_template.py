@@ -17,7 +17,7 @@ text; the generation prompt is the `<|assistant|>` line):
     <|assistant|>
 
 Tokens are then the UTF-8 bytes of that text after the BOS id, exactly as
-`LLM.generate` would encode the same string.
+`LLM.generate` would encode the same string (see `encode_chat` for BOS).
 """
 
 from __future__ import annotations
@@ -72,8 +72,18 @@ def render_chat(messages: Sequence[dict[str, Any]], tokenizer, add_generation_pr
 
 
 def encode_chat(messages: Sequence[dict[str, Any]], tokenizer, add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of the rendered chat. BOS is prepended unless the template already wrote it."""
+    """Token ids of the rendered chat.
+
+    The text is encoded without the tokenizer's special tokens (a template
+    writes its own, and an `add_eos_token` tokenizer must not end a prompt with
+    EOS); BOS goes in front only when the tokenizer puts BOS before a string
+    (`adds_bos`) and the template did not already write it, so a chat prompt
+    never starts with two.
+    """
     text = render_chat(messages, tokenizer, add_generation_prompt)
-    bos_text = getattr(tokenizer, "bos_token", None)
-    add_bos = not (bos_text and text.startswith(bos_text))
-    return tokenizer.encode(text, add_bos=add_bos)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    bos_id, bos_text = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "bos_token", None)
+    wrote_bos = (ids and ids[0] == bos_id) or (bos_text and text.startswith(bos_text))
+    if getattr(tokenizer, "adds_bos", False) and bos_id is not None and not wrote_bos:
+        ids = [bos_id] + ids
+    return ids

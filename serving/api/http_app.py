@@ -28,7 +28,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from model.tokenizer import ByteTokenizer
 from serving.api import http_protocol as P
 from serving.disaggregation import kv_transfer
 from serving.api.chat_template import ChatTemplateError, encode_chat
@@ -102,8 +101,10 @@ class ServingContext:
     def sampling_params(self, req: P._SamplingFields, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None) -> SamplingParams:
         """The request's sampling parameters as the client wrote them; the engine validates them (and the
-        prompt against the context window) when the request is made, in one place for every entry point."""
-        defaults = SamplingParams()
+        prompt against the context window) when the request is made, in one place for every entry point.
+        A field the client left out takes the checkpoint's generation_config.json default, if any (the engine
+        caps an unset max_tokens by the file's max_new_tokens)."""
+        defaults = getattr(getattr(self.engine, "engine", None), "default_sampling_params", None) or SamplingParams()
         return SamplingParams(
             n=req.n,
             temperature=defaults.temperature if req.temperature is None else req.temperature,
@@ -117,6 +118,8 @@ class ServingContext:
             max_tokens=max_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
         )
 
     @staticmethod
@@ -187,9 +190,9 @@ class ServingContext:
 
 
 def _token_bytes(tokenizer, token_id: int, text: str) -> list[int]:
-    """A token's UTF-8 bytes (for the byte model, the byte itself, which may be part of a character)."""
-    if isinstance(tokenizer, ByteTokenizer) and 0 <= token_id < 256:
-        return [token_id]
+    """The bytes the token adds to the text, as OpenAI's `bytes` (part of a character for a partial token)."""
+    if hasattr(tokenizer, "token_bytes"):
+        return tokenizer.token_bytes(token_id)
     return list(text.encode("utf-8"))
 
 

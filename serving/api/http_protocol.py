@@ -82,6 +82,9 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     # Prefix-cache isolation (as vLLM's): only requests with the same salt share cached KV pages.
     cache_salt: Optional[str] = None
+    # Detokenization (vLLM's extensions): SamplingParams' fields of the same names.
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

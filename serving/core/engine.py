@@ -24,6 +24,7 @@ from typing import Optional, Union
 import numpy as np
 
 from model.config import ModelConfig
+from model.generation_config import GenerationDefaults
 from model.quant import check_kv_cache_dtype, check_weight_dtype, kv_bytes_per_token, kv_cache_dtype, quantize_params
 from serving.core import engine_args
 from serving.core.block_manager import BlockManager, is_cache_salt
@@ -32,7 +33,7 @@ from serving.core.model_runner import ModelRunner
 from serving.core.kv_pool import default_num_pages
 from serving.core.output_processor import OutputProcessor
 from serving.core.outputs import RequestOutput
-from serving.core.sampling_params import InvalidParameterError, SamplingParams
+from serving.core.sampling_params import InvalidParameterError, SamplingParams, with_defaults
 from serving.core.scheduler import PoolTooSmall, Scheduler, SchedulerConfig, SchedulerOutput
 from serving.core.sequence import Request, Sequence
 from serving.spec_decode.options import check_options as check_spec_options, logit_rows as spec_logit_rows
@@ -54,8 +55,9 @@ EngineConfig = engine_args.make_engine_config_class(__name__)
 
 class Engine:
     def __init__(self, cfg: ModelConfig, params, tokenizer=None, config: EngineConfig = EngineConfig(), *,
-                 runner=None, layout=None, draft=None):
-        """`draft`: an in-memory (config, params) draft model for speculative_method="draft"."""
+                 runner=None, layout=None, draft=None, generation: Optional[GenerationDefaults] = None):
+        """`draft`: an in-memory (config, params) draft model for speculative_method="draft".
+        `generation`: the checkpoint's generation_config.json defaults (EOS ids, sampling parameters)."""
         check_weight_dtype(config.weight_dtype)
         check_kv_cache_dtype(config.kv_cache_dtype)
         check_spec_options(config.speculative_method, config.num_speculative_tokens)
@@ -98,7 +100,15 @@ class Engine:
             self.spec = SpecDecoder(self.scheduler, self.block_manager, self.runner, max_model_len=model_len,
                                     max_num_seqs=config.max_num_seqs, method=config.speculative_method,
                                     k=config.num_speculative_tokens, draft=draft, draft_dir=config.speculative_model)
-        self.eos_token_ids = tuple(sorted(set(cfg.eos_token_ids) | set(getattr(tokenizer, "eos_ids", ()) or ())))
+        self.generation = generation or GenerationDefaults()
+        self.eos_token_ids = tuple(sorted(set(cfg.eos_token_ids) | set(getattr(tokenizer, "eos_ids", ()) or ())
+                                          | set(self.generation.eos_token_ids)))
+        # A request without parameters gets these; the HTTP layer fills a field the client left out from them.
+        # The file's max_new_tokens caps a request's unset max_tokens (make_request), as vLLM's does.
+        self.default_max_tokens = self.generation.sampling.get("max_tokens")
+        self.default_sampling_params = with_defaults(self.generation.sampling)
+        if self.default_max_tokens is not None:
+            self.default_sampling_params.max_tokens = None
         self.requests: dict[str, Request] = {}
         self.stats_log = StatsLog()
         self.outputs = OutputProcessor(tokenizer, model_len, self.scheduler.finish, self.stats_log)
@@ -121,7 +131,7 @@ class Engine:
         `cache_salt` (or a dict prompt's "cache_salt", as vLLM's prompts carry it) isolates the
         request's prefix-cache pages: only requests with the same salt share them.
         """
-        params = (params or SamplingParams()).clone()
+        params = (params or self.default_sampling_params).clone()
         params.validate(self.cfg.vocab_size)
         if isinstance(prompt, dict) and "cache_salt" in prompt:
             if cache_salt is not None and cache_salt != prompt["cache_salt"]:
@@ -138,7 +148,7 @@ class Engine:
             raise ContextLengthError("prompt", f"This model's maximum context length is {limit} tokens, and the "
                                                f"prompt has {len(ids)} tokens (at least one must be generated).")
         if params.max_tokens is None:
-            params.max_tokens = limit - len(ids)
+            params.max_tokens = min(limit - len(ids), self.default_max_tokens or limit)
         elif len(ids) + params.max_tokens > limit:
             raise ContextLengthError(
                 "max_tokens", f"This model's maximum context length is {limit} tokens. However, you requested "

@@ -81,6 +81,10 @@ OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("async_scheduling", bool, True,
                  "Schedule and dispatch step t+1 while the device runs step t (off: one step at a time; "
                  "speculative decoding always runs one step at a time)."),
+    EngineOption("generation_config", str, "auto",
+                 "Whether the checkpoint's generation_config.json supplies default EOS ids and default sampling "
+                 "parameters (temperature, top_p, top_k, min_p, max_new_tokens) for requests that do not set "
+                 "them (auto), or is not read (off).", choices=("auto", "off"), engine_config=False),
     EngineOption("tensor_parallel_size", int, 1, "Devices to shard the model over (tensor parallelism).",
                  engine_config=False),
     EngineOption("pipeline_parallel_size", int, 1,

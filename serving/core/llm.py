@@ -15,6 +15,7 @@ import time
 from typing import Optional, Sequence, Union
 
 from model.checkpoint import load_checkpoint, load_config
+from model.generation_config import read_generation_config
 from model.quant import check_kv_cache_dtype, check_weight_dtype
 from model.tokenizer import ByteTokenizer, load_tokenizer
 from serving.core import compile_cache, engine_args
@@ -114,6 +115,9 @@ class LLM:
         layout = parallel_layout(opts["tensor_parallel_size"], opts["pipeline_parallel_size"],
                                  opts["num_microbatches"])
         multihost.check_layout(layout)  # several processes: the mesh must span them all
+        generation = None  # the checkpoint's generation_config.json defaults
+        if opts["generation_config"] not in ("auto", "off"):
+            raise ValueError(f"generation_config must be 'auto' or 'off', got {opts['generation_config']!r}")
         if config is None:
             directory = checkpoint or default_checkpoint_dir()
             if not os.path.isdir(directory):
@@ -126,6 +130,8 @@ class LLM:
             config, params = load_checkpoint(directory, multihost.restore_shardings(layout, config), config)
             params = multihost.narrow_to_layout(params, layout, config)  # no-op unless restored wider
             tokenizer = tokenizer or load_tokenizer(directory, config.vocab_size)
+            if opts["generation_config"] == "auto":
+                generation = read_generation_config(directory)
             self.checkpoint = directory
         else:
             if hasattr(layout, "check"):
@@ -136,7 +142,8 @@ class LLM:
         self.config = config
         self.tokenizer = tokenizer
         engine_config = EngineConfig(**{o.name: opts[o.name] for o in engine_args.ENGINE_CONFIG_OPTIONS})
-        self.engine = Engine(config, params, tokenizer, engine_config, layout=layout, draft=speculative_draft)
+        self.engine = Engine(config, params, tokenizer, engine_config, layout=layout, draft=speculative_draft,
+                             generation=generation)
         self.config = self.engine.cfg  # with weight_dtype set when the engine quantized the weights
         self.load_seconds = time.perf_counter() - t0
         log.info("loaded in %.1f s (persistent compilation cache: %s)", self.load_seconds,
@@ -158,6 +165,11 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` samples with when given no parameters: the checkpoint's generation_config.json
+        defaults (option `generation_config`), else SamplingParams()."""
+        return self.engine.default_sampling_params.clone()
 
     def generate(self, prompts: Union[str, list, dict, Sequence],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None) -> list[RequestOutput]:

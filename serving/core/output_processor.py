@@ -49,7 +49,8 @@ class OutputProcessor:
             reason, stop_reason = "stop", tok
         elif self.tokenizer is not None:
             if seq.detokenizer is None:
-                seq.detokenizer = make_detokenizer(self.tokenizer, req.prompt_token_ids)
+                seq.detokenizer = make_detokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens,
+                                                   p.spaces_between_special_tokens)
             delta = seq.detokenizer.push(tok)
             if delta:
                 seq.text = seq.detokenizer.text

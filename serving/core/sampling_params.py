@@ -8,7 +8,10 @@ server turns `InvalidParameterError.param` into OpenAI's `error.param`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Optional, Union
+
+log = logging.getLogger(__name__)
 
 # The most top-k logprobs a request may ask for (OpenAI allows 20 for
 # `top_logprobs`). The step function always produces this many on device when
@@ -47,6 +50,10 @@ class SamplingParams:
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     include_stop_str_in_output: bool = False
+    # Detokenization, as vLLM's: drop special tokens from the text; with them kept, False writes
+    # consecutive added tokens with no space between them.
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -98,9 +105,24 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 bad("stop_token_ids", f"token id {t!r} is not in [0, {vocab_size})")
-        if not isinstance(self.ignore_eos, bool):
-            bad("ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, f"must be a bool, got {getattr(self, name)!r}")
         return self
 
     def clone(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
+
+
+def with_defaults(defaults: dict, source: str = "generation_config.json") -> SamplingParams:
+    """SamplingParams whose fields named in `defaults` take those values (a checkpoint's generation
+    defaults); a field this sampler does not have is left out, and said so in the log."""
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = sorted(set(defaults) - names)
+    if unknown:
+        log.warning("%s sets %s, which this sampler does not have; not applied", source, unknown)
+    params = SamplingParams(**{k: v for k, v in defaults.items() if k in names})
+    try:
+        return params.validate()
+    except InvalidParameterError as e:
+        raise ValueError(f"{source}: {e}") from None
