@@ -36,6 +36,7 @@ from serving.core.sampling_params import InvalidParameterError, SamplingParams
 from serving.core.scheduler import PoolTooSmall, Scheduler, SchedulerConfig, SchedulerOutput
 from serving.core.sequence import Request, Sequence
 from serving.spec_decode.options import check_options as check_spec_options, logit_rows as spec_logit_rows
+from serving.core import structured_output
 from serving.core.stats import EngineStats, FinishedRequestStats, IterationStats, StatsLog
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.stats_log = StatsLog()
         self.outputs = OutputProcessor(tokenizer, model_len, self.scheduler.finish, self.stats_log)
+        self.structured = structured_output.StructuredOutputs(tokenizer, cfg.vocab_size, self.eos_token_ids,
+                                                              config.structured_outputs_whitespace)
         self._rng = np.random.default_rng(config.seed)
         self._lock = threading.Lock()  # guards the seed generator (make_request may run on any thread)
         self._pending_finished: list[FinishedRequestStats] = []
@@ -149,7 +152,21 @@ class Engine:
         req = Request(request_id, text, ids, params, seed, arrival_time or time.monotonic(), self.eos_token_ids,
                       cache_salt)
         req.sampling_row = sampling_row(req)
+        req.structured = self._grammar(params)
         return req
+
+    def _grammar(self, params: SamplingParams):
+        """The request's compiled grammar (structured outputs), or None; a 400 when it cannot be used."""
+        if params.structured_outputs is None:
+            return None
+        if self.spec is not None:
+            raise InvalidParameterError("structured_outputs", "structured_outputs: not supported with speculative "
+                                                              "decoding (this engine runs speculative_method="
+                                                              f"{self.config.speculative_method})")
+        try:
+            return self.structured.for_request(params.structured_outputs, params.n)
+        except (TypeError, ValueError) as e:
+            raise InvalidParameterError("structured_outputs", f"structured_outputs: {e}") from None
 
     def _prompt_ids(self, prompt) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):
@@ -290,6 +307,7 @@ class Engine:
         batch = pack_step(out, self.block_manager.tables, self.buckets, self.config.page_size, self.num_pages,
                           previous)
         it.kv_tokens_read = batch.kv_tokens
+        batch.token_mask = structured_output.batch_mask(batch, self.structured.width)
         if self.spec is not None:
             pending = self.spec.execute(batch, out)
         else:
@@ -329,6 +347,8 @@ class Engine:
         if req.kv_export is not None and seq.num_output_tokens == 1:
             req.kv_export(self.export_prompt_kv(seq, tok, result, row))  # before a finish frees the pages
         self.outputs.on_token(seq, tok, row, result, now, it)
+        if req.structured is not None and not seq.is_finished and req.structured.accept(seq.sample_index, tok):
+            structured_output.finish_complete(seq, self.scheduler.finish)  # the grammar allows only the end
 
     # --- shipping a prefill's KV between engines (serving.disaggregation.kv_transfer) ----------------
     def export_prompt_kv(self, seq: Sequence, first_token: int, result, row: int):

@@ -81,6 +81,9 @@ OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("async_scheduling", bool, True,
                  "Schedule and dispatch step t+1 while the device runs step t (off: one step at a time; "
                  "speculative decoding always runs one step at a time)."),
+    EngineOption("structured_outputs_whitespace", bool, False,
+                 "Let JSON grammars of structured outputs put free whitespace between tokens (off: none, so a "
+                 "weak model cannot loop on spaces; a request's structured_outputs.whitespace overrides it)."),
     EngineOption("tensor_parallel_size", int, 1, "Devices to shard the model over (tensor parallelism).",
                  engine_config=False),
     EngineOption("pipeline_parallel_size", int, 1,

@@ -31,6 +31,7 @@ from model.params import param_bytes
 from serving.core.input_batch import Buckets, StepShape, StepBatch
 from serving.core.sampler import SamplingInputs, sample
 from serving.core.sampling_table import ROW_PARAMS
+from serving.core.structured_output import apply_token_bitmask, bitmask_width
 
 
 def unpack_step(v: dict) -> tuple[BatchMetadata, SamplingInputs]:
@@ -57,9 +58,11 @@ def feed_tokens(tokens, feed_rows, feed):
     return jnp.where(feed_rows >= 0, feed[jnp.maximum(feed_rows, 0)], tokens)
 
 
-def _step(params, cache, ibuf, fbuf, feed=None, *, cfg: ModelConfig, backend: str, shape: StepShape, layout=None):
+def _step(params, cache, ibuf, fbuf, feed=None, token_mask=None, *, cfg: ModelConfig, backend: str,
+          shape: StepShape, layout=None):
     """One engine step. With `feed` (the previous step's sampled ids, [max rows]) it also
-    fills placeholder tokens from it and returns this step's ids padded the same way."""
+    fills placeholder tokens from it and returns this step's ids padded the same way.
+    `token_mask` ([S, ceil(vocab / 32)] int32, structured outputs) bars the tokens whose bit is 0."""
     v = shape.split(ibuf, fbuf)
     md, s = unpack_step(v)
     tokens = v["tokens"] if feed is None else feed_tokens(v["tokens"], v["feed_rows"], feed)
@@ -67,6 +70,8 @@ def _step(params, cache, ibuf, fbuf, feed=None, *, cfg: ModelConfig, backend: st
         logits, cache = layout.forward(params, cache, tokens, md, cfg, backend)
     else:
         logits, cache = forward(params, cache, tokens, md, cfg, backend, layout)
+    if token_mask is not None:
+        logits = apply_token_bitmask(logits, token_mask)
     ids, logprobs = sample(logits, s)
     if feed is None:
         return cache, ids, logprobs, None
@@ -137,6 +142,7 @@ class ModelRunner:
         # reads its placeholder tokens from it (`feed_tokens`) without a trip through the host.
         self.feed = self._place_feed(np.zeros(buckets.max_num_seqs, np.int32))
         self.copy_sizes = _pow4_upto(buckets.max_num_seqs)  # buckets of copy-on-write pairs per step
+        self._all_allowed_masks: dict = {}  # rows -> resident all-ones token bitmask (`_all_allowed`)
 
     # --- placement: the one hook for shardings -----------------------------------------------
     def place(self, params, cache_dtype=None):
@@ -178,8 +184,8 @@ class ModelRunner:
     def replay(self, kind: str, *arrays, **static):
         """Runs a device call another process announced through its `dispatch_hook`; returns its
         outputs (not waited for)."""
-        if kind == "step":
-            return self._run(*arrays, **static)
+        if kind == "step":  # (ibuf, fbuf[, token_mask])
+            return self._run(*arrays[:2], static["shape"], *arrays[2:])
         if kind == "copy":
             return self._copy(*arrays)
         raise ValueError(f"unknown device call {kind!r}")
@@ -190,13 +196,28 @@ class ModelRunner:
         self.cache = _copy_jit(self.cache, *self._host_inputs(src, dst))
         return self.cache
 
-    def _run(self, ibuf, fbuf, shape):
+    def _run(self, ibuf, fbuf, shape, token_mask=None):
         if self.dispatch_hook is not None:
-            self.dispatch_hook("step", ibuf, fbuf, shape=shape)
+            masks = () if token_mask is None else (token_mask,)
+            self.dispatch_hook("step", ibuf, fbuf, *masks, shape=shape)
         ibuf, fbuf = self._host_inputs(ibuf, fbuf)
-        self.cache, ids, lp, self.feed = _step_jit(self.params, self.cache, ibuf, fbuf, self.feed, cfg=self.cfg,
+        mask = self._all_allowed(shape.S) if token_mask is None else self._place_mask(token_mask)
+        self.cache, ids, lp, self.feed = _step_jit(self.params, self.cache, ibuf, fbuf, self.feed, mask, cfg=self.cfg,
                                                    backend=self.backend, shape=shape, layout=self.layout)
         return ids, lp
+
+    # Structured outputs: every step takes a token bitmask; a step without grammar rows reuses a
+    # resident all-ones one per row bucket (no transfer), placed as a host mask is (no recompilation).
+    def _place_mask(self, mask: np.ndarray):
+        if self.layout is None:
+            return jax.device_put(mask, jax.devices()[0])
+        return self._host_inputs(mask)[0]
+
+    def _all_allowed(self, rows: int):
+        if rows not in self._all_allowed_masks:
+            ones = np.full((rows, bitmask_width(self.cfg.vocab_size)), -1, np.int32)
+            self._all_allowed_masks[rows] = self._place_mask(ones)
+        return self._all_allowed_masks[rows]
 
     @property
     def param_bytes(self) -> int:
@@ -233,7 +254,7 @@ class ModelRunner:
     def dispatch(self, batch: StepBatch) -> "PendingStep":
         """Starts one step and returns at once (JAX dispatches asynchronously); the host
         may do other work until it calls `result()`, the one synchronisation point."""
-        ids, lp = self._run(batch.ibuf, batch.fbuf, batch.shape)
+        ids, lp = self._run(batch.ibuf, batch.fbuf, batch.shape, batch.token_mask)
         return PendingStep(ids, lp if batch.want_logprobs else None)
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:

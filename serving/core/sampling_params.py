@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Union
 
+from serving.core.structured_output import StructuredOutputsParams, from_request_dict
+
 # The most top-k logprobs a request may ask for (OpenAI allows 20 for
 # `top_logprobs`). The step function always produces this many on device when
 # any row asks for logprobs, so it is a compile-time constant.
@@ -47,6 +49,8 @@ class SamplingParams:
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     include_stop_str_in_output: bool = False
+    # Constrain the output to a JSON schema, regex, choice or grammar (serving.core.structured_output).
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -100,6 +104,12 @@ class SamplingParams:
                 bad("stop_token_ids", f"token id {t!r} is not in [0, {vocab_size})")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
+        if self.structured_outputs is not None:
+            try:
+                self.structured_outputs = from_request_dict(self.structured_outputs)
+                self.structured_outputs.kind()
+            except (TypeError, ValueError) as e:
+                bad("structured_outputs", str(e))
         return self
 
     def clone(self, **changes) -> "SamplingParams":
