@@ -90,6 +90,10 @@ class HFTokenizer:
     def token_text(self, token_id: int) -> str:
         return self._tok.id_to_token(int(token_id)) or f"<{token_id}>"
 
+    def tokenizer_json(self) -> str:
+        """The tokenizer as `tokenizer.json` text (what structured outputs' grammar engine reads)."""
+        return self._tok.to_str()
+
 
 def _chat_template(directory: str, conf: dict):
     """The template from tokenizer_config.json, else from chat_template.jinja (newer transformers

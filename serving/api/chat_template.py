@@ -2,13 +2,15 @@
 
 A checkpoint whose tokenizer ships a chat template (`tokenizer_config.json`'s
 `chat_template`, a Jinja string) is rendered with that template, the way
-transformers' `apply_chat_template` renders it: `messages`, `bos_token`,
+transformers' `apply_chat_template` renders it: `messages`, `tools`, `bos_token`,
 `eos_token`, `add_generation_prompt` and `raise_exception` are in scope, and
 the sandboxed Jinja environment uses `trim_blocks` and `lstrip_blocks`.
 
 The embedded byte model has no template, so it gets `BYTE_CHAT_TEMPLATE`, a
 deliberately plain one (each message is a `<|role|>` line followed by its
-text; the generation prompt is the `<|assistant|>` line):
+text, an assistant's tool calls as a JSON line after it, and the tools, when
+a request has any, as a JSON line under `<|tools|>` first; the generation
+prompt is the `<|assistant|>` line):
 
     <|system|>
     You are terse.
@@ -26,8 +28,10 @@ import functools
 from typing import Any, Sequence
 
 BYTE_CHAT_TEMPLATE = (
+    "{% if tools %}<|tools|>\n{{ tools | tojson }}\n{% endif %}"
     "{% for message in messages %}"
     "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% if message['tool_calls'] %}{{ message['tool_calls'] | tojson }}\n{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
@@ -54,14 +58,18 @@ def template_for(tokenizer) -> str:
     return getattr(tokenizer, "chat_template", None) or BYTE_CHAT_TEMPLATE
 
 
-def render_chat(messages: Sequence[dict[str, Any]], tokenizer, add_generation_prompt: bool = True) -> str:
-    """The prompt text for `messages` (dicts with `role` and `content` strings)."""
+def render_chat(messages: Sequence[dict[str, Any]], tokenizer, add_generation_prompt: bool = True,
+                tools: Sequence[dict] | None = None) -> str:
+    """The prompt text for `messages` (dicts with `role` and `content` strings, and `tool_calls` /
+    `tool_call_id` where a conversation has tool calls); `tools` as transformers passes them
+    (OpenAI's `{"type": "function", "function": {...}}` entries), None without tools."""
     import jinja2
 
     try:
         return _compile(template_for(tokenizer)).render(
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
+            tools=list(tools) if tools else None,
             bos_token=getattr(tokenizer, "bos_token", None) or "",
             eos_token=getattr(tokenizer, "eos_token", None) or "",
         )
@@ -71,9 +79,10 @@ def render_chat(messages: Sequence[dict[str, Any]], tokenizer, add_generation_pr
         raise ChatTemplateError(f"the chat template failed: {e}") from e
 
 
-def encode_chat(messages: Sequence[dict[str, Any]], tokenizer, add_generation_prompt: bool = True) -> list[int]:
+def encode_chat(messages: Sequence[dict[str, Any]], tokenizer, add_generation_prompt: bool = True,
+                tools: Sequence[dict] | None = None) -> list[int]:
     """Token ids of the rendered chat. BOS is prepended unless the template already wrote it."""
-    text = render_chat(messages, tokenizer, add_generation_prompt)
+    text = render_chat(messages, tokenizer, add_generation_prompt, tools)
     bos_text = getattr(tokenizer, "bos_token", None)
     add_bos = not (bos_text and text.startswith(bos_text))
     return tokenizer.encode(text, add_bos=add_bos)
