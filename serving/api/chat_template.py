@@ -8,9 +8,10 @@ the sandboxed Jinja environment uses `trim_blocks` and `lstrip_blocks`.
 
 The embedded byte model has no template, so it gets `BYTE_CHAT_TEMPLATE`, a
 deliberately plain one (each message is a `<|role|>` line followed by its
-text, an assistant's tool calls as a JSON line after it, and the tools, when
-a request has any, as a JSON line under `<|tools|>` first; the generation
-prompt is the `<|assistant|>` line):
+text, then an assistant's tool calls, one `<|call|>name {arguments}` line
+each; a request's tools come first, their names under `<|tools|>`, since a
+byte model reads no schemas; the generation prompt is the `<|assistant|>`
+line):
 
     <|system|>
     You are terse.
@@ -28,10 +29,12 @@ import functools
 from typing import Any, Sequence
 
 BYTE_CHAT_TEMPLATE = (
-    "{% if tools %}<|tools|>\n{{ tools | tojson }}\n{% endif %}"
+    "{% if tools %}<|tools|>\n{% for tool in tools %}{{ tool['function']['name'] }}\n{% endfor %}{% endif %}"
     "{% for message in messages %}"
     "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
-    "{% if message['tool_calls'] %}{{ message['tool_calls'] | tojson }}\n{% endif %}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "<|call|>{{ call['function']['name'] }} {{ call['function']['arguments'] | tojson }}\n"
+    "{% endfor %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
