@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import threading
 from typing import Any, Optional, Union
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 # The keys of `StructuredOutputsParams` that say what to constrain to; exactly one is given.
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -221,8 +224,10 @@ class RequestGrammar:
         m = self.matchers[sample_index]
         if m.is_stopped():
             return True
-        if not m.consume_token(int(token)):
-            raise RuntimeError(f"structured outputs: the grammar rejected sampled token {token}: {m.get_error()}")
+        if not m.consume_token(int(token)):  # cannot happen under the mask; end the sample rather than the engine
+            log.warning("structured outputs: the grammar rejected sampled token %d (%s); sample ended", token,
+                        m.get_error())
+            return True
         if m.is_stopped():
             return True
         self._fill(m, self.masks, sample_index)
