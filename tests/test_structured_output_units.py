@@ -129,3 +129,33 @@ def test_grammar_over_a_tokenizer_json(tmp_path):
     assert grammar.accept(0, 4)  # complete
     with pytest.raises(ValueError, match="regex"):
         so.for_request(StructuredOutputsParams(regex="(a"), n=1)
+
+
+def test_auto_tool_stream_sends_text_until_a_call_may_begin():
+    from serving.api.tool_parsers import HermesParser
+
+    full = 'Checking. <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    stream = ToolStream(ToolPlan("auto", parser=HermesParser()))
+    content, deltas = "", []
+    for k in range(1, len(full) + 1):
+        text, calls = stream.step(full[:k], k == len(full))
+        content += text
+        deltas += calls
+        if k < len(full):
+            assert not calls and "<" not in content  # a possible marker is held back
+    assert content == "Checking. "
+    assert [d.function.name for d in deltas if d.id] == ["add"]
+    assert json.loads("".join(d.function.arguments for d in deltas)) == {"a": 1}
+    assert stream.has_calls
+
+
+@pytest.mark.parametrize("whitespace", [False, True])
+def test_json_whitespace_is_an_option(whitespace):
+    from model.tokenizer import ByteTokenizer
+
+    so = StructuredOutputs(ByteTokenizer(), 320, (ByteTokenizer.EOS,), whitespace=False)
+    grammar = so.for_request(StructuredOutputsParams(json={"type": "object"}, whitespace=whitespace), n=2)
+    assert not grammar.accept(1, ord("{"))
+    allowed = np.unpackbits(grammar.masks.view(np.uint8), axis=-1, bitorder="little")[:, :320]
+    assert bool(allowed[1, ord(" ")]) == whitespace and allowed[1, ord('"')] and allowed[1, ord("}")]
+    assert allowed[0, ord("{")] and not allowed[0, ord("}")]  # sample 0 still at the start
