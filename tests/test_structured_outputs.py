@@ -62,7 +62,12 @@ def test_llm_generate_same_with_overlap_on_and_off(llm):
     same prompt twice so the second request reuses the first one's cached prefix)."""
     sp = SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=60, structured_outputs={"json": PERSON})
     prompts = ["<|user|>\nA person\n<|assistant|>\n"] * 2
+    steps = llm.engine.stats().num_steps
     overlapped = [llm.generate([p], sp)[0] for p in prompts]
+    # A constrained sequence joins every step (its step is processed before the next is scheduled),
+    # not every other one: about one step per token, plus prefill and the last step's processing.
+    longest = [max(len(c.token_ids) for c in out.outputs) for out in overlapped]
+    assert llm.engine.stats().num_steps - steps <= sum(longest) + 2 * len(prompts) + 2
     # The same runner under a second engine that steps one at a time (the server is not running yet).
     stepwise = Engine(llm.config, None, llm.tokenizer, llm.engine.config.__class__(**{
         **{k: getattr(llm.engine.config, k) for k in llm.engine.config.__dataclass_fields__},

@@ -244,15 +244,18 @@ class Engine:
         With overlapped scheduling (`EngineConfig.async_scheduling`) the call dispatches the
         next step before it processes the one dispatched by the previous call, so the host
         schedules and packs step t+1 while the device still runs step t, and the outputs
-        returned are those of step t. The only wait is for step t's sampled ids.
+        returned are those of step t. The only wait is for step t's sampled ids. A step t with
+        grammar rows (structured outputs) is processed first instead, so that its sequences'
+        next masks exist and they join step t+1.
         """
         t0 = time.perf_counter()
         imported = self._admit_imports() if self._pending_imports else None
         if self.spec is not None:
             self.spec.propose()
+        touched: dict[str, Request] = dict(imported[0]) if imported else {}
+        early = self._process_grammar_step(touched)
         out = self.scheduler.schedule()
         now = time.monotonic()
-        touched: dict[str, Request] = dict(imported[0]) if imported else {}
         for seq in out.errored:
             req = seq.request
             req.error = (f"request {req.request_id} can never be scheduled: {seq.num_tokens} tokens need more than "
@@ -273,6 +276,11 @@ class Engine:
             result = done.result()
             waited = time.perf_counter() - t1
             self._process(done, result, it, touched)
+        if early is not None:  # the grammar step processed before scheduling
+            waited += early[1]
+            it.num_generation_tokens += early[0].num_generation_tokens
+            it.time_to_first_tokens.extend(early[0].time_to_first_tokens)
+            it.inter_token_latencies.extend(early[0].inter_token_latencies)
         now = time.monotonic()
         if imported:
             it.num_generation_tokens += len(imported[0])
@@ -297,6 +305,21 @@ class Engine:
         self._step_count += 1
         self.stats_log.record(it)
         return outputs
+
+    def _process_grammar_step(self, touched: dict):
+        """Overlapped scheduling: processes the step in flight before scheduling when it has grammar
+        rows, whose sequences' next masks need its tokens (without them those sequences would sit
+        out every other step). Returns (its IterationStats, seconds waited), or None."""
+        done = self._in_flight
+        if done is None or done.batch.token_mask is None:
+            return None
+        self._in_flight = None
+        it = IterationStats(self._step_count, 0, 0, 0, 0, 0, 0.0, 0.0, 0)
+        t1 = time.perf_counter()
+        result = done.result()
+        waited = time.perf_counter() - t1
+        self._process(done, result, it, touched)
+        return it, waited
 
     def _launch(self, out: SchedulerOutput, it: IterationStats, now: float) -> "_StepInFlight":
         """Packs and starts a scheduled step (JAX dispatches asynchronously, so this returns

@@ -7,8 +7,7 @@ that does not compile is an `InvalidParameterError` naming the problem. Each
 of the request's `n` samples then owns a matcher on the host.
 
 The mask of a sample's next draw is computed as soon as its last token is taken
-in (`RequestGrammar.accept`, called while the engine processes a step, so while
-the step dispatched after it runs on the device). Packing copies the rows of
+in (`RequestGrammar.accept`, called while the engine processes a step). Packing copies the rows of
 the sampling rows that have a grammar into a `[rows, ceil(vocab / 32)]` int32
 bitmask (`batch_mask`); rows without one are all ones, and a batch without any
 grammar row passes no mask at all (the runner then feeds a resident all-ones
@@ -16,8 +15,10 @@ one), so the step's shapes never change. On the device `apply_token_bitmask`
 sets every masked token's logit to -inf before sampling.
 
 With overlapped scheduling a grammar sequence does not run ahead of its own
-samples (the scheduler waits for its step to be processed first), since its
-next mask depends on the token the running step draws.
+samples, since its next mask depends on the token the running step draws: the
+engine processes a step with grammar rows before it schedules the next one
+(`Engine._process_grammar_step`), so those sequences join every step, and the
+scheduler never puts one with a draw in flight into a step.
 """
 
 from __future__ import annotations
