@@ -122,6 +122,10 @@ def test_json_object_regex_and_choice(client):
         r = client.completions.create(model=MODEL, prompt="def f(x):", temperature=1.0, seed=seed, max_tokens=12,
                                       extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe so"]}})
         assert r.choices[0].text in ("yes", "no", "maybe so") and r.choices[0].finish_reason == "stop"
+    lark = 'start: num "+" num\nnum: /[1-9][0-9]?/'
+    r = client.completions.create(model=MODEL, prompt="1+1=", temperature=1.0, seed=5, max_tokens=12,
+                                  extra_body={"structured_outputs": {"grammar": lark}})
+    assert re.fullmatch(r"[1-9][0-9]?\+[1-9][0-9]?", r.choices[0].text), r.choices[0].text
 
 
 def test_what_cannot_compile_is_a_400_naming_it(client):
