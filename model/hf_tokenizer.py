@@ -215,6 +215,10 @@ class HFTokenizer:
             text = self._tok.decode([token_id], skip_special_tokens=False)
         return list(text.encode("utf-8"))
 
+    def tokenizer_json(self) -> str:
+        """The tokenizer as `tokenizer.json` text (what structured outputs' grammar engine reads)."""
+        return self._tok.to_str()
+
     def token_text(self, token_id: int) -> str:
         """The token as text; bytes that are not whole UTF-8 characters show as `bytes:\\xNN...`."""
         data = bytes(self.token_bytes(token_id))

@@ -2,13 +2,16 @@
 
 A checkpoint whose tokenizer ships a chat template (`tokenizer_config.json`'s
 `chat_template`, a Jinja string) is rendered with that template, the way
-transformers' `apply_chat_template` renders it: `messages`, `bos_token`,
+transformers' `apply_chat_template` renders it: `messages`, `tools`, `bos_token`,
 `eos_token`, `add_generation_prompt` and `raise_exception` are in scope, and
 the sandboxed Jinja environment uses `trim_blocks` and `lstrip_blocks`.
 
 The embedded byte model has no template, so it gets `BYTE_CHAT_TEMPLATE`, a
 deliberately plain one (each message is a `<|role|>` line followed by its
-text; the generation prompt is the `<|assistant|>` line):
+text, then an assistant's tool calls, one `<|call|>name {arguments}` line
+each; a request's tools come first, their names under `<|tools|>`, since a
+byte model reads no schemas; the generation prompt is the `<|assistant|>`
+line):
 
     <|system|>
     You are terse.
@@ -26,8 +29,12 @@ import functools
 from typing import Any, Sequence
 
 BYTE_CHAT_TEMPLATE = (
+    "{% if tools %}<|tools|>\n{% for tool in tools %}{{ tool['function']['name'] }}\n{% endfor %}{% endif %}"
     "{% for message in messages %}"
     "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% for call in message['tool_calls'] or [] %}"
+    "<|call|>{{ call['function']['name'] }} {{ call['function']['arguments'] | tojson }}\n"
+    "{% endfor %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
@@ -54,14 +61,18 @@ def template_for(tokenizer) -> str:
     return getattr(tokenizer, "chat_template", None) or BYTE_CHAT_TEMPLATE
 
 
-def render_chat(messages: Sequence[dict[str, Any]], tokenizer, add_generation_prompt: bool = True) -> str:
-    """The prompt text for `messages` (dicts with `role` and `content` strings)."""
+def render_chat(messages: Sequence[dict[str, Any]], tokenizer, add_generation_prompt: bool = True,
+                tools: Sequence[dict] | None = None) -> str:
+    """The prompt text for `messages` (dicts with `role` and `content` strings, and `tool_calls` /
+    `tool_call_id` where a conversation has tool calls); `tools` as transformers passes them
+    (OpenAI's `{"type": "function", "function": {...}}` entries), None without tools."""
     import jinja2
 
     try:
         return _compile(template_for(tokenizer)).render(
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
+            tools=list(tools) if tools else None,
             bos_token=getattr(tokenizer, "bos_token", None) or "",
             eos_token=getattr(tokenizer, "eos_token", None) or "",
         )
@@ -71,7 +82,8 @@ def render_chat(messages: Sequence[dict[str, Any]], tokenizer, add_generation_pr
         raise ChatTemplateError(f"the chat template failed: {e}") from e
 
 
-def encode_chat(messages: Sequence[dict[str, Any]], tokenizer, add_generation_prompt: bool = True) -> list[int]:
+def encode_chat(messages: Sequence[dict[str, Any]], tokenizer, add_generation_prompt: bool = True,
+                tools: Sequence[dict] | None = None) -> list[int]:
     """Token ids of the rendered chat.
 
     The text is encoded without the tokenizer's special tokens (a template
@@ -80,7 +92,7 @@ def encode_chat(messages: Sequence[dict[str, Any]], tokenizer, add_generation_pr
     (`adds_bos`) and the template did not already write it, so a chat prompt
     never starts with two.
     """
-    text = render_chat(messages, tokenizer, add_generation_prompt)
+    text = render_chat(messages, tokenizer, add_generation_prompt, tools)
     ids = tokenizer.encode(text, add_special_tokens=False)
     bos_id, bos_text = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "bos_token", None)
     wrote_bos = (ids and ids[0] == bos_id) or (bos_text and text.startswith(bos_text))

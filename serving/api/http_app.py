@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serving.api import http_protocol as P
 from serving.disaggregation import kv_transfer
 from serving.api.chat_template import ChatTemplateError, encode_chat
+from serving.api import tool_calls as T
 from serving.api.http_auth import APIKeys
 from serving.api.profiling import TraceControl
 from serving.core.async_engine import EngineDeadError
@@ -45,8 +46,9 @@ class ServingContext:
     """What the routes need: the engine, the tokenizer, the name and the context window."""
 
     def __init__(self, engine, tokenizer, model_name: str, max_model_len: int, metrics=None,
-                 vocab_size: int | None = None, api_keys: APIKeys | None = None):
+                 vocab_size: int | None = None, api_keys: APIKeys | None = None, tool_call_parser: str | None = None):
         self.engine = engine
+        self.tool_call_parser = tool_call_parser  # how "auto" tool calls are read (serving.api.tool_parsers)
         self.api_keys = api_keys or APIKeys()
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -83,10 +85,10 @@ class ServingContext:
                 out.append((None, ids))  # the engine checks the ids against the vocabulary
         return out
 
-    def chat_prompt(self, req: P.ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    def chat_prompt(self, req: P.ChatCompletionRequest, plan: "T.ToolPlan | None" = None) -> list[int]:
+        messages = [T.template_message(m) for m in req.messages]
         try:
-            return encode_chat(messages, self.tokenizer, req.add_generation_prompt)
+            return encode_chat(messages, self.tokenizer, req.add_generation_prompt, plan and plan.tools)
         except ChatTemplateError as e:
             raise P.APIError(str(e), param="messages", code="invalid_value") from e
 
@@ -99,7 +101,7 @@ class ServingContext:
         return self.api_keys.cache_salt(request, req.cache_salt)
 
     def sampling_params(self, req: P._SamplingFields, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None) -> SamplingParams:
+                        prompt_logprobs: int | None, plan: "T.ToolPlan | None" = None) -> SamplingParams:
         """The request's sampling parameters as the client wrote them; the engine validates them (and the
         prompt against the context window) when the request is made, in one place for every entry point.
         A field the client left out takes the checkpoint's generation_config.json default, if any (the engine
@@ -120,6 +122,7 @@ class ServingContext:
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
+            structured_outputs=T.request_structured_outputs(req, plan),
         )
 
     @staticmethod
@@ -128,6 +131,8 @@ class ServingContext:
         names = dict(P.API_PARAM_NAMES[kind])
         if kind == "chat" and req is not None:
             names["max_tokens"] = req.max_tokens_field()
+        if req is not None:
+            names["structured_outputs"] = T.structured_field(req)
         field = names.get(e.param, e.param)
         code = "context_length_exceeded" if isinstance(e, ContextLengthError) else "invalid_value"
         return P.APIError(str(e).replace(e.param, field, 1), param=field, code=code)
@@ -277,14 +282,14 @@ def _error_response(err: P.APIError) -> JSONResponse:
 
 def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=None,
                vocab_size: int | None = None, profile_dir: str | None = None, api_keys: APIKeys | None = None,
-               kv_transfer_secret: str | None = None) -> FastAPI:
+               kv_transfer_secret: str | None = None, tool_call_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (an `AsyncEngine`) under the name `model_name`.
 
     `api_keys` guards the OpenAI and profiling routes (`serving.api.http_auth`); the internal KV
     routes of disaggregated serving are mounted only with a `kv_transfer_secret`, which signs
     and verifies their payloads (`serving.disaggregation.disagg`).
     """
-    ctx = ServingContext(engine, tokenizer, model_name, max_model_len, metrics, vocab_size, api_keys)
+    ctx = ServingContext(engine, tokenizer, model_name, max_model_len, metrics, vocab_size, api_keys, tool_call_parser)
     app = FastAPI(title="Ridgeline OpenAI-compatible API")
     app.state.ctx = ctx
     profiler = app.state.profiler = TraceControl(profile_dir)
@@ -397,13 +402,14 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
         if req.top_logprobs is not None and not req.logprobs:
             raise P.APIError("top_logprobs requires logprobs to be true", param="top_logprobs",
                              code="invalid_value")
-        ids = ctx.chat_prompt(req)
+        plan = T.plan_tools(req, ctx.tool_call_parser)
+        ids = ctx.chat_prompt(req, plan)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = ctx.sampling_params(req, req.requested_max_tokens(), logprobs, None)
+        params = ctx.sampling_params(req, req.requested_max_tokens(), logprobs, None, plan)
         salt = ctx.cache_salt(req, request)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return await primed_stream(request, _stream_chat(ctx, req, ids, params, base_id, salt))
+            return await primed_stream(request, _stream_chat(ctx, req, ids, params, base_id, salt, plan))
         try:
             (out,) = await ctx.final_outputs(request, [ids], params, base_id, "chat", salt, req)
         except ClientGone:
@@ -411,8 +417,10 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
         choices = []
         for o in out.outputs:
             lps = chat_logprobs(tokenizer, o.token_ids, o.logprobs or [], logprobs) if req.logprobs else None
-            choices.append(P.ChatChoice(index=o.index, message=P.ChatResponseMessage(content=o.text), logprobs=lps,
-                                        finish_reason=_finish_reason(o.finish_reason)))
+            content, calls = plan.calls(o.text)
+            message = P.ChatResponseMessage(content=content, tool_calls=T.tool_calls_of(calls) if calls else None)
+            choices.append(P.ChatChoice(index=o.index, message=message, logprobs=lps,
+                                        finish_reason=T.finish_reason(_finish_reason(o.finish_reason), bool(calls))))
         usage = _usage(len(ids), sum(len(o.token_ids) for o in out.outputs))
         return P.ChatCompletionResponse(id=base_id, model=model_name, choices=choices, usage=usage)
 
@@ -472,8 +480,10 @@ async def _stream_completion(ctx: ServingContext, req: P.CompletionRequest, prom
     yield P.SSE_DONE
 
 
-async def _stream_chat(ctx: ServingContext, req: P.ChatCompletionRequest, ids, params, base_id, cache_salt=None):
+async def _stream_chat(ctx: ServingContext, req: P.ChatCompletionRequest, ids, params, base_id, cache_salt=None,
+                       plan: "T.ToolPlan | None" = None):
     trackers: dict[int, _DeltaTracker] = {}
+    tool_streams: dict[int, T.ToolStream] = {}  # with tools: content and tool-call deltas per choice
     completion_tokens: dict[int, int] = {}
     top_n = params.logprobs or 0
     try:
@@ -492,10 +502,18 @@ async def _stream_chat(ctx: ServingContext, req: P.ChatCompletionRequest, ids, p
                 lps = None
                 if req.logprobs and o.logprobs is not None and t1 > t0:
                     lps = chat_logprobs(ctx.tokenizer, o.token_ids[t0:t1], o.logprobs[t0:t1], top_n)
+                reason = _finish_reason(o.finish_reason)
+                calls = None
+                if plan is not None and plan.mode != "none":
+                    ts = tool_streams.setdefault(o.index, T.ToolStream(plan))
+                    delta, calls = ts.step(o.text[:tr.sent_text], finished)
+                    reason = T.finish_reason(reason, ts.has_calls)
+                    if not (first or delta or calls or finished or lps):
+                        continue  # text that is held back or already sent as a call
                 # The first chunk of a choice carries the role, as OpenAI's do.
                 d = P.ChatDelta(role="assistant", content=delta) if first else P.ChatDelta(content=delta or None)
-                choices.append(P.ChatChunkChoice(index=o.index, delta=d, logprobs=lps,
-                                                 finish_reason=_finish_reason(o.finish_reason)))
+                d.tool_calls = calls or None
+                choices.append(P.ChatChunkChoice(index=o.index, delta=d, logprobs=lps, finish_reason=reason))
             if choices:
                 yield P.sse(P.ChatCompletionChunk(id=base_id, model=ctx.model_name, choices=choices))
         if req.include_usage():

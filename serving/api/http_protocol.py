@@ -20,6 +20,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from serving.api.tool_protocol import DeltaToolCall, NamedToolChoice, ResponseFormat, Tool, ToolCall
+
 # --- errors -----------------------------------------------------------------------------
 
 
@@ -85,6 +87,10 @@ class _SamplingFields(_Request):
     # Detokenization (vLLM's extensions): SamplingParams' fields of the same names.
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Structured outputs (serving.api.tool_calls): OpenAI's response_format, or vLLM's structured_outputs
+    # ({"json" | "json_object" | "regex" | "choice" | "grammar": ..., "whitespace": bool}).
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[dict[str, Any]] = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -113,6 +119,8 @@ class ChatMessage(_Request):
     role: str
     content: Optional[Union[str, list[TextPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant's calls, sent back in the history
+    tool_call_id: Optional[str] = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -128,6 +136,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[int] = None
     max_completion_tokens: Optional[int] = None
     add_generation_prompt: bool = True
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[bool] = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -187,6 +198,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
 
 
 class ChatChoice(BaseModel):
@@ -208,6 +220,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatChunkChoice(BaseModel):

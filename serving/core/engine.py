@@ -37,6 +37,7 @@ from serving.core.sampling_params import InvalidParameterError, SamplingParams, 
 from serving.core.scheduler import PoolTooSmall, Scheduler, SchedulerConfig, SchedulerOutput
 from serving.core.sequence import Request, Sequence
 from serving.spec_decode.options import check_options as check_spec_options, logit_rows as spec_logit_rows
+from serving.core import structured_output
 from serving.core.stats import EngineStats, FinishedRequestStats, IterationStats, StatsLog
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.stats_log = StatsLog()
         self.outputs = OutputProcessor(tokenizer, model_len, self.scheduler.finish, self.stats_log)
+        self.structured = structured_output.StructuredOutputs(tokenizer, cfg.vocab_size, self.eos_token_ids,
+                                                              config.structured_outputs_whitespace)
         self._rng = np.random.default_rng(config.seed)
         self._lock = threading.Lock()  # guards the seed generator (make_request may run on any thread)
         self._pending_finished: list[FinishedRequestStats] = []
@@ -159,7 +162,21 @@ class Engine:
         req = Request(request_id, text, ids, params, seed, arrival_time or time.monotonic(), self.eos_token_ids,
                       cache_salt)
         req.sampling_row = sampling_row(req)
+        req.structured = self._grammar(params)
         return req
+
+    def _grammar(self, params: SamplingParams):
+        """The request's compiled grammar (structured outputs), or None; a 400 when it cannot be used."""
+        if params.structured_outputs is None:
+            return None
+        if self.spec is not None:
+            raise InvalidParameterError("structured_outputs", "structured_outputs: not supported with speculative "
+                                                              "decoding (this engine runs speculative_method="
+                                                              f"{self.config.speculative_method})")
+        try:
+            return self.structured.for_request(params.structured_outputs, params.n)
+        except (TypeError, ValueError) as e:
+            raise InvalidParameterError("structured_outputs", f"structured_outputs: {e}") from None
 
     def _prompt_ids(self, prompt) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):
@@ -237,15 +254,18 @@ class Engine:
         With overlapped scheduling (`EngineConfig.async_scheduling`) the call dispatches the
         next step before it processes the one dispatched by the previous call, so the host
         schedules and packs step t+1 while the device still runs step t, and the outputs
-        returned are those of step t. The only wait is for step t's sampled ids.
+        returned are those of step t. The only wait is for step t's sampled ids. A step t with
+        grammar rows (structured outputs) is processed first instead, so that its sequences'
+        next masks exist and they join step t+1.
         """
         t0 = time.perf_counter()
         imported = self._admit_imports() if self._pending_imports else None
         if self.spec is not None:
             self.spec.propose()
+        touched: dict[str, Request] = dict(imported[0]) if imported else {}
+        early = self._process_grammar_step(touched)
         out = self.scheduler.schedule()
         now = time.monotonic()
-        touched: dict[str, Request] = dict(imported[0]) if imported else {}
         for seq in out.errored:
             req = seq.request
             req.error = (f"request {req.request_id} can never be scheduled: {seq.num_tokens} tokens need more than "
@@ -266,6 +286,11 @@ class Engine:
             result = done.result()
             waited = time.perf_counter() - t1
             self._process(done, result, it, touched)
+        if early is not None:  # the grammar step processed before scheduling
+            waited += early[1]
+            it.num_generation_tokens += early[0].num_generation_tokens
+            it.time_to_first_tokens.extend(early[0].time_to_first_tokens)
+            it.inter_token_latencies.extend(early[0].inter_token_latencies)
         now = time.monotonic()
         if imported:
             it.num_generation_tokens += len(imported[0])
@@ -291,6 +316,21 @@ class Engine:
         self.stats_log.record(it)
         return outputs
 
+    def _process_grammar_step(self, touched: dict):
+        """Overlapped scheduling: processes the step in flight before scheduling when it has grammar
+        rows, whose sequences' next masks need its tokens (without them those sequences would sit
+        out every other step). Returns (its IterationStats, seconds waited), or None."""
+        done = self._in_flight
+        if done is None or done.batch.token_mask is None:
+            return None
+        self._in_flight = None
+        it = IterationStats(self._step_count, 0, 0, 0, 0, 0, 0.0, 0.0, 0)
+        t1 = time.perf_counter()
+        result = done.result()
+        waited = time.perf_counter() - t1
+        self._process(done, result, it, touched)
+        return it, waited
+
     def _launch(self, out: SchedulerOutput, it: IterationStats, now: float) -> "_StepInFlight":
         """Packs and starts a scheduled step (JAX dispatches asynchronously, so this returns
         while the device works; a speculative step verifies its drafts synchronously)."""
@@ -300,6 +340,7 @@ class Engine:
         batch = pack_step(out, self.block_manager.tables, self.buckets, self.config.page_size, self.num_pages,
                           previous, shape_for=None if self.spec is not None else self.runner.step_shape)
         it.kv_tokens_read = batch.kv_tokens
+        batch.token_mask = structured_output.batch_mask(batch, self.structured.width)
         if self.spec is not None:
             pending = self.spec.execute(batch, out)
         else:
@@ -339,6 +380,8 @@ class Engine:
         if req.kv_export is not None and seq.num_output_tokens == 1:
             req.kv_export(self.export_prompt_kv(seq, tok, result, row))  # before a finish frees the pages
         self.outputs.on_token(seq, tok, row, result, now, it)
+        if req.structured is not None and not seq.is_finished and req.structured.accept(seq.sample_index, tok):
+            structured_output.finish_complete(seq, self.scheduler.finish)  # the grammar allows only the end
 
     # --- shipping a prefill's KV between engines (serving.disaggregation.kv_transfer) ----------------
     def export_prompt_kv(self, seq: Sequence, first_token: int, result, row: int):

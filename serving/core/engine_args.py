@@ -85,6 +85,9 @@ OPTIONS: tuple[EngineOption, ...] = (
                  "Whether the checkpoint's generation_config.json supplies default EOS ids and default sampling "
                  "parameters (temperature, top_p, top_k, min_p, max_new_tokens) for requests that do not set "
                  "them (auto), or is not read (off).", choices=("auto", "off"), engine_config=False),
+    EngineOption("structured_outputs_whitespace", bool, False,
+                 "Let JSON grammars of structured outputs put free whitespace between tokens (off: none, so a "
+                 "weak model cannot loop on spaces; a request's structured_outputs.whitespace overrides it)."),
     EngineOption("tensor_parallel_size", int, 1, "Devices to shard the model over (tensor parallelism).",
                  engine_config=False),
     EngineOption("pipeline_parallel_size", int, 1,

@@ -150,6 +150,8 @@ class StepBatch:
     # seq_id -> the row of its draw in this step's samples: where the next step, dispatched before
     # this one is processed, finds the token it feeds as a placeholder (`feed_rows`).
     draw_rows: dict = dataclasses.field(default_factory=dict)
+    # [S, ceil(vocab / 32)] int32 allowed-token bitmask of the rows (structured outputs), or None: all allowed.
+    token_mask: Optional[np.ndarray] = None
 
 
 def sampling_row(request) -> dict:

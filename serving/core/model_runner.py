@@ -32,6 +32,7 @@ from serving.core.input_batch import Buckets, StepShape, StepBatch
 from serving.core.sampler import SamplingInputs, sample
 from serving.core.sampling_table import ROW_PARAMS
 from serving.core.step_programs import StepPrograms, compiled_total
+from serving.core.structured_output import apply_token_bitmask, bitmask_width
 
 
 def unpack_step(v: dict) -> tuple[BatchMetadata, SamplingInputs]:
@@ -58,9 +59,11 @@ def feed_tokens(tokens, feed_rows, feed):
     return jnp.where(feed_rows >= 0, feed[jnp.maximum(feed_rows, 0)], tokens)
 
 
-def _step(params, cache, ibuf, fbuf, feed=None, *, cfg: ModelConfig, backend: str, shape: StepShape, layout=None):
+def _step(params, cache, ibuf, fbuf, feed=None, token_mask=None, *, cfg: ModelConfig, backend: str,
+          shape: StepShape, layout=None):
     """One engine step. With `feed` (the previous step's sampled ids, [max rows]) it also
-    fills placeholder tokens from it and returns this step's ids padded the same way."""
+    fills placeholder tokens from it and returns this step's ids padded the same way.
+    `token_mask` ([S, ceil(vocab / 32)] int32, structured outputs) bars the tokens whose bit is 0."""
     v = shape.split(ibuf, fbuf)
     md, s = unpack_step(v)
     tokens = v["tokens"] if feed is None else feed_tokens(v["tokens"], v["feed_rows"], feed)
@@ -68,6 +71,8 @@ def _step(params, cache, ibuf, fbuf, feed=None, *, cfg: ModelConfig, backend: st
         logits, cache = layout.forward(params, cache, tokens, md, cfg, backend)
     else:
         logits, cache = forward(params, cache, tokens, md, cfg, backend, layout)
+    if token_mask is not None:
+        logits = apply_token_bitmask(logits, token_mask)
     ids, logprobs = sample(logits, s)
     if feed is None:
         return cache, ids, logprobs, None
@@ -138,6 +143,7 @@ class ModelRunner:
         # reads its placeholder tokens from it (`feed_tokens`) without a trip through the host.
         self.feed = self._place_feed(np.zeros(buckets.max_num_seqs, np.int32))
         self.copy_sizes = _pow4_upto(buckets.max_num_seqs)  # buckets of copy-on-write pairs per step
+        self._all_allowed_masks: dict = {}  # rows -> resident all-ones token bitmask (`_all_allowed`)
         self.programs = StepPrograms(self._lower_step, self._program_key)
 
     # --- placement: the one hook for shardings -----------------------------------------------
@@ -180,8 +186,8 @@ class ModelRunner:
     def replay(self, kind: str, *arrays, **static):
         """Runs a device call another process announced through its `dispatch_hook`; returns its
         outputs (not waited for)."""
-        if kind == "step":
-            return self._run(*arrays, **static)
+        if kind == "step":  # (ibuf, fbuf[, token_mask])
+            return self._run(*arrays[:2], static["shape"], *arrays[2:])
         if kind == "copy":
             return self._copy(*arrays)
         raise ValueError(f"unknown device call {kind!r}")
@@ -192,15 +198,19 @@ class ModelRunner:
         self.cache = _copy_jit(self.cache, *self._host_inputs(src, dst))
         return self.cache
 
-    def _run(self, ibuf, fbuf, shape):
+    def _run(self, ibuf, fbuf, shape, token_mask=None):
         if self.dispatch_hook is not None:
-            self.dispatch_hook("step", ibuf, fbuf, shape=shape)
+            masks = () if token_mask is None else (token_mask,)
+            self.dispatch_hook("step", ibuf, fbuf, *masks, shape=shape)
         ibuf, fbuf = self._host_inputs(ibuf, fbuf)
+        mask = self._all_allowed(shape.S) if token_mask is None else self._place_mask(token_mask)
         if self._spans_processes():  # every process compiles in step with the others, through jit
-            self.cache, ids, lp, self.feed = _step_jit(self.params, self.cache, ibuf, fbuf, self.feed, cfg=self.cfg,
-                                                       backend=self.backend, shape=shape, layout=self.layout)
+            self.cache, ids, lp, self.feed = _step_jit(self.params, self.cache, ibuf, fbuf, self.feed, mask,
+                                                       cfg=self.cfg, backend=self.backend, shape=shape,
+                                                       layout=self.layout)
         else:
-            self.cache, ids, lp, self.feed = self.programs.get(shape)(self.params, self.cache, ibuf, fbuf, self.feed)
+            self.cache, ids, lp, self.feed = self.programs.get(shape)(self.params, self.cache, ibuf, fbuf, self.feed,
+                                                                      mask)
         return ids, lp
 
     def _abstract_inputs(self, shape: StepShape):
@@ -214,14 +224,16 @@ class ModelRunner:
         (_, isize), (_, fsize) = shape.offsets(shape.int_fields), shape.offsets(shape.float_fields)
         ibuf = jax.ShapeDtypeStruct((isize,), np.int32, sharding=sharding)
         fbuf = jax.ShapeDtypeStruct((fsize,), np.float32, sharding=sharding)
-        return params, cache, ibuf, fbuf, feed
+        mask = jax.ShapeDtypeStruct((shape.S, bitmask_width(self.cfg.vocab_size)), np.int32,
+                                    sharding=sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        return params, cache, ibuf, fbuf, feed, mask
 
     def _lower_step(self, shape: StepShape):
         return _step_jit.lower(*self._abstract_inputs(shape), cfg=self.cfg, backend=self.backend, shape=shape,
                                layout=self.layout)
 
     def _program_key(self, shape: StepShape):
-        params, cache, _, _, feed = self._abstract_inputs(shape)
+        params, cache, _, _, feed, _ = self._abstract_inputs(shape)
         if self._signature is None:
             leaves, treedef = jax.tree.flatten((params, cache, feed))
             self._signature = (treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves))
@@ -239,6 +251,19 @@ class ModelRunner:
 
     def stop_warm_up(self) -> None:
         self.programs.stop()
+
+    # Structured outputs: every step takes a token bitmask; a step without grammar rows reuses a
+    # resident all-ones one per row bucket (no transfer), placed as a host mask is (no recompilation).
+    def _place_mask(self, mask: np.ndarray):
+        if self.layout is None:
+            return jax.device_put(mask, jax.devices()[0])
+        return self._host_inputs(mask)[0]
+
+    def _all_allowed(self, rows: int):
+        if rows not in self._all_allowed_masks:
+            ones = np.full((rows, bitmask_width(self.cfg.vocab_size)), -1, np.int32)
+            self._all_allowed_masks[rows] = self._place_mask(ones)
+        return self._all_allowed_masks[rows]
 
     @property
     def param_bytes(self) -> int:
@@ -275,7 +300,7 @@ class ModelRunner:
     def dispatch(self, batch: StepBatch) -> "PendingStep":
         """Starts one step and returns at once (JAX dispatches asynchronously); the host
         may do other work until it calls `result()`, the one synchronisation point."""
-        ids, lp = self._run(batch.ibuf, batch.fbuf, batch.shape)
+        ids, lp = self._run(batch.ibuf, batch.fbuf, batch.shape, batch.token_mask)
         return PendingStep(ids, lp if batch.want_logprobs else None)
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:

@@ -11,6 +11,8 @@ import dataclasses
 import logging
 from typing import Optional, Union
 
+from serving.core.structured_output import StructuredOutputsParams, from_request_dict
+
 log = logging.getLogger(__name__)
 
 # The most top-k logprobs a request may ask for (OpenAI allows 20 for
@@ -54,6 +56,8 @@ class SamplingParams:
     # consecutive added tokens with no space between them.
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Constrain the output to a JSON schema, regex, choice or grammar (serving.core.structured_output).
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -108,6 +112,12 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, f"must be a bool, got {getattr(self, name)!r}")
+        if self.structured_outputs is not None:
+            try:
+                self.structured_outputs = from_request_dict(self.structured_outputs)
+                self.structured_outputs.kind()
+            except (TypeError, ValueError) as e:
+                bad("structured_outputs", str(e))
         return self
 
     def clone(self, **changes) -> "SamplingParams":

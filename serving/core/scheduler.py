@@ -200,12 +200,15 @@ class Scheduler:
 
         Only a plain decode or prompt chunk may: one seat (a fork needs the samples), no
         prompt logprobs still being collected (where they resume is known only once the
-        step is processed), and, with a draw in flight, not at its length limit (a draw that
-        is the last by length would make the next step's token a wasted one)."""
+        step is processed), no grammar waiting for its draw (its next mask needs that token),
+        and, with a draw in flight, not at its length limit (a draw that is the last by
+        length would make the next step's token a wasted one)."""
         if not seq.num_in_flight:
             return True
         if seq.num_seats > 1 or seq.wants_prompt_logprobs:
             return False
+        if seq.num_pending and seq.request.structured is not None:
+            return False  # its grammar's next mask needs the token still being drawn
         return not seq.num_pending or (
             seq.num_output_tokens + seq.num_pending < seq.params.max_tokens
             and seq.num_tokens_with_pending < self.config.max_model_len)
