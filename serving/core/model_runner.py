@@ -29,6 +29,7 @@ from model.config import ModelConfig
 from model.forward import forward
 from model.params import param_bytes
 from serving.core.input_batch import Buckets, StepShape, StepBatch
+from serving.core import sampling_controls
 from serving.core.sampler import SamplingInputs, sample
 from serving.core.sampling_table import ROW_PARAMS
 
@@ -57,9 +58,12 @@ def feed_tokens(tokens, feed_rows, feed):
     return jnp.where(feed_rows >= 0, feed[jnp.maximum(feed_rows, 0)], tokens)
 
 
-def _step(params, cache, ibuf, fbuf, feed=None, *, cfg: ModelConfig, backend: str, shape: StepShape, layout=None):
+def _step(params, cache, ibuf, fbuf, feed=None, controls=None, *, cfg: ModelConfig, backend: str, shape: StepShape,
+          layout=None):
     """One engine step. With `feed` (the previous step's sampled ids, [max rows]) it also
-    fills placeholder tokens from it and returns this step's ids padded the same way."""
+    fills placeholder tokens from it and returns this step's ids padded the same way. With
+    `controls` (a `sampling_controls.ControlState`) rows holding a slot are adjusted by it
+    before sampling, and their draws recorded in it."""
     v = shape.split(ibuf, fbuf)
     md, s = unpack_step(v)
     tokens = v["tokens"] if feed is None else feed_tokens(v["tokens"], v["feed_rows"], feed)
@@ -67,17 +71,24 @@ def _step(params, cache, ibuf, fbuf, feed=None, *, cfg: ModelConfig, backend: st
         logits, cache = layout.forward(params, cache, tokens, md, cfg, backend)
     else:
         logits, cache = forward(params, cache, tokens, md, cfg, backend, layout)
-    ids, logprobs = sample(logits, s)
+    if controls is None:
+        ids, logprobs = sample(logits, s)
+    else:
+        slot = v["control_slot"]
+        ids, logprobs = sample(sampling_controls.apply(logits, controls, slot, s.token_index, s), s, logits)
+        controls = sampling_controls.record(controls, slot, ids)
+        if getattr(layout, "replicated", None) is not None:
+            controls = jax.lax.with_sharding_constraint(controls, layout.replicated)
     if feed is None:
-        return cache, ids, logprobs, None
+        return cache, ids, logprobs, None, controls
     next_feed = jax.lax.dynamic_update_slice(jnp.zeros_like(feed), ids[:feed.shape[0]], (0,))
     if getattr(layout, "replicated", None) is not None:  # the sharding the feed was placed with
         next_feed = jax.lax.with_sharding_constraint(next_feed, layout.replicated)
-    return cache, ids, logprobs, next_feed
+    return cache, ids, logprobs, next_feed, controls
 
 
 # Module level, so engines with the same model and buckets share compilations.
-_step_jit = jax.jit(_step, static_argnames=("cfg", "backend", "shape", "layout"), donate_argnums=(1,))
+_step_jit = jax.jit(_step, static_argnames=("cfg", "backend", "shape", "layout"), donate_argnums=(1, 5))
 
 
 def _copy_pages(cache: KVCache, src, dst):
@@ -92,7 +103,7 @@ _copy_jit = jax.jit(_copy_pages, donate_argnums=(0,))
 
 def compilation_count() -> int:
     """Executables compiled so far for the step and page-copy functions (all runners)."""
-    return _step_jit._cache_size() + _copy_jit._cache_size()
+    return _step_jit._cache_size() + _copy_jit._cache_size() + sampling_controls.load_jit._cache_size()
 
 
 class StepResult:
@@ -125,7 +136,9 @@ class PendingStep:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int, buckets: Buckets,
-                 backend: str = "auto", cache_dtype=None, layout=None):
+                 backend: str = "auto", cache_dtype=None, layout=None, control_slots: int = 0):
+        """`control_slots`: how many running sequences may use `sampling_controls` at once (0: none;
+        the state then does not exist and `controls_unsupported` says so)."""
         self.cfg = cfg
         self.num_pages = num_pages
         self.page_size = page_size
@@ -137,6 +150,9 @@ class ModelRunner:
         # reads its placeholder tokens from it (`feed_tokens`) without a trip through the host.
         self.feed = self._place_feed(np.zeros(buckets.max_num_seqs, np.int32))
         self.copy_sizes = _pow4_upto(buckets.max_num_seqs)  # buckets of copy-on-write pairs per step
+        self.controls = None  # sampling_controls.ControlState, threaded through every step
+        if control_slots > 0 and self.controls_unsupported() is None:
+            self.controls = self._place_feed(sampling_controls.init_state(control_slots, cfg.vocab_size))
 
     # --- placement: the one hook for shardings -----------------------------------------------
     def place(self, params, cache_dtype=None):
@@ -194,9 +210,21 @@ class ModelRunner:
         if self.dispatch_hook is not None:
             self.dispatch_hook("step", ibuf, fbuf, shape=shape)
         ibuf, fbuf = self._host_inputs(ibuf, fbuf)
-        self.cache, ids, lp, self.feed = _step_jit(self.params, self.cache, ibuf, fbuf, self.feed, cfg=self.cfg,
-                                                   backend=self.backend, shape=shape, layout=self.layout)
+        self.cache, ids, lp, self.feed, self.controls = _step_jit(
+            self.params, self.cache, ibuf, fbuf, self.feed, self.controls, cfg=self.cfg, backend=self.backend,
+            shape=shape, layout=self.layout)
         return ids, lp
+
+    # --- sampling controls (serving.core.sampling_controls) --------------------------------------
+    def controls_unsupported(self):
+        """Why this runner cannot apply logit bias, penalties and the other per-slot controls, or None."""
+        if self._spans_processes():
+            return "these sampling controls run in one process only (this engine's mesh spans several)"
+        return None
+
+    def load_controls(self, slot: int, row: tuple) -> None:
+        """Writes one slot's row (`sampling_controls.host_row`) before the next step reads it."""
+        self.controls = sampling_controls.load_jit(self.controls, *self._host_inputs(np.int32(slot), *row))
 
     @property
     def param_bytes(self) -> int:
@@ -338,6 +366,8 @@ class ModelRunner:
             run_step(ibuf, fbuf, shape)
         for size in self.copy_sizes:
             self._copy(np.zeros(size, np.int32), np.full(size, self.num_pages, np.int32))
+        if self.controls is not None:  # slot 0 rewritten with its own zeros
+            self.load_controls(0, tuple(np.asarray(x[0]) for x in self.controls))
         jax.block_until_ready(self.cache)
         return len(shapes) + len(self.copy_sizes)
 
