@@ -366,8 +366,8 @@ class ModelRunner:
             run_step(ibuf, fbuf, shape)
         for size in self.copy_sizes:
             self._copy(np.zeros(size, np.int32), np.full(size, self.num_pages, np.int32))
-        if self.controls is not None:  # slot 0 rewritten with its own zeros
-            self.load_controls(0, tuple(np.asarray(x[0]) for x in self.controls))
+        if self.controls is not None:  # slot 0 written as it starts (nothing holds it yet)
+            self.load_controls(0, tuple(x[0] for x in sampling_controls.init_state(1, self.cfg.vocab_size)))
         jax.block_until_ready(self.cache)
         return len(shapes) + len(self.copy_sizes)
 
