@@ -54,8 +54,10 @@ def template_for(tokenizer) -> str:
     return getattr(tokenizer, "chat_template", None) or BYTE_CHAT_TEMPLATE
 
 
-def render_chat(messages: Sequence[dict[str, Any]], tokenizer, add_generation_prompt: bool = True) -> str:
-    """The prompt text for `messages` (dicts with `role` and `content` strings)."""
+def render_chat(messages: Sequence[dict[str, Any]], tokenizer, add_generation_prompt: bool = True,
+                tools: Sequence[dict] | None = None) -> str:
+    """The prompt text for `messages` (dicts with `role` and `content` strings); `tools` (OpenAI's
+    tool definitions) are in the template's scope as `tools`, as transformers passes them."""
     import jinja2
 
     try:
@@ -64,6 +66,7 @@ def render_chat(messages: Sequence[dict[str, Any]], tokenizer, add_generation_pr
             add_generation_prompt=add_generation_prompt,
             bos_token=getattr(tokenizer, "bos_token", None) or "",
             eos_token=getattr(tokenizer, "eos_token", None) or "",
+            tools=list(tools) if tools is not None else None,
         )
     except ChatTemplateError:
         raise
@@ -71,9 +74,10 @@ def render_chat(messages: Sequence[dict[str, Any]], tokenizer, add_generation_pr
         raise ChatTemplateError(f"the chat template failed: {e}") from e
 
 
-def encode_chat(messages: Sequence[dict[str, Any]], tokenizer, add_generation_prompt: bool = True) -> list[int]:
+def encode_chat(messages: Sequence[dict[str, Any]], tokenizer, add_generation_prompt: bool = True,
+                tools: Sequence[dict] | None = None) -> list[int]:
     """Token ids of the rendered chat. BOS is prepended unless the template already wrote it."""
-    text = render_chat(messages, tokenizer, add_generation_prompt)
+    text = render_chat(messages, tokenizer, add_generation_prompt, tools)
     bos_text = getattr(tokenizer, "bos_token", None)
     add_bos = not (bos_text and text.startswith(bos_text))
     return tokenizer.encode(text, add_bos=add_bos)

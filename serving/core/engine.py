@@ -159,25 +159,13 @@ class Engine:
         return req
 
     def _control_rows(self, req: Request) -> sampling_controls.RequestRows:
-        """The request's constant rows of logit bias and masks; refuses a request this engine cannot apply them to."""
-        p = req.params
-        field = sampling_controls.used_fields(p)[0]
+        """The request's constant rows of logit bias and masks; refuses it where they cannot be applied."""
         why = None
         if self.spec is not None:
             why = "is not supported with speculative decoding yet"
         elif self.control_slots is None:
             why = "is not supported by this engine: " + (self.runner.controls_unsupported() or "no control slots")
-        if why is not None:
-            raise InvalidParameterError(field, f"{field}: {why}")
-        words: list[list[int]] = []
-        if p.bad_words:
-            if self.tokenizer is None:
-                raise InvalidParameterError("bad_words", "bad_words: this model has no tokenizer")
-            words = sampling_controls.bad_word_ids(self.tokenizer, p.bad_words)
-            problem = sampling_controls.check_bad_words(words)
-            if problem:
-                raise InvalidParameterError("bad_words", f"bad_words: {problem}")
-        return sampling_controls.RequestRows(p, req.prompt_token_ids, req.eos_token_ids, self.cfg.vocab_size, words)
+        return sampling_controls.request_rows(req, self.tokenizer, self.cfg.vocab_size, why)
 
     def _prompt_ids(self, prompt) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):

@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from serving.core.sampling_params import InvalidParameterError
+
 # Multi-token bad words: how many a request may give and how many tokens each may have. The step
 # checks every slot's words against its last MAX_BAD_WORD_TOKENS - 1 output tokens.
 MAX_BAD_WORDS = 16
@@ -130,6 +132,24 @@ def check_bad_words(ids: list[list[int]]) -> Optional[str]:
     if any(len(w) > MAX_BAD_WORD_TOKENS for w in multi):
         return f"a bad word may have at most {MAX_BAD_WORD_TOKENS} tokens"
     return None
+
+
+def request_rows(req, tokenizer, vocab: int, unsupported: Optional[str] = None) -> RequestRows:
+    """A request's `RequestRows`, or an `InvalidParameterError` naming its first control when the
+    engine cannot apply them (`unsupported`: why) or its bad words do not fit."""
+    p = req.params
+    if unsupported is not None:
+        field = used_fields(p)[0]
+        raise InvalidParameterError(field, f"{field}: {unsupported}")
+    words: list[list[int]] = []
+    if p.bad_words:
+        if tokenizer is None:
+            raise InvalidParameterError("bad_words", "bad_words: this model has no tokenizer")
+        words = bad_word_ids(tokenizer, p.bad_words)
+        problem = check_bad_words(words)
+        if problem:
+            raise InvalidParameterError("bad_words", f"bad_words: {problem}")
+    return RequestRows(p, req.prompt_token_ids, req.eos_token_ids, vocab, words)
 
 
 def host_row(rows: RequestRows, output_token_ids: list[int], vocab: int) -> tuple:
