@@ -206,6 +206,9 @@ def test_bad_words_single_and_multi_token(llm):
 
 
 def test_batch_invariance_and_no_recompilation(llm):
+    events = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: events.append(name) if "backend_compile" in name else None)
     compiled = compilation_count()
     sp = SamplingParams(temperature=0.9, seed=11, max_tokens=16, ignore_eos=True, presence_penalty=1.5,
                         frequency_penalty=0.5, repetition_penalty=1.3, logit_bias={7: 5.0}, bad_words=["q"])
@@ -219,6 +222,21 @@ def test_batch_invariance_and_no_recompilation(llm):
     n2 = llm.generate([PROMPT], sp.clone(n=2))[0].outputs
     assert n2[0].token_ids == alone  # sample 0 of a fork: its own counts, the same draws
     assert compilation_count() == compiled
+    assert not events, "a backend compile happened after warm-up"
+
+
+def test_same_tokens_without_overlap_and_through_preemption(llm, params):
+    """A pool too small for the batch preempts and recomputes sequences (their slots reloaded from the
+    host), and steps run one at a time: every request still draws what it draws on the roomy engine."""
+    small = LLM(config=CFG, params=params, tokenizer=ByteTokenizer(V), max_num_seqs=4, max_num_batched_tokens=32,
+                max_model_len=96, num_pages=10, min_token_bucket=32, min_context_bucket=96, async_scheduling=False)
+    prompts = [[1] + list(range(10 + i, 30 + i)) for i in range(4)]
+    sps = [SamplingParams(temperature=0.8, seed=i, max_tokens=36, ignore_eos=True, presence_penalty=1.0,
+                          repetition_penalty=1.2, frequency_penalty=0.3 * i, bad_words=["(x"]) for i in range(4)]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, sps)]
+    got = [o.outputs[0].token_ids for o in small.generate(prompts, sps)]
+    assert small.engine.scheduler.num_preemptions > 0
+    assert got == want
 
 
 def test_refused_where_not_applied(params):
