@@ -152,6 +152,7 @@ class ModelRunner:
         self.copy_sizes = _pow4_upto(buckets.max_num_seqs)  # buckets of copy-on-write pairs per step
         self.controls = None  # sampling_controls.ControlState, threaded through every step
         if control_slots > 0 and self.controls_unsupported() is None:
+            # placed like the feed: on the one device, or replicated over the layout's mesh
             self.controls = self._place_feed(sampling_controls.init_state(control_slots, cfg.vocab_size))
 
     # --- placement: the one hook for shardings -----------------------------------------------
