@@ -33,6 +33,7 @@ from serving.disaggregation import kv_transfer
 from serving.api.chat_template import ChatTemplateError, encode_chat
 from serving.api import tool_calls as T
 from serving.api.http_auth import APIKeys
+from serving.api import openai_fields
 from serving.api.profiling import TraceControl
 from serving.core.async_engine import EngineDeadError
 from serving.core.engine import ContextLengthError
@@ -86,6 +87,7 @@ class ServingContext:
         return out
 
     def chat_prompt(self, req: P.ChatCompletionRequest, plan: "T.ToolPlan | None" = None) -> list[int]:
+        openai_fields.check_roles(req.messages)
         messages = [T.template_message(m) for m in req.messages]
         try:
             return encode_chat(messages, self.tokenizer, req.add_generation_prompt, plan and plan.tools)
@@ -123,6 +125,15 @@ class ServingContext:
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             structured_outputs=T.request_structured_outputs(req, plan),
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            presence_penalty=defaults.presence_penalty if req.presence_penalty is None else req.presence_penalty,
+            frequency_penalty=defaults.frequency_penalty if req.frequency_penalty is None else req.frequency_penalty,
+            repetition_penalty=(defaults.repetition_penalty if req.repetition_penalty is None
+                                else req.repetition_penalty),
+            min_tokens=defaults.min_tokens if req.min_tokens is None else req.min_tokens,
+            logit_bias=openai_fields.logit_bias(req.logit_bias),
+            allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words,
         )
 
     @staticmethod
@@ -302,7 +313,10 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request, err: StarletteHTTPException):  # unknown routes, wrong methods
         code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
-        body = P.error_body(str(err.detail), code=code)
+        message = str(err.detail)
+        if err.status_code == 400 and message == "There was an error parsing the body":  # e.g. not UTF-8
+            message, code = "The request body could not be parsed: it must be JSON in UTF-8", "invalid_json"
+        body = P.error_body(message, code=code)
         return JSONResponse(body, status_code=err.status_code, headers=getattr(err, "headers", None))
 
     @app.exception_handler(RequestValidationError)
@@ -361,6 +375,7 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
 
     @app.post("/v1/completions", dependencies=keyed)
     async def completions(req: P.CompletionRequest, request: Request):
+        openai_fields.check_fields(req, "completions")
         ctx.check_model(req.model)
         prompts = ctx.completion_prompts(req.prompt)
         lengths = [len(ids) for _, ids in prompts]
@@ -392,12 +407,14 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
                         entries = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + entries
                     lps = completion_logprobs(tokenizer, ids, entries)
                 choices.append(P.CompletionChoice(index=i * req.n + o.index, text=prefix + o.text, logprobs=lps,
-                                                  finish_reason=_finish_reason(o.finish_reason)))
+                                                  finish_reason=_finish_reason(o.finish_reason),
+                                                  stop_reason=o.stop_reason))
         return P.CompletionResponse(id=base_id, model=model_name, choices=choices,
                                     usage=_usage(sum(lengths), completion_tokens))
 
     @app.post("/v1/chat/completions", dependencies=keyed)
     async def chat_completions(req: P.ChatCompletionRequest, request: Request):
+        openai_fields.check_fields(req, "chat")
         ctx.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise P.APIError("top_logprobs requires logprobs to be true", param="top_logprobs",
@@ -420,9 +437,14 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
             content, calls = plan.calls(o.text)
             message = P.ChatResponseMessage(content=content, tool_calls=T.tool_calls_of(calls) if calls else None)
             choices.append(P.ChatChoice(index=o.index, message=message, logprobs=lps,
-                                        finish_reason=T.finish_reason(_finish_reason(o.finish_reason), bool(calls))))
+                                        finish_reason=T.finish_reason(_finish_reason(o.finish_reason), bool(calls)),
+                                        stop_reason=o.stop_reason))
         usage = _usage(len(ids), sum(len(o.token_ids) for o in out.outputs))
         return P.ChatCompletionResponse(id=base_id, model=model_name, choices=choices, usage=usage)
+
+    from serving.api.utility_routes import add_utility_routes
+
+    add_utility_routes(app, ctx, keyed)  # /tokenize, /detokenize, /version, /v1/models/{id}
 
     if kv_transfer_secret:
         from serving.disaggregation.disagg import add_kv_transfer_routes
@@ -466,7 +488,8 @@ async def _stream_completion(ctx: ServingContext, req: P.CompletionRequest, prom
                         tokens=lps.tokens + new.tokens, token_logprobs=lps.token_logprobs + new.token_logprobs,
                         top_logprobs=lps.top_logprobs + new.top_logprobs, text_offset=lps.text_offset + new.text_offset)
                 choices.append(P.CompletionChoice(index=index, text=head + delta, logprobs=lps,
-                                                  finish_reason=_finish_reason(o.finish_reason)))
+                                                  finish_reason=_finish_reason(o.finish_reason),
+                                                  stop_reason=o.stop_reason))
             if choices:
                 yield P.sse(P.CompletionResponse(id=base_id, model=ctx.model_name, choices=choices))
         if req.include_usage():
@@ -513,7 +536,8 @@ async def _stream_chat(ctx: ServingContext, req: P.ChatCompletionRequest, ids, p
                 # The first chunk of a choice carries the role, as OpenAI's do.
                 d = P.ChatDelta(role="assistant", content=delta) if first else P.ChatDelta(content=delta or None)
                 d.tool_calls = calls or None
-                choices.append(P.ChatChunkChoice(index=o.index, delta=d, logprobs=lps, finish_reason=reason))
+                choices.append(P.ChatChunkChoice(index=o.index, delta=d, logprobs=lps, finish_reason=reason,
+                                                 stop_reason=o.stop_reason))
             if choices:
                 yield P.sse(P.ChatCompletionChunk(id=base_id, model=ctx.model_name, choices=choices))
         if req.include_usage():

@@ -66,7 +66,14 @@ class StreamOptions(_Request):
 
 
 class _SamplingFields(_Request):
-    """Fields shared by both endpoints; defaults follow OpenAI's."""
+    """Fields shared by both endpoints; defaults follow OpenAI's.
+
+    Fields the models do not declare are kept (`model_extra`) so that
+    `serving.api.openai_fields` can refuse an OpenAI field this server does
+    not implement and log any other.
+    """
+
+    model_config = ConfigDict(extra="allow")
 
     model: Optional[str] = None
     max_tokens: Optional[int] = None
@@ -91,6 +98,16 @@ class _SamplingFields(_Request):
     # ({"json" | "json_object" | "regex" | "choice" | "grammar": ..., "whitespace": bool}).
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[dict[str, Any]] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None  # token id (as a string, as OpenAI sends it) -> bias
+    user: Optional[str] = None  # an end-user id for the client's records; it changes nothing here
+    # vLLM's extensions:
+    repetition_penalty: Optional[float] = None
+    min_tokens: Optional[int] = None
+    bad_words: Optional[list[str]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -107,6 +124,8 @@ PromptType = Union[str, list[str], list[int], list[list[int]]]
 class CompletionRequest(_SamplingFields):
     prompt: PromptType
     logprobs: Optional[int] = None
+    best_of: Optional[int] = None  # only None or n (no extra candidates are drawn)
+    suffix: Optional[str] = None  # refused unless empty (no insertion mode)
     max_tokens: Optional[int] = 16  # OpenAI's default for /v1/completions
 
 
@@ -170,6 +189,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None  # the stop string or token id that ended it (vLLM's field)
 
 
 class CompletionResponse(BaseModel):
@@ -206,6 +226,7 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -228,6 +249,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -245,6 +267,31 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "ridgeline"
     max_model_len: Optional[int] = None
+
+
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a `prompt`, or chat `messages` rendered by the chat template."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True  # the BOS of a prompt
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Request):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelList(BaseModel):

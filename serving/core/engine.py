@@ -26,7 +26,7 @@ import numpy as np
 from model.config import ModelConfig
 from model.generation_config import GenerationDefaults
 from model.quant import check_kv_cache_dtype, check_weight_dtype, kv_bytes_per_token, kv_cache_dtype, quantize_params
-from serving.core import engine_args
+from serving.core import engine_args, sampling_controls
 from serving.core.block_manager import BlockManager, is_cache_salt
 from serving.core.input_batch import Buckets, pack_step, sampling_row
 from serving.core.model_runner import ModelRunner
@@ -35,7 +35,7 @@ from serving.core.output_processor import OutputProcessor
 from serving.core.outputs import RequestOutput
 from serving.core.sampling_params import InvalidParameterError, SamplingParams, with_defaults
 from serving.core.scheduler import PoolTooSmall, Scheduler, SchedulerConfig, SchedulerOutput
-from serving.core.sequence import Request, Sequence
+from serving.core.sequence import Request, Sequence, SequenceStatus
 from serving.spec_decode.options import check_options as check_spec_options, logit_rows as spec_logit_rows
 from serving.core import structured_output
 from serving.core.stats import EngineStats, FinishedRequestStats, IterationStats, StatsLog
@@ -90,7 +90,12 @@ class Engine:
             from serving.core.pipeline_runner import PipelineRunner as runner_class
         self.runner = runner or runner_class(cfg, params, num_pages=num_pages, page_size=ps, buckets=self.buckets,
                                              backend=config.attention_backend, layout=layout,
-                                             cache_dtype=self.cache_dtype)
+                                             cache_dtype=self.cache_dtype,
+                                             control_slots=0 if config.speculative_method else config.max_num_seqs)
+        # Slots of the per-request rows of logit bias, penalties, ... (serving.core.sampling_controls).
+        self.control_slots = None
+        if getattr(self.runner, "controls", None) is not None:
+            self.control_slots = sampling_controls.ControlSlots(self.runner.controls.counts.shape[0])
         self.block_manager = BlockManager(num_pages, ps, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, model_len,
                                                    rows), self.block_manager)
@@ -163,6 +168,8 @@ class Engine:
                       cache_salt)
         req.sampling_row = sampling_row(req)
         req.structured = self._grammar(params)
+        if sampling_controls.used_fields(params):
+            req.control_rows = self._control_rows(req)
         return req
 
     def _grammar(self, params: SamplingParams):
@@ -177,6 +184,15 @@ class Engine:
             return self.structured.for_request(params.structured_outputs, params.n)
         except (TypeError, ValueError) as e:
             raise InvalidParameterError("structured_outputs", f"structured_outputs: {e}") from None
+
+    def _control_rows(self, req: Request) -> sampling_controls.RequestRows:
+        """The request's constant rows of logit bias and masks; refuses it where they cannot be applied."""
+        why = None
+        if self.spec is not None:
+            why = "is not supported with speculative decoding yet"
+        elif self.control_slots is None:
+            why = "is not supported by this engine: " + (self.runner.controls_unsupported() or "no control slots")
+        return sampling_controls.request_rows(req, self.tokenizer, self.cfg.vocab_size, why)
 
     def _prompt_ids(self, prompt) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):
@@ -337,8 +353,9 @@ class Engine:
         if out.copies:
             self.runner.copy_pages(out.copies)
         previous = self._in_flight.batch.draw_rows if self._in_flight is not None else None
+        slots = self._assign_control_slots(out) if self.control_slots is not None else None
         batch = pack_step(out, self.block_manager.tables, self.buckets, self.config.page_size, self.num_pages,
-                          previous, shape_for=None if self.spec is not None else self.runner.step_shape)
+                          previous, slots, shape_for=None if self.spec is not None else self.runner.step_shape)
         it.kv_tokens_read = batch.kv_tokens
         batch.token_mask = structured_output.batch_mask(batch, self.structured.width)
         if self.spec is not None:
@@ -352,6 +369,16 @@ class Engine:
             it.num_prompt_tokens += max(0, min(item.start + item.num_new_tokens, item.seq.num_prompt_tokens)
                                         - item.start)
         return _StepInFlight(out, batch, pending)
+
+    def _assign_control_slots(self, out: SchedulerOutput) -> dict:
+        """Slots for the step's sequences that use sampling controls; a sequence new to its slot has its
+        row written first (all its tokens are on the host then: a sequence gets a slot when it is
+        admitted, readmitted or forked, and each of those waits for its steps to be processed)."""
+        slots, loads = self.control_slots.assign(out.scheduled, lambda seq: seq.status is SequenceStatus.RUNNING)
+        for slot, seq in loads:
+            self.runner.load_controls(slot, sampling_controls.host_row(seq.request.control_rows,
+                                                                       seq.output_token_ids, self.cfg.vocab_size))
+        return slots
 
     def _process(self, done: "_StepInFlight", result, it: IterationStats, touched: dict) -> None:
         """Takes a finished step's sampled ids into the sequences: tokens, logprobs, stops."""

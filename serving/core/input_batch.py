@@ -96,7 +96,8 @@ class StepShape:
         T, S, P = self.T, self.S, self.P
         return (("tokens", T), ("feed_rows", T), ("positions", T), ("slots", T), ("cu_q_lens", S + 1), ("kv_lens", S),
                 ("block_tables", S * P), ("num_seqs", 1), ("logits_indices", S), ("sample_index", S),
-                ("token_index", S), ("target", S), ("flags", NUM_FLAGS)) + sampling_table.buffer_fields(np.int32, S)
+                ("token_index", S), ("target", S), ("control_slot", S),
+                ("flags", NUM_FLAGS)) + sampling_table.buffer_fields(np.int32, S)
 
     @property
     def float_fields(self):
@@ -132,6 +133,7 @@ class StepShape:
         v["slots"][:] = pad_slot
         v["feed_rows"][:] = -1
         v["target"][:] = -1
+        v["control_slot"][:] = -1
         sampling_table.reset(v)
         return ibuf, fbuf, v
 
@@ -160,11 +162,14 @@ def sampling_row(request) -> dict:
 
 
 def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: int, num_pages: int,
-              previous_draw_rows: Optional[dict] = None, shape_for=None) -> StepBatch:
+              previous_draw_rows: Optional[dict] = None, control_slots: Optional[dict] = None,
+              shape_for=None) -> StepBatch:
     """The padded host buffers of one scheduled step. `previous_draw_rows` is the `draw_rows` of the
     step dispatched just before (overlapped scheduling): a decode whose last token that step is
-    still drawing reads it from there on the device. `shape_for(bucket) -> bucket` may hand out a
-    larger bucket than the step's own (one that is compiled already, `ModelRunner.step_shape`)."""
+    still drawing reads it from there on the device. `control_slots`: {seq_id: its slot of
+    `sampling_controls`} for the sequences that use those controls. `shape_for(bucket) -> bucket`
+    may hand out a larger bucket than the step's own (one that is compiled already,
+    `ModelRunner.step_shape`)."""
     items = out.scheduled
     n = len(items)
     n_new = np.fromiter((it.num_new_tokens for it in items), np.int64, n)
@@ -223,11 +228,13 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
         tok_index = seq.num_output_tokens + seq.num_pending - 1
         draw_rows[seq.seq_id] = row
         nd = len(it.draft_token_ids)  # with drafts: one row per verified position, in order
+        slot = control_slots.get(seq.seq_id, -1) if control_slots else -1
         for s in it.sample_indices:
             for j in range(nd + 1):
                 li[row] = cu[i] - 1 - nd + j
                 sampling_table.write_row(v, row, values)
                 si[row], ti[row] = s, tok_index + j
+                v["control_slot"][row] = slot
                 sample_rows.append((seq, s))
                 row += 1
     for i, it in enumerate(items):

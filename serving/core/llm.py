@@ -200,6 +200,21 @@ class LLM:
             role.end(outputs)
             return outputs
 
+    def chat(self, messages: Union[Sequence[dict], Sequence[Sequence[dict]]],
+             sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *,
+             add_generation_prompt: bool = True, tools: Optional[Sequence[dict]] = None) -> list[RequestOutput]:
+        """Generates replies to chat conversations: one conversation (a list of {"role", "content"}
+        messages) or a list of them, rendered by the model's chat template exactly as the server's
+        chat route renders them (`tools` reaches the template as `tools`), then `generate`d."""
+        from serving.api.chat_template import encode_chat
+
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this model has none")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [encode_chat([_chat_message(m) for m in conv], self.tokenizer, add_generation_prompt, tools)
+                   for conv in conversations]
+        return self.generate(prompts, sampling_params)
+
     def shutdown(self) -> None:
         """Ends a background warm-up (after the compile under way); in multi-process runs, process 0
         also tells the others to stop following."""
@@ -227,3 +242,11 @@ class LLM:
                 if out.finished:
                     done[out.request_id] = out
         return [done[r.request_id] for r in reqs]
+
+
+def _chat_message(m: dict) -> dict:
+    """A message as the template sees it: its content as one string (text parts joined)."""
+    content = m.get("content")
+    if isinstance(content, list):
+        content = "".join(part.get("text", "") for part in content if part.get("type", "text") == "text")
+    return {**m, "content": content if content is not None else ""}

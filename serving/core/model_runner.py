@@ -29,6 +29,7 @@ from model.config import ModelConfig
 from model.forward import forward
 from model.params import param_bytes
 from serving.core.input_batch import Buckets, StepShape, StepBatch
+from serving.core import sampling_controls
 from serving.core.sampler import SamplingInputs, sample
 from serving.core.sampling_table import ROW_PARAMS
 from serving.core.step_programs import StepPrograms, compiled_total
@@ -59,11 +60,13 @@ def feed_tokens(tokens, feed_rows, feed):
     return jnp.where(feed_rows >= 0, feed[jnp.maximum(feed_rows, 0)], tokens)
 
 
-def _step(params, cache, ibuf, fbuf, feed=None, token_mask=None, *, cfg: ModelConfig, backend: str,
+def _step(params, cache, ibuf, fbuf, feed=None, controls=None, token_mask=None, *, cfg: ModelConfig, backend: str,
           shape: StepShape, layout=None):
     """One engine step. With `feed` (the previous step's sampled ids, [max rows]) it also
-    fills placeholder tokens from it and returns this step's ids padded the same way.
-    `token_mask` ([S, ceil(vocab / 32)] int32, structured outputs) bars the tokens whose bit is 0."""
+    fills placeholder tokens from it and returns this step's ids padded the same way. With
+    `controls` (a `sampling_controls.ControlState`) rows holding a slot are adjusted by it
+    before sampling, and their draws recorded in it. `token_mask` ([S, ceil(vocab / 32)] int32,
+    structured outputs) bars the tokens whose bit is 0."""
     v = shape.split(ibuf, fbuf)
     md, s = unpack_step(v)
     tokens = v["tokens"] if feed is None else feed_tokens(v["tokens"], v["feed_rows"], feed)
@@ -71,19 +74,27 @@ def _step(params, cache, ibuf, fbuf, feed=None, token_mask=None, *, cfg: ModelCo
         logits, cache = layout.forward(params, cache, tokens, md, cfg, backend)
     else:
         logits, cache = forward(params, cache, tokens, md, cfg, backend, layout)
+    raw = logits  # logprobs report the model's own distribution, as vLLM's do
     if token_mask is not None:
         logits = apply_token_bitmask(logits, token_mask)
-    ids, logprobs = sample(logits, s)
+    if controls is None:
+        ids, logprobs = sample(logits, s, raw)
+    else:
+        slot = v["control_slot"]
+        ids, logprobs = sample(sampling_controls.apply(logits, controls, slot, s.token_index, s), s, raw)
+        controls = sampling_controls.record(controls, slot, ids)
+        if getattr(layout, "replicated", None) is not None:
+            controls = jax.lax.with_sharding_constraint(controls, layout.replicated)
     if feed is None:
-        return cache, ids, logprobs, None
+        return cache, ids, logprobs, None, controls
     next_feed = jax.lax.dynamic_update_slice(jnp.zeros_like(feed), ids[:feed.shape[0]], (0,))
     if getattr(layout, "replicated", None) is not None:  # the sharding the feed was placed with
         next_feed = jax.lax.with_sharding_constraint(next_feed, layout.replicated)
-    return cache, ids, logprobs, next_feed
+    return cache, ids, logprobs, next_feed, controls
 
 
 # Module level, so engines with the same model and buckets share compilations.
-_step_jit = jax.jit(_step, static_argnames=("cfg", "backend", "shape", "layout"), donate_argnums=(1,))
+_step_jit = jax.jit(_step, static_argnames=("cfg", "backend", "shape", "layout"), donate_argnums=(1, 5))
 
 
 def _copy_pages(cache: KVCache, src, dst):
@@ -98,7 +109,8 @@ _copy_jit = jax.jit(_copy_pages, donate_argnums=(0,))
 
 def compilation_count() -> int:
     """Executables compiled so far for the step and page-copy functions (all runners)."""
-    return _step_jit._cache_size() + _copy_jit._cache_size() + compiled_total()
+    return (_step_jit._cache_size() + _copy_jit._cache_size() + sampling_controls.load_jit._cache_size()
+            + compiled_total())
 
 
 class StepResult:
@@ -131,7 +143,9 @@ class PendingStep:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int, buckets: Buckets,
-                 backend: str = "auto", cache_dtype=None, layout=None):
+                 backend: str = "auto", cache_dtype=None, layout=None, control_slots: int = 0):
+        """`control_slots`: how many running sequences may use `sampling_controls` at once (0: none;
+        the state then does not exist and `controls_unsupported` says so)."""
         self.cfg = cfg
         self.num_pages = num_pages
         self.page_size = page_size
@@ -145,6 +159,10 @@ class ModelRunner:
         self.copy_sizes = _pow4_upto(buckets.max_num_seqs)  # buckets of copy-on-write pairs per step
         self._all_allowed_masks: dict = {}  # rows -> resident all-ones token bitmask (`_all_allowed`)
         self.programs = StepPrograms(self._lower_step, self._program_key)
+        self.controls = None  # sampling_controls.ControlState, threaded through every step
+        if control_slots > 0 and self.controls_unsupported() is None:
+            # placed like the feed: on the one device, or replicated over the layout's mesh
+            self.controls = self._place_feed(sampling_controls.init_state(control_slots, cfg.vocab_size))
 
     # --- placement: the one hook for shardings -----------------------------------------------
     def place(self, params, cache_dtype=None):
@@ -204,13 +222,12 @@ class ModelRunner:
             self.dispatch_hook("step", ibuf, fbuf, *masks, shape=shape)
         ibuf, fbuf = self._host_inputs(ibuf, fbuf)
         mask = self._all_allowed(shape.S) if token_mask is None else self._place_mask(token_mask)
+        args = (self.params, self.cache, ibuf, fbuf, self.feed, self.controls, mask)
         if self._spans_processes():  # every process compiles in step with the others, through jit
-            self.cache, ids, lp, self.feed = _step_jit(self.params, self.cache, ibuf, fbuf, self.feed, mask,
-                                                       cfg=self.cfg, backend=self.backend, shape=shape,
-                                                       layout=self.layout)
+            outs = _step_jit(*args, cfg=self.cfg, backend=self.backend, shape=shape, layout=self.layout)
         else:
-            self.cache, ids, lp, self.feed = self.programs.get(shape)(self.params, self.cache, ibuf, fbuf, self.feed,
-                                                                      mask)
+            outs = self.programs.get(shape)(*args)
+        self.cache, ids, lp, self.feed, self.controls = outs
         return ids, lp
 
     def _abstract_inputs(self, shape: StepShape):
@@ -218,24 +235,24 @@ class ModelRunner:
         (taken once, so a compile in another thread never touches arrays a running step donates)."""
         if self._specs is None:
             self._specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                       (self.params, self.cache, self.feed))
-        params, cache, feed = self._specs
+                                       (self.params, self.cache, self.feed, self.controls))
+        params, cache, feed, controls = self._specs
         sharding = None if self.layout is None else self.layout.replicated
         (_, isize), (_, fsize) = shape.offsets(shape.int_fields), shape.offsets(shape.float_fields)
         ibuf = jax.ShapeDtypeStruct((isize,), np.int32, sharding=sharding)
         fbuf = jax.ShapeDtypeStruct((fsize,), np.float32, sharding=sharding)
         mask = jax.ShapeDtypeStruct((shape.S, bitmask_width(self.cfg.vocab_size)), np.int32,
                                     sharding=sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-        return params, cache, ibuf, fbuf, feed, mask
+        return params, cache, ibuf, fbuf, feed, controls, mask
 
     def _lower_step(self, shape: StepShape):
         return _step_jit.lower(*self._abstract_inputs(shape), cfg=self.cfg, backend=self.backend, shape=shape,
                                layout=self.layout)
 
     def _program_key(self, shape: StepShape):
-        params, cache, _, _, feed, _ = self._abstract_inputs(shape)
+        params, cache, _, _, feed, controls, _ = self._abstract_inputs(shape)
         if self._signature is None:
-            leaves, treedef = jax.tree.flatten((params, cache, feed))
+            leaves, treedef = jax.tree.flatten((params, cache, feed, controls))
             self._signature = (treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves))
         return ("step", self.cfg, self.backend, self.layout, shape, self._signature)
 
@@ -264,6 +281,17 @@ class ModelRunner:
             ones = np.full((rows, bitmask_width(self.cfg.vocab_size)), -1, np.int32)
             self._all_allowed_masks[rows] = self._place_mask(ones)
         return self._all_allowed_masks[rows]
+
+    # --- sampling controls (serving.core.sampling_controls) --------------------------------------
+    def controls_unsupported(self):
+        """Why this runner cannot apply logit bias, penalties and the other per-slot controls, or None."""
+        if self._spans_processes():
+            return "these sampling controls run in one process only (this engine's mesh spans several)"
+        return None
+
+    def load_controls(self, slot: int, row: tuple) -> None:
+        """Writes one slot's row (`sampling_controls.host_row`) before the next step reads it."""
+        self.controls = sampling_controls.load_jit(self.controls, *self._host_inputs(np.int32(slot), *row))
 
     @property
     def param_bytes(self) -> int:
@@ -400,10 +428,15 @@ class ModelRunner:
         info = self.programs.warm_up(self.warm_up_order(), background=background, start_thread=start_thread)
         for size in self.copy_sizes:
             self._copy(np.zeros(size, np.int32), np.full(size, self.num_pages, np.int32))
+        self._warm_up_controls()
         jax.block_until_ready(self.cache)
         info.update(seconds=time.perf_counter() - t0, compiled=self.compilation_count() - before,
                     shapes=info["shapes"] + len(self.copy_sizes))
         return info
+
+    def _warm_up_controls(self) -> None:
+        if self.controls is not None:  # slot 0 written as it starts (nothing holds it yet)
+            self.load_controls(0, tuple(x[0] for x in sampling_controls.init_state(1, self.cfg.vocab_size)))
 
     def warm_up_order(self) -> list[StepShape]:
         """Every bucket, smallest first: the batch-1 decode first and the bucket that holds every step
@@ -421,6 +454,7 @@ class ModelRunner:
             run_step(ibuf, fbuf, shape)
         for size in self.copy_sizes:
             self._copy(np.zeros(size, np.int32), np.full(size, self.num_pages, np.int32))
+        self._warm_up_controls()
         jax.block_until_ready(self.cache)
         return len(shapes) + len(self.copy_sizes)
 

@@ -43,9 +43,10 @@ class OutputProcessor:
             seq.logprobs.append(self._logprob_entry(result, row, tok, p.logprobs))
             seq.cumulative_logprob += float(result.chosen_logprob[row])
         reason = stop_reason = None
-        if not p.ignore_eos and tok in req.eos_token_ids:
+        held = seq.num_output_tokens < p.min_tokens  # only the length may end it yet
+        if not held and not p.ignore_eos and tok in req.eos_token_ids:
             reason = "stop"
-        elif tok in p.stop_token_ids:
+        elif not held and tok in p.stop_token_ids:
             reason, stop_reason = "stop", tok
         elif self.tokenizer is not None:
             if seq.detokenizer is None:
@@ -54,7 +55,7 @@ class OutputProcessor:
             delta = seq.detokenizer.push(tok)
             if delta:
                 seq.text = seq.detokenizer.text
-                if p.stop:
+                if p.stop and not held:
                     hit = _find_stop(seq.text, len(delta), p.stop)
                     if hit is not None:
                         at, s = hit

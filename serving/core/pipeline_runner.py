@@ -36,6 +36,9 @@ class PipelineRunner(ModelRunner):
     def spec_decode_unsupported(self):
         return "speculative decoding is not supported with pipeline parallelism (pipeline_parallel_size > 1) yet"
 
+    def controls_unsupported(self):
+        return "not supported with pipeline parallelism (pipeline_parallel_size > 1) yet"
+
     def kv_transfer_unsupported(self):
         return ("KV transfer is not supported with pipeline parallelism yet (each stage holds only its own "
                 "layers' pages)")

@@ -54,6 +54,15 @@ class Runner(Protocol):
     def compilation_count(self) -> int:
         """Executables compiled so far for this kind of runner."""
 
+    # --- sampling controls (serving.core.sampling_controls) ------------------------------------
+    controls: Any  # the device `ControlState`, or None when the runner keeps none
+
+    def controls_unsupported(self) -> Optional[str]:
+        """Why this runner cannot apply logit bias, penalties and the other per-slot controls, or None."""
+
+    def load_controls(self, slot: int, row: tuple) -> None:
+        """Writes one control slot's row before the next step reads it."""
+
     # --- speculative decoding ----------------------------------------------------------------
     def spec_decode_unsupported(self) -> Optional[str]:
         """Why this runner cannot verify drafts, or None."""

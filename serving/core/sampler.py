@@ -40,6 +40,11 @@ class SamplingInputs(NamedTuple):
     any_random: jax.Array  # [] bool
     any_filter: jax.Array  # [] bool, some row uses top-k or top-p
     want_logprobs: jax.Array  # [] bool
+    # Read only by serving.core.sampling_controls, for rows holding a control slot (None outside the step).
+    presence_penalty: jax.Array = None  # [R] f32
+    frequency_penalty: jax.Array = None  # [R] f32
+    repetition_penalty: jax.Array = None  # [R] f32
+    min_tokens: jax.Array = None  # [R] i32
 
 
 class LogprobsOutput(NamedTuple):
@@ -118,13 +123,15 @@ def _logprobs(logits, ids, target):
     return LogprobsOutput(chosen, rank, top_ids.astype(jnp.int32), top_lp)
 
 
-def sample(logits: jax.Array, s: SamplingInputs):
+def sample(logits: jax.Array, s: SamplingInputs, raw_logits=None):
     """Returns (token ids [R] i32, LogprobsOutput); logprobs are zeros unless asked for.
 
     Logprobs are those of the model's raw distribution (before temperature
-    and filters), as vLLM reports them.
+    and filters), as vLLM reports them: `raw_logits`, when `logits` were
+    adjusted by `sampling_controls` first.
     """
     logits = logits.astype(jnp.float32)
+    raw = logits if raw_logits is None else raw_logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     ids = jax.lax.cond(
         s.any_random,
@@ -135,5 +142,5 @@ def sample(logits: jax.Array, s: SamplingInputs):
     k = num_top_logprobs(logits.shape[-1])
     empty = LogprobsOutput(jnp.zeros((r,), jnp.float32), jnp.zeros((r,), jnp.int32),
                            jnp.zeros((r, k), jnp.int32), jnp.zeros((r, k), jnp.float32))
-    lp = jax.lax.cond(s.want_logprobs, lambda: _logprobs(logits, ids, s.target), lambda: empty)
+    lp = jax.lax.cond(s.want_logprobs, lambda: _logprobs(raw, ids, s.target), lambda: empty)
     return ids, lp

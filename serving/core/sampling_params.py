@@ -58,6 +58,14 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     # Constrain the output to a JSON schema, regex, choice or grammar (serving.core.structured_output).
     structured_outputs: Optional[StructuredOutputsParams] = None
+    # Applied on the device through `serving.core.sampling_controls` (vLLM's definitions):
+    presence_penalty: float = 0.0  # subtracted from a token's logit once it is in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt or output tokens
+    min_tokens: int = 0  # EOS, stop_token_ids and stop strings cannot end the output before this many tokens
+    logit_bias: Optional[dict[int, float]] = None  # token id -> added to its logit
+    allowed_token_ids: Optional[list[int]] = None  # only these may be sampled
+    bad_words: Optional[list[str]] = None  # words never generated (a word's last token is banned after its prefix)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -67,6 +75,8 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -118,6 +128,34 @@ class SamplingParams:
                 self.structured_outputs.kind()
             except (TypeError, ValueError) as e:
                 bad("structured_outputs", str(e))
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_num(v) or not -2.0 <= v <= 2.0:
+                bad(name, f"must be in [-2, 2], got {v!r}")
+        rp = self.repetition_penalty
+        if not is_num(rp) or not 0.0 < rp < float("inf"):
+            bad("repetition_penalty", f"must be a finite number > 0, got {rp!r}")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+
+        def token_id(param, t):
+            if not is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                bad(param, f"token id {t!r} is not in [0, {vocab_size})")
+
+        if self.logit_bias is not None:
+            for t, b in self.logit_bias.items():
+                token_id("logit_bias", t)
+                if not is_num(b) or not -100.0 <= b <= 100.0:
+                    bad("logit_bias", f"the bias of token {t} must be in [-100, 100], got {b!r}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                bad("allowed_token_ids", "must not be empty")
+            for t in self.allowed_token_ids:
+                token_id("allowed_token_ids", t)
+        if self.bad_words is not None and not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            bad("bad_words", f"must be a list of non-empty strings, got {self.bad_words!r}")
         return self
 
     def clone(self, **changes) -> "SamplingParams":

@@ -50,6 +50,12 @@ ROW_PARAMS: tuple[RowParam, ...] = (
              help="<= 0 = off"),
     RowParam("top_p", np.float32, 1.0, lambda r: float(r.params.top_p), filters=True, help="1 = off"),
     RowParam("min_p", np.float32, 0.0, lambda r: float(r.params.min_p), help="0 = off"),
+    # Read by `sampling_controls.apply` for rows that hold a control slot (a request using any of them does).
+    RowParam("presence_penalty", np.float32, 0.0, lambda r: float(r.params.presence_penalty), help="0 = off"),
+    RowParam("frequency_penalty", np.float32, 0.0, lambda r: float(r.params.frequency_penalty), help="0 = off"),
+    RowParam("repetition_penalty", np.float32, 1.0, lambda r: float(r.params.repetition_penalty), help="1 = off"),
+    RowParam("min_tokens", np.int32, 0, lambda r: int(r.params.min_tokens),
+             help="EOS and stop token ids are banned while token_index < min_tokens"),
     RowParam("key_data", np.int32, 0, _seed_words, width=2, device_dtype=np.uint32,
              help="the threefry key words of the request's seed"),
 )

@@ -140,6 +140,7 @@ class Request:
         self.stream = False  # emit an output every step (else only when finished)
         self.sampling_row = None  # packed sampling parameters, set by the engine
         self.structured = None  # its grammar's matchers (serving.core.structured_output), set by the engine
+        self.control_rows = None  # its rows of logit bias, masks (serving.core.sampling_controls), if it uses them
         # Prefix-cache isolation: requests with different salts share no cached pages.
         self.cache_salt = cache_salt
         self.hash_root = salt_digest(cache_salt)

@@ -31,7 +31,6 @@ import threading
 import time
 from typing import Callable, Optional
 
-import jax
 
 log = logging.getLogger("ridgeline.warmup")
 

@@ -88,6 +88,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serving.api import http_protocol as P
+from serving.api import openai_fields
 from serving.disaggregation import kv_wire
 from serving.core.sampling_params import InvalidParameterError
 
@@ -174,6 +175,7 @@ def _parse(endpoint, body):
         field = ".".join(str(x) for x in first.get("loc", ()))
         raise P.APIError(f"Invalid request: {field}: {first.get('msg')}", param=field or None,
                          code="invalid_value") from e
+    openai_fields.check_fields(req, kind)
     if req.n != 1:
         raise P.APIError("a disaggregated request must have n=1", param="n", code="invalid_value")
     if kind == "completions":
@@ -208,6 +210,7 @@ def _first_token_request(ctx, kind: str, req):
         raise ctx.api_error(e, kind, req) from e
     params = params.clone()
     params.max_tokens = 1
+    params.min_tokens = min(params.min_tokens, 1)  # the first token's share of it (the rest is the decode's)
     return ids, params
 
 

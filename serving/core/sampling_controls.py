@@ -1,0 +1,257 @@
+"""Sampling controls that need a vocabulary-sized row per request, kept on the device.
+
+`logit_bias`, `allowed_token_ids`, `bad_words`, `min_tokens` (which holds off
+EOS and `stop_token_ids`) and the three penalties (`repetition_penalty` over
+prompt and output tokens, `presence_penalty` and `frequency_penalty` over
+output tokens, as vLLM defines them) depend on more than a few numbers per
+row: on a `[vocab]` bias and mask per request and on which tokens the
+request has seen so far. Packing that every step would cost a `[rows, vocab]`
+transfer, so it lives on the device in a `ControlState` of `num_slots` rows:
+
+* a sequence that uses any of these controls holds a *slot* while it runs
+  (`ControlSlots`); each step row carries its sequence's slot (`control_slot`,
+  -1 for none), so a row reads only its own slot and batch composition never
+  changes its result;
+* when a sequence gets a slot, the host writes the whole row once
+  (`host_row`: the request's constant bias and masks, and counts of the
+  tokens the host has seen, which are all of them: a sequence gets a slot
+  only when nothing of it is in flight);
+* the step itself adds each sampled token to its slot's counts and recent
+  tokens (`record`), so overlapped scheduling (the next step dispatched
+  before the host sees this one's token) stays exact.
+
+A step's logits pass through `apply` before the sampler: the additive bias
+(logit bias, -inf outside `allowed_token_ids` and on single-token bad words),
+multi-token bad words, the `min_tokens` hold-off, then the penalties; the
+order is vLLM's. Rows without a slot are returned untouched, and a batch
+with no slot in use skips the whole computation.
+
+Values live in arrays, never in static arguments: no value recompiles the step.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from serving.core.sampling_params import InvalidParameterError
+
+# Multi-token bad words: how many a request may give and how many tokens each may have. The step
+# checks every slot's words against its last MAX_BAD_WORD_TOKENS - 1 output tokens.
+MAX_BAD_WORDS = 16
+MAX_BAD_WORD_TOKENS = 8
+_ANY = -2  # a prefix position a shorter word does not use (matches every token)
+_NONE = -1  # no token (a recent-token position before the output began; an unused bad word)
+
+
+# The SamplingParams fields applied here, and the value that leaves each off.
+FIELDS = {"logit_bias": None, "allowed_token_ids": None, "bad_words": None, "min_tokens": 0,
+          "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+
+
+def used_fields(params) -> list[str]:
+    """The controls a request turns on (a request with any needs a slot)."""
+    return [f for f, off in FIELDS.items() if getattr(params, f) not in (off, [], {})]
+
+
+class ControlState(NamedTuple):
+    """The device rows, one per slot."""
+
+    bias: jax.Array  # [slots, vocab] f32: logit bias, -inf on tokens never allowed
+    stop_mask: jax.Array  # [slots, vocab] bool: tokens banned while fewer than min_tokens are out (EOS, stop ids)
+    prompt_seen: jax.Array  # [slots, vocab] bool: tokens of the prompt
+    counts: jax.Array  # [slots, vocab] i32: occurrences in the output
+    recent: jax.Array  # [slots, MAX_BAD_WORD_TOKENS - 1] i32: the last output tokens, oldest first
+    bad_prefix: jax.Array  # [slots, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS - 1] i32, right-aligned, _ANY-padded
+    bad_last: jax.Array  # [slots, MAX_BAD_WORDS] i32: the token banned after the prefix (_NONE: unused)
+
+
+def init_state(num_slots: int, vocab: int) -> ControlState:
+    """Host (numpy) zeros of the state; `ModelRunner` places it."""
+    L = MAX_BAD_WORD_TOKENS - 1
+    return ControlState(np.zeros((num_slots, vocab), np.float32), np.zeros((num_slots, vocab), bool),
+                        np.zeros((num_slots, vocab), bool), np.zeros((num_slots, vocab), np.int32),
+                        np.full((num_slots, L), _NONE, np.int32),
+                        np.full((num_slots, MAX_BAD_WORDS, L), _ANY, np.int32),
+                        np.full((num_slots, MAX_BAD_WORDS), _NONE, np.int32))
+
+
+# --- host: what a request's slot holds ------------------------------------------------------------
+
+
+def bad_word_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """Token ids of each bad word, as vLLM tokenizes them: the word as written and, when it differs,
+    with a leading space (the form a word takes after another word); duplicates dropped."""
+    out: list[list[int]] = []
+    for word in words:
+        for text in (word, " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_bos=False)
+            if ids and ids not in out:
+                out.append(ids)
+    return out
+
+
+class RequestRows:
+    """The constant part of a request's slot row (computed once, shared by its samples)."""
+
+    def __init__(self, params, prompt_token_ids, eos_token_ids, vocab: int, bad_words: list[list[int]]):
+        bias = np.zeros(vocab, np.float32)
+        for t, b in (params.logit_bias or {}).items():
+            bias[int(t)] += float(b)
+        if params.allowed_token_ids:
+            allowed = np.zeros(vocab, bool)
+            allowed[list(params.allowed_token_ids)] = True
+            bias[~allowed] = -np.inf
+        L = MAX_BAD_WORD_TOKENS - 1
+        self.bad_prefix = np.full((MAX_BAD_WORDS, L), _ANY, np.int32)
+        self.bad_last = np.full(MAX_BAD_WORDS, _NONE, np.int32)
+        multi = 0
+        for ids in bad_words:
+            if len(ids) == 1:
+                bias[ids[0]] = -np.inf
+                continue
+            self.bad_prefix[multi, L - (len(ids) - 1):] = ids[:-1]
+            self.bad_last[multi] = ids[-1]
+            multi += 1
+        self.bias = bias
+        self.stop_mask = np.zeros(vocab, bool)
+        if params.min_tokens > 0:
+            stops = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
+            self.stop_mask[[t for t in stops if 0 <= t < vocab]] = True
+        self.prompt_seen = np.bincount(np.asarray(prompt_token_ids, np.int64), minlength=vocab)[:vocab] > 0
+
+
+def check_bad_words(ids: list[list[int]]) -> Optional[str]:
+    """Why these tokenized bad words do not fit the device's tables, or None."""
+    multi = [w for w in ids if len(w) > 1]
+    if len(multi) > MAX_BAD_WORDS:
+        return f"at most {MAX_BAD_WORDS} multi-token bad words (with their leading-space forms) are supported"
+    if any(len(w) > MAX_BAD_WORD_TOKENS for w in multi):
+        return f"a bad word may have at most {MAX_BAD_WORD_TOKENS} tokens"
+    return None
+
+
+def request_rows(req, tokenizer, vocab: int, unsupported: Optional[str] = None) -> RequestRows:
+    """A request's `RequestRows`, or an `InvalidParameterError` naming its first control when the
+    engine cannot apply them (`unsupported`: why) or its bad words do not fit."""
+    p = req.params
+    if unsupported is not None:
+        field = used_fields(p)[0]
+        raise InvalidParameterError(field, f"{field}: {unsupported}")
+    words: list[list[int]] = []
+    if p.bad_words:
+        if tokenizer is None:
+            raise InvalidParameterError("bad_words", "bad_words: this model has no tokenizer")
+        words = bad_word_ids(tokenizer, p.bad_words)
+        problem = check_bad_words(words)
+        if problem:
+            raise InvalidParameterError("bad_words", f"bad_words: {problem}")
+    return RequestRows(p, req.prompt_token_ids, req.eos_token_ids, vocab, words)
+
+
+def host_row(rows: RequestRows, output_token_ids: list[int], vocab: int) -> tuple:
+    """One slot's full row for a sequence whose tokens so far are all on the host."""
+    out = np.asarray(output_token_ids, np.int64)
+    counts = np.bincount(out, minlength=vocab)[:vocab].astype(np.int32)
+    L = MAX_BAD_WORD_TOKENS - 1
+    recent = np.full(L, _NONE, np.int32)
+    tail = out[-L:] if len(out) else out
+    if len(tail):
+        recent[L - len(tail):] = tail
+    return rows.bias, rows.stop_mask, rows.prompt_seen, counts, recent, rows.bad_prefix, rows.bad_last
+
+
+# --- host: which sequence holds which slot ----------------------------------------------------------
+
+
+class ControlSlots:
+    """Hands out slots to running sequences that use controls, and takes them back.
+
+    A slot is taken back once its sequence is no longer running (finished, preempted) and after
+    the step that forks a sequence into its samples (every sample then loads its own row). The
+    device state is threaded through every step and load in dispatch order, so a slot given to
+    a new sequence is written after the last step that used it for the old one.
+    """
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self.free = list(range(num_slots - 1, -1, -1))
+        self.held: dict[int, tuple] = {}  # seq_id -> (slot, sequence)
+
+    def assign(self, scheduled, is_running) -> tuple[dict, list]:
+        """For a scheduled step: ({seq_id: slot} of its sampling sequences that use controls, [(slot,
+        sequence)] whose rows to load before it). `is_running(seq)` says a sequence still runs."""
+        for seq_id, (slot, seq) in list(self.held.items()):
+            if not is_running(seq):
+                del self.held[seq_id]
+                self.free.append(slot)
+        slots, loads = {}, []
+        for item in scheduled:
+            seq = item.seq
+            if not item.sample_indices or seq.request.control_rows is None:
+                continue
+            if seq.seq_id not in self.held:
+                self.held[seq.seq_id] = (self.free.pop(), seq)
+                loads.append((self.held[seq.seq_id][0], seq))
+            slots[seq.seq_id] = self.held[seq.seq_id][0]
+        for item in scheduled:  # a fork's samples each load their own row next time
+            if len(item.sample_indices) > 1 and item.seq.seq_id in self.held:
+                self.free.append(self.held.pop(item.seq.seq_id)[0])
+        return slots, loads
+
+
+# --- device: loading a slot, applying and recording --------------------------------------------------
+
+
+def _load(state: ControlState, slot, *row) -> ControlState:
+    return ControlState(*(x.at[slot].set(r) for x, r in zip(state, row)))
+
+
+load_jit = jax.jit(_load, donate_argnums=(0,))
+
+
+def _bad_word_mask(state: ControlState, idx, vocab: int):
+    """[R, vocab] bool: the last tokens of multi-token bad words whose prefix the output just ended with."""
+    prefix, last, recent = state.bad_prefix[idx], state.bad_last[idx], state.recent[idx]
+    matched = jnp.all((prefix == _ANY) | (prefix == recent[:, None, :]), axis=-1) & (last >= 0)  # [R, NB]
+    hit = jnp.zeros((idx.shape[0], vocab + 1), bool)
+    rows = jnp.broadcast_to(jnp.arange(idx.shape[0])[:, None], last.shape)
+    hit = hit.at[rows, jnp.where(matched, last, vocab)].set(True)
+    return hit[:, :vocab]
+
+
+def _apply_rows(logits, state: ControlState, slot, token_index, s):
+    has = slot >= 0
+    idx = jnp.maximum(slot, 0)
+    vocab = logits.shape[-1]
+    x = logits + state.bias[idx]
+    x = jnp.where(_bad_word_mask(state, idx, vocab), -jnp.inf, x)
+    hold = (token_index < s.min_tokens)[:, None] & state.stop_mask[idx]
+    x = jnp.where(hold, -jnp.inf, x)
+    counts = state.counts[idx]
+    seen = state.prompt_seen[idx] | (counts > 0)
+    rp = s.repetition_penalty[:, None]
+    x = jnp.where(seen, jnp.where(x > 0, x / rp, x * rp), x)
+    x = x - s.frequency_penalty[:, None] * counts - s.presence_penalty[:, None] * (counts > 0)
+    return jnp.where(has[:, None], x, logits)
+
+
+def apply(logits, state: ControlState, slot, token_index, s):
+    """The logits the sampler sees: each row with a slot adjusted by its controls (`s`: the sampler's
+    inputs, which carry the per-row penalties and min_tokens of `sampling_table`)."""
+    return jax.lax.cond(jnp.any(slot >= 0), lambda: _apply_rows(logits, state, slot, token_index, s),
+                        lambda: logits)
+
+
+def record(state: ControlState, slot, ids) -> ControlState:
+    """Adds each row's sampled token to its slot's counts and recent tokens (rows without a slot:
+    nothing). Only sampling rows carry a slot."""
+    n = state.counts.shape[0]
+    at = jnp.where(slot >= 0, slot, n)  # out of range: dropped
+    counts = state.counts.at[at, ids].add(1, mode="drop")
+    shifted = jnp.concatenate([state.recent[jnp.maximum(slot, 0), 1:], ids[:, None]], axis=1)
+    recent = state.recent.at[at].set(shifted, mode="drop")
+    return state._replace(counts=counts, recent=recent)

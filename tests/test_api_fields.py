@@ -1,0 +1,143 @@
+"""The OpenAI request fields applications send, through the official `openai` client and httpx.
+
+One small server per module (a tiny random-weight model with the byte
+tokenizer and one step shape): sampling controls over HTTP, `stop_reason`,
+the 400s for fields the server does not implement, unknown roles and
+non-UTF-8 bodies, and the `/tokenize`, `/detokenize`, `/version` and
+`/v1/models/{id}` routes; `LLM.chat` against the chat route.
+"""
+
+import types
+
+import httpx
+import jax
+import openai
+import pytest
+
+from conftest import tiny_config
+from model.params import init_params
+from model.tokenizer import ByteTokenizer
+from serving import LLM, SamplingParams
+from serving.api.chat_template import encode_chat, render_chat
+from serving.server import ServerThread
+
+MODEL = "tiny-api"
+V = 300
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    cfg = tiny_config(vocab_size=V, max_position_embeddings=256)
+    llm = LLM(config=cfg, params=init_params(cfg, jax.random.key(5)), tokenizer=ByteTokenizer(V), max_num_seqs=4,
+              max_num_batched_tokens=32, max_model_len=96, num_pages=48, min_token_bucket=32, min_context_bucket=96,
+              warmup=True)
+    # The programmatic chat's answer, before the engine starts serving HTTP.
+    chat_ref = llm.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].outputs[0]
+    thread = ServerThread(llm, model_name=MODEL).start()
+    try:
+        yield types.SimpleNamespace(url=thread.url, llm=llm, chat_ref=chat_ref, client=openai.OpenAI(
+            base_url=thread.url + "/v1", api_key="unused", max_retries=0, timeout=120))
+    finally:
+        thread.stop()
+
+
+def complete(server, **kw):
+    kw = {"model": MODEL, "prompt": "ab", "max_tokens": 6, "temperature": 0.0, **kw}
+    return server.client.completions.create(**kw).choices[0]
+
+
+def test_sampling_fields_reach_the_sampler(server):
+    assert complete(server, logit_bias={"42": 100}).text == "*" * 6
+    # vLLM's extensions: min_tokens holds off the stop string the bias forces; bad_words bans it.
+    c = complete(server, logit_bias={"42": 100}, stop=["*"], extra_body={"min_tokens": 3})
+    assert (c.text, c.finish_reason, c.stop_reason) == ("**", "stop", "*")
+    c = complete(server, logit_bias={"42": 100}, stop=["*"], extra_body={"include_stop_str_in_output": True})
+    assert (c.text, c.stop_reason) == ("*", "*")
+    assert "*" not in complete(server, logit_bias={"42": 100}, extra_body={"bad_words": ["*"]}).text
+    c = complete(server, logit_bias={"42": 100}, extra_body={"stop_token_ids": [42]})
+    assert (c.finish_reason, c.stop_reason) == ("stop", 42)
+    assert complete(server).stop_reason is None
+    ids = [50, 51, 52]
+    c = complete(server, temperature=1.0, seed=3, extra_body={"allowed_token_ids": ids}, max_tokens=10)
+    assert set(c.text) <= {chr(i) for i in ids}
+
+
+def test_penalties_change_a_repeating_chat(server):
+    r = server.client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0.0, max_tokens=24,
+                                              logit_bias={"120": 8})
+    text = r.choices[0].message.content
+    assert text.count("x") > 12  # a mild bias makes greedy repeat
+    r = server.client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0.0, max_tokens=24,
+                                              logit_bias={"120": 8}, frequency_penalty=2.0)
+    assert r.choices[0].message.content.count("x") < text.count("x")
+    assert r.choices[0].stop_reason is None
+
+
+@pytest.mark.parametrize("kind,kw,param", [
+    ("completions", {"suffix": "tail"}, "suffix"),
+    ("completions", {"best_of": 3}, "best_of"),
+    ("completions", {"frequency_penalty": 3.0}, "frequency_penalty"),
+    ("completions", {"logit_bias": {"x": 1}}, "logit_bias"),
+    ("completions", {"extra_body": {"min_tokens": 100}}, "min_tokens"),
+    ("chat", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ("chat", {"reasoning_effort": "high"}, "reasoning_effort"),
+    ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+])
+def test_what_is_not_implemented_is_a_400_naming_it(server, kind, kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        if kind == "completions":
+            complete(server, **kw)
+        else:
+            server.client.chat.completions.create(**{"model": MODEL, "messages": CHAT, "max_tokens": 2, **kw})
+    err = e.value.body
+    assert e.value.status_code == 400 and err["param"] == param and err["type"] == "invalid_request_error"
+
+
+def test_fields_that_ask_for_nothing_and_foreign_fields_pass(server):
+    r = server.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, store=False, user="u1",
+                                              extra_body={"some_client_extension": 1})
+    assert r.choices[0].finish_reason == "length"
+    assert complete(server, best_of=1).finish_reason == "length"
+
+
+def test_a_non_utf8_body_is_a_400_envelope(server):
+    r = httpx.post(server.url + "/v1/completions", content=b'{"model": "tiny-api", "prompt": "\xff\xfe"}',
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["code"] == "invalid_json"
+
+
+def test_tokenize_detokenize_version_and_model_routes(server):
+    url = server.url
+    r = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": "héllo"}, timeout=30).json()
+    tok = server.llm.tokenizer
+    assert r["tokens"] == tok.encode("héllo") and r["count"] == len(r["tokens"]) and r["max_model_len"] == 96
+    r2 = httpx.post(url + "/tokenize", json={"prompt": "héllo", "add_special_tokens": False}, timeout=30).json()
+    assert r2["tokens"] == r["tokens"][1:]
+    chat = httpx.post(url + "/tokenize", json={"messages": CHAT}, timeout=30).json()
+    assert chat["tokens"] == encode_chat(CHAT, tok)
+    assert httpx.post(url + "/detokenize", json={"tokens": r2["tokens"]}, timeout=30).json() == {"prompt": "héllo"}
+    bad = httpx.post(url + "/detokenize", json={"tokens": [V + 5]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert httpx.post(url + "/tokenize", json={}, timeout=30).status_code == 400
+    assert isinstance(httpx.get(url + "/version", timeout=30).json()["version"], str)
+    card = server.client.models.retrieve(MODEL)
+    assert card.id == MODEL
+    with pytest.raises(openai.NotFoundError) as e:
+        server.client.models.retrieve("other/model")
+    assert e.value.body["code"] == "model_not_found"
+
+
+def test_llm_chat_renders_like_the_chat_route(server):
+    r = server.client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0.0, max_tokens=8,
+                                              extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == server.chat_ref.text
+    assert r.usage.completion_tokens == len(server.chat_ref.token_ids)
+
+
+def test_tools_reach_the_template():
+    tok = types.SimpleNamespace(chat_template="{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+                                              "{{ messages[0].content }}")
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+    assert render_chat([{"role": "user", "content": "hi"}], tok, tools=tools) == "[get_time]hi"
