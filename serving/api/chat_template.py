@@ -75,7 +75,6 @@ def render_chat(messages: Sequence[dict[str, Any]], tokenizer, add_generation_pr
             tools=list(tools) if tools else None,
             bos_token=getattr(tokenizer, "bos_token", None) or "",
             eos_token=getattr(tokenizer, "eos_token", None) or "",
-            tools=list(tools) if tools is not None else None,
         )
     except ChatTemplateError:
         raise
