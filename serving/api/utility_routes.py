@@ -38,7 +38,7 @@ def add_utility_routes(app: FastAPI, ctx, keyed: list) -> None:
         if req.messages is not None:
             ids = ctx.chat_prompt(req)
         else:
-            ids = tokenizer().encode(req.prompt, add_bos=req.add_special_tokens)
+            ids = tokenizer().encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return P.TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids)
 
     @app.post("/detokenize", dependencies=keyed)

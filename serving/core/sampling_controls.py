@@ -88,7 +88,7 @@ def bad_word_ids(tokenizer, words: list[str]) -> list[list[int]]:
     out: list[list[int]] = []
     for word in words:
         for text in (word, " " + word.lstrip()):
-            ids = tokenizer.encode(text, add_bos=False)
+            ids = tokenizer.encode(text, add_special_tokens=False)
             if ids and ids not in out:
                 out.append(ids)
     return out
