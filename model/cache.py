@@ -13,6 +13,7 @@ slot `num_pages * page_size` (one past the end), which every cache write drops.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -52,8 +53,58 @@ class KVCache:
         return self.k[0].shape[1]
 
 
-def init_cache(cfg: LlamaConfig, num_pages: int, page_size: int, dtype=None, shardings=None) -> KVCache:
-    decl = KVCache.declare(cfg, num_pages, page_size, dtype)
+@dataclasses.dataclass(frozen=True)
+class StackedKVCache:
+    """Every layer's pages in one array each for K and V, `[num_layers * num_pages, page_size,
+    kv_heads, head_dim]`: layer i's page p is row `i * num_pages + p`.
+
+    The form `model.forward` scans over layers with (`jax.lax.scan`, so a deep model compiles
+    one layer body, not one per layer). The layers share one page axis rather than a
+    `[layers, pages, ...]` stack because then each layer's attention reads and writes the whole
+    array with offset page ids and slots, the backends unchanged: taking layer i's slice of a
+    stack inside the loop would copy that layer's whole pool every step on XLA CPU.
+    """
+
+    k: Any  # [num_layers * num_pages, page_size, kv_heads, head_dim], or a QuantizedArray of that and its scales
+    v: Any
+    num_layers: int
+
+    @classmethod
+    def declare(cls, cfg: LlamaConfig, num_pages: int, page_size: int, dtype=None) -> "StackedKVCache":
+        layer = KVCache.declare(cfg, num_pages, page_size, dtype).k[0]
+        info = jax.tree.map(lambda i: ArrayInfo((cfg.num_layers * i.shape[0],) + i.shape[1:], i.dtype, i.logical_axes),
+                            layer, is_leaf=is_array_info)
+        return cls(k=info, v=info, num_layers=cfg.num_layers)
+
+    @property
+    def _pages(self):
+        return self.k.data if isinstance(self.k, QuantizedArray) else self.k
+
+    @property
+    def num_pages(self) -> int:
+        """Pages per layer (what page ids and the block manager count)."""
+        return self._pages.shape[0] // self.num_layers
+
+    @property
+    def page_size(self) -> int:
+        return self._pages.shape[1]
+
+
+jax.tree_util.register_dataclass(StackedKVCache, data_fields=["k", "v"], meta_fields=["num_layers"])
+
+
+def layer_offsets(md: "BatchMetadata", layer, num_layers: int, num_pages: int, page_size: int) -> "BatchMetadata":
+    """`md` for layer `layer` (a traced index) of a `StackedKVCache`: page ids and slots moved to that
+    layer's rows; a padding slot (`num_pages * page_size`) stays padding, one past the whole array."""
+    pad = num_pages * page_size
+    slots = jnp.where(md.slot_mapping >= pad, num_layers * pad, md.slot_mapping + layer * pad)
+    return dataclasses.replace(md, slot_mapping=slots, block_tables=md.block_tables + layer * num_pages)
+
+
+def init_cache(cfg: LlamaConfig, num_pages: int, page_size: int, dtype=None, shardings=None,
+               stacked: bool = False):
+    """A zeroed cache: per-layer arrays (`KVCache`), or with `stacked` one `StackedKVCache`."""
+    decl = (StackedKVCache if stacked else KVCache).declare(cfg, num_pages, page_size, dtype)
 
     def build():
         return jax.tree.map(lambda i: jnp.zeros(i.shape, i.dtype), decl, is_leaf=is_array_info)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import get_backend
-from model.cache import BatchMetadata, KVCache
+from model.cache import BatchMetadata, KVCache, StackedKVCache, layer_offsets
 from model.config import LlamaConfig
 from model.params import Layer, Weights
 from model.quant import QuantizedArray, linear
@@ -142,13 +142,18 @@ def output_logits(params: Weights, x, cfg: LlamaConfig, layout=None):
 
 def forward_hidden(params: Weights, cache: KVCache, tokens, md: BatchMetadata, cfg: LlamaConfig,
                    backend: str = "auto", layout=None):
-    """Runs every layer; returns the final hidden states `[T, embed]` and the new cache."""
+    """Runs every layer; returns the final hidden states `[T, embed]` and the new cache. With a
+    `StackedKVCache` (and `stack_layers` weights) the layers run as one `lax.scan`; with per-layer
+    arrays, unrolled."""
     impl = get_backend(backend)
     if layout is not None:
         impl = layout.attention_backend(impl, cfg)
     inv_freq = rope_frequencies(cfg)
     with jax.named_scope("embed"):
         x = _constrain(layout, params.embed[tokens].astype(cfg.jnp_dtype), ("tokens", "embed"))
+    if isinstance(cache, StackedKVCache):
+        x, cache = _scan_layers(params, cache, x, md, inv_freq, cfg, impl, layout)
+        return x, cache
     new_k, new_v = [], []
     for i, (layer, k_pages, v_pages) in enumerate(zip(params.layers, cache.k, cache.v)):
         # The scope names each layer's ops in the compiled HLO (collectives per layer, profiles).
@@ -158,6 +163,26 @@ def forward_hidden(params: Weights, cache: KVCache, tokens, md: BatchMetadata, c
         new_k.append(k_pages)
         new_v.append(v_pages)
     return x, KVCache(k=new_k, v=new_v)
+
+
+def _scan_layers(params: Weights, cache: StackedKVCache, x, md: BatchMetadata, inv_freq, cfg: LlamaConfig, impl,
+                 layout):
+    """Every layer as one `lax.scan` step: stacked weights are the scan's inputs, the hidden state and the
+    whole stacked KV cache its carry (each layer writes and reads its own rows of it, in place)."""
+    num_layers, num_pages, page_size = cache.num_layers, cache.num_pages, cache.page_size
+
+    def layer_step(carry, inputs):
+        x, k, v = carry
+        layer, i = inputs
+        layer_md = layer_offsets(md, i, num_layers, num_pages, page_size)
+        x, k, v = attention_block(layer, x, k, v, layer_md, inv_freq, cfg, impl, layout)
+        x = mlp_block(layer, x, cfg, layout)
+        return (x, k, v), None
+
+    with jax.named_scope("layers"):
+        (x, k, v), _ = jax.lax.scan(layer_step, (x, cache.k, cache.v),
+                                    (params.layers, jnp.arange(num_layers, dtype=jnp.int32)))
+    return x, StackedKVCache(k=k, v=v, num_layers=num_layers)
 
 
 def forward(params: Weights, cache: KVCache, tokens, md: BatchMetadata, cfg: LlamaConfig,

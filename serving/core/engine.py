@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Optional, Union
 
+import jax
 import numpy as np
 
 from model.config import ModelConfig
@@ -43,6 +44,11 @@ from serving.core.stats import EngineStats, FinishedRequestStats, IterationStats
 log = logging.getLogger(__name__)
 
 PromptType = Union[str, list, dict]
+
+
+def scans_layers(layer_loop: str) -> bool:
+    """Whether steps scan over layers (`EngineConfig.layer_loop`; "auto": everywhere but on CPU)."""
+    return layer_loop == "scan" or (layer_loop == "auto" and jax.default_backend() != "cpu")
 
 
 class ContextLengthError(InvalidParameterError):
@@ -90,7 +96,7 @@ class Engine:
             from serving.core.pipeline_runner import PipelineRunner as runner_class
         self.runner = runner or runner_class(cfg, params, num_pages=num_pages, page_size=ps, buckets=self.buckets,
                                              backend=config.attention_backend, layout=layout,
-                                             cache_dtype=self.cache_dtype,
+                                             cache_dtype=self.cache_dtype, scan_layers=scans_layers(config.layer_loop),
                                              control_slots=0 if config.speculative_method else config.max_num_seqs)
         # Slots of the per-request rows of logit bias, penalties, ... (serving.core.sampling_controls).
         self.control_slots = None

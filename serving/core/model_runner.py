@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.cache import BatchMetadata, KVCache, cache_bytes, init_cache
+from model.cache import BatchMetadata, StackedKVCache, cache_bytes, init_cache
 from model.config import ModelConfig
 from model.forward import forward
-from model.params import param_bytes
+from model.params import param_bytes, stack_layers
 from serving.core.input_batch import Buckets, StepShape, StepBatch
 from serving.core import sampling_controls
 from serving.core.sampler import SamplingInputs, sample
@@ -97,11 +97,25 @@ def _step(params, cache, ibuf, fbuf, feed=None, controls=None, token_mask=None, 
 _step_jit = jax.jit(_step, static_argnames=("cfg", "backend", "shape", "layout"), donate_argnums=(1, 5))
 
 
-def _copy_pages(cache: KVCache, src, dst):
+def _copy_pages(cache, src, dst):
     """Copies whole pages src[i] -> dst[i] in every layer; dst == num_pages is padding (dropped).
 
-    Every cache leaf (pages, and the scales of a quantized cache) is indexed by page first."""
+    Every cache leaf (pages, and the scales of a quantized cache) is indexed by page first; a
+    `StackedKVCache` holds layer l's page p at row `l * num_pages + p`."""
+    if isinstance(cache, StackedKVCache):
+        layers, pages = cache.num_layers, cache.num_pages
+        offsets = (jnp.arange(layers, dtype=src.dtype) * pages)[:, None]
+        src = (src[None, :] + offsets).reshape(-1)
+        dst = jnp.where(dst[None, :] >= pages, layers * pages, dst[None, :] + offsets).reshape(-1)
     return jax.tree.map(lambda x: x.at[dst].set(x[src], mode="drop"), cache)
+
+
+def _stacked(layer):
+    """The shardings of stacked layer weights: one layer's (`layer`, placed arrays), with the new leading
+    layer axis whole."""
+    return jax.tree.map(lambda x: jax.sharding.NamedSharding(x.sharding.mesh,
+                                                             jax.sharding.PartitionSpec(None, *x.sharding.spec)),
+                        layer)
 
 
 _copy_jit = jax.jit(_copy_pages, donate_argnums=(0,))
@@ -143,10 +157,14 @@ class PendingStep:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int, buckets: Buckets,
-                 backend: str = "auto", cache_dtype=None, layout=None, control_slots: int = 0):
+                 backend: str = "auto", cache_dtype=None, layout=None, control_slots: int = 0,
+                 scan_layers: bool = False):
         """`control_slots`: how many running sequences may use `sampling_controls` at once (0: none;
-        the state then does not exist and `controls_unsupported` says so)."""
+        the state then does not exist and `controls_unsupported` says so). `scan_layers`: stack the
+        layers' weights and KV pages so the step scans over layers (`model.forward`), compiling one
+        layer body whatever the depth."""
         self.cfg = cfg
+        self.scan_layers = scan_layers
         self.num_pages = num_pages
         self.page_size = page_size
         self.buckets = buckets
@@ -173,7 +191,12 @@ class ModelRunner:
         else:
             params = jax.device_put(params, self.layout.param_shardings(self.cfg))
             cache_shardings = self.layout.cache_shardings(self.cfg, self.num_pages, self.page_size, cache_dtype)
-        cache = init_cache(self.cfg, self.num_pages, self.page_size, cache_dtype, shardings=cache_shardings)
+        if self.scan_layers:
+            params = stack_layers(params, None if self.layout is None else _stacked(params.layers[0]))
+            if cache_shardings is not None:  # one layer's page sharding covers the stacked pages too
+                cache_shardings = StackedKVCache(cache_shardings.k[0], cache_shardings.v[0], self.cfg.num_layers)
+        cache = init_cache(self.cfg, self.num_pages, self.page_size, cache_dtype, shardings=cache_shardings,
+                           stacked=self.scan_layers)
         if self.layout is None:  # committed like the step's output, or the first step shape compiles twice
             cache = jax.device_put(cache, jax.devices()[0])
         return params, cache
@@ -304,8 +327,13 @@ class ModelRunner:
     @property
     def kv_dtype(self):
         """The dtype K and V pages are stored in (int8 / fp8 for a quantized cache)."""
-        leaf = self.cache.k[0]
+        leaf = self._page_arrays()[0]
         return (leaf["data"] if isinstance(leaf, dict) else leaf).dtype
+
+    def _page_arrays(self) -> list:
+        """The cache's K and V page arrays: every layer's K then V, or the stacked K and V."""
+        c = self.cache
+        return [c.k, c.v] if isinstance(c, StackedKVCache) else list(c.k) + list(c.v)
 
     @property
     def replicated(self):
@@ -375,7 +403,7 @@ class ModelRunner:
         """Why this runner cannot export or import KV pages, or None."""
         if self._spans_processes():
             return "KV transfer runs in one process only (this engine's mesh spans several)"
-        if not all(isinstance(x, jax.Array) for x in list(self.cache.k) + list(self.cache.v)):
+        if not all(isinstance(x, jax.Array) for x in self._page_arrays()):
             return ("KV transfer supports plain K/V pages only; this worker's KV cache is quantized (pages with "
                     "scales), which the payload does not carry yet")
         return None
@@ -394,7 +422,7 @@ class ModelRunner:
         slots, kv = self._host_inputs(*kv_transfer.padded_tokens(slots, kv, self.num_pages * self.page_size))
         shardings = None
         if self.layout is not None:  # the scatter keeps every leaf where `place` put it
-            shardings = tuple(x.sharding for x in list(self.cache.k) + list(self.cache.v))
+            shardings = tuple(x.sharding for x in self._page_arrays())
         self.cache = kv_transfer.write_jit(self.cache, slots, kv, shardings=shardings)
 
     def warm_up_transfer(self, max_model_len: int) -> int:
@@ -410,7 +438,7 @@ class ModelRunner:
         for n in token_counts:
             pad = self.num_pages * self.page_size
             self.import_tokens(np.full(n, pad, np.int64),
-                               np.zeros(kv_shape + (n,) + self.cache.k[0].shape[2:], self.kv_dtype))
+                               np.zeros(kv_shape + (n,) + self._page_arrays()[0].shape[2:], self.kv_dtype))
         jax.block_until_ready(self.cache)
         return kv_transfer.compilation_count() - before
 

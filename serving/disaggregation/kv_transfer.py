@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.pow2 import next_pow2, powers_of_two
-from model.cache import KVCache
+from model.cache import KVCache, StackedKVCache
 from model.quant import kv_bytes_per_token
 from serving.core.block_manager import is_cache_salt
 from serving.disaggregation import kv_wire
@@ -52,7 +52,10 @@ class PayloadError(kv_wire.WireError):
 
 # --- device side (called by the model runner, which places the inputs) ------------------------------
 
-def _gather_pages(cache: KVCache, pages):
+def _gather_pages(cache, pages):
+    if isinstance(cache, StackedKVCache):  # layer l's page p is row l * num_pages + p
+        shape = (cache.num_layers, cache.num_pages) + cache.k.shape[1:]
+        return jnp.stack([cache.k.reshape(shape)[:, pages], cache.v.reshape(shape)[:, pages]], axis=1)
     return jnp.stack([jnp.stack([k[pages], v[pages]]) for k, v in zip(cache.k, cache.v)])
 
 
@@ -64,6 +67,16 @@ def _write_tokens(cache: KVCache, slots, kv, *, shardings=None):
         flat = x.reshape(num_pages * page_size, heads, dim).at[slots].set(new.astype(x.dtype), mode="drop")
         return flat.reshape(x.shape)
 
+    if isinstance(cache, StackedKVCache):  # layer l's page p is row l * num_pages + p: one scatter each
+        layers, pages, page_size = cache.num_layers, cache.num_pages, cache.page_size
+        page, offset = slots // page_size, slots % page_size
+        rows = jnp.where(page[None, :] >= pages, layers * pages,
+                         page[None, :] + (jnp.arange(layers) * pages)[:, None])  # [layers, n]; padding dropped
+        k, v = (x.at[rows, offset[None, :]].set(kv[:, j].astype(x.dtype), mode="drop")
+                for j, x in enumerate((cache.k, cache.v)))
+        if shardings is not None:
+            k, v = (jax.lax.with_sharding_constraint(x, s) for x, s in zip((k, v), shardings))
+        return StackedKVCache(k=k, v=v, num_layers=layers)
     k = [put(x, kv[i, 0]) for i, x in enumerate(cache.k)]
     v = [put(x, kv[i, 1]) for i, x in enumerate(cache.v)]
     if shardings is not None:

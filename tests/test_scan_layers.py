@@ -1,0 +1,110 @@
+"""The scanned forward (`layer_loop="scan"`): same results as the unrolled one, a program whose size does not
+grow with depth, and no copy of the KV pool inside the loop."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from model.cache import KVCache, StackedKVCache, init_cache, pack_batch
+from model.config import LlamaConfig
+from model.forward import forward
+from model.params import init_params, stack_layers
+from serving import LLM, SamplingParams
+
+PROMPTS = ["def __init__(self", "import os\nimport sys\n" * 3]
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, attention_backend="xla")
+
+
+def _run(llm):
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, logprobs=2, prompt_logprobs=1)
+    sampled = SamplingParams(temperature=0.9, seed=3, n=2, max_tokens=10)  # n = 2 forks: copy-on-write pages
+    outs = llm.generate(PROMPTS, greedy) + llm.generate(PROMPTS[:1], sampled)
+    tokens = [[c.token_ids for c in o.outputs] for o in outs]
+    logprobs = [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs[:2]]
+    prompt_lps = [[next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]] for o in outs[:2]]
+    return tokens, logprobs, prompt_lps
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_scanned_engine_matches_the_unrolled_one(kv_cache_dtype):
+    results = {}
+    for loop in ("unroll", "scan"):
+        llm = LLM(layer_loop=loop, kv_cache_dtype=kv_cache_dtype, **ENGINE)
+        assert isinstance(llm.engine.runner.cache, StackedKVCache) == (loop == "scan")
+        results[loop] = _run(llm)
+    (t_u, lp_u, plp_u), (t_s, lp_s, plp_s) = results["unroll"], results["scan"]
+    assert t_s == t_u
+    np.testing.assert_allclose(np.concatenate(lp_s), np.concatenate(lp_u), atol=1e-5)
+    np.testing.assert_allclose(np.concatenate(plp_s), np.concatenate(plp_u), atol=1e-5)
+
+
+def test_tensor_parallel_scan_matches_one_device():
+    base = _run(LLM(layer_loop="unroll", **ENGINE))[0]
+    assert _run(LLM(layer_loop="scan", tensor_parallel_size=2, **ENGINE))[0] == base
+
+
+def _cfg(layers):
+    return LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=layers, num_heads=4,
+                       num_kv_heads=2, head_dim=32, dtype="float32")
+
+
+def _step_hlo(layers, stacked, num_pages=64, page_size=16):
+    cfg = _cfg(layers)
+    params = init_params(cfg, jax.random.PRNGKey(layers))
+    if stacked:
+        params = stack_layers(params)
+    cache = init_cache(cfg, num_pages, page_size, stacked=stacked)
+    tokens, md = pack_batch([(list(range(1, 6)), 0, [3])], page_size=page_size, num_pages=num_pages, num_tokens=8,
+                            max_seqs=2, pages_per_seq=4)
+    fn = jax.jit(forward, static_argnames=("cfg", "backend"), donate_argnums=(1,))
+    return fn.lower(params, cache, tokens, md, cfg=cfg, backend="xla").compile().as_text(), params, cache, tokens, md
+
+
+def _num_instructions(hlo: str) -> int:
+    return sum(1 for line in hlo.splitlines() if re.match(r"\s+(ROOT )?%\S+ = ", line))
+
+
+def test_the_scanned_program_does_not_grow_with_depth_and_never_copies_the_pool():
+    scan2, scan8 = _step_hlo(2, True)[0], _step_hlo(8, True)[0]
+    unrolled2, unrolled8 = _step_hlo(2, False)[0], _step_hlo(8, False)[0]
+    assert _num_instructions(scan8) < 1.1 * _num_instructions(scan2)
+    assert _num_instructions(unrolled8) > 2 * _num_instructions(unrolled2)  # what scanning saves
+    pool = r"f32\[512,16,2,32\]"  # 8 layers x 64 pages: the whole stacked K (or V) array
+    copies = [line for line in scan8.splitlines() if re.search(pool + r"\{[\d,]*\} copy\(", line)]
+    assert not copies, copies
+
+
+def test_scanned_forward_equals_unrolled_forward_on_random_weights():
+    _, params, cache, tokens, md = _step_hlo(3, False)
+    logits_u, new_u = forward(params, cache, tokens, md, _cfg(3), backend="reference")
+    stacked = StackedKVCache(k=jax.numpy.concatenate(cache.k), v=jax.numpy.concatenate(cache.v), num_layers=3)
+    logits_s, new_s = forward(stack_layers(params), stacked, tokens, md, _cfg(3), backend="reference")
+    np.testing.assert_allclose(logits_s, logits_u, atol=1e-5)
+    assert isinstance(new_u, KVCache)
+    np.testing.assert_allclose(new_s.k, np.concatenate(new_u.k), atol=1e-6)  # each layer wrote its own rows
+    np.testing.assert_allclose(new_s.v, np.concatenate(new_u.v), atol=1e-6)
+
+
+def test_kv_pages_leave_and_enter_a_stacked_pool_as_they_do_a_per_layer_one():
+    runners = {}
+    for loop in ("unroll", "scan"):
+        llm = LLM(layer_loop=loop, **ENGINE)
+        llm.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=1))
+        runners[loop] = llm.engine.runner
+    table = [0, 1, 2]
+    exported = {loop: np.asarray(r.export_pages(table)) for loop, r in runners.items()}
+    np.testing.assert_array_equal(exported["scan"], exported["unroll"])
+    assert np.abs(exported["scan"]).sum() > 0  # the prompt's K/V, not an empty pool
+
+    # Import into other pages of both pools: each reads back exactly what was written there.
+    r = runners["scan"]
+    rng = np.random.default_rng(0)
+    slots = np.arange(5 * r.page_size, 5 * r.page_size + 7)
+    kv = rng.standard_normal((r.cfg.num_layers, 2, len(slots)) + exported["scan"].shape[4:]).astype(np.float32)
+    for runner in runners.values():
+        runner.import_tokens(slots, kv)
+    for runner in runners.values():
+        back = np.asarray(runner.export_pages([5]))[:, :, 0, :len(slots)]
+        np.testing.assert_array_equal(back, kv)
