@@ -11,7 +11,7 @@ from model.families.llama import common_fields
 
 
 def config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> LlamaConfig:
-    refuse(hf, "MistralForCausalLM", hidden_act="silu", attention_bias=(None, False), mlp_bias=(None, False))
+    refuse(hf, "MistralForCausalLM", hidden_act=(None, "silu"), attention_bias=(None, False), mlp_bias=(None, False))
     window = hf.get("sliding_window")
     # transformers' Mistral ignores `layer_types` (every layer slides), and so do we.
     return LlamaConfig(**common_fields(hf, dtype), architecture="MistralForCausalLM",

@@ -11,7 +11,7 @@ from model.families.llama import common_fields
 
 
 def config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> LlamaConfig:
-    refuse(hf, "Phi3ForCausalLM", hidden_act="silu")
+    refuse(hf, "Phi3ForCausalLM", hidden_act=(None, "silu"))
     rope = hf.get("rope_parameters") or {}
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1.0):

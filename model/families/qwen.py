@@ -15,14 +15,14 @@ def _window(hf: dict[str, Any]):
 
 
 def qwen2_config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> LlamaConfig:
-    refuse(hf, "Qwen2ForCausalLM", hidden_act="silu", mlp_bias=(None, False))
+    refuse(hf, "Qwen2ForCausalLM", hidden_act=(None, "silu"), mlp_bias=(None, False))
     return LlamaConfig(**common_fields(hf, dtype), architecture="Qwen2ForCausalLM", attention_bias=True,
                        **sliding_fields(hf, _window(hf), "Qwen2ForCausalLM"))
 
 
 def qwen3_config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> LlamaConfig:
     # Qwen3's attention_bias adds an o_proj bias too, which the blocks do not have.
-    refuse(hf, "Qwen3ForCausalLM", hidden_act="silu", attention_bias=(None, False), mlp_bias=(None, False))
+    refuse(hf, "Qwen3ForCausalLM", hidden_act=(None, "silu"), attention_bias=(None, False), mlp_bias=(None, False))
     return LlamaConfig(**common_fields(hf, dtype), architecture="Qwen3ForCausalLM", qk_norm=True,
                        **sliding_fields(hf, _window(hf), "Qwen3ForCausalLM"))
 
