@@ -208,3 +208,20 @@ def test_pipeline_parallelism_refuses_other_families():
     layout.check(CONFIGS["gqa_tied"])
     with pytest.raises(PipelineError, match="Qwen3ForCausalLM"):
         layout.check(CONFIGS["qwen3_qk_norm"])
+
+
+@pytest.mark.parametrize("name,billions,arch", [("qwen2.5-7b", 7.62, "Qwen2ForCausalLM"),
+                                                 ("qwen3-8b", 8.19, "Qwen3ForCausalLM"),
+                                                 ("mistral-7b", 7.24, "MistralForCausalLM"),
+                                                 ("gemma-2-9b", 9.24, "Gemma2ForCausalLM"),
+                                                 ("phi-3-mini", 3.82, "Phi3ForCausalLM")])
+def test_family_presets_have_the_published_sizes_and_plan(name, billions, arch, capsys):
+    """The real-size configs: their declarations sum to the published parameter counts (biases, q/k norms and
+    Gemma's extra norms included), and `python -m sharding.plan --model NAME` plans them at TP=2."""
+    from sharding import plan
+
+    cfg = config_by_name(name)
+    assert cfg.architecture == arch and family_for_config(cfg).architectures == (arch,)
+    assert num_params(cfg) / 1e9 == pytest.approx(billions, abs=0.01)
+    assert plan.main(["--model", name, "--tp", "2", "--format", "json"]) == 0
+    assert str(num_params(cfg)) in capsys.readouterr().out
