@@ -137,3 +137,15 @@ def test_pallas_kernel_matches_reference_and_skips_pages_before_the_window(split
             except AssertionError as e:
                 raise AssertionError(f"splits={splits} {name} {seqs} window={window}: {e}") from None
     assert total_poisoned > 0  # some pages really were out of every window
+
+
+def test_windowed_soft_capped_kernel_lowers_for_cuda():
+    """The window (a traced scalar) and the soft-cap reach the Triton module: still one KV loop, two dots."""
+    from test_kernels_lowering import attention_args, lower_for_cuda, op_counts
+
+    args = attention_args(jnp.bfloat16, tokens=64, seqs=8, q_heads=16, kv_heads=8, head_dim=256, page_size=16)
+    windowed = lambda *a: ragged_paged_attention(*a[:-1], window=a[-1], soft_cap=50.0, num_kv_splits=2)  # noqa: E731
+    _, kernels = lower_for_cuda(windowed, *args, jax.ShapeDtypeStruct((), jnp.int32))
+    counts = op_counts(kernels[0])
+    assert len(kernels) == 1 and counts["tt.dot"] == 2 and counts["scf.for"] == 1
+    assert "tanh" in kernels[0]
