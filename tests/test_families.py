@@ -189,7 +189,8 @@ def test_unsupported_variants_are_refused(arch, fields, fragments):
 def test_sliding_window_settings_are_read_per_family():
     qwen = {"architectures": ["Qwen2ForCausalLM"], **_TINY_HF, "sliding_window": 32}
     assert from_hf_config(qwen).sliding_window is None  # Qwen's window is off unless use_sliding_window
-    assert from_hf_config({**qwen, "use_sliding_window": True}).layer_windows() == (32, 32)
+    assert from_hf_config({**qwen, "use_sliding_window": True, "max_window_layers": 1}).layer_windows() == (None, 32)
+    assert from_hf_config({**qwen, "use_sliding_window": True}).layer_windows() == (None, None)  # 28 by default
     mistral = from_hf_config({"architectures": ["MistralForCausalLM"], **_TINY_HF, "sliding_window": 16})
     assert mistral.layer_windows() == (16, 16)
     gemma2 = from_hf_config({"architectures": ["Gemma2ForCausalLM"], **_TINY_HF, "sliding_window": 16})
