@@ -210,7 +210,7 @@ def _attention_kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, *refs, rows, group_
     q = pltriton.load(q_ref.at[head, pl.ds(row0, rows), :], mask=row_ok[:, None], other=0)
 
     num_blocks = (kv_end + block_kv - 1) // block_kv
-    first_block = kv_start // block_kv  # 0 without a window
+    first_block = kv_start // block_kv if windowed else 0
     per_split = (num_blocks - first_block + num_splits - 1) // num_splits
     lo = first_block + split * per_split
     hi = jnp.minimum(lo + per_split, num_blocks)

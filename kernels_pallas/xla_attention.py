@@ -170,16 +170,17 @@ def _attend_by_page(q, k_pages, v_pages, k_scale, v_scale, block_tables, seq, ro
     # Pairs, item-major: item i owns pairs [ends[i] - n_pages[i], ends[i]). Their count is dynamic;
     # the arrays are sized for the worst case and only the first `num_pairs` are ever read.
     # With a window, a row's pairs start at the page holding its first visible key.
-    first_page = 0 if window is None else jnp.maximum(pos - window + 1, 0) // page_size
-    n_pages = jnp.where(live, jnp.minimum(pos // page_size + 1, P) - first_page, 0)
-    first_page = jnp.broadcast_to(first_page, n_pages.shape)
+    first_page = None if window is None else jnp.maximum(pos - window + 1, 0) // page_size
+    n_pages = jnp.where(live, jnp.minimum(pos // page_size + 1, P) - (0 if first_page is None else first_page), 0)
     ends = jnp.cumsum(n_pages)
     num_pairs = ends[-1]
     per_chunk = max(1, min(num_items * P, chunk_bytes // (page_size * num_kv_heads * head_dim * 4)))
     cap = -(-(num_items * P) // per_chunk) * per_chunk
     j = jnp.arange(cap, dtype=jnp.int32)
     pair_item = jnp.minimum(jnp.searchsorted(ends, j, side="right"), num_items - 1).astype(jnp.int32)
-    pair_page = j - (ends[pair_item] - n_pages[pair_item]) + first_page[pair_item]  # page index in the sequence
+    pair_page = j - (ends[pair_item] - n_pages[pair_item])  # page index within the sequence
+    if first_page is not None:
+        pair_page = pair_page + first_page[pair_item]
     pair_live = j < num_pairs
     pair_id = block_tables[seq[pair_item], jnp.clip(pair_page, 0, P - 1)]
     pair_item = jnp.where(pair_live, pair_item, num_items)  # dead pairs land in a spare row
