@@ -84,6 +84,13 @@ formats) and folds the scales into the math instead of into the data:
 `p . (v_int * v_scale) = (p * v_scale) . v_int`, so dequantization costs one
 multiply per score, not per element. fp32 queries keep the exact fp32 dots.
 
+Sliding window and soft-capping (as in the reference): with a `window` (an
+int32 scalar, traced, so layers may differ) each item's KV loop starts at the
+block holding its first token's earliest visible key, so blocks (and pages)
+wholly before the window are never loaded, and the scores mask keys that
+fall out of the window of a later row. `soft_cap` (static) applies
+cap * tanh(s / cap) to the natural-unit scores before the base-2 softmax.
+
 Limits (clear errors): head_dim a power of two >= 16; each K/V page array
 below 2**31 elements (Triton computes offsets in int32).
 """
@@ -106,6 +113,7 @@ from kernels_pallas.reference import check_kv_scales
 NUM_SMS = 132  # H100/H200; only steers the split-K default.
 MIN_TOKENS_PER_SPLIT = 512
 MAX_SPLITS = 16
+_LOG2E = math.log2(math.e)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,8 +160,9 @@ def _default_splits(programs: int, max_kv_len: int) -> int:
     return max(1, min(want, cap, MAX_SPLITS))
 
 
-def _item_metadata(cu_q_lens, kv_lens, num_seqs, *, num_items, block_q, group_pad, max_kv_len):
-    """int32 [num_items, 5]: per query block its sequence, first row, valid rows, pos0, KV end."""
+def _item_metadata(cu_q_lens, kv_lens, num_seqs, *, num_items, block_q, group_pad, max_kv_len, window=None):
+    """int32 [num_items, 7]: per query block its sequence, first row, valid rows, pos0, KV end,
+    KV start (the first key its first row's window sees; 0 without a window) and the window."""
     num_slots = kv_lens.shape[0]
     live_seq = jnp.arange(num_slots, dtype=jnp.int32) < num_seqs
     q_lens = jnp.where(live_seq, cu_q_lens[1:] - cu_q_lens[:-1], 0)
@@ -170,12 +179,18 @@ def _item_metadata(cu_q_lens, kv_lens, num_seqs, *, num_items, block_q, group_pa
     pos0 = kv_lens[seq] - q_lens[seq] + j * block_q
     kv_end = jnp.clip(jnp.minimum(kv_lens[seq], pos0 + tokens), 0, max_kv_len)
     kv_end = jnp.where(live, kv_end, 0)
-    meta = [seq, first_token * group_pad, tokens * group_pad, pos0, kv_end]
+    if window is None:
+        kv_start, win = jnp.zeros_like(pos0), jnp.zeros_like(pos0)
+    else:
+        win = jnp.broadcast_to(jnp.asarray(window, jnp.int32), pos0.shape)
+        kv_start = jnp.where(live, jnp.clip(pos0 - win + 1, 0, max_kv_len), 0)
+    meta = [seq, first_token * group_pad, tokens * group_pad, pos0, kv_end, kv_start, win]
     return jnp.stack([m.astype(jnp.int32) for m in meta], axis=1)
 
 
 def _attention_kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, *refs, rows, group_pad, block_kv,
-                      page_size, num_pages, pages_per_seq, num_splits, scale_log2, exact, quantized):
+                      page_size, num_pages, pages_per_seq, num_splits, scale_log2, exact, quantized, windowed,
+                      soft_cap):
     if quantized:
         ks_ref, vs_ref, *refs = refs
     o_ref, *lse_ref = refs
@@ -185,6 +200,8 @@ def _attention_kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, *refs, rows, group_
     nrows = meta_ref[item, 2]
     pos0 = meta_ref[item, 3]
     kv_end = meta_ref[item, 4]
+    kv_start = meta_ref[item, 5]
+    window = meta_ref[item, 6]
 
     row = lax.broadcasted_iota(jnp.int32, (rows,), 0)
     row_ok = row < nrows
@@ -193,8 +210,9 @@ def _attention_kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, *refs, rows, group_
     q = pltriton.load(q_ref.at[head, pl.ds(row0, rows), :], mask=row_ok[:, None], other=0)
 
     num_blocks = (kv_end + block_kv - 1) // block_kv
-    per_split = (num_blocks + num_splits - 1) // num_splits
-    lo = split * per_split
+    first_block = kv_start // block_kv if windowed else 0
+    per_split = (num_blocks - first_block + num_splits - 1) // num_splits
+    lo = first_block + split * per_split
     hi = jnp.minimum(lo + per_split, num_blocks)
     precision = lax.Precision.HIGHEST if exact else None
     d = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
@@ -218,7 +236,11 @@ def _attention_kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, *refs, rows, group_
                 k_sc * scale_log2)[None, :]
         else:
             s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32) * scale_log2
+        if soft_cap is not None:  # in natural units: s / log2(e) is the score q.k * sm_scale
+            s = (soft_cap * _LOG2E) * jnp.tanh(s * (1.0 / (soft_cap * _LOG2E)))
         visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        if windowed:
+            visible &= pos[None, :] > q_pos[:, None] - window
         s = jnp.where(visible, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -268,10 +290,11 @@ def check_supported(q, k_pages, v_pages, block_tables):
         raise ValueError(f"block_tables must be [S, P], got {block_tables.shape}")
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "rows", "block_kv", "num_kv_splits",
-                                             "num_warps", "num_stages"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "interpret", "rows", "block_kv",
+                                             "num_kv_splits", "num_warps", "num_stages"))
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
-                           sm_scale: float | None = None, k_scale=None, v_scale=None, interpret: bool = False,
+                           sm_scale: float | None = None, k_scale=None, v_scale=None, window=None,
+                           soft_cap: float | None = None, interpret: bool = False,
                            rows: int | None = None, block_kv: int | None = None, num_kv_splits: int | None = None,
                            num_warps: int = 4, num_stages: int = 2):
     """Pallas ragged paged attention; same contract as the reference.
@@ -299,7 +322,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     cu_q_lens = cu_q_lens.astype(jnp.int32)
     kv_lens = kv_lens.astype(jnp.int32)
     meta = _item_metadata(cu_q_lens, kv_lens, jnp.asarray(num_seqs, jnp.int32), num_items=cfg.num_items,
-                          block_q=cfg.block_q, group_pad=group_pad, max_kv_len=max_kv_len)
+                          block_q=cfg.block_q, group_pad=group_pad, max_kv_len=max_kv_len, window=window)
     # [T, Hq, D] -> [Hkv, T * group_pad, D]: one tile row per (token, query head of the group).
     qg = q.astype(compute_dtype).reshape(num_tokens, num_kv_heads, group, head_dim)
     if group_pad != group:
@@ -314,7 +337,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     kernel = functools.partial(
         _attention_kernel, rows=cfg.rows, group_pad=group_pad, block_kv=cfg.block_kv, page_size=page_size,
         num_pages=num_pages, pages_per_seq=pages_per_seq, num_splits=splits,
-        scale_log2=float(sm_scale) * math.log2(math.e), exact=bool(exact), quantized=quantized)
+        scale_log2=float(sm_scale) * _LOG2E, exact=bool(exact), quantized=quantized, windowed=window is not None,
+        soft_cap=None if soft_cap is None else float(soft_cap))
     scales = (k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)) if quantized else ()
     outs = pl.pallas_call(
         kernel,

@@ -20,6 +20,12 @@ scales `k/v_scale [num_pages, page_size, kv_heads]`, one per token and KV
 head; the stored value is `page * scale`. `write_kv_*` then takes the scale
 arrays too and returns them updated, and attention dequantizes what it reads.
 With scales None (the default) nothing changes.
+
+Sliding window and soft-capping (optional, for the families that use them):
+`window` (an int32 scalar, traced: it may differ per layer) limits a query at
+position p to keys p - window < j <= p; None means no limit. `soft_cap` (a
+static float) maps every score s = q.k * sm_scale to soft_cap * tanh(s / soft_cap)
+before the softmax (Gemma 2). Both default to None, the plain causal contract.
 """
 
 from __future__ import annotations
@@ -51,6 +57,18 @@ def check_kv_scales(k_pages, v_pages, k_scale, v_scale, where: str) -> bool:
     return k_scale is not None
 
 
+def apply_soft_cap(s, soft_cap: float | None):
+    """Scores s -> soft_cap * tanh(s / soft_cap); unchanged for None."""
+    return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
+
+
+def in_window(key_pos, query_pos, window):
+    """Whether a key is inside the query's sliding window (all True for window None)."""
+    if window is None:
+        return jnp.ones(jnp.broadcast_shapes(jnp.shape(key_pos), jnp.shape(query_pos)), bool)
+    return key_pos > query_pos - window
+
+
 def token_sequence_ids(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int):
     """For every row: its sequence, its KV position offset data, and whether it is live."""
     t = jnp.arange(num_tokens, dtype=jnp.int32)
@@ -63,7 +81,7 @@ def token_sequence_ids(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: in
 
 def ragged_paged_attention_reference(
     q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale: float | None = None,
-    k_scale=None, v_scale=None,
+    k_scale=None, v_scale=None, window=None, soft_cap: float | None = None,
 ):
     T, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
@@ -95,8 +113,10 @@ def ragged_paged_attention_reference(
             k = k.astype(jnp.float32) * k_scale[pages].reshape(chunk, max_len, num_kv_heads, 1)
             v = v.astype(jnp.float32) * v_scale[pages].reshape(chunk, max_len, num_kv_heads, 1)
         s = jnp.einsum("ckgd,clkd->ckgl", qc.astype(jnp.float32), k.astype(jnp.float32)) * sm_scale
+        s = apply_soft_cap(s, soft_cap)
         j = jnp.arange(max_len, dtype=jnp.int32)
         visible = (j[None, :] <= pc[:, None]) & (j[None, :] < kv_lens[sc][:, None]) & lc[:, None]
+        visible &= in_window(j[None, :], pc[:, None], window)
         s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
         m = jnp.max(s, axis=-1, keepdims=True)
         m = jnp.where(jnp.isfinite(m), m, 0.0)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.reference import check_kv_scales
+from kernels_pallas.reference import apply_soft_cap, check_kv_scales, in_window
 
 MAX_ROWS_PER_ITEM = 16
 # Gathered K (and again V) per chunk of items: small enough to stay in cache
@@ -80,9 +80,11 @@ def _items(cu_q_lens, kv_lens, num_seqs, num_items: int, b: int):
 
 def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
                                sm_scale: float | None = None, k_scale=None, v_scale=None,
+                               window=None, soft_cap: float | None = None,
                                rows: int | None = None, chunk_bytes: int | None = None):
     """`k_scale`/`v_scale` `[pages, page_size, kv_heads]`: per-token scales of int8/fp8 pages
-    (None for float pages), applied to the gathered rows as in the reference."""
+    (None for float pages), applied to the gathered rows as in the reference. `window` / `soft_cap`
+    as in the reference; a one-row item skips the pages wholly before its window."""
     T, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     S, P = block_tables.shape
@@ -96,7 +98,8 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, block_tables, cu_q_
     if b == 1:
         seq, row, pos, n_rows = _items(cu_q_lens, kv_lens, num_seqs, num_items, 1)
         return _attend_by_page(q, k_pages, v_pages, k_scale, v_scale, block_tables, seq, row, pos, n_rows > 0,
-                               sm_scale=sm_scale, chunk_bytes=chunk_bytes or PAGE_CHUNK_BYTES)
+                               sm_scale=sm_scale, chunk_bytes=chunk_bytes or PAGE_CHUNK_BYTES, window=window,
+                               soft_cap=soft_cap)
 
     seq, first_row, first_pos, n_rows = _items(cu_q_lens, kv_lens, num_seqs, num_items, b)
     r = jnp.arange(b, dtype=jnp.int32)
@@ -124,9 +127,10 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, block_tables, cu_q_
             k = k * k_scale[tc].reshape(n, L, num_kv_heads, 1)
             v = v * v_scale[tc].reshape(n, L, num_kv_heads, 1)
         qg = qc.reshape(n, b, num_kv_heads, group, head_dim).astype(jnp.float32)
-        s = jnp.einsum("nbkgd,nlkd->nkbgl", qg, k) * sm_scale
+        s = apply_soft_cap(jnp.einsum("nbkgd,nlkd->nkbgl", qg, k) * sm_scale, soft_cap)
         j = jnp.arange(L, dtype=jnp.int32)
         visible = (j[None, None, :] <= pc[:, :, None]) & (j[None, None, :] < lc[:, None, None]) & okc[:, :, None]
+        visible &= in_window(j[None, None, :], pc[:, :, None], window)
         s = jnp.where(visible[:, None, :, None, :], s, -jnp.inf)
         m = jnp.max(s, axis=-1, keepdims=True)
         m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -153,7 +157,7 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, block_tables, cu_q_
 
 
 def _attend_by_page(q, k_pages, v_pages, k_scale, v_scale, block_tables, seq, row, pos, live, *, sm_scale,
-                    chunk_bytes):
+                    chunk_bytes, window=None, soft_cap=None):
     """One query row per item (`row`, at position `pos` of sequence `seq`; `live` marks real items):
     attention over the item's visible pages, a (row, page) pair at a time."""
     T, num_q_heads, head_dim = q.shape
@@ -165,7 +169,9 @@ def _attend_by_page(q, k_pages, v_pages, k_scale, v_scale, block_tables, seq, ro
 
     # Pairs, item-major: item i owns pairs [ends[i] - n_pages[i], ends[i]). Their count is dynamic;
     # the arrays are sized for the worst case and only the first `num_pairs` are ever read.
-    n_pages = jnp.where(live, jnp.minimum(pos // page_size + 1, P), 0)
+    # With a window, a row's pairs start at the page holding its first visible key.
+    first_page = None if window is None else jnp.maximum(pos - window + 1, 0) // page_size
+    n_pages = jnp.where(live, jnp.minimum(pos // page_size + 1, P) - (0 if first_page is None else first_page), 0)
     ends = jnp.cumsum(n_pages)
     num_pairs = ends[-1]
     per_chunk = max(1, min(num_items * P, chunk_bytes // (page_size * num_kv_heads * head_dim * 4)))
@@ -173,6 +179,8 @@ def _attend_by_page(q, k_pages, v_pages, k_scale, v_scale, block_tables, seq, ro
     j = jnp.arange(cap, dtype=jnp.int32)
     pair_item = jnp.minimum(jnp.searchsorted(ends, j, side="right"), num_items - 1).astype(jnp.int32)
     pair_page = j - (ends[pair_item] - n_pages[pair_item])  # page index within the sequence
+    if first_page is not None:
+        pair_page = pair_page + first_page[pair_item]
     pair_live = j < num_pairs
     pair_id = block_tables[seq[pair_item], jnp.clip(pair_page, 0, P - 1)]
     pair_item = jnp.where(pair_live, pair_item, num_items)  # dead pairs land in a spare row
@@ -192,8 +200,10 @@ def _attend_by_page(q, k_pages, v_pages, k_scale, v_scale, block_tables, seq, ro
             k = k * k_scale[ids][..., None]
             v = v * v_scale[ids][..., None]
         qc = qg[row[safe_item]]  # [C, K, G, D]
-        s = jnp.sum(qc[:, None] * k[:, :, :, None, :], axis=-1) * sm_scale  # [C, page, K, G]
-        visible = (page[:, None] * page_size + token[None, :] <= pos[safe_item][:, None]) & (item < num_items)[:, None]
+        s = apply_soft_cap(jnp.sum(qc[:, None] * k[:, :, :, None, :], axis=-1) * sm_scale, soft_cap)  # [C, page, K, G]
+        key_pos = page[:, None] * page_size + token[None, :]
+        visible = (key_pos <= pos[safe_item][:, None]) & (item < num_items)[:, None]
+        visible &= in_window(key_pos, pos[safe_item][:, None], window)
         s = jnp.where(visible[:, :, None, None], s, -jnp.inf)
         m = jnp.max(s, axis=1)  # [C, K, G]; -inf only for dead pairs
         p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)[:, None])

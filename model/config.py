@@ -1,4 +1,7 @@
-"""Model configuration: one frozen dataclass describing a Llama-3-family decoder.
+"""Model configuration: one frozen dataclass describing a decoder of any registered family.
+
+Llama is the base; the fields after `weight_dtype` are what the other families
+(Qwen2/3, Mistral, Phi-3, Gemma 2/3) change, each defaulting to Llama's value.
 
 The config is hashable so it can be a static argument of `jax.jit`. It loads
 from our own JSON (`configs/*.json`, `model_config.json` in a checkpoint) and
@@ -28,12 +31,22 @@ COMPUTE_DTYPES = tuple(_DTYPES)  # the names a config's `dtype` may take
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3.1 style frequency-dependent RoPE scaling (HF `rope_type: llama3`)."""
+    """RoPE frequency scaling: Llama-3.1's frequency-dependent kind (HF `rope_type: llama3`), or
+    `rope_type="linear"` (every frequency divided by `factor`; Gemma 3's global layers)."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"  # or "linear"
+
+    def __post_init__(self):
+        if self.rope_type not in ("llama3", "linear"):
+            raise ValueError(f"rope_scaling.rope_type must be 'llama3' or 'linear', got {self.rope_type!r}")
+
+
+# Layer kinds of `LlamaConfig.layer_types` (the Hugging Face names).
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +69,23 @@ class LlamaConfig:
     # Storage of the linear layers' weights: None (the compute dtype) or "int8" / "fp8"
     # with per-output-channel scales (model.quant). Compute stays in `dtype`.
     weight_dtype: str | None = None
+    # --- what other decoder families change (`model.families`); every default is Llama's ---
+    # The HF class the checkpoint came from: picks the family (`model.families.family_for_config`).
+    architecture: str = "LlamaForCausalLM"
+    attention_bias: bool = False  # q/k/v projections have biases (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
+    # Sliding-window attention: a query at position p sees keys p - sliding_window < j <= p on the
+    # layers `layer_types` marks "sliding_attention" (every layer when `layer_types` is None).
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None  # RoPE base of sliding layers, unscaled (Gemma 3); None: rope_theta
+    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + w): Gemma's (1 + w)
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_tanh" (Gemma's GeGLU)
+    sandwich_norms: bool = False  # RMSNorm after attention and after the MLP too, before each residual (Gemma)
+    query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar**-0.5; None: head_dim
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -70,6 +100,26 @@ class LlamaConfig:
                      "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive or None, got {self.sliding_window}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+            bad = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+            if bad:
+                raise ValueError(f"layer_types may hold {FULL_ATTENTION!r} and {SLIDING_ATTENTION!r}, not {bad}")
+
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer, its attention window (None: full attention)."""
+        kinds = self.layer_types or (SLIDING_ATTENTION,) * self.num_layers
+        return tuple(self.sliding_window if k == SLIDING_ATTENTION else None for k in kinds)
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor on q.k (softmax scale)."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def jnp_dtype(self):
@@ -101,6 +151,14 @@ class LlamaConfig:
         d["eos_token_ids"] = list(self.eos_token_ids)
         if d["weight_dtype"] is None:  # float checkpoints keep the config file they always had
             del d["weight_dtype"]
+        # Fields at Llama's defaults are left out, so a Llama config file is the one it always was.
+        for f in dataclasses.fields(self):
+            if f.name in _FAMILY_FIELDS and d[f.name] == f.default:
+                del d[f.name]
+        if d.get("layer_types") is not None:
+            d["layer_types"] = list(d["layer_types"])
+        if d.get("rope_scaling") and d["rope_scaling"]["rope_type"] == "llama3":
+            del d["rope_scaling"]["rope_type"]
         return d
 
     @classmethod
@@ -110,6 +168,8 @@ class LlamaConfig:
         if isinstance(scaling, dict):
             d["rope_scaling"] = RopeScaling(**scaling)
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        if d.get("layer_types") is not None:
+            d["layer_types"] = tuple(d["layer_types"])
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -125,6 +185,11 @@ class LlamaConfig:
         with open(path) as f:
             return cls.from_dict(json.load(f))
 
+
+HIDDEN_ACTS = ("silu", "gelu_tanh")
+_FAMILY_FIELDS = ("architecture", "attention_bias", "qk_norm", "sliding_window", "layer_types", "rope_local_theta",
+                  "norm_offset", "scale_embeddings", "hidden_act", "sandwich_norms", "query_pre_attn_scalar",
+                  "attn_logit_softcap", "final_logit_softcap")
 
 # The config type of every family today. Code outside the Llama implementation (serving,
 # sharding) annotates with this name, so a family with a config class of its own changes this

@@ -1,4 +1,6 @@
-"""Converts a Hugging Face checkpoint of a supported family (Llama) into a ridgeline checkpoint.
+"""Converts a Hugging Face checkpoint of a supported family into a ridgeline checkpoint.
+
+Families (`model.families`): Llama, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3 (text).
 
     python -m model.convert_hf --hf_dir=DIR --out_dir=DIR [--dtype=bfloat16] [--weight_dtype=int8|fp8]
 
@@ -28,8 +30,9 @@ tensor rather than the model. Restore already reads each device's shard
 straight from disk, so only conversion has this limit.
 
 The tensor names and layouts of each family are in its module
-(`model.families.llama.checkpoint_tensors`: HF stores `nn.Linear` weights as
-[out, in], and so do we; only the fused head dims are split).
+(`model.families.llama.checkpoint_tensors`, `model.families.decoder.checkpoint_tensors`:
+HF stores `nn.Linear` weights as [out, in], and so do we; only the fused head dims
+are split, and Phi-3's fused qkv / gate_up tensors are read once per weight they hold).
 
 `--weight_dtype=int8|fp8` quantizes the linear layers after conversion
 (`model.quant`: per-output-channel scales, computed from the float weights

@@ -1,4 +1,4 @@
-"""The Llama-3 forward pass over a flattened ragged token batch.
+"""The forward pass over a flattened ragged token batch, and Llama's blocks.
 
 One function serves prefill chunks and single-token decodes of many sequences
 in the same call: tokens `[T]` (padded to a bucket), their positions and the
@@ -39,6 +39,8 @@ def rope_frequencies(cfg: LlamaConfig) -> jax.Array:
     sc = cfg.rope_scaling
     if sc is None:
         return inv_freq
+    if sc.rope_type == "linear":
+        return inv_freq / sc.factor
     low_wavelen = sc.original_max_position_embeddings / sc.low_freq_factor
     high_wavelen = sc.original_max_position_embeddings / sc.high_freq_factor
     wavelen = 2 * jnp.pi / inv_freq
@@ -65,16 +67,21 @@ def _constrain(layout, x, logical_axes):
     return x if layout is None else layout.constrain(x, logical_axes)
 
 
-def paged_attention(backend, q, k, v, k_pages, v_pages, md: BatchMetadata, cfg: LlamaConfig):
+def paged_attention(backend, q, k, v, k_pages, v_pages, md: BatchMetadata, cfg: LlamaConfig, *,
+                    sm_scale: float | None = None, window=None, soft_cap: float | None = None):
     """Writes this step's K/V into the cache and attends; returns (o, k_pages, v_pages).
 
     Pages are arrays, or `QuantizedArray`s (int8 / fp8 data + per-token scales)
     whose scales travel through the backend's optional `k_scale` / `v_scale`.
+    `sm_scale` defaults to head_dim**-0.5; `window` (a traced int32 scalar) and
+    `soft_cap` reach the backend only when given (`kernels_pallas.reference`).
     """
+    extra = {} if window is None and soft_cap is None else dict(window=window, soft_cap=soft_cap)
+    sm_scale = cfg.head_dim**-0.5 if sm_scale is None else sm_scale
     if not isinstance(k_pages, QuantizedArray):
         k_pages, v_pages = backend.write_kv(k_pages, v_pages, k, v, md.slot_mapping)
         o = backend.attention(q, k_pages, v_pages, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,
-                              sm_scale=cfg.head_dim**-0.5)
+                              sm_scale=sm_scale, **extra)
         return o, k_pages, v_pages
     if not getattr(backend, "quantized_kv", False):
         raise ValueError(f"attention backend {backend.name!r} cannot read a quantized ({k_pages.dtype}) KV cache; "
@@ -82,7 +89,7 @@ def paged_attention(backend, q, k, v, k_pages, v_pages, md: BatchMetadata, cfg: 
     kd, vd, ks, vs = backend.write_kv(k_pages.data, v_pages.data, k, v, md.slot_mapping,
                                       k_scale=k_pages.scale, v_scale=v_pages.scale)
     o = backend.attention(q, kd, vd, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,
-                          sm_scale=cfg.head_dim**-0.5, k_scale=ks, v_scale=vs)
+                          sm_scale=sm_scale, k_scale=ks, v_scale=vs, **extra)
     return o, QuantizedArray(kd, ks), QuantizedArray(vd, vs)
 
 
@@ -140,57 +147,77 @@ def output_logits(params: Weights, x, cfg: LlamaConfig, layout=None):
     return _constrain(layout, logits, ("tokens", "vocab"))
 
 
+def embed_tokens(params: Weights, tokens, cfg: LlamaConfig, layout=None):
+    return _constrain(layout, params.embed[tokens].astype(cfg.jnp_dtype), ("tokens", "embed"))
+
+
+def layer_rope(cfg: LlamaConfig) -> jax.Array:
+    """Llama's per-layer data: every layer's inverse frequencies, `[layers, head_dim // 2]` (all alike)."""
+    inv_freq = rope_frequencies(cfg)
+    return jnp.broadcast_to(inv_freq, (cfg.num_layers,) + inv_freq.shape)
+
+
 def forward_hidden(params: Weights, cache: KVCache, tokens, md: BatchMetadata, cfg: LlamaConfig,
                    backend: str = "auto", layout=None):
     """Runs every layer; returns the final hidden states `[T, embed]` and the new cache. With a
     `StackedKVCache` (and `stack_layers` weights) the layers run as one `lax.scan`; with per-layer
-    arrays, unrolled."""
+    arrays, unrolled.
+
+    The family's blocks (`model.families`) do the work. What differs between layers of one
+    model (RoPE frequencies, sliding windows) is per-layer data, `blocks.layer_inputs(cfg)`
+    with a leading `[layers]` dim, never a branch on the layer index (so it scans as it unrolls)."""
+    from model.families import family_for_config  # the families import this module
+
+    blocks = family_for_config(cfg).blocks
     impl = get_backend(backend)
     if layout is not None:
         impl = layout.attention_backend(impl, cfg)
-    inv_freq = rope_frequencies(cfg)
+    per_layer = blocks.layer_inputs(cfg)
     with jax.named_scope("embed"):
-        x = _constrain(layout, params.embed[tokens].astype(cfg.jnp_dtype), ("tokens", "embed"))
+        x = blocks.embed(params, tokens, cfg, layout)
     if isinstance(cache, StackedKVCache):
-        x, cache = _scan_layers(params, cache, x, md, inv_freq, cfg, impl, layout)
-        return x, cache
+        return _scan_layers(blocks, params, cache, x, md, per_layer, cfg, impl, layout)
     new_k, new_v = [], []
     for i, (layer, k_pages, v_pages) in enumerate(zip(params.layers, cache.k, cache.v)):
         # The scope names each layer's ops in the compiled HLO (collectives per layer, profiles).
         with jax.named_scope(f"layer_{i}"):
-            x, k_pages, v_pages = attention_block(layer, x, k_pages, v_pages, md, inv_freq, cfg, impl, layout)
-            x = mlp_block(layer, x, cfg, layout)
+            inputs = jax.tree.map(lambda a: a[i], per_layer)
+            x, k_pages, v_pages = blocks.attention(layer, x, k_pages, v_pages, md, inputs, cfg, impl, layout)
+            x = blocks.mlp(layer, x, cfg, layout)
         new_k.append(k_pages)
         new_v.append(v_pages)
     return x, KVCache(k=new_k, v=new_v)
 
 
-def _scan_layers(params: Weights, cache: StackedKVCache, x, md: BatchMetadata, inv_freq, cfg: LlamaConfig, impl,
-                 layout):
-    """Every layer as one `lax.scan` step: stacked weights are the scan's inputs, the hidden state and the
-    whole stacked KV cache its carry (each layer writes and reads its own rows of it, in place)."""
+def _scan_layers(blocks, params: Weights, cache: StackedKVCache, x, md: BatchMetadata, per_layer, cfg: LlamaConfig,
+                 impl, layout):
+    """Every layer as one `lax.scan` step: stacked weights and the per-layer data are the scan's inputs, the
+    hidden state and the whole stacked KV cache its carry (each layer writes and reads its own rows of it,
+    in place)."""
     num_layers, num_pages, page_size = cache.num_layers, cache.num_pages, cache.page_size
 
-    def layer_step(carry, inputs):
+    def layer_step(carry, xs):
         x, k, v = carry
-        layer, i = inputs
+        layer, inputs, i = xs
         layer_md = layer_offsets(md, i, num_layers, num_pages, page_size)
-        x, k, v = attention_block(layer, x, k, v, layer_md, inv_freq, cfg, impl, layout)
-        x = mlp_block(layer, x, cfg, layout)
+        x, k, v = blocks.attention(layer, x, k, v, layer_md, inputs, cfg, impl, layout)
+        x = blocks.mlp(layer, x, cfg, layout)
         return (x, k, v), None
 
     with jax.named_scope("layers"):
         (x, k, v), _ = jax.lax.scan(layer_step, (x, cache.k, cache.v),
-                                    (params.layers, jnp.arange(num_layers, dtype=jnp.int32)))
+                                    (params.layers, per_layer, jnp.arange(num_layers, dtype=jnp.int32)))
     return x, StackedKVCache(k=k, v=v, num_layers=num_layers)
 
 
 def forward(params: Weights, cache: KVCache, tokens, md: BatchMetadata, cfg: LlamaConfig,
             backend: str = "auto", layout=None):
     """Logits `[R, vocab]` (fp32) for rows `md.logits_indices`, and the updated cache."""
+    from model.families import family_for_config  # the families import this module
+
     x, cache = forward_hidden(params, cache, tokens, md, cfg, backend, layout)
     with jax.named_scope("logits"):
-        logits = output_logits(params, x[md.logits_indices], cfg, layout)
+        logits = family_for_config(cfg).blocks.logits(params, x[md.logits_indices], cfg, layout)
     return logits, cache
 
 

@@ -100,13 +100,33 @@ class Layer:
     w_gate: Any  # [ffw, embed]
     w_up: Any  # [ffw, embed]
     w_down: Any  # [embed, ffw]
+    # What other families add (None, so no weight, in a Llama): every layer of one model has the
+    # same ones, so the layers stack into one pytree structure.
+    q_bias: Any = None  # [q_heads, head_dim]  (cfg.attention_bias)
+    k_bias: Any = None  # [kv_heads, head_dim]
+    v_bias: Any = None  # [kv_heads, head_dim]
+    q_norm: Any = None  # [head_dim]  (cfg.qk_norm)
+    k_norm: Any = None  # [head_dim]
+    post_attn_norm: Any = None  # [embed]  (cfg.sandwich_norms)
+    post_mlp_norm: Any = None  # [embed]
 
     @classmethod
     def declare(cls, cfg: LlamaConfig) -> "Layer":
         h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         nq, nkv, dt = cfg.num_heads, cfg.num_kv_heads, cfg.jnp_dtype
         lin = functools.partial(linear_weight, cfg)
-        return cls(
+        extra = {}
+        if cfg.attention_bias:  # biases stay in the compute dtype when the weights are quantized
+            extra.update(q_bias=ArrayInfo((nq, d), dt, ("q_heads", "head_dim"), normal_init(d)),
+                         k_bias=ArrayInfo((nkv, d), dt, ("kv_heads", "head_dim"), normal_init(d)),
+                         v_bias=ArrayInfo((nkv, d), dt, ("kv_heads", "head_dim"), normal_init(d)))
+        if cfg.qk_norm:
+            extra.update(q_norm=ArrayInfo((d,), dt, ("norm",), ones_init),
+                         k_norm=ArrayInfo((d,), dt, ("norm",), ones_init))
+        if cfg.sandwich_norms:
+            extra.update(post_attn_norm=ArrayInfo((h,), dt, ("norm",), ones_init),
+                         post_mlp_norm=ArrayInfo((h,), dt, ("norm",), ones_init))
+        return cls(**extra,
             attn_norm=ArrayInfo((h,), dt, ("norm",), ones_init),
             wq=lin(ArrayInfo((nq, d, h), dt, ("q_heads", "head_dim", "embed"), normal_init(h)), 2),
             wk=lin(ArrayInfo((nkv, d, h), dt, ("kv_heads", "head_dim", "embed"), normal_init(h)), 2),

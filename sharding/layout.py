@@ -104,7 +104,11 @@ class Layout:
         # Scales of a quantized cache ([pages, page_size, kv_heads]) split with their KV heads.
         scale_spec = self.spec(CACHE_AXES[:3], (None, None, cfg.num_kv_heads))
 
-        def local_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *scales, sm_scale):
+        def local_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *rest, sm_scale,
+                            soft_cap, windowed):
+            # rest: (k_scale, v_scale) of a quantized cache, then the window when there is one.
+            scales, window = (rest[:-1], rest[-1]) if windowed else (rest, None)
+            extra = {} if window is None and soft_cap is None else dict(window=window, soft_cap=soft_cap)
             if kv_replicated:
                 kv_head = jax.lax.axis_index(q_axis) // heads_per_kv_copy
                 k_pages = jax.lax.dynamic_slice_in_dim(k_pages, kv_head, 1, axis=2)
@@ -112,19 +116,22 @@ class Layout:
                 scales = tuple(jax.lax.dynamic_slice_in_dim(s, kv_head, 1, axis=2) for s in scales)
             if scales:
                 return impl.attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
-                                      sm_scale=sm_scale, k_scale=scales[0], v_scale=scales[1])
+                                      sm_scale=sm_scale, k_scale=scales[0], v_scale=scales[1], **extra)
             return impl.attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
-                                  sm_scale=sm_scale)
+                                  sm_scale=sm_scale, **extra)
 
         def attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale=None,
-                      k_scale=None, v_scale=None):
+                      k_scale=None, v_scale=None, window=None, soft_cap=None):
             # check_vma=False: custom kernels inside need not carry replication rules; the
             # specs below are exact (outputs vary only along the split head axis).
             scales = () if k_scale is None else (k_scale, v_scale)
-            f = jax.shard_map(functools.partial(local_attention, sm_scale=sm_scale), mesh=self.mesh,
-                              in_specs=(q_spec, page_spec, page_spec, rep, rep, rep, rep) + (scale_spec,) * len(scales),
+            windows = () if window is None else (window,)  # a traced per-layer scalar, replicated
+            f = jax.shard_map(functools.partial(local_attention, sm_scale=sm_scale, soft_cap=soft_cap,
+                                                windowed=window is not None), mesh=self.mesh,
+                              in_specs=(q_spec, page_spec, page_spec, rep, rep, rep, rep)
+                              + (scale_spec,) * len(scales) + (rep,) * len(windows),
                               out_specs=q_spec, check_vma=False)
-            return f(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *scales)
+            return f(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *scales, *windows)
 
         def write_kv(k_pages, v_pages, k_new, v_new, slot_mapping, k_scale=None, v_scale=None):
             scales = () if k_scale is None else (k_scale, v_scale)

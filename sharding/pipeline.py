@@ -145,6 +145,9 @@ class PipelineLayout:
     def check(self, cfg: ModelConfig) -> None:
         """Raises `PipelineError` when the model's layers do not split into the stages."""
         p = self.pipeline_parallel_size
+        if cfg.architecture != "LlamaForCausalLM":
+            raise PipelineError(f"pipeline parallelism runs Llama-family models only, not {cfg.architecture}; "
+                                "use tensor_parallel_size instead")
         if cfg.num_layers % p:
             raise PipelineError(f"pipeline_parallel_size={p} must divide the model's {cfg.num_layers} layers "
                                 f"(each stage holds an equal, contiguous run of layers)")

@@ -104,9 +104,9 @@ def test_dtype_override_and_fallback():
 
 @pytest.mark.parametrize("change,match", [
     ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "unsupported architecture"),
-    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "unsupported architecture"),
+    ({"model_type": "falcon", "architectures": ["FalconForCausalLM"]}, "unsupported architecture"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope scaling type 'yarn'"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "unsupported rope scaling type 'linear'"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "unsupported rope scaling type 'dynamic'"),
     ({"attention_bias": True}, "biases"),
     ({"mlp_bias": True}, "biases"),
     ({"hidden_act": "gelu"}, "gelu"),

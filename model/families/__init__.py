@@ -15,8 +15,10 @@ declared cache arrays of one token (scales of a quantized cache included).
 Both work from a config alone (declarations are shapes; nothing is
 allocated), so the planner can size a 405B preset on a laptop.
 
-Llama is the first and only entry. A new family is a module beside
-`llama.py` and one entry in `FAMILIES`.
+Llama came first; Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2 and Gemma 3 (text)
+share its config class (with their own fields set, `model.config`) and its
+weight and cache declarations, and run the decoder blocks of `model.blocks`.
+A new family is a module beside `llama.py` and one entry in `FAMILIES`.
 """
 
 from __future__ import annotations
@@ -30,14 +32,18 @@ import jax.numpy as jnp
 
 from model.config import UnsupportedModelError
 from model.families.base import ForwardBlocks, ModelFamily, TensorPlan
+from model.families.gemma import GEMMA2, GEMMA3
 from model.families.llama import LLAMA
+from model.families.mistral import MISTRAL
+from model.families.phi3 import PHI3
+from model.families.qwen import QWEN2, QWEN3
 from model.quant import KV_CACHE_DTYPE_CHOICES, is_quantized, kv_cache_dtype
 
 __all__ = ["FAMILIES", "ForwardBlocks", "ModelFamily", "TensorPlan", "family_for_architectures",
            "family_for_config", "family_for_hf_config", "kv_bytes_per_token", "num_params",
            "supported_architectures"]
 
-FAMILIES: tuple[ModelFamily, ...] = (LLAMA,)
+FAMILIES: tuple[ModelFamily, ...] = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3)
 
 
 def supported_architectures() -> list[str]:
@@ -69,12 +75,15 @@ def family_for_hf_config(hf: dict[str, Any]) -> ModelFamily:
 
 
 def family_for_config(cfg) -> ModelFamily:
-    """The family that runs `cfg` (by its config class)."""
+    """The family that runs `cfg`: by its config class and the HF architecture it records."""
+    arch = getattr(cfg, "architecture", None)
     for family in FAMILIES:
-        if isinstance(cfg, family.config_class):
+        if isinstance(cfg, family.config_class) and arch in family.architectures:
             return family
-    raise UnsupportedModelError(f"no model family runs a {type(cfg).__name__}; "
-                                f"supported: {', '.join(f.config_class.__name__ for f in FAMILIES)}")
+    if not any(isinstance(cfg, f.config_class) for f in FAMILIES):
+        raise UnsupportedModelError(f"no model family runs a {type(cfg).__name__}; "
+                                    f"supported: {', '.join(sorted({f.config_class.__name__ for f in FAMILIES}))}")
+    raise UnsupportedModelError(f"no model family runs architecture {arch!r}; supported: {_supported_text()}")
 
 
 def _leaves(decl):

@@ -42,10 +42,14 @@ class ForwardBlocks:
 
     norm: Callable  # (x, weight, eps) -> x
     rope: Callable  # (cfg) -> inverse frequencies
-    attention: Callable  # (layer, x, k_pages, v_pages, md, inv_freq, cfg, backend, layout) -> (x, k, v)
+    attention: Callable  # (layer, x, k_pages, v_pages, md, layer_inputs[i], cfg, backend, layout) -> (x, k, v)
     mlp: Callable  # (layer, x, cfg, layout) -> x
     logits: Callable  # (params, x, cfg, layout) -> fp32 logits
     forward: Callable  # (params, cache, tokens, md, cfg, backend, layout) -> (logits, cache)
+    embed: Callable  # (params, tokens, cfg, layout) -> x [T, embed]
+    # (cfg) -> pytree of arrays with a leading [num_layers] dim: what differs per layer (RoPE
+    # frequencies, sliding window), as data; `attention` gets layer i's slice.
+    layer_inputs: Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,11 +63,9 @@ class ModelFamily:
     summed from `declare_weights` / `declare_cache` (`model.families.num_params`,
     `kv_bytes_per_token`), so they cannot disagree with the arrays.
 
-    A loaded config finds its family by `config_class` alone (our checkpoints'
-    `model_config.json` records no architecture), so a family that shares another's
-    config class must share its declarations and blocks too, differing only in
-    what it reads from Hugging Face (`config_from_hf`, `checkpoint_tensors`, which
-    conversion takes from the family `config.json` named).
+    A loaded config finds its family by `config_class` and the HF architecture it
+    records (`LlamaConfig.architecture`, "LlamaForCausalLM" by default, which a
+    Llama `model_config.json` leaves out).
     """
 
     name: str  # human name, used in messages ("a 2-layer Llama")

@@ -16,7 +16,8 @@ from typing import Any
 from model.cache import KVCache
 from model.config import COMPUTE_DTYPES, LlamaConfig, RopeScaling, UnsupportedModelError
 from model.families.base import ForwardBlocks, ModelFamily, TensorPlan
-from model.forward import attention_block, forward, mlp_block, output_logits, rms_norm, rope_frequencies
+from model.forward import (attention_block, embed_tokens, forward, layer_rope, mlp_block, output_logits, rms_norm,
+                           rope_frequencies)
 from model.params import Weights
 
 _HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -28,25 +29,28 @@ def config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> LlamaConfig:
     The architecture itself was checked by the registry lookup; this checks the
     features a Llama checkpoint may turn on that we do not implement."""
     _check_llama_features(hf)
+    return LlamaConfig(**common_fields(hf, dtype))
+
+
+def common_fields(hf: dict[str, Any], dtype: str | None = None, *, rope: dict[str, Any] | None = None,
+                  default_theta: float = 10000.0) -> dict[str, Any]:
+    """The `LlamaConfig` fields every decoder family reads alike: sizes, RoPE base and scaling
+    (`rope`: the parameters to read, by default the flat / `rope_parameters` ones), norm epsilon,
+    tying, dtype and special tokens. Refuses quantized checkpoints and unknown RoPE types."""
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"].get("quant_method", "?")
+        raise UnsupportedModelError(f"quantized checkpoints ({method}) are not supported; use a float checkpoint")
     missing = [k for k in _HF_REQUIRED if hf.get(k) is None]
     if missing:
         raise ValueError(f"HF config lacks required fields: {missing}")
     # transformers 5 nests rope settings under `rope_parameters`; 4 keeps them flat.
-    rope = hf.get("rope_parameters") or {}
-    rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default") else None)
-    rope_scaling = None
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind == "llama3":
-            rope_scaling = RopeScaling(
-                factor=float(scaling["factor"]),
-                low_freq_factor=float(scaling["low_freq_factor"]),
-                high_freq_factor=float(scaling["high_freq_factor"]),
-                original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-            )
-        elif kind not in (None, "default"):
-            raise UnsupportedModelError(f"unsupported rope scaling type {kind!r}; supported: llama3")
+    if rope is None:
+        rope = hf.get("rope_parameters") or {}
+        scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default") else None)
+        rope_theta = rope.get("rope_theta", hf.get("rope_theta", default_theta))
+    else:
+        scaling = rope if rope.get("rope_type", rope.get("type")) not in (None, "default") else None
+        rope_theta = rope.get("rope_theta", default_theta)
     heads = hf["num_attention_heads"]
     hidden = hf["hidden_size"]
     torch_dtype = dtype or hf.get("dtype") or hf.get("torch_dtype") or "bfloat16"
@@ -54,7 +58,7 @@ def config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> LlamaConfig:
         torch_dtype = "bfloat16"
     eos = hf.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    return LlamaConfig(
+    return dict(
         vocab_size=hf["vocab_size"],
         hidden_size=hidden,
         intermediate_size=hf["intermediate_size"],
@@ -63,7 +67,7 @@ def config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> LlamaConfig:
         num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hidden // heads,
         rope_theta=float(rope_theta),
-        rope_scaling=rope_scaling,
+        rope_scaling=_rope_scaling(scaling),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
@@ -71,6 +75,25 @@ def config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> LlamaConfig:
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids,
     )
+
+
+def _rope_scaling(scaling: dict[str, Any] | None) -> RopeScaling | None:
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":
+        return RopeScaling(
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        )
+    if kind == "linear":
+        return RopeScaling(factor=float(scaling["factor"]), rope_type="linear")
+    if kind in (None, "default"):
+        return None
+    raise UnsupportedModelError(f"unsupported rope scaling type {kind!r} (rope_scaling / rope_parameters); "
+                                "supported: llama3, linear")
 
 
 def _check_llama_features(hf: dict[str, Any]) -> None:
@@ -81,9 +104,6 @@ def _check_llama_features(hf: dict[str, Any]) -> None:
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModelError(f"unsupported activation hidden_act={act!r}; Llama uses 'silu'")
-    if hf.get("quantization_config"):
-        method = hf["quantization_config"].get("quant_method", "?")
-        raise UnsupportedModelError(f"quantized checkpoints ({method}) are not supported; use a float checkpoint")
 
 
 # --- the HF checkpoint's tensors ---
@@ -147,5 +167,5 @@ LLAMA = ModelFamily(
     declare_cache=KVCache.declare,
     checkpoint_tensors=checkpoint_tensors,
     blocks=ForwardBlocks(norm=rms_norm, rope=rope_frequencies, attention=attention_block, mlp=mlp_block,
-                         logits=output_logits, forward=forward),
+                         logits=output_logits, forward=forward, embed=embed_tokens, layer_inputs=layer_rope),
 )
