@@ -24,6 +24,7 @@ _DTYPES = {
     "float16": jnp.float16,
 }
 COMPUTE_DTYPES = tuple(_DTYPES)  # the names a config's `dtype` may take
+MOE_ROUTERS = ("topk_softmax", "softmax_topk")  # see `LlamaConfig.moe_router`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,18 @@ class LlamaConfig:
     # Storage of the linear layers' weights: None (the compute dtype) or "int8" / "fp8"
     # with per-output-channel scales (model.quant). Compute stays in `dtype`.
     weight_dtype: str | None = None
+    # Mixture of experts (`model.moe`); the defaults mean a dense MLP. With `num_experts` > 0
+    # every layer's MLP is `num_experts` experts of `moe_intermediate_size`, of which each token
+    # uses `num_experts_per_tok`, weighted by the router: `moe_router` "topk_softmax" is a
+    # softmax over the top-k logits (Mixtral), "softmax_topk" a softmax over every expert
+    # then the top k, renormalised to sum 1 when `norm_topk_prob` (Qwen3-MoE).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_router: str = "topk_softmax"
+    norm_topk_prob: bool = True
+    # An RMSNorm over head_dim on each query and key head before RoPE (Qwen3).
+    qk_norm: bool = False
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -70,10 +83,22 @@ class LlamaConfig:
                      "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok must be in 1..num_experts ({self.num_experts}), "
+                                 f"got {self.num_experts_per_tok}")
+            if self.moe_intermediate_size <= 0:
+                raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
+            if self.moe_router not in MOE_ROUTERS:
+                raise ValueError(f"moe_router must be one of {MOE_ROUTERS}, got {self.moe_router!r}")
 
     @property
     def jnp_dtype(self):
         return _DTYPES[self.dtype]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def q_per_kv(self) -> int:
@@ -101,6 +126,9 @@ class LlamaConfig:
         d["eos_token_ids"] = list(self.eos_token_ids)
         if d["weight_dtype"] is None:  # float checkpoints keep the config file they always had
             del d["weight_dtype"]
+        for name, default in _OPTIONAL_DEFAULTS.items():  # so do dense models
+            if d[name] == default:
+                del d[name]
         return d
 
     @classmethod
@@ -125,6 +153,10 @@ class LlamaConfig:
         with open(path) as f:
             return cls.from_dict(json.load(f))
 
+
+_OPTIONAL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LlamaConfig)
+                      if f.name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "moe_router",
+                                    "norm_topk_prob", "qk_norm")}
 
 # The config type of every family today. Code outside the Llama implementation (serving,
 # sharding) annotates with this name, so a family with a config class of its own changes this

@@ -142,7 +142,13 @@ def output_logits(params: Weights, x, cfg: LlamaConfig, layout=None):
 
 def forward_hidden(params: Weights, cache: KVCache, tokens, md: BatchMetadata, cfg: LlamaConfig,
                    backend: str = "auto", layout=None):
-    """Runs every layer; returns the final hidden states `[T, embed]` and the new cache."""
+    """Runs every layer; returns the final hidden states `[T, embed]` and the new cache.
+
+    Each layer runs the attention and MLP blocks of `cfg`'s family (`model.families`):
+    Llama's below, or a mixture of experts' (`model.moe`)."""
+    from model.families import family_for_config  # the families import this module
+
+    blocks = family_for_config(cfg).blocks
     impl = get_backend(backend)
     if layout is not None:
         impl = layout.attention_backend(impl, cfg)
@@ -153,8 +159,8 @@ def forward_hidden(params: Weights, cache: KVCache, tokens, md: BatchMetadata, c
     for i, (layer, k_pages, v_pages) in enumerate(zip(params.layers, cache.k, cache.v)):
         # The scope names each layer's ops in the compiled HLO (collectives per layer, profiles).
         with jax.named_scope(f"layer_{i}"):
-            x, k_pages, v_pages = attention_block(layer, x, k_pages, v_pages, md, inv_freq, cfg, impl, layout)
-            x = mlp_block(layer, x, cfg, layout)
+            x, k_pages, v_pages = blocks.attention(layer, x, k_pages, v_pages, md, inv_freq, cfg, impl, layout)
+            x = blocks.mlp(layer, x, cfg, layout)
         new_k.append(k_pages)
         new_v.append(v_pages)
     return x, KVCache(k=new_k, v=new_v)

@@ -15,7 +15,7 @@ declared cache arrays of one token (scales of a quantized cache included).
 Both work from a config alone (declarations are shapes; nothing is
 allocated), so the planner can size a 405B preset on a laptop.
 
-Llama is the first and only entry. A new family is a module beside
+Llama, Mixtral and Qwen3-MoE are the entries. A new family is a module beside
 `llama.py` and one entry in `FAMILIES`.
 """
 
@@ -31,13 +31,17 @@ import jax.numpy as jnp
 from model.config import UnsupportedModelError
 from model.families.base import ForwardBlocks, ModelFamily, TensorPlan
 from model.families.llama import LLAMA
+from model.families.mixtral import MIXTRAL
+from model.families.qwen3_moe import QWEN3_MOE
 from model.quant import KV_CACHE_DTYPE_CHOICES, is_quantized, kv_cache_dtype
 
 __all__ = ["FAMILIES", "ForwardBlocks", "ModelFamily", "TensorPlan", "family_for_architectures",
            "family_for_config", "family_for_hf_config", "kv_bytes_per_token", "num_params",
            "supported_architectures"]
 
-FAMILIES: tuple[ModelFamily, ...] = (LLAMA,)
+# Order matters for `family_for_config`: the mixtures of experts (a `runs` predicate on the
+# shared config class) come before Llama, which runs every other config.
+FAMILIES: tuple[ModelFamily, ...] = (MIXTRAL, QWEN3_MOE, LLAMA)
 
 
 def supported_architectures() -> list[str]:
@@ -69,9 +73,9 @@ def family_for_hf_config(hf: dict[str, Any]) -> ModelFamily:
 
 
 def family_for_config(cfg) -> ModelFamily:
-    """The family that runs `cfg` (by its config class)."""
+    """The family that runs `cfg` (by its config class, then the family's `runs`)."""
     for family in FAMILIES:
-        if isinstance(cfg, family.config_class):
+        if isinstance(cfg, family.config_class) and (family.runs is None or family.runs(cfg)):
             return family
     raise UnsupportedModelError(f"no model family runs a {type(cfg).__name__}; "
                                 f"supported: {', '.join(f.config_class.__name__ for f in FAMILIES)}")

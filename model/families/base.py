@@ -28,6 +28,9 @@ class TensorPlan:
     hf: str  # e.g. "model.layers.0.self_attn.q_proj.weight"
     hf_shape: tuple[int, ...]
     relayout: Callable[[np.ndarray], np.ndarray]  # HF array -> ours; a view where it can be
+    # (index, count) when several HF tensors stack into one of ours along a new leading dim
+    # (a mixture of experts' per-expert matrices): this one is entry `index` of `count`.
+    stack: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,11 +62,13 @@ class ModelFamily:
     summed from `declare_weights` / `declare_cache` (`model.families.num_params`,
     `kv_bytes_per_token`), so they cannot disagree with the arrays.
 
-    A loaded config finds its family by `config_class` alone (our checkpoints'
-    `model_config.json` records no architecture), so a family that shares another's
-    config class must share its declarations and blocks too, differing only in
-    what it reads from Hugging Face (`config_from_hf`, `checkpoint_tensors`, which
-    conversion takes from the family `config.json` named).
+    A loaded config finds its family by `config_class` and, where families share a
+    class, by `runs` (our checkpoints' `model_config.json` records no architecture):
+    the first family in the registry whose class matches and whose `runs(cfg)` is
+    true (None: every config of the class). Families that a config cannot tell apart
+    (Mixtral and Qwen3-MoE) must share their declarations and blocks, differing only
+    in what they read from Hugging Face (`config_from_hf`, `checkpoint_tensors`,
+    which conversion takes from the family `config.json` named).
     """
 
     name: str  # human name, used in messages ("a 2-layer Llama")
@@ -75,3 +80,4 @@ class ModelFamily:
     declare_cache: Callable[..., Any]  # (cfg, num_pages, page_size, dtype) -> pytree of `ArrayInfo`
     checkpoint_tensors: Callable[[Any], list[TensorPlan]]  # cfg -> every HF tensor, in our order
     blocks: ForwardBlocks
+    runs: Callable[[Any], bool] | None = None  # which configs of `config_class` it runs (see above)
