@@ -145,6 +145,9 @@ class PipelineLayout:
     def check(self, cfg: ModelConfig) -> None:
         """Raises `PipelineError` when the model's layers do not split into the stages."""
         p = self.pipeline_parallel_size
+        if getattr(cfg, "num_experts", 0):
+            raise PipelineError("pipeline parallelism stages Llama's dense layers; a mixture-of-experts model "
+                                "runs on one device or under tensor / expert parallelism")
         if cfg.num_layers % p:
             raise PipelineError(f"pipeline_parallel_size={p} must divide the model's {cfg.num_layers} layers "
                                 f"(each stage holds an equal, contiguous run of layers)")
