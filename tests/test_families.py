@@ -20,6 +20,8 @@ from model.convert_hf import conversion_plan
 from model.families import (FAMILIES, family_for_architectures, family_for_config, family_for_hf_config,
                             kv_bytes_per_token, num_params, supported_architectures)
 from model.families.llama import LLAMA
+from model.families.mixtral import MIXTRAL
+from model.families.qwen3_moe import QWEN3_MOE
 from model.params import abstract_params, flatten_params, init_params
 
 CONFIGS = {
@@ -32,8 +34,8 @@ CONFIGS = {
 # --- lookups ---
 
 def test_llama_is_the_registered_family():
-    assert FAMILIES == (LLAMA,)
-    assert supported_architectures() == ["LlamaForCausalLM"]
+    assert FAMILIES == (LLAMA, MIXTRAL, QWEN3_MOE)
+    assert supported_architectures() == ["LlamaForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"]
     assert family_for_architectures(["LlamaForCausalLM"]) is LLAMA
     assert family_for_architectures([], model_type="llama") is LLAMA  # exports without `architectures`
     assert family_for_hf_config({"architectures": ["LlamaForCausalLM"]}) is LLAMA

@@ -39,9 +39,7 @@ __all__ = ["FAMILIES", "ForwardBlocks", "ModelFamily", "TensorPlan", "family_for
            "family_for_config", "family_for_hf_config", "kv_bytes_per_token", "num_params",
            "supported_architectures"]
 
-# Order matters for `family_for_config`: the mixtures of experts (a `runs` predicate on the
-# shared config class) come before Llama, which runs every other config.
-FAMILIES: tuple[ModelFamily, ...] = (MIXTRAL, QWEN3_MOE, LLAMA)
+FAMILIES: tuple[ModelFamily, ...] = (LLAMA, MIXTRAL, QWEN3_MOE)
 
 
 def supported_architectures() -> list[str]:
@@ -73,8 +71,10 @@ def family_for_hf_config(hf: dict[str, Any]) -> ModelFamily:
 
 
 def family_for_config(cfg) -> ModelFamily:
-    """The family that runs `cfg` (by its config class, then the family's `runs`)."""
-    for family in FAMILIES:
+    """The family that runs `cfg`: by its config class, and among the families sharing it the
+    first whose `runs(cfg)` holds (the mixtures of experts on `LlamaConfig`), else the one
+    without a `runs` predicate (Llama)."""
+    for family in sorted(FAMILIES, key=lambda f: f.runs is None):
         if isinstance(cfg, family.config_class) and (family.runs is None or family.runs(cfg)):
             return family
     raise UnsupportedModelError(f"no model family runs a {type(cfg).__name__}; "

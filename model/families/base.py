@@ -65,7 +65,7 @@ class ModelFamily:
     A loaded config finds its family by `config_class` and, where families share a
     class, by `runs` (our checkpoints' `model_config.json` records no architecture):
     the first family in the registry whose class matches and whose `runs(cfg)` is
-    true (None: every config of the class). Families that a config cannot tell apart
+    true, else the one whose `runs` is None (every other config of the class). Families that a config cannot tell apart
     (Mixtral and Qwen3-MoE) must share their declarations and blocks, differing only
     in what they read from Hugging Face (`config_from_hf`, `checkpoint_tensors`,
     which conversion takes from the family `config.json` named).
