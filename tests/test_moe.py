@@ -198,3 +198,12 @@ def test_int8_experts_run_under_expert_parallelism():
     # The first step (the same inputs): close to the float model (per-channel int8), not the same numbers.
     diff = float(np.max(np.abs(logits[0] - ref_logits[0])))
     assert 0 < diff < 0.1 * float(np.max(np.abs(ref_logits[0])))
+
+
+def test_grouped_path_lowers_for_cuda_as_ragged_dot():
+    """The serving path lowers for GPUs from this CPU host, as one ragged_dot per projection."""
+    x, ids, weights, ws = _expert_inputs(5)
+    text = jax.jit(moe.grouped_experts).trace(x, ids, weights, *ws).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("ragged_dot") >= 3
+    assert "ragged_dot" not in jax.jit(moe.dense_experts).trace(x, ids, weights, *ws).lower(
+        lowering_platforms=("cuda",)).as_text()
