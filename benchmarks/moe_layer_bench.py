@@ -9,8 +9,10 @@ Two expert shapes, both with the router's output as input (ids and weights from 
 over random logits): a Mixtral-like layer (8 experts, top 2) and a Qwen3-MoE-like one (64
 experts, top 8), scaled to CPU sizes (on a GPU: Mixtral-8x7B's and Qwen3-30B-A3B's real
 layer shapes in bf16). Token counts span decode batches (1, 8, 32) and prefill chunks (256,
-1024). Both paths alternate for `--rounds` rounds and keep their best time (the machine may
-be shared); outputs are compared first. The record also says whether the grouped path
+1024). Decode-sized batches (tokens * k <= experts) also time `touched_experts`, the loop over
+the touched experts that XLA CPU serves them with (`model.moe.serving_experts`; the record
+names each case's serving path). Each path runs `--rounds` times and keeps its best time
+(the machine may be shared); outputs are compared with the dense reference. The record also says whether the grouped path
 lowers for CUDA (`.trace(...).lower(lowering_platforms=("cuda",))`).
 """
 
@@ -31,7 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from model.config import LlamaConfig  # noqa: E402
-from model.moe import dense_experts, grouped_experts, route  # noqa: E402
+from model.moe import dense_experts, grouped_experts, route, serving_experts, touched_experts  # noqa: E402
 
 # name: (experts, top k, hidden, expert ffw) per platform
 SHAPES = {
@@ -52,6 +54,11 @@ def inputs(t, e, k, h, f, dtype, seed=0):
     w = [(jax.random.normal(kk, s, jnp.float32) / np.sqrt(s[-1])).astype(dtype)
          for kk, s in zip(keys[2:], ((e, f, h), (e, f, h), (e, h, f)))]
     return x, ids, weights, w
+
+
+class _Cfg:
+    def __init__(self, e, k):
+        self.num_experts, self.num_experts_per_tok = e, k
 
 
 def best_ms(fn, args, rounds):
@@ -85,7 +92,7 @@ def main(argv=None) -> int:
     kind = "smoke" if args.smoke else ("gpu" if platform == "gpu" else "cpu")
     dtype = jnp.float32 if kind != "gpu" else jnp.bfloat16
     rounds = 1 if args.smoke else args.rounds
-    grouped, dense = jax.jit(grouped_experts), jax.jit(dense_experts)
+    grouped, dense, touched = jax.jit(grouped_experts), jax.jit(dense_experts), jax.jit(touched_experts)
     start, cases, ok = time.perf_counter(), [], True
     load_before = os.getloadavg()
     for name, (e, k, h, f) in SHAPES[kind].items():
@@ -96,16 +103,21 @@ def main(argv=None) -> int:
             a = (x, ids, weights, *w)
             g_ms, g_out = best_ms(grouped, a, rounds)
             d_ms, d_out = best_ms(dense, a, rounds)
-            diff = float(jnp.max(jnp.abs(g_out - d_out)))
+            decode_sized = t * k <= e
+            l_ms, l_out = best_ms(touched, a, rounds) if decode_sized else (None, d_out)
+            diff = max(float(jnp.max(jnp.abs(g_out - d_out))), float(jnp.max(jnp.abs(l_out - d_out))))
             scale = float(jnp.max(jnp.abs(d_out)))
             good = diff <= (1e-4 if dtype == jnp.float32 else 3e-2) * max(scale, 1.0)
             ok &= good
             row = {"shape": name, "experts": e, "top_k": k, "hidden": h, "expert_ffw": f, "tokens": t,
                    "phase": "decode" if t <= 32 else "prefill", "grouped_ms": g_ms, "dense_ms": d_ms,
-                   "dense_over_grouped": d_ms / g_ms, "max_abs_diff": diff, "ok": good}
+                   "dense_over_grouped": d_ms / g_ms, "touched_loop_ms": l_ms,
+                   "dense_over_touched_loop": None if l_ms is None else d_ms / l_ms,
+                   "serving_path": serving_experts(t, _Cfg(e, k)).__name__, "max_abs_diff": diff, "ok": good}
             cases.append(row)
+            loop = "" if l_ms is None else f"  touched loop {l_ms:9.3f} ms ({d_ms / l_ms:6.2f}x)"
             print(f"{name:>20} T={t:>5}: grouped {g_ms:9.3f} ms  dense {d_ms:9.3f} ms  "
-                  f"dense/grouped {d_ms / g_ms:6.2f}x  diff {diff:.2e}", flush=True)
+                  f"dense/grouped {d_ms / g_ms:6.2f}x{loop}  diff {diff:.2e}", flush=True)
     record = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "jax": jax.__version__,
               "platform": platform, "devices": [str(d) for d in jax.devices()][:1], "cpus": os.cpu_count(),
               "dtype": jnp.dtype(dtype).name, "rounds": rounds, "loadavg_before": load_before,

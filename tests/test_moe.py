@@ -1,5 +1,5 @@
-"""The MoE layer: routing as each family defines it, the grouped matmul against its dense
-reference, int8 experts, and expert parallelism over 8 CPU devices (EP = 2 and 4 under
+"""The MoE layer: routing as each family defines it, the grouped matmul and the CPU decode
+loop against the dense reference, int8 experts, and expert parallelism over 8 CPU devices (EP = 2 and 4 under
 rules_megatron, tensor parallelism inside the experts under rules_megatron_expert_tp)
 giving one device's greedy tokens.
 """
@@ -64,7 +64,7 @@ def test_routing_follows_each_family():
 
 # --- grouped matmul vs the dense reference ---
 
-_grouped, _dense = jax.jit(moe.grouped_experts), jax.jit(moe.dense_experts)
+_grouped, _dense, _touched = jax.jit(moe.grouped_experts), jax.jit(moe.dense_experts), jax.jit(moe.touched_experts)
 
 
 @pytest.mark.parametrize("t", [1, 37])
@@ -72,6 +72,7 @@ def test_grouped_matches_dense_reference(t):
     x, ids, weights, ws = _expert_inputs(t, seed=t)
     want = _dense(x, ids, weights, *ws)
     np.testing.assert_allclose(np.asarray(_grouped(x, ids, weights, *ws)), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(_touched(x, ids, weights, *ws)), np.asarray(want), rtol=1e-5, atol=1e-5)
     assert float(jnp.max(jnp.abs(want))) > 0.1
     # A subset of the experts (one device's, under expert parallelism): the same on both
     # paths, and the subsets sum to the whole.
@@ -79,6 +80,8 @@ def test_grouped_matches_dense_reference(t):
     parts = [_grouped(x, ids, weights, *half, expert_offset=lo) for lo, half in zip((0, 4), halves)]
     ref_part = _dense(x, ids, weights, *halves[1], expert_offset=4)
     np.testing.assert_allclose(np.asarray(parts[1]), np.asarray(ref_part), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(_touched(x, ids, weights, *halves[1], expert_offset=4)),
+                               np.asarray(ref_part), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(parts[0] + parts[1]), np.asarray(want), rtol=1e-5, atol=1e-5)
     assert float(jnp.max(jnp.abs(parts[0]))) > 0 and float(jnp.max(jnp.abs(parts[1]))) > 0
 
@@ -91,9 +94,18 @@ def test_quantized_experts_match_the_dequantized_reference(dtype):
     got = _grouped(x, ids, weights, *qs)
     want = _dense(x, ids, weights, *[dequantize(q) for q in qs])
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(_touched(x, ids, weights, *qs)), np.asarray(want), rtol=1e-4, atol=1e-4)
     exact = _dense(x, ids, weights, *ws)
     bound = {"int8": 0.05, "fp8": 0.15}[dtype]  # e4m3 keeps 3 mantissa bits
     assert 0 < float(jnp.max(jnp.abs(got - exact))) < bound * float(jnp.max(jnp.abs(exact)))
+
+
+def test_serving_path_on_cpu_follows_the_batch_size():
+    """XLA CPU runs ragged_dot as a masked dense product: decode batches loop over the touched
+    experts, larger ones take the dense product (a static choice per token bucket)."""
+    assert jax.default_backend() == "cpu"
+    assert moe.serving_experts(4, CFG) is moe.touched_experts  # 4 tokens x top 2 <= 8 experts
+    assert moe.serving_experts(5, CFG) is moe.dense_experts
 
 
 # --- declarations ---
