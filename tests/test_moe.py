@@ -221,3 +221,14 @@ def test_grouped_path_lowers_for_cuda_as_ragged_dot():
     assert text.count("ragged_dot") >= 3
     assert "ragged_dot" not in jax.jit(moe.dense_experts).trace(x, ids, weights, *ws).lower(
         lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("impl,tp", [("grouped_experts", 1), ("touched_experts", 1), ("touched_experts", 2)])
+def test_every_expert_path_gives_the_models_output(monkeypatch, impl, tp):
+    """The whole model with the grouped matmul (the GPU path) or the touched-experts loop (CPU
+    decode) in every layer, alone and under EP=2, against the step's default (dense on CPU at
+    this batch size)."""
+    _, ref_logits, *_ = _result(1)
+    monkeypatch.setattr(moe, "serving_experts", lambda n, cfg: getattr(moe, impl))
+    _, logits, *_ = _greedy(tp, steps=1)
+    np.testing.assert_allclose(logits[0], ref_logits[0], atol=2e-4, rtol=2e-4)
