@@ -223,7 +223,7 @@ def test_grouped_path_lowers_for_cuda_as_ragged_dot():
         lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("impl,tp", [("grouped_experts", 1), ("touched_experts", 1), ("touched_experts", 2)])
+@pytest.mark.parametrize("impl,tp", [("grouped_experts", 1), ("touched_experts", 2)])
 def test_every_expert_path_gives_the_models_output(monkeypatch, impl, tp):
     """The whole model with the grouped matmul (the GPU path) or the touched-experts loop (CPU
     decode) in every layer, alone and under EP=2, against the step's default (dense on CPU at
