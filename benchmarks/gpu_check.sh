@@ -3,7 +3,8 @@
 # device copy bandwidth and bf16 matmul rate, Pallas kernel parity with the references,
 # achieved bandwidth of the attention kernel vs the XLA-compiled reference for decode and
 # mixed batches (Llama-3-8B attention shapes; benchmarks/kernel_bench.py), batch-1 decode
-# with bf16 / int8 / fp8 weights (gpu_quant_decode.py), and full-model decode MBU,
+# with bf16 / int8 / fp8 weights (gpu_quant_decode.py), one MoE layer grouped (ragged_dot)
+# against its dense reference (moe_layer_bench.py), and full-model decode MBU,
 # prefill MFU and engine throughput (gpu_model_bench.py). Each part has a soft budget
 # (it starts nothing new after it) and a hard timeout; together at most 570 s.
 #
@@ -50,12 +51,13 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 # The script stops starting cases after --budget-s; the timeout is the hard stop.
-timeout 200 "$PY" -u benchmarks/kernel_bench.py "${SMOKE[@]}" --out "$OUT_DIR" --budget-s 150 2>&1 |
+timeout 160 "$PY" -u benchmarks/kernel_bench.py "${SMOKE[@]}" --out "$OUT_DIR" --budget-s 120 2>&1 |
   tee "$OUT_DIR/kernel_bench${SMOKE:+_smoke}.log"
 status=${PIPESTATUS[0]}
 if [ "$status" = 124 ]; then
-  echo "gpu_check: hit the 200 s timeout; partial results in the log under $OUT_DIR" >&2
+  echo "gpu_check: hit the 160 s timeout; partial results in the log under $OUT_DIR" >&2
 fi
 timeout 130 "$PY" -u benchmarks/gpu_quant_decode.py "${SMOKE[@]}" --out "$OUT_DIR" --budget-s 100 2>&1 | tee "$OUT_DIR/gpu_quant_decode${SMOKE:+_smoke}.log"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+timeout 40 "$PY" -u benchmarks/moe_layer_bench.py "${SMOKE[@]}" --out "$OUT_DIR" --budget-s 25 2>&1 | tee "$OUT_DIR/moe_layer${SMOKE:+_smoke}.log"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
 timeout 240 "$PY" -u benchmarks/gpu_model_bench.py "${SMOKE[@]}" --out "$OUT_DIR" --budget-s 200 2>&1 | tee "$OUT_DIR/gpu_model_bench${SMOKE:+_smoke}.log" || status=1
 exit "$status"

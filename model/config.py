@@ -27,6 +27,7 @@ _DTYPES = {
     "float16": jnp.float16,
 }
 COMPUTE_DTYPES = tuple(_DTYPES)  # the names a config's `dtype` may take
+MOE_ROUTERS = ("topk_softmax", "softmax_topk")  # see `LlamaConfig.moe_router`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +87,16 @@ class LlamaConfig:
     query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar**-0.5; None: head_dim
     attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    # Mixture of experts (`model.moe`); the defaults mean a dense MLP. With `num_experts` > 0
+    # every layer's MLP is `num_experts` experts of `moe_intermediate_size`, of which each token
+    # uses `num_experts_per_tok`, weighted by the router: `moe_router` "topk_softmax" is a
+    # softmax over the top-k logits (Mixtral), "softmax_topk" a softmax over every expert
+    # then the top k, renormalised to sum 1 when `norm_topk_prob` (Qwen3-MoE).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_router: str = "topk_softmax"
+    norm_topk_prob: bool = True
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -120,10 +131,22 @@ class LlamaConfig:
     def attention_scale(self) -> float:
         """The factor on q.k (softmax scale)."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok must be in 1..num_experts ({self.num_experts}), "
+                                 f"got {self.num_experts_per_tok}")
+            if self.moe_intermediate_size <= 0:
+                raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
+            if self.moe_router not in MOE_ROUTERS:
+                raise ValueError(f"moe_router must be one of {MOE_ROUTERS}, got {self.moe_router!r}")
 
     @property
     def jnp_dtype(self):
         return _DTYPES[self.dtype]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def q_per_kv(self) -> int:
@@ -189,7 +212,8 @@ class LlamaConfig:
 HIDDEN_ACTS = ("silu", "gelu_tanh")
 _FAMILY_FIELDS = ("architecture", "attention_bias", "qk_norm", "sliding_window", "layer_types", "rope_local_theta",
                   "norm_offset", "scale_embeddings", "hidden_act", "sandwich_norms", "query_pre_attn_scalar",
-                  "attn_logit_softcap", "final_logit_softcap")
+                  "attn_logit_softcap", "final_logit_softcap", "num_experts", "num_experts_per_tok",
+                  "moe_intermediate_size", "moe_router", "norm_topk_prob")
 
 # The config type of every family today. Code outside the Llama implementation (serving,
 # sharding) annotates with this name, so a family with a config class of its own changes this

@@ -1,6 +1,7 @@
 """Converts a Hugging Face checkpoint of a supported family into a ridgeline checkpoint.
 
-Families (`model.families`): Llama, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3 (text).
+Families (`model.families`): Llama, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3 (text),
+Mixtral and Qwen3-MoE.
 
     python -m model.convert_hf --hf_dir=DIR --out_dir=DIR [--dtype=bfloat16] [--weight_dtype=int8|fp8]
 
@@ -190,8 +191,15 @@ def read_weights(plan: list[TensorPlan], located: dict[str, str], dtype, progres
                         source = f.get_tensor(t.hf)
                     except (SafetensorError, OSError) as e:
                         raise ConversionError(f"cannot read tensor {t.hf} from {path}: {e}") from None
-                    # One copy: relayout returns a view, np.array makes it C-contiguous in the target dtype.
-                    flat[t.ours] = np.array(t.relayout(source), dtype=dtype, order="C")
+                    if t.stack is not None:  # one expert of a stacked [experts, ...] weight
+                        index, count = t.stack
+                        part = t.relayout(source)
+                        if t.ours not in flat:
+                            flat[t.ours] = np.empty((count,) + part.shape, dtype=dtype)
+                        flat[t.ours][index] = part
+                    else:
+                        # One copy: relayout returns a view, np.array makes it C-contiguous in the target dtype.
+                        flat[t.ours] = np.array(t.relayout(source), dtype=dtype, order="C")
                     del source
                     bar.update(1)
     return flat

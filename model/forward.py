@@ -163,7 +163,8 @@ def forward_hidden(params: Weights, cache: KVCache, tokens, md: BatchMetadata, c
     `StackedKVCache` (and `stack_layers` weights) the layers run as one `lax.scan`; with per-layer
     arrays, unrolled.
 
-    The family's blocks (`model.families`) do the work. What differs between layers of one
+    The family's blocks (`model.families`) do the work (Llama's below, the other dense families'
+    in `model.blocks`, a mixture of experts' in `model.families.moe_layers`). What differs between layers of one
     model (RoPE frequencies, sliding windows) is per-layer data, `blocks.layer_inputs(cfg)`
     with a leading `[layers]` dim, never a branch on the layer index (so it scans as it unrolls)."""
     from model.families import family_for_config  # the families import this module

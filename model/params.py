@@ -147,11 +147,14 @@ class Weights:
     lm_head: Any  # [vocab, embed] like `embed` (one einsum for both), or None when tied to `embed`
 
     @classmethod
-    def declare(cls, cfg: LlamaConfig) -> "Weights":
+    def declare(cls, cfg: LlamaConfig, layer=None) -> "Weights":
+        """`layer(cfg)` declares one decoder layer (default `Layer.declare`; a family whose layers
+        differ, like a mixture of experts, passes its own; every layer has the same structure)."""
         h, v, dt = cfg.hidden_size, cfg.vocab_size, cfg.jnp_dtype
+        layer = layer or Layer.declare
         return cls(
             embed=ArrayInfo((v, h), dt, ("vocab", "embed"), normal_init(h)),
-            layers=[Layer.declare(cfg) for _ in range(cfg.num_layers)],
+            layers=[layer(cfg) for _ in range(cfg.num_layers)],
             final_norm=ArrayInfo((h,), dt, ("norm",), ones_init),
             lm_head=None if cfg.tie_word_embeddings else linear_weight(
                 cfg, ArrayInfo((v, h), dt, ("vocab", "embed"), normal_init(h))),
@@ -169,6 +172,13 @@ def is_stacked(params) -> bool:
     return not isinstance(params.layers, (list, tuple))
 
 
+def declare_weights(cfg: LlamaConfig) -> Weights:
+    """The weight declarations of `cfg`'s model family (`model.families`)."""
+    from model.families import family_for_config  # the families import this module
+
+    return family_for_config(cfg).declare_weights(cfg)
+
+
 def init_params(cfg: LlamaConfig, key: jax.Array, shardings=None) -> Weights:
     """Random weights from the declarations (jit-compiled, optionally straight into shardings)."""
     if cfg.weight_dtype is not None:  # random float weights, then quantized like a checkpoint would be
@@ -183,7 +193,7 @@ def init_params(cfg: LlamaConfig, key: jax.Array, shardings=None) -> Weights:
 @functools.lru_cache(maxsize=16)
 def _init_fn(cfg: LlamaConfig, sharding_leaves):
     # Cached per (config, shardings) so repeated initialisation compiles once.
-    decl = Weights.declare(cfg)
+    decl = declare_weights(cfg)
     leaves, treedef = jax.tree_util.tree_flatten(decl, is_leaf=is_array_info)
     out_shardings = None if sharding_leaves is None else jax.tree_util.tree_unflatten(treedef, sharding_leaves)
 
@@ -197,7 +207,7 @@ def _init_fn(cfg: LlamaConfig, sharding_leaves):
 
 def abstract_params(cfg: LlamaConfig, shardings=None) -> Weights:
     """`jax.ShapeDtypeStruct` per weight, carrying target shardings when given."""
-    decl = Weights.declare(cfg)
+    decl = declare_weights(cfg)
     if shardings is None:
         return jax.tree.map(lambda i: jax.ShapeDtypeStruct(i.shape, i.dtype), decl, is_leaf=is_array_info)
     return jax.tree.map(
@@ -207,7 +217,7 @@ def abstract_params(cfg: LlamaConfig, shardings=None) -> Weights:
 
 def logical_axes(cfg: LlamaConfig) -> Weights:
     """The logical axes of every weight, as a pytree of tuples (leaves are tuples)."""
-    return jax.tree.map(lambda i: i.logical_axes, Weights.declare(cfg), is_leaf=is_array_info)
+    return jax.tree.map(lambda i: i.logical_axes, declare_weights(cfg), is_leaf=is_array_info)
 
 
 def flatten_params(params) -> dict[str, Any]:
@@ -219,7 +229,7 @@ def flatten_params(params) -> dict[str, Any]:
 
 
 def unflatten_params(cfg: LlamaConfig, flat: dict[str, Any]) -> Weights:
-    decl = Weights.declare(cfg)
+    decl = declare_weights(cfg)
     paths, treedef = jax.tree_util.tree_flatten_with_path(decl, is_leaf=is_array_info)
     names = [_path_name(p) for p, _ in paths]
     missing = [n for n in names if n not in flat]

@@ -214,7 +214,7 @@ def quantize_params(params, cfg, weight_dtype: str, shardings=None):
     `p + 1` small programs (each stage's layers, and the replicated rest), and
     an unsharded or tensor-parallel model one, as before.
     """
-    from model.params import Weights, is_array_info
+    from model.params import declare_weights, is_array_info
 
     weight_dtype = check_weight_dtype(weight_dtype)
     if weight_dtype == "auto":
@@ -225,7 +225,7 @@ def quantize_params(params, cfg, weight_dtype: str, shardings=None):
         raise ValueError(f"the weights are already quantized to {cfg.weight_dtype}; cannot convert them to "
                          f"{weight_dtype} (load the float checkpoint instead)")
     qcfg = cfg.replace(weight_dtype=weight_dtype)
-    decl = Weights.declare(qcfg)
+    decl = declare_weights(qcfg)
     is_decl_leaf = lambda x: is_array_info(x) or is_quantized(x)  # noqa: E731
     decl_leaves, treedef = jax.tree_util.tree_flatten(decl, is_leaf=is_decl_leaf)
     leaves = treedef.flatten_up_to(params)

@@ -18,6 +18,10 @@ Model of a step (stated once, used throughout):
   * Tensor parallelism issues two all-reduces per layer (after wo and after
     w_down) and one for the vocab-parallel embedding lookup, each carrying
     tokens * hidden activations.
+  * A mixture of experts (`sharding.moe_plan`) streams only the experts a step's tokens
+    touch, 1 - (1 - k/E)^tokens of every device's expert bytes, and computes with the
+    active parameters (k/E of the experts per token). Its MLP all-reduce (the expert- or
+    tensor-parallel psum, `sharding.experts`) carries fp32 activations.
   * Pipeline stages take contiguous runs of layers; stage 0 also holds the
     embedding, the last stage the final norm and lm_head (the embedding again
     when tied). With p stages and m microbatches a step lasts (m + p - 1) stage
@@ -32,8 +36,9 @@ import dataclasses
 import math
 
 from model.config import ModelConfig
-from model.families import kv_bytes_per_token
+from model.families import is_expert_weight, kv_bytes_per_token
 from sharding.hardware import GPU
+from sharding.moe_plan import decode_bytes_by_batch, touched_fraction
 from sharding.rules import RuleError, load_rules, shard_count
 from sharding.shardings import cache_resolutions, check_rules, param_resolutions
 
@@ -151,6 +156,10 @@ def plan(inp: PlanInputs) -> dict:
     st_bytes = [0.0] * pp  # weight bytes per device, per stage
     st_stream = [0.0] * pp  # bytes decode streams per device
     st_mm = [0.0] * pp  # matmul params per device
+    st_x_stream = [0.0] * pp  # expert bytes per device (a step reads the touched fraction)
+    st_x_mm = [0.0] * pp  # expert matmul params per device (a token uses k/E of them)
+    num_experts, top_k = getattr(cfg, "num_experts", 0), getattr(cfg, "num_experts_per_tok", 0)
+    expert_total = 0
     total_params = 0
     embed_params = 0  # the input table: looked up, not multiplied (unless tied to the head)
     total_bytes = 0.0
@@ -164,9 +173,14 @@ def plan(inp: PlanInputs) -> dict:
         total_bytes += n * elem
         per_dev = n / shard_count(dims, sizes)
         lookup_only = name == "embed" and not tied
+        expert = is_expert_weight(info)
+        expert_total += n if expert and not is_scale else 0
         for s in _stage_of(name, stages, tied):
             st_bytes[s] += per_dev * elem
-            if not lookup_only and not (name == "embed" and tied and s == 0 and pp > 1):
+            if expert:
+                st_x_stream[s] += per_dev * elem
+                st_x_mm[s] += 0 if is_scale else per_dev
+            elif not lookup_only and not (name == "embed" and tied and s == 0 and pp > 1):
                 st_stream[s] += per_dev * elem
                 st_mm[s] += 0 if is_scale else per_dev
 
@@ -202,6 +216,7 @@ def plan(inp: PlanInputs) -> dict:
 
     link_bw, link_lat = gpu.link(inp.link) if (tp > 1 or pp > 1) else (float("inf"), 0.0)
     hidden_bytes = cfg.hidden_size * act_b
+    mlp_bytes = cfg.hidden_size * 4 if num_experts else hidden_bytes  # the expert psum is fp32
 
     def stage_time(s, tokens, kv_positions, flops_peak, causal):
         """(time, memory time, compute time, comm time, flops, bytes) of stage s on `tokens` tokens."""
@@ -210,12 +225,13 @@ def plan(inp: PlanInputs) -> dict:
             attn = attn_flops_layer * layers * tokens * (tokens + 1) / 2
         else:
             attn = attn_flops_layer * layers * tokens * kv_positions
-        flops = 2 * st_mm[s] * tokens + attn
+        active = top_k / num_experts if num_experts else 1.0
+        flops = 2 * (st_mm[s] + st_x_mm[s] * active) * tokens + attn
         kv_bytes = st_kv_token[s] * (tokens if causal else tokens * kv_positions)
-        byts = st_stream[s] + kv_bytes
+        byts = st_stream[s] + st_x_stream[s] * touched_fraction(num_experts, top_k, tokens) + kv_bytes
         mem, comp = byts / gpu.hbm_bandwidth, flops / flops_peak
-        n_ar = 2 * layers + (1 if s == 0 else 0)
-        comm = n_ar * _collective(tokens * hidden_bytes, tp, link_bw, link_lat)
+        comm = (layers + (1 if s == 0 else 0)) * _collective(tokens * hidden_bytes, tp, link_bw, link_lat)
+        comm += layers * _collective(tokens * mlp_bytes, tp, link_bw, link_lat)
         if pp > 1 and s < pp - 1:
             comm += link_lat + tokens * hidden_bytes / link_bw  # activation handoff to the next stage
         return max(mem, comp) + comm, mem, comp, comm, flops, byts
@@ -240,16 +256,36 @@ def plan(inp: PlanInputs) -> dict:
                 out[link] = None
                 continue
             bw, lat = gpu.link(link)
-            n = (2 * len(stages[0]) + 1) * repeats if tp > 1 else 0
-            traffic = 2 * (tp - 1) / tp * tokens * hidden_bytes if tp > 1 else 0.0
-            out[link] = {"bytes_per_gpu": n * traffic, "wire_time_s": n * traffic / bw,
-                         "latency_floor_s": n * lat, "time_s": n * (traffic / bw + lat)}
+            layers = len(stages[0])
+            n = (2 * layers + 1) * repeats if tp > 1 else 0
+            ring = 2 * (tp - 1) / tp * tokens if tp > 1 else 0.0
+            wire = ring * ((layers + 1) * hidden_bytes + layers * mlp_bytes) * repeats
+            out[link] = {"bytes_per_gpu": wire, "wire_time_s": wire / bw,
+                         "latency_floor_s": n * lat, "time_s": wire / bw + n * lat}
         return out
 
+    active_params = total_params - expert_total + (expert_total * top_k // num_experts if num_experts else 0)
+    moe = None
+    if num_experts:
+        from sharding.experts import expert_axes
+
+        e_axes, f_axes = expert_axes(rules, cfg, sizes)
+        ep = math.prod(sizes[a] for a in e_axes)
+        moe = {
+            "num_experts": num_experts, "experts_per_token": top_k, "expert_params": expert_total,
+            "expert_parallel": ep, "experts_per_device": num_experts // ep,
+            "expert_tensor_parallel": math.prod(sizes[a] for a in f_axes),
+            "expert_bytes_per_device": st_x_stream[0] if pp == 1 else max(st_x_stream),
+            "decode_bytes_by_batch": decode_bytes_by_batch(
+                max(st_stream), max(st_x_stream), max(st_kv_token), inp.context_len, num_experts, top_k),
+            "collectives": ("none: one device" if tp == 1 else
+                            f"one fp32 all-reduce of tokens x hidden per layer over the {tp} devices that "
+                            f"split the experts ({cfg.hidden_size * 4:,} B per token), besides attention's"),
+        }
     return {
         "inputs": _inputs(inp),
-        "model": {"params": total_params, "weight_bytes_total": total_bytes,
-                  "matmul_flops_per_token": 2 * (total_params - (0 if tied else embed_params))},
+        "model": {"params": total_params, "active_params": active_params, "weight_bytes_total": total_bytes,
+                  "matmul_flops_per_token": 2 * (active_params - (0 if tied else embed_params))},
         "layout": {"devices": tp * pp, "tp": tp, "pp": pp, "rules": rules.name, "notes": notes,
                    "layers_per_stage": [len(r) for r in stages], "kv_heads_per_device":
                    cfg.num_kv_heads // kv_ways},
@@ -284,6 +320,7 @@ def plan(inp: PlanInputs) -> dict:
             "decode_step": comm_table(mb, m), "prefill": comm_table(prompt_len),
         },
         "pipeline": {"stages": pp, "microbatches": m, "bubble_fraction": (pp - 1) / (m + pp - 1)},
+        "moe": moe,
         "fits": not problems,
         "problems": problems,
     }

@@ -143,5 +143,13 @@ class Layout:
         return dataclasses.replace(impl, name=f"{impl.name}@tp{q_ways}", attention=attention, write_kv=write_kv)
 
 
+    def expert_parallel(self, experts_fn, cfg: ModelConfig):
+        """A mixture of experts' expert computation run per device on its experts
+        (`sharding.experts`)."""
+        from sharding.experts import expert_parallel
+
+        return expert_parallel(self, experts_fn, cfg)
+
+
 def make_layout(mesh: Mesh, rules="megatron") -> Layout:
     return Layout.create(mesh, rules)

@@ -145,6 +145,9 @@ class PipelineLayout:
     def check(self, cfg: ModelConfig) -> None:
         """Raises `PipelineError` when the model's layers do not split into the stages."""
         p = self.pipeline_parallel_size
+        if getattr(cfg, "num_experts", 0):
+            raise PipelineError("pipeline parallelism stages Llama's dense layers; a mixture-of-experts model "
+                                "runs on one device or under tensor / expert parallelism")
         if cfg.architecture != "LlamaForCausalLM":
             raise PipelineError(f"pipeline parallelism runs Llama-family models only, not {cfg.architecture}; "
                                 "use tensor_parallel_size instead")

@@ -7,7 +7,8 @@
 
 Prints weight and KV memory per device, the sequences that fit, decode and
 prefill times from the roofline, TP collective costs over NVLink and PCIe,
-and the pipeline bubble; a layout that does not fit says why (exit status 1).
+the pipeline bubble and, for a mixture of experts (`--model mixtral-8x7b`),
+total and active parameters and the bytes a decode step reads by batch; a layout that does not fit says why (exit status 1).
 The model of each number is stated in `sharding/estimate.py`.
 """
 
@@ -184,6 +185,8 @@ def format_table(r: dict) -> str:
                          f"{_b(c['bytes_per_gpu'])}/GPU, wire {_t(c['wire_time_s'])}, latency floor "
                          f"{_t(c['latency_floor_s'])}, total {_t(c['time_s'])}"))
     section(f"TP collectives (step times use {col['interconnect'] or 'none'})", rows)
+    if r.get("moe"):
+        lines.extend(_format_moe(r))
     pl = r["pipeline"]
     section("pipeline", [("stages x microbatches", f"{pl['stages']} x {pl['microbatches']}"),
                          ("layers per stage", ", ".join(map(str, lay["layers_per_stage"]))),
@@ -193,6 +196,22 @@ def format_table(r: dict) -> str:
     if r.get("plot"):
         lines.append(f"\nroofline plot written to {r['plot']}")
     return "\n".join(lines)
+
+
+def _format_moe(r: dict) -> list[str]:
+    x = r["moe"]
+    out = [f"\nmixture of experts ({x['experts_per_token']} of {x['num_experts']} experts per token)",
+           f"  parameters total / active  {r['model']['params']:,} / {r['model']['active_params']:,}",
+           f"  experts per device         {x['experts_per_device']} (expert parallel {x['expert_parallel']}, "
+           f"tensor parallel inside experts {x['expert_tensor_parallel']})",
+           f"  expert weights per device  {_b(x['expert_bytes_per_device'])}",
+           f"  EP collectives             {x['collectives']}",
+           "  decode bytes per device by batch (expected distinct experts per layer: E(1-(1-k/E)^B)):",
+           f"    {'batch':>6} {'experts':>8} {'expert bytes':>13} {'dense bytes':>12} {'KV bytes':>12} {'total':>12}"]
+    for row in x["decode_bytes_by_batch"]:
+        out.append(f"    {row['batch']:>6} {row['experts_touched_per_layer']:>8.2f} {_b(row['expert_bytes']):>13} "
+                   f"{_b(row['dense_bytes']):>12} {_b(row['kv_bytes']):>12} {_b(row['bytes']):>12}")
+    return out
 
 
 def _format_measured(m: dict) -> list[str]:

@@ -24,6 +24,8 @@ from model.families.llama import LLAMA
 from model.families.mistral import MISTRAL
 from model.families.phi3 import PHI3
 from model.families.qwen import QWEN2, QWEN3
+from model.families.mixtral import MIXTRAL
+from model.families.qwen3_moe import QWEN3_MOE
 from model.params import abstract_params, flatten_params, init_params
 
 CONFIGS = {
@@ -43,10 +45,10 @@ CONFIGS = {
 # --- lookups ---
 
 def test_the_registered_families():
-    assert FAMILIES == (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3)
+    assert FAMILIES == (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3, MIXTRAL, QWEN3_MOE)
     assert supported_architectures() == ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                          "MistralForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
-                                         "Gemma3ForCausalLM"]
+                                         "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"]
     for family in FAMILIES:
         assert family_for_architectures(family.architectures) is family
         assert family_for_architectures([], model_type=family.model_types[0]) is family

@@ -25,6 +25,8 @@ def test_gpu_check_smoke_writes_every_result(tmp_path):
     assert kernels["parity"] and all(p.get("ok", True) for p in kernels["parity"])
     quant = json.loads((tmp_path / "gpu_quant_decode_smoke.json").read_text())
     assert quant["ok"] and quant["variants"]
+    moe = json.loads((tmp_path / "moe_layer_smoke.json").read_text())
+    assert moe["ok"] and moe["cases"] and moe["cuda_lowering"].startswith("ok")
     model = json.loads((tmp_path / "gpu_model_bench_smoke.json").read_text())
     assert all("tok_per_s" in d for d in model["decode"])
     assert model["prefill"]["mfu"] > 0

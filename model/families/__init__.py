@@ -17,7 +17,8 @@ allocated), so the planner can size a 405B preset on a laptop.
 
 Llama came first; Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2 and Gemma 3 (text)
 share its config class (with their own fields set, `model.config`) and its
-weight and cache declarations, and run the decoder blocks of `model.blocks`.
+weight and cache declarations, and run the decoder blocks of `model.blocks`;
+Mixtral and Qwen3-MoE share it too, with a mixture-of-experts MLP (`model.moe`).
 A new family is a module beside `llama.py` and one entry in `FAMILIES`.
 """
 
@@ -37,13 +38,16 @@ from model.families.llama import LLAMA
 from model.families.mistral import MISTRAL
 from model.families.phi3 import PHI3
 from model.families.qwen import QWEN2, QWEN3
+from model.families.mixtral import MIXTRAL
+from model.families.qwen3_moe import QWEN3_MOE
 from model.quant import KV_CACHE_DTYPE_CHOICES, is_quantized, kv_cache_dtype
 
 __all__ = ["FAMILIES", "ForwardBlocks", "ModelFamily", "TensorPlan", "family_for_architectures",
-           "family_for_config", "family_for_hf_config", "kv_bytes_per_token", "num_params",
+           "family_for_config", "family_for_hf_config", "kv_bytes_per_token", "num_params", "active_params",
+           "expert_params", "is_expert_weight",
            "supported_architectures"]
 
-FAMILIES: tuple[ModelFamily, ...] = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3)
+FAMILIES: tuple[ModelFamily, ...] = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3, MIXTRAL, QWEN3_MOE)
 
 
 def supported_architectures() -> list[str]:
@@ -101,6 +105,28 @@ def num_params(cfg) -> int:
     cost model each ask."""
     decl = family_for_config(cfg).declare_weights(cfg)
     return sum(math.prod((w.data if is_quantized(w) else w).shape) for w in _leaves(decl))
+
+
+def is_expert_weight(info) -> bool:
+    """A declared weight stacked over a mixture's experts (its first logical axis `experts`)."""
+    data = info.data if is_quantized(info) else info
+    return bool(data.logical_axes) and data.logical_axes[0] == "experts"
+
+
+@functools.lru_cache(maxsize=32)
+def expert_params(cfg) -> int:
+    """Parameters in the experts' weights (0 for a dense model)."""
+    decl = family_for_config(cfg).declare_weights(cfg)
+    return sum(math.prod((w.data if is_quantized(w) else w).shape) for w in _leaves(decl) if is_expert_weight(w))
+
+
+def active_params(cfg) -> int:
+    """Parameters one token computes with: every weight but the experts it is not routed to
+    (`num_experts_per_tok` of `num_experts`); `num_params` for a dense model."""
+    experts = expert_params(cfg)
+    if not experts:
+        return num_params(cfg)
+    return num_params(cfg) - experts + experts * cfg.num_experts_per_tok // cfg.num_experts
 
 
 def kv_bytes_per_token(cfg, dtype=None, *, bytes_per_element: float | None = None):

@@ -28,6 +28,9 @@ class TensorPlan:
     hf: str  # e.g. "model.layers.0.self_attn.q_proj.weight"
     hf_shape: tuple[int, ...]
     relayout: Callable[[np.ndarray], np.ndarray]  # HF array -> ours; a view where it can be
+    # (index, count) when several HF tensors stack into one of ours along a new leading dim
+    # (a mixture of experts' per-expert matrices): this one is entry `index` of `count`.
+    stack: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

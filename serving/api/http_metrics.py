@@ -89,12 +89,18 @@ class ModelCost:
 
     `weight_bytes` counts the weights a forward pass streams: everything but
     an untied input embedding table, of which a step only gathers a few rows.
+    A mixture of experts' expert weights are `expert_weight_bytes` apart: a step
+    reads the expected fraction its tokens touch (`sharding.moe_plan`), and
+    `flops_per_token` counts the active parameters only.
     """
 
     weight_bytes: float
     kv_bytes_per_token: float
-    flops_per_token: float  # 2 per matmul weight
+    flops_per_token: float  # 2 per matmul weight (a mixture of experts: per active weight)
     num_devices: int = 1
+    expert_weight_bytes: float = 0.0
+    num_experts: int = 0
+    experts_per_token: int = 0
 
     @classmethod
     def from_config(cls, cfg, weight_bytes: float | None = None, kv_bytes_per_element: int | None = None,
@@ -105,7 +111,9 @@ class ModelCost:
         estimated from `weight_bytes` or the config, assuming one dtype throughout."""
         import numpy as np
 
-        params = cfg.num_params()
+        from model.families import active_params, expert_params
+
+        params, experts = cfg.num_params(), expert_params(cfg)
         if weight_bytes is None:
             weight_bytes = params * np.dtype(cfg.jnp_dtype).itemsize
         embed = cfg.vocab_size * cfg.hidden_size
@@ -114,15 +122,26 @@ class ModelCost:
             streamed_weight_bytes = float(weight_bytes) * (params - untied_embed) / params
         if kv_bytes_per_token is None:
             kv_bytes_per_token = cfg.kv_bytes_per_token(kv_bytes_per_element)
+        expert_bytes = float(streamed_weight_bytes) * experts / (params - untied_embed)  # same dtype assumed
         return cls(
-            weight_bytes=float(streamed_weight_bytes),
+            weight_bytes=float(streamed_weight_bytes) - expert_bytes,
             kv_bytes_per_token=float(kv_bytes_per_token),
-            flops_per_token=2.0 * (params - untied_embed - cfg.hidden_size * (2 * cfg.num_layers + 1)),
+            flops_per_token=2.0 * (active_params(cfg) - untied_embed - cfg.hidden_size * (2 * cfg.num_layers + 1)),
             num_devices=num_devices,
+            expert_weight_bytes=expert_bytes,
+            num_experts=getattr(cfg, "num_experts", 0),
+            experts_per_token=getattr(cfg, "num_experts_per_tok", 0),
         )
 
-    def bytes_read(self, steps: float, kv_tokens_read: float) -> float:
-        return steps * self.weight_bytes + kv_tokens_read * self.kv_bytes_per_token
+    def bytes_read(self, steps: float, kv_tokens_read: float, tokens: float | None = None) -> float:
+        """Bytes `steps` steps read; the experts' share at the expected fraction that
+        `tokens / steps` tokens per step touch (all of them when `tokens` is not given)."""
+        experts = self.expert_weight_bytes
+        if experts and tokens is not None and steps > 0:
+            from sharding.moe_plan import touched_fraction
+
+            experts *= touched_fraction(self.num_experts, self.experts_per_token, tokens / steps)
+        return steps * (self.weight_bytes + experts) + kv_tokens_read * self.kv_bytes_per_token
 
     def flops(self, tokens: float) -> float:
         return tokens * self.flops_per_token
@@ -165,7 +184,7 @@ class UtilizationWindow:
         _, s1, n1, kv1 = samples[-1]
         dt = max(now - t0, 1e-9)
         per_dev = max(1, self.cost.num_devices)
-        mbu = self.cost.bytes_read(s1 - s0, kv1 - kv0) / per_dev / dt / self.peak.bandwidth
+        mbu = self.cost.bytes_read(s1 - s0, kv1 - kv0, n1 - n0) / per_dev / dt / self.peak.bandwidth
         mfu = self.cost.flops(n1 - n0) / per_dev / dt / self.peak.flops
         return mbu, mfu
 

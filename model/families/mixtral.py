@@ -1,0 +1,46 @@
+"""The Mixtral family (`MixtralForCausalLM`): Llama attention, a sparse mixture-of-experts MLP.
+
+Routing as Mixtral defines it: a softmax over the top-k router logits (the same weights as
+a softmax over every expert renormalised over the top k). The HF checkpoint keeps each
+expert's matrices apart (`block_sparse_moe.experts.{j}.w1/w3/w2`: gate, up, down); conversion
+stacks them into our `[experts, ...]` weights (`model.families.moe_layers`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from model.config import LlamaConfig, UnsupportedModelError
+from model.families import llama
+from model.families.base import ModelFamily
+from model.families.moe_layers import DECLARE_CACHE, MOE_BLOCKS, checkpoint_tensors, declare_weights
+
+
+def config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> LlamaConfig:
+    if hf.get("sliding_window") is not None:
+        raise UnsupportedModelError(f"unsupported Mixtral variant: sliding_window={hf['sliding_window']} "
+                                    "(sliding-window attention is not implemented); use sliding_window null")
+    for name in ("num_local_experts", "num_experts_per_tok"):
+        if not hf.get(name):
+            raise ValueError(f"HF config lacks required fields: [{name!r}]")
+    return llama.config_from_hf(hf, dtype).replace(
+        architecture="MixtralForCausalLM",
+        num_experts=int(hf["num_local_experts"]), num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=int(hf["intermediate_size"]), moe_router="topk_softmax")
+
+
+def mixtral_tensors(cfg: LlamaConfig):
+    return checkpoint_tensors(cfg, "block_sparse_moe", "gate", "w1", "w3", "w2")
+
+
+MIXTRAL = ModelFamily(
+    name="Mixtral",
+    architectures=("MixtralForCausalLM",),
+    model_types=("mixtral",),
+    config_class=LlamaConfig,
+    config_from_hf=config_from_hf,
+    declare_weights=declare_weights,
+    declare_cache=DECLARE_CACHE,
+    checkpoint_tensors=mixtral_tensors,
+    blocks=MOE_BLOCKS,
+)
