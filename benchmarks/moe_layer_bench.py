@@ -48,7 +48,7 @@ def inputs(t, e, k, h, f, dtype, seed=0):
     keys = jax.random.split(jax.random.key(seed), 5)
     x = jax.random.normal(keys[0], (t, h), jnp.float32).astype(dtype)
     cfg = LlamaConfig(vocab_size=8, hidden_size=h, intermediate_size=f, num_layers=1, num_heads=1, num_kv_heads=1,
-                      head_dim=8, num_experts=e, num_experts_per_tok=k, moe_intermediate_size=f,
+                      head_dim=8, architecture="Qwen3MoeForCausalLM", num_experts=e, num_experts_per_tok=k, moe_intermediate_size=f,
                       moe_router="softmax_topk")
     ids, weights = route(jax.random.normal(keys[1], (t, e)), cfg)
     w = [(jax.random.normal(kk, s, jnp.float32) / np.sqrt(s[-1])).astype(dtype)

@@ -28,6 +28,7 @@ _DTYPES = {
 }
 COMPUTE_DTYPES = tuple(_DTYPES)  # the names a config's `dtype` may take
 MOE_ROUTERS = ("topk_softmax", "softmax_topk")  # see `LlamaConfig.moe_router`
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")  # the configs with num_experts > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +122,19 @@ class LlamaConfig:
             bad = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
             if bad:
                 raise ValueError(f"layer_types may hold {FULL_ATTENTION!r} and {SLIDING_ATTENTION!r}, not {bad}")
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok must be in 1..num_experts ({self.num_experts}), "
+                                 f"got {self.num_experts_per_tok}")
+            if self.moe_intermediate_size <= 0:
+                raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
+            if self.moe_router not in MOE_ROUTERS:
+                raise ValueError(f"moe_router must be one of {MOE_ROUTERS}, got {self.moe_router!r}")
+        if (self.num_experts > 0) != (self.architecture in MOE_ARCHITECTURES):
+            # The family (and so the weights declared) follows the architecture: a mismatch would
+            # declare a dense model for expert weights, or experts for a dense checkpoint.
+            raise ValueError(f"num_experts={self.num_experts} does not fit architecture {self.architecture!r} "
+                             f"(mixtures of experts: {', '.join(MOE_ARCHITECTURES)})")
 
     def layer_windows(self) -> tuple[int | None, ...]:
         """Per layer, its attention window (None: full attention)."""
@@ -131,14 +145,6 @@ class LlamaConfig:
     def attention_scale(self) -> float:
         """The factor on q.k (softmax scale)."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
-        if self.num_experts:
-            if not 0 < self.num_experts_per_tok <= self.num_experts:
-                raise ValueError(f"num_experts_per_tok must be in 1..num_experts ({self.num_experts}), "
-                                 f"got {self.num_experts_per_tok}")
-            if self.moe_intermediate_size <= 0:
-                raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
-            if self.moe_router not in MOE_ROUTERS:
-                raise ValueError(f"moe_router must be one of {MOE_ROUTERS}, got {self.moe_router!r}")
 
     @property
     def jnp_dtype(self):

@@ -27,7 +27,7 @@ from model.params import abstract_params, flatten_params
 from model.quant import dequantize, quantize, quantize_params
 
 CFG = tiny_config(vocab_size=128, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=16,
-                  num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_router="softmax_topk",
+                  architecture="Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_router="softmax_topk",
                   norm_topk_prob=True, qk_norm=True)
 
 
@@ -117,8 +117,12 @@ def test_declarations_counts_and_conversion_plan():
     assert layer.q_norm.shape == (16,)
     assert jax.tree.structure(decl.layers[0]) == jax.tree.structure(decl.layers[1])  # stackable layers
     assert num_params(CFG) == sum(math.prod(a.shape) for a in jax.tree.leaves(decl))
-    assert family_for_config(CFG).name in ("Mixtral", "Qwen3-MoE")  # both run the same blocks
-    assert family_for_config(CFG.replace(num_experts=0, num_experts_per_tok=0)).name == "Llama"
+    assert family_for_config(CFG).name == "Qwen3-MoE"
+    assert family_for_config(CFG.replace(architecture="MixtralForCausalLM")).name == "Mixtral"
+    assert family_for_config(CFG.replace(architecture="LlamaForCausalLM", num_experts=0,
+                                         num_experts_per_tok=0)).name == "Llama"
+    with pytest.raises(ValueError, match="does not fit architecture"):
+        CFG.replace(architecture="LlamaForCausalLM")
     ours = set(flatten_params(decl))
     for family, cfg in ((QWEN3_MOE, CFG), (MIXTRAL, CFG.replace(qk_norm=False))):
         plan = conversion_plan(cfg, family)
@@ -127,7 +131,8 @@ def test_declarations_counts_and_conversion_plan():
         assert len(stacked) == 3 * 8 * cfg.num_layers
     assert "layers.0.q_norm" in ours
     # Dense configs keep the config file they always had.
-    assert "num_experts" not in CFG.replace(num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0,
+    assert "num_experts" not in CFG.replace(architecture="LlamaForCausalLM", num_experts=0, num_experts_per_tok=0,
+                                            moe_intermediate_size=0,
                                             qk_norm=False, moe_router="topk_softmax").to_dict()
     assert type(CFG).from_dict(CFG.to_dict()) == CFG
 
