@@ -78,10 +78,10 @@ def test_the_scanned_program_does_not_grow_with_depth_and_never_copies_the_pool(
 
 def test_scanned_forward_equals_unrolled_forward_on_random_weights():
     _, params, cache, tokens, md = _step_hlo(3, False)
-    tokens, md = jax.numpy.asarray(tokens), jax.tree.map(jax.numpy.asarray, md)
-    logits_u, new_u = forward(params, cache, tokens, md, _cfg(3), backend="reference")
+    run = jax.jit(forward, static_argnames=("cfg", "backend"))
+    logits_u, new_u = run(params, cache, tokens, md, cfg=_cfg(3), backend="reference")
     stacked = StackedKVCache(k=jax.numpy.concatenate(cache.k), v=jax.numpy.concatenate(cache.v), num_layers=3)
-    logits_s, new_s = forward(stack_layers(params), stacked, tokens, md, _cfg(3), backend="reference")
+    logits_s, new_s = run(stack_layers(params), stacked, tokens, md, cfg=_cfg(3), backend="reference")
     np.testing.assert_allclose(logits_s, logits_u, atol=1e-5)
     assert isinstance(new_u, KVCache)
     np.testing.assert_allclose(new_s.k, np.concatenate(new_u.k), atol=1e-5)  # each layer wrote its own rows

@@ -110,6 +110,11 @@ def _copy_pages(cache, src, dst):
     return jax.tree.map(lambda x: x.at[dst].set(x[src], mode="drop"), cache)
 
 
+def _page_arrays(cache) -> list:
+    """The cache's K and V page arrays: every layer's K then V, or the stacked K and V."""
+    return [cache.k, cache.v] if isinstance(cache, StackedKVCache) else list(cache.k) + list(cache.v)
+
+
 def _stacked(layer):
     """The shardings of stacked layer weights: one layer's (`layer`, placed arrays), with the new leading
     layer axis whole."""
@@ -327,13 +332,8 @@ class ModelRunner:
     @property
     def kv_dtype(self):
         """The dtype K and V pages are stored in (int8 / fp8 for a quantized cache)."""
-        leaf = self._page_arrays()[0]
+        leaf = _page_arrays(self.cache)[0]
         return (leaf["data"] if isinstance(leaf, dict) else leaf).dtype
-
-    def _page_arrays(self) -> list:
-        """The cache's K and V page arrays: every layer's K then V, or the stacked K and V."""
-        c = self.cache
-        return [c.k, c.v] if isinstance(c, StackedKVCache) else list(c.k) + list(c.v)
 
     @property
     def replicated(self):
@@ -403,7 +403,7 @@ class ModelRunner:
         """Why this runner cannot export or import KV pages, or None."""
         if self._spans_processes():
             return "KV transfer runs in one process only (this engine's mesh spans several)"
-        if not all(isinstance(x, jax.Array) for x in self._page_arrays()):
+        if not all(isinstance(x, jax.Array) for x in _page_arrays(self.cache)):
             return ("KV transfer supports plain K/V pages only; this worker's KV cache is quantized (pages with "
                     "scales), which the payload does not carry yet")
         return None
@@ -422,7 +422,7 @@ class ModelRunner:
         slots, kv = self._host_inputs(*kv_transfer.padded_tokens(slots, kv, self.num_pages * self.page_size))
         shardings = None
         if self.layout is not None:  # the scatter keeps every leaf where `place` put it
-            shardings = tuple(x.sharding for x in self._page_arrays())
+            shardings = tuple(x.sharding for x in _page_arrays(self.cache))
         self.cache = kv_transfer.write_jit(self.cache, slots, kv, shardings=shardings)
 
     def warm_up_transfer(self, max_model_len: int) -> int:
@@ -438,7 +438,7 @@ class ModelRunner:
         for n in token_counts:
             pad = self.num_pages * self.page_size
             self.import_tokens(np.full(n, pad, np.int64),
-                               np.zeros(kv_shape + (n,) + self._page_arrays()[0].shape[2:], self.kv_dtype))
+                               np.zeros(kv_shape + (n,) + _page_arrays(self.cache)[0].shape[2:], self.kv_dtype))
         jax.block_until_ready(self.cache)
         return kv_transfer.compilation_count() - before
 

@@ -1,0 +1,170 @@
+"""How long `python -m serving.server` takes to answer, cold and warm, beside transformers on the same checkpoint.
+
+    python benchmarks/startup.py                        # embedded model + the 30-layer 135M Llama shape
+    python benchmarks/startup.py --models embedded      # just the embedded model
+    python benchmarks/startup.py --layer_loops scan,unroll
+
+For each model and each `--layer_loops` setting, the server is started as a
+subprocess twice with one fresh compilation-cache directory: *cold* (the cache
+empty) and *warm* (the same cache, now full of what the cold run compiled).
+Recorded per run, from the moment the process is started: `health_seconds`
+(until `/health` first answers 200, i.e. the smallest and the largest step
+bucket are compiled or loaded; the rest compile in the background) and
+`first_token_seconds` (until a one-token completion of a 16-token prompt came
+back, sent right after `/health`). The server's own log gives the load time.
+
+The 135M shape (vocab 49152, hidden 576, 9 query / 3 KV heads, intermediate
+1536, 30 layers, tied embeddings) gets random bf16 weights written as a Hugging
+Face checkpoint by transformers and converted by `python -m model.convert_hf`
+(conversion is not timed). The peer, measured in the same run: a fresh Python
+process that imports transformers, loads that checkpoint and generates one
+token from the same prompt (`transformers_seconds`), best of `--repeats`.
+Ratios are ours / transformers'.
+
+Writes benchmarks/results/startup_cpu.json (or `--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPT = list(range(1, 17))  # 16 token ids (valid in both vocabularies)
+
+SHAPE_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                  num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+                  max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+
+TRANSFORMERS_FIRST_TOKEN = """
+import sys, time
+t0 = float(sys.argv[2])
+import torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.float32)
+ids = torch.tensor([list(range(1, 17))])
+with torch.no_grad():
+    model.generate(ids, max_new_tokens=1, do_sample=False)
+print(time.time() - t0)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_135m_checkpoint(directory: str) -> tuple[str, str]:
+    """(HF directory, converted directory) of the random 135M-shape model."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_dir, ours = os.path.join(directory, "hf"), os.path.join(directory, "converted")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SHAPE_135M)).to(torch.bfloat16)
+    model.save_pretrained(hf_dir, safe_serialization=True)
+    subprocess.run([sys.executable, "-m", "model.convert_hf", f"--hf_dir={hf_dir}", f"--out_dir={ours}"],
+                   cwd=ROOT, check=True, capture_output=True)
+    return hf_dir, ours
+
+
+def time_server(checkpoint: str | None, cache_dir: str, layer_loop: str, extra: list[str]) -> dict:
+    """One server start: seconds to /health and to the first token, from the process start."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "serving.server", f"--port={port}", f"--compilation_cache_dir={cache_dir}",
+           f"--layer_loop={layer_loop}", "--served_model_name=m"] + extra
+    if checkpoint:
+        cmd.append(f"--checkpoint={checkpoint}")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        health = None
+        while health is None:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited: {open(log.name).read()[-3000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    health = time.monotonic() - t0
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": PROMPT, "max_tokens": 1,
+                                                      "temperature": 0}, timeout=600)
+        r.raise_for_status()
+        first = time.monotonic() - t0
+        warming = httpx.get(url + "/health", timeout=10).json().get("status")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    text = open(log.name).read()
+    os.unlink(log.name)
+    loaded = [line for line in text.splitlines() if "loaded in" in line]
+    return {"health_seconds": round(health, 2), "first_token_seconds": round(first, 2),
+            "status_at_first_token": warming, "load_line": loaded[-1].split("] ")[-1] if loaded else None}
+
+
+def time_transformers(hf_dir: str, repeats: int) -> float:
+    best = None
+    for _ in range(repeats):
+        out = subprocess.run([sys.executable, "-c", TRANSFORMERS_FIRST_TOKEN, hf_dir, repr(time.time())],
+                             capture_output=True, text=True, check=True)
+        seconds = float(out.stdout.strip().splitlines()[-1])
+        best = seconds if best is None else min(best, seconds)
+    return round(best, 2)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="embedded,llama-135m-30l")
+    p.add_argument("--layer_loops", default="auto", help="comma-separated --layer_loop values to start with")
+    p.add_argument("--repeats", type=int, default=2, help="transformers runs (best kept)")
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "startup_cpu.json"))
+    args = p.parse_args(argv)
+    work = tempfile.mkdtemp(prefix="ridgeline-startup-")
+    results = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+               "prompt_tokens": len(PROMPT), "runs": []}
+    for model in args.models.split(","):
+        checkpoint, peer = None, None
+        if model == "llama-135m-30l":
+            hf_dir, checkpoint = write_135m_checkpoint(os.path.join(work, model))
+            peer = time_transformers(hf_dir, args.repeats)
+        for loop in args.layer_loops.split(","):
+            cache_dir = tempfile.mkdtemp(prefix="cache-", dir=work)
+            row = {"model": model, "layer_loop": loop, "transformers_seconds": peer}
+            for phase in ("cold", "warm"):
+                row[phase] = time_server(checkpoint, cache_dir, loop, [])
+                if peer:
+                    row[phase]["first_token_vs_transformers"] = round(row[phase]["first_token_seconds"] / peer, 2)
+            results["runs"].append(row)
+            print(f"{model:16s} layer_loop={loop:6s} cold: health {row['cold']['health_seconds']:6.1f} s, first "
+                  f"token {row['cold']['first_token_seconds']:6.1f} s | warm: health "
+                  f"{row['warm']['health_seconds']:6.1f} s, first token {row['warm']['first_token_seconds']:6.1f} s"
+                  + (f" | transformers {peer:.1f} s (cold {row['cold']['first_token_vs_transformers']}x, warm "
+                     f"{row['warm']['first_token_vs_transformers']}x)" if peer else ""), flush=True)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+        f.write("\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()
