@@ -153,7 +153,7 @@ class StepPrograms:
 
     def _compile_all(self, shapes: list, t0: Optional[float], total: int) -> None:
         t0 = time.perf_counter() if t0 is None else t0
-        for shape in shapes:
+        for i, shape in enumerate(shapes):
             if self._stopping:
                 return
             t = time.perf_counter()
@@ -162,12 +162,11 @@ class StepPrograms:
             if not found:
                 self._compile(shape, key, on_demand=False)
             self._compiled.add(shape)
-            done = len(self._compiled)
             elapsed = time.perf_counter() - t0
-            left = len(shapes) - shapes.index(shape) - 1
-            log.info("step executable %d/%d (T=%d, P=%d) %s in %.1f s; %.0f s elapsed%s", done, total, shape.T,
-                     shape.P, "found" if found else "compiled", time.perf_counter() - t, elapsed,
-                     f", about {elapsed / (shapes.index(shape) + 1) * left:.0f} s left" if left else "")
+            left = len(shapes) - i - 1
+            log.info("step executable %d/%d (T=%d, P=%d) %s in %.1f s; %.0f s elapsed%s", len(self._compiled), total,
+                     shape.T, shape.P, "found" if found else "compiled", time.perf_counter() - t, elapsed,
+                     f", about {elapsed / (i + 1) * left:.0f} s left" if left else "")
         if self._thread is not None and threading.current_thread() is self._thread:
             log.info("warm-up done: all %d step executables ready (%d steps ran in a larger bucket meanwhile)",
                      total, self.steps_in_larger_bucket)
