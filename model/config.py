@@ -28,7 +28,7 @@ _DTYPES = {
 }
 COMPUTE_DTYPES = tuple(_DTYPES)  # the names a config's `dtype` may take
 MOE_ROUTERS = ("topk_softmax", "softmax_topk")  # see `LlamaConfig.moe_router`
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")  # the configs with num_experts > 0
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")  # the configs with num_experts > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,12 +92,15 @@ class LlamaConfig:
     # every layer's MLP is `num_experts` experts of `moe_intermediate_size`, of which each token
     # uses `num_experts_per_tok`, weighted by the router: `moe_router` "topk_softmax" is a
     # softmax over the top-k logits (Mixtral), "softmax_topk" a softmax over every expert
-    # then the top k, renormalised to sum 1 when `norm_topk_prob` (Qwen3-MoE).
+    # then the top k, renormalised to sum 1 when `norm_topk_prob` (Qwen2/3-MoE). A shared
+    # expert of `shared_expert_intermediate_size` (0: none) sees every token, its output scaled
+    # by a sigmoid gate, and is added to the routed experts' (Qwen2-MoE).
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     moe_router: str = "topk_softmax"
     norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -128,6 +131,9 @@ class LlamaConfig:
                                  f"got {self.num_experts_per_tok}")
             if self.moe_intermediate_size <= 0:
                 raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
+            if self.shared_expert_intermediate_size < 0:
+                raise ValueError("shared_expert_intermediate_size must be 0 (none) or positive, "
+                                 f"got {self.shared_expert_intermediate_size}")
             if self.moe_router not in MOE_ROUTERS:
                 raise ValueError(f"moe_router must be one of {MOE_ROUTERS}, got {self.moe_router!r}")
         if (self.num_experts > 0) != (self.architecture in MOE_ARCHITECTURES):
@@ -219,7 +225,7 @@ HIDDEN_ACTS = ("silu", "gelu_tanh")
 _FAMILY_FIELDS = ("architecture", "attention_bias", "qk_norm", "sliding_window", "layer_types", "rope_local_theta",
                   "norm_offset", "scale_embeddings", "hidden_act", "sandwich_norms", "query_pre_attn_scalar",
                   "attn_logit_softcap", "final_logit_softcap", "num_experts", "num_experts_per_tok",
-                  "moe_intermediate_size", "moe_router", "norm_topk_prob")
+                  "moe_intermediate_size", "moe_router", "norm_topk_prob", "shared_expert_intermediate_size")
 
 # The config type of every family today. Code outside the Llama implementation (serving,
 # sharding) annotates with this name, so a family with a config class of its own changes this

@@ -26,6 +26,7 @@ from model.families.mistral import MISTRAL
 from model.families.phi3 import PHI3
 from model.families.qwen import QWEN2, QWEN3
 from model.families.mixtral import MIXTRAL
+from model.families.qwen2_moe import QWEN2_MOE
 from model.families.qwen3_moe import QWEN3_MOE
 from model.params import abstract_params, flatten_params, init_params
 
@@ -46,10 +47,11 @@ CONFIGS = {
 # --- lookups ---
 
 def test_the_registered_families():
-    assert FAMILIES == (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3, MIXTRAL, QWEN3_MOE)
+    assert FAMILIES == (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3, MIXTRAL, QWEN2_MOE, QWEN3_MOE)
     assert supported_architectures() == ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                          "MistralForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
-                                         "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"]
+                                         "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+                                         "Qwen3MoeForCausalLM"]
     for family in FAMILIES:
         assert family_for_architectures(family.architectures) is family
         assert family_for_architectures([], model_type=family.model_types[0]) is family

@@ -21,6 +21,7 @@ from model.cache import init_cache, pack_batch
 from model.convert_hf import conversion_plan
 from model.families import family_for_config, num_params
 from model.families.mixtral import MIXTRAL
+from model.families.qwen2_moe import QWEN2_MOE
 from model.families.qwen3_moe import QWEN3_MOE
 from model.forward import forward
 from model.params import abstract_params, flatten_params
@@ -29,6 +30,9 @@ from model.quant import dequantize, quantize, quantize_params
 CFG = tiny_config(vocab_size=128, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=16,
                   architecture="Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_router="softmax_topk",
                   norm_topk_prob=True, qk_norm=True)
+# Qwen2-MoE's layer: q/k/v biases and a gated shared expert beside the routed ones.
+SHARED_CFG = CFG.replace(architecture="Qwen2MoeForCausalLM", qk_norm=False, attention_bias=True,
+                         shared_expert_intermediate_size=24, norm_topk_prob=False)
 
 
 def _expert_inputs(t, e=8, k=2, h=48, f=40, seed=0):
@@ -124,7 +128,7 @@ def test_declarations_counts_and_conversion_plan():
     with pytest.raises(ValueError, match="does not fit architecture"):
         CFG.replace(architecture="LlamaForCausalLM")
     ours = set(flatten_params(decl))
-    for family, cfg in ((QWEN3_MOE, CFG), (MIXTRAL, CFG.replace(qk_norm=False))):
+    for family, cfg in ((QWEN3_MOE, CFG), (MIXTRAL, CFG.replace(qk_norm=False)), (QWEN2_MOE, SHARED_CFG)):
         plan = conversion_plan(cfg, family)
         assert {t.ours for t in plan} == set(flatten_params(abstract_params(cfg)))
         stacked = [t for t in plan if t.stack is not None]
@@ -156,11 +160,11 @@ def _host_params(cfg=CFG):
     return jax.tree_util.tree_map_with_path(draw, abstract_params(cfg))
 
 
-def _greedy(tp, rules="megatron", weight_dtype=None, steps=6):
+def _greedy(tp, rules="megatron", weight_dtype=None, steps=6, model=CFG):
     """Greedy tokens of two sequences (one prefilled in two chunks) and every step's logits."""
-    cfg, params = CFG, _host_params()
+    cfg, params = model, _host_params(model)
     if weight_dtype:
-        cfg, params = quantize_params(params, CFG, weight_dtype)
+        cfg, params = quantize_params(params, model, weight_dtype)
     if tp == 1:
         cache, layout = init_cache(cfg, PAGES, PAGE), None
     else:
@@ -192,8 +196,8 @@ def _greedy(tp, rules="megatron", weight_dtype=None, steps=6):
 
 
 @functools.cache
-def _result(tp, rules="megatron", weight_dtype=None):
-    return _greedy(tp, rules, weight_dtype)
+def _result(tp, rules="megatron", weight_dtype=None, model=CFG):
+    return _greedy(tp, rules, weight_dtype, model=model)
 
 
 @pytest.mark.parametrize("tp,rules", [(2, "megatron"), (4, "megatron"), (2, "megatron_expert_tp")])
@@ -208,6 +212,17 @@ def test_expert_parallel_matches_one_device(tp, rules):
     w_gate = params.layers[0].w_gate
     local = {s.data.shape for s in w_gate.addressable_shards}
     assert local == ({(8 // tp, 32, 64)} if rules == "megatron" else {(8, 32 // tp, 64)})
+
+
+def test_shared_expert_layer_under_expert_parallelism():
+    """Qwen2-MoE's layer (biases, the shared expert split over devices like a dense MLP) under
+    EP=2 gives one device's tokens; the shared expert's weights are really split."""
+    ref_tokens, ref_logits, *_ = _result(1, model=SHARED_CFG)
+    tokens, logits, _, params, _ = _result(2, model=SHARED_CFG)
+    assert tokens == ref_tokens
+    for a, b in zip(logits, ref_logits):
+        np.testing.assert_allclose(a, b, atol=2e-4, rtol=2e-4)
+    assert {s.data.shape for s in params.layers[0].shared_gate.addressable_shards} == {(12, 64)}
 
 
 def test_int8_experts_run_under_expert_parallelism():

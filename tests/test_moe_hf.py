@@ -1,6 +1,6 @@
-"""Mixtral and Qwen3-MoE against transformers, through conversion, the paged forward and the engine.
+"""Mixtral, Qwen2-MoE and Qwen3-MoE against transformers, through conversion, the paged forward and the engine.
 
-Tiny random `MixtralForCausalLM` / `Qwen3MoeForCausalLM` models (fp32, weights large enough
+Tiny random `MixtralForCausalLM` / `Qwen2MoeForCausalLM` / `Qwen3MoeForCausalLM` models (fp32, weights large enough
 that routing differs token to token) are saved with `save_pretrained`, converted by
 `model.convert_hf` and run: prompt log-probabilities in one call, in page-straddling
 chunks and token by token (test_hf_parity's runner) within 1e-4 of HF's; the engine's
@@ -31,6 +31,10 @@ HF_MODELS = {
     # 8 experts, top 2; routing: softmax over the top-2 logits.
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
                 dict(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2, rope_theta=10000.0)),
+    # 4 experts, top 2, renormalised; q/k/v biases and a gated shared expert beside the routed ones.
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
+                  dict(intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=40,
+                       num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, rms_norm_eps=1e-6)),
     # 6 experts, top 3, no renormalisation (so the weights do not sum to 1); q/k head norms.
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
                   dict(intermediate_size=64, moe_intermediate_size=24, num_experts=6, num_experts_per_tok=3,
@@ -81,7 +85,9 @@ def test_config_is_the_families(converted):
     assert cfg.num_experts_per_tok == hf.num_experts_per_tok
     assert cfg.moe_router == ("topk_softmax" if name == "mixtral" else "softmax_topk")
     assert cfg.qk_norm == (name == "qwen3_moe")
-    assert cfg.norm_topk_prob == (name == "mixtral")
+    assert cfg.attention_bias == (name == "qwen2_moe")
+    assert cfg.shared_expert_intermediate_size == (40 if name == "qwen2_moe" else 0)
+    assert cfg.norm_topk_prob == (name != "qwen3_moe")
     assert cfg.moe_intermediate_size == (hf.intermediate_size if name == "mixtral" else hf.moe_intermediate_size)
     assert cfg.num_params() == sum(p.numel() for p in model.parameters())
 

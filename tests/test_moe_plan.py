@@ -94,3 +94,18 @@ def test_utilization_uses_active_parameters_and_touched_experts():
     assert cost.bytes_read(10, 0, 640) == pytest.approx(10 * (dense + expert_bytes * (1 - 0.75 ** 64)))
     dense_cost = ModelCost.from_config(config_by_name("llama3-8b"))
     assert dense_cost.expert_weight_bytes == 0 and dense_cost.bytes_read(3, 0, 99) == 3 * dense_cost.weight_bytes
+
+
+def test_a_shared_expert_counts_as_active():
+    """Qwen1.5-MoE-A2.7B (24 layers, hidden 2048, 60 experts of 1408, top 4, q/k/v biases, a
+    shared expert of 5632 with its sigmoid gate): the published 14.3B total, 2.7B active."""
+    L, h, n, d, v, e, k, f, fs = 24, 2048, 16, 128, 151936, 60, 4, 1408, 5632
+    attn = 4 * h * n * d + 3 * n * d
+    shared = 3 * h * fs + h
+    experts = L * e * 3 * h * f
+    total = experts + L * (attn + shared + 2 * h + e * h) + 2 * v * h + h
+    r = plan(PlanInputs(cfg=config_by_name("qwen1.5-moe-a2.7b"), gpu=get_gpu("h100-sxm"), context_len=1000,
+                        batch=4, model_name="qwen1.5-moe-a2.7b"))
+    assert r["model"]["params"] == total
+    assert r["model"]["active_params"] == total - experts + experts * k // e
+    assert round(total / 1e9, 1) == 14.3 and round(r["model"]["active_params"] / 1e9, 1) == 2.7

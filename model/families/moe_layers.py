@@ -1,10 +1,12 @@
-"""The decoder layer the mixture-of-experts families share (Mixtral, Qwen3-MoE).
+"""The decoder layer the mixture-of-experts families share (Mixtral, Qwen2-MoE, Qwen3-MoE).
 
-Attention is Llama's, plus Qwen3's RMSNorm over each query and key head before RoPE
-when `cfg.qk_norm`; the MLP is `model.moe`'s router and experts. Every layer declares
-the same pytree (the per-head norms are None in every layer or in none), so the layers
-can be stacked and scanned; the MoE families refuse, at conversion, checkpoints that mix
-dense and sparse layers.
+Attention is the dense families' block (`model.blocks.attention_block`: Qwen2's q/k/v
+biases with `cfg.attention_bias`, Qwen3's per-head q/k RMSNorm with `cfg.qk_norm`); the
+MLP is `model.moe`'s router and experts, plus Qwen2-MoE's gated shared expert when
+`cfg.shared_expert_intermediate_size` is set. Every layer declares the same pytree (the
+optional weights are None in every layer or in none), so the layers can be stacked and
+scanned; the MoE families refuse, at conversion, checkpoints that mix dense and sparse
+layers.
 
 Both families share a config class with Llama (`LlamaConfig` with `num_experts` > 0),
 so one set of declarations and blocks serves both (`model.families.base.ModelFamily`).
@@ -15,15 +17,20 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
+from model import blocks
 from model.cache import KVCache
 from model.config import LlamaConfig, UnsupportedModelError
 from model.families.base import ForwardBlocks, TensorPlan
+from model.families.decoder import _bias_heads
 from model.families.llama import _identity
 from model.families.llama import checkpoint_tensors as llama_tensors
-from model.forward import (_constrain, apply_rope, embed_tokens, forward, head_projection, layer_rope, output_logits,
-                           output_projection, paged_attention, rms_norm, rope_frequencies)
+from model.forward import _constrain, embed_tokens, forward, output_logits, rms_norm, rope_frequencies
 from model.moe import moe_mlp
 from model.params import ArrayInfo, Weights, linear_weight, normal_init, ones_init, pytree_dataclass
+from model.quant import linear
 
 # The logical axes the expert weights add (configs/rules_*.json map them): `experts` splits
 # whole experts over devices (expert parallelism); `moe_ffw` an expert's hidden dim (tensor
@@ -45,6 +52,13 @@ class MoeLayer:
     w_gate: Any  # [experts, moe_ffw, embed]
     w_up: Any  # [experts, moe_ffw, embed]
     w_down: Any  # [experts, embed, moe_ffw]
+    q_bias: Any = None  # [q_heads, head_dim]  (cfg.attention_bias)
+    k_bias: Any = None  # [kv_heads, head_dim]
+    v_bias: Any = None  # [kv_heads, head_dim]
+    shared_gate: Any = None  # [ffw, embed]  (cfg.shared_expert_intermediate_size)
+    shared_up: Any = None  # [ffw, embed]
+    shared_down: Any = None  # [embed, ffw]
+    shared_expert_gate: Any = None  # [1, embed]: the sigmoid gate of the shared expert's output
 
     @classmethod
     def declare(cls, cfg: LlamaConfig) -> "MoeLayer":
@@ -52,7 +66,18 @@ class MoeLayer:
         nq, nkv, dt = cfg.num_heads, cfg.num_kv_heads, cfg.jnp_dtype
         lin = functools.partial(linear_weight, cfg)
         head_norm = (lambda: ArrayInfo((d,), dt, ("norm",), ones_init)) if cfg.qk_norm else (lambda: None)
-        return cls(
+        extra = {}
+        if cfg.attention_bias:  # biases stay in the compute dtype when the weights are quantized
+            extra.update(q_bias=ArrayInfo((nq, d), dt, ("q_heads", "head_dim"), normal_init(d)),
+                         k_bias=ArrayInfo((nkv, d), dt, ("kv_heads", "head_dim"), normal_init(d)),
+                         v_bias=ArrayInfo((nkv, d), dt, ("kv_heads", "head_dim"), normal_init(d)))
+        fs = cfg.shared_expert_intermediate_size
+        if fs:  # a dense MLP beside the experts, split over devices as Llama's is
+            extra.update(shared_gate=lin(ArrayInfo((fs, h), dt, ("ffw", "embed"), normal_init(h))),
+                         shared_up=lin(ArrayInfo((fs, h), dt, ("ffw", "embed"), normal_init(h))),
+                         shared_down=lin(ArrayInfo((h, fs), dt, ("embed", "ffw"), normal_init(fs))),
+                         shared_expert_gate=ArrayInfo((1, h), dt, (None, "embed"), normal_init(h)))
+        return cls(**extra,
             attn_norm=ArrayInfo((h,), dt, ("norm",), ones_init),
             wq=lin(ArrayInfo((nq, d, h), dt, ("q_heads", "head_dim", "embed"), normal_init(h)), 2),
             wk=lin(ArrayInfo((nkv, d, h), dt, ("kv_heads", "head_dim", "embed"), normal_init(h)), 2),
@@ -72,38 +97,37 @@ def declare_weights(cfg: LlamaConfig) -> Weights:
     return Weights.declare(cfg, layer=MoeLayer.declare)
 
 
-def attention_block(layer: MoeLayer, x, k_pages, v_pages, md, inv_freq, cfg: LlamaConfig, backend, layout=None):
-    """Llama's attention block with the optional per-head q/k RMSNorm before RoPE."""
-    h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-    q = _constrain(layout, head_projection(h, layer.wq), ("tokens", "q_heads", "head_dim"))
-    k = _constrain(layout, head_projection(h, layer.wk), ("tokens", "kv_heads", "head_dim"))
-    v = _constrain(layout, head_projection(h, layer.wv), ("tokens", "kv_heads", "head_dim"))
-    if layer.q_norm is not None:
-        q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-        k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-    q = apply_rope(q, md.positions, inv_freq)
-    k = apply_rope(k, md.positions, inv_freq)
-    o, k_pages, v_pages = paged_attention(backend, q, k, v, k_pages, v_pages, md, cfg)
-    out = x + output_projection(o, layer.wo)
-    return _constrain(layout, out, ("tokens", "embed")), k_pages, v_pages
+def shared_expert(layer: MoeLayer, h, layout=None):
+    """Qwen2-MoE's shared expert: a SiLU-gated MLP over every token, scaled by sigmoid(h . gate)."""
+    gate = _constrain(layout, linear("te,fe->tf", h, layer.shared_gate), ("tokens", "ffw"))
+    up = _constrain(layout, linear("te,fe->tf", h, layer.shared_up), ("tokens", "ffw"))
+    out = linear("tf,ef->te", jax.nn.silu(gate) * up, layer.shared_down)
+    scale = jax.nn.sigmoid(jnp.einsum("te,oe->to", h, layer.shared_expert_gate.astype(h.dtype)))
+    return out * scale.astype(out.dtype)
 
 
 def mlp_block(layer: MoeLayer, x, cfg: LlamaConfig, layout=None):
     h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-    out = x + moe_mlp(layer, h, cfg, layout)
-    return _constrain(layout, out, ("tokens", "embed"))
+    out = moe_mlp(layer, h, cfg, layout)
+    if layer.shared_gate is not None:
+        out = out + shared_expert(layer, h, layout).astype(out.dtype)
+    return _constrain(layout, x + out, ("tokens", "embed"))
 
 
-MOE_BLOCKS = ForwardBlocks(norm=rms_norm, rope=rope_frequencies, attention=attention_block, mlp=mlp_block,
-                           logits=output_logits, forward=forward, embed=embed_tokens, layer_inputs=layer_rope)
+# Attention and per-layer data are the dense families' (`model.blocks`); only the MLP differs.
+MOE_BLOCKS = ForwardBlocks(norm=rms_norm, rope=rope_frequencies, attention=blocks.attention_block, mlp=mlp_block,
+                           logits=output_logits, forward=forward, embed=embed_tokens, layer_inputs=blocks.layer_inputs)
 DECLARE_CACHE = KVCache.declare  # the KV cache is Llama's: experts change only the MLP
 
 
 def checkpoint_tensors(cfg: LlamaConfig, moe: str, router: str, gate: str, up: str, down: str) -> list[TensorPlan]:
-    """A MoE checkpoint's tensors: Llama's attention and norms, the per-head q/k norms with
-    `qk_norm`, and under `model.layers.{i}.{moe}.` the router `{router}.weight` and each
-    expert's `experts.{j}.{gate|up|down}.weight`, stacked into our `[E, ...]` weights."""
+    """A MoE checkpoint's tensors: Llama's attention and norms, the q/k/v biases with
+    `attention_bias`, the per-head q/k norms with `qk_norm`, and under `model.layers.{i}.{moe}.`
+    the router `{router}.weight`, each expert's `experts.{j}.{gate|up|down}.weight` (stacked
+    into our `[E, ...]` weights) and, with a shared expert, `shared_expert.{gate|up|down}_proj`
+    and `shared_expert_gate`."""
     h, f, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    nq, nkv, d, fs = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.shared_expert_intermediate_size
     plan = []
     for t in llama_tensors(cfg.replace(intermediate_size=1)):
         if t.ours.rsplit(".", 1)[-1] in ("w_gate", "w_up", "w_down"):
@@ -113,10 +137,19 @@ def checkpoint_tensors(cfg: LlamaConfig, moe: str, router: str, gate: str, up: s
         if len(name) == 2 and name[1] == "mlp_norm":
             i = int(t.ours.split(".")[1])
             p, m = f"layers.{i}.", f"model.layers.{i}.{moe}."
+            a = f"model.layers.{i}.self_attn."
+            if cfg.attention_bias:
+                plan += [TensorPlan(p + f"{x}_bias", a + f"{x}_proj.bias", (n * d,), _bias_heads(n, d))
+                         for x, n in (("q", nq), ("k", nkv), ("v", nkv))]
             if cfg.qk_norm:
-                a = f"model.layers.{i}.self_attn."
-                plan += [TensorPlan(p + "q_norm", a + "q_norm.weight", (cfg.head_dim,), _identity),
-                         TensorPlan(p + "k_norm", a + "k_norm.weight", (cfg.head_dim,), _identity)]
+                plan += [TensorPlan(p + "q_norm", a + "q_norm.weight", (d,), _identity),
+                         TensorPlan(p + "k_norm", a + "k_norm.weight", (d,), _identity)]
+            if fs:
+                se = m + "shared_expert."
+                plan += [TensorPlan(p + "shared_gate", se + "gate_proj.weight", (fs, h), _identity),
+                         TensorPlan(p + "shared_up", se + "up_proj.weight", (fs, h), _identity),
+                         TensorPlan(p + "shared_down", se + "down_proj.weight", (h, fs), _identity),
+                         TensorPlan(p + "shared_expert_gate", m + "shared_expert_gate.weight", (1, h), _identity)]
             plan.append(TensorPlan(p + "router", m + f"{router}.weight", (e, h), _identity))
             for ours, theirs, shape in (("w_gate", gate, (f, h)), ("w_up", up, (f, h)), ("w_down", down, (h, f))):
                 plan += [TensorPlan(p + ours, m + f"experts.{j}.{theirs}.weight", shape, _identity, stack=(j, e))

@@ -1,0 +1,56 @@
+"""The Qwen2-MoE family (`Qwen2MoeForCausalLM`, Qwen1.5-MoE and Qwen2-57B-A14B): Qwen2
+attention (q/k/v biases), a sparse mixture-of-experts MLP in every layer plus a shared expert.
+
+Routing as Qwen2-MoE defines it: a softmax over every expert, the top k, renormalised only
+when `norm_topk_prob` (off in the released checkpoints). The shared expert is a dense MLP
+that every token passes through, scaled by `sigmoid(shared_expert_gate . h)` and added to
+the routed experts' output (`model.families.moe_layers.shared_expert`). Checkpoints whose
+layers are not all sparse (`mlp_only_layers`, `decoder_sparse_step` != 1) are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from model.config import LlamaConfig, UnsupportedModelError
+from model.families import llama
+from model.families.base import ModelFamily
+from model.families.moe_layers import (DECLARE_CACHE, MOE_BLOCKS, check_all_layers_sparse, checkpoint_tensors,
+                                       declare_weights)
+
+ARCH = "Qwen2MoeForCausalLM"
+
+
+def config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> LlamaConfig:
+    check_all_layers_sparse(hf, "Qwen2-MoE")
+    if hf.get("use_sliding_window"):
+        raise UnsupportedModelError("unsupported Qwen2-MoE variant: use_sliding_window=true "
+                                    "(sliding-window attention is not implemented for mixtures of experts)")
+    for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        if not hf.get(name):
+            raise ValueError(f"HF config lacks required fields: [{name!r}]")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"unsupported {ARCH}: hidden_act={hf['hidden_act']!r} is not implemented "
+                                    "(supported: 'silu')")
+    return llama.config_from_hf(hf, dtype).replace(
+        architecture=ARCH, num_experts=int(hf["num_experts"]), num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=int(hf["moe_intermediate_size"]), moe_router="softmax_topk",
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)), attention_bias=bool(hf.get("qkv_bias", True)),
+        shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0))
+
+
+def qwen2_moe_tensors(cfg: LlamaConfig):
+    return checkpoint_tensors(cfg, "mlp", "gate", "gate_proj", "up_proj", "down_proj")
+
+
+QWEN2_MOE = ModelFamily(
+    name="Qwen2-MoE",
+    architectures=(ARCH,),
+    model_types=("qwen2_moe",),
+    config_class=LlamaConfig,
+    config_from_hf=config_from_hf,
+    declare_weights=declare_weights,
+    declare_cache=DECLARE_CACHE,
+    checkpoint_tensors=qwen2_moe_tensors,
+    blocks=MOE_BLOCKS,
+)
