@@ -160,6 +160,7 @@ def fill_ragged(num_new, starts, tables, page_size: int, *, positions, slots, cu
     positions[:total] = pos
     for i, table in enumerate(tables):
         block_tables[i, :len(table)] = table
+    np.maximum(block_tables, 0, out=block_tables)  # released pages (-1, before a sliding window) read as page 0
     slots[:total] = block_tables[seq_of, pos // page_size] * page_size + pos % page_size
     kv_lens[:n] = starts + num_new
     return cu

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from serving.core.block_manager import BlockManager, block_digest, salt_digest
+from serving.core.block_manager import NO_PAGE, BlockManager, block_digest, salt_digest
 
 _ids = itertools.count(10_000)
 
@@ -208,3 +208,64 @@ def test_disabled_prefix_caching_never_hits():
 def test_invalid_pool():
     with pytest.raises(ValueError):
         BlockManager(0, 16)
+
+
+# --- sliding windows ----------------------------------------------------------------------------------
+
+
+def test_pages_before_every_window_are_released_as_the_sequence_advances():
+    """Window 6, pages of 4: the query at position p sees keys from p - 5 on, so a page is released once
+    the next token's window starts past it; a fork shares what is still held; nothing leaks."""
+
+    bm = BlockManager(num_pages=16, page_size=4, window=6)
+    a = Seq(range(10))
+    compute(bm, a, 10)  # next query at 10 sees 5.. : page 0 (keys 0-3) is released at the next allocate
+    assert NO_PAGE not in bm.table(a)
+    for _ in range(14):  # decode to 24 tokens, one at a time
+        a.token_ids.append(7)
+        compute(bm, a, 1)
+        bm.check_invariants([a.seq_id])
+    table = bm.table(a)
+    # After the last allocate: computed 23, next query 23 sees 18.. ; pages 0-3 (keys 0-15) are passed.
+    assert table[:4] == [NO_PAGE] * 4 and NO_PAGE not in table[4:]
+    assert bm.num_used_blocks == len(table) - 4 == 2
+    assert bm.num_released_pages == 4
+
+    child = Seq(a.token_ids)
+    child.num_computed_tokens = a.num_computed_tokens
+    bm.fork(a, child)
+    bm.check_invariants([a.seq_id, child.seq_id])
+    assert bm.num_used_blocks == 2  # shared, not copied
+    bm.free_seq(a)
+    bm.free_seq(child)
+    assert bm.num_free_blocks == 16
+    bm.check_invariants([])
+
+
+def test_released_pages_stay_in_the_prefix_cache_and_exporting_sequences_keep_theirs():
+    bm = BlockManager(num_pages=16, page_size=4, window=4)
+    a = Seq(range(20))
+    compute(bm, a, 16)
+    compute(bm, a, 4)  # releases pages 0-2 (next query 16 sees 13..): registered full blocks, still hittable
+    assert bm.num_released_pages == 3
+    b = Seq(range(20))
+    assert len(bm.lookup_prefix(b)) == 4  # all four full blocks: the released ones are cached, not lost
+
+    exporting = Seq(range(100, 120))
+    exporting.keeps_all_pages = True  # a prefill whose K/V is shipped: every prompt page must stay
+    compute(bm, exporting, 16)
+    compute(bm, exporting, 4)
+    assert NO_PAGE not in bm.table(exporting)
+    bm.check_invariants([a.seq_id, exporting.seq_id])
+
+
+def test_a_window_only_when_every_layer_slides():
+    from model.config import LlamaConfig
+    from serving.core.block_manager import releasing_window
+
+    base = dict(vocab_size=32, hidden_size=16, intermediate_size=16, num_layers=2, num_heads=2, num_kv_heads=1,
+                head_dim=8)
+    assert releasing_window(LlamaConfig(**base)) is None
+    assert releasing_window(LlamaConfig(**base, sliding_window=8)) == 8
+    assert releasing_window(LlamaConfig(**base, sliding_window=8,
+                                        layer_types=("sliding_attention", "full_attention"))) is None

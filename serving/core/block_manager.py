@@ -24,6 +24,15 @@ count > 1). Writing into a shared page first moves the writer onto a fresh
 page and returns the (src, dst) pair so the model runner copies it on device.
 Only a partially filled last page can ever be written, so that is the only
 page ever copied.
+
+Sliding windows. When every layer of the model attends only to the last
+`window` positions (Mistral, Phi-3 with `sliding_window`), the pages wholly
+before the window of a sequence's next token are read by no later step; each
+`allocate` drops the sequence's hold on them (their table entries become
+`NO_PAGE`, which the step reads as page 0 and never attends to), so a long
+generation holds about `window / page_size` pages instead of its whole
+context. A released page keeps its prefix-cache entry like any freed page.
+Sequences whose prompt K/V is exported (`seq.keeps_all_pages`) keep theirs.
 """
 
 from __future__ import annotations
@@ -59,8 +68,23 @@ def salt_digest(cache_salt: Optional[str]) -> Optional[bytes]:
     return hashlib.blake2b(b"cache_salt\0" + cache_salt.encode("utf-8"), digest_size=16).digest()
 
 
+NO_PAGE = -1  # a block-table entry whose page was released (before the sliding window)
+
+
+def releasing_window(cfg) -> Optional[int]:
+    """The window before which a sequence's pages may be released: the widest of the model's
+    sliding windows when every layer has one; None when some layer attends to the whole context."""
+    if cfg.sliding_window is None:
+        return None
+    windows = cfg.layer_windows()
+    return None if any(w is None for w in windows) else max(windows)
+
+
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
+                 window: Optional[int] = None):
+        """`window`: the widest sliding window of a model whose every layer slides (None: some layer
+        sees the whole context, or pages must stay, e.g. for a draft model sharing the tables)."""
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
         self.num_pages = num_pages
@@ -73,6 +97,9 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}
         self.tables: dict[int, list[int]] = {}
         self._registered: dict[int, int] = {}  # seq_id -> leading blocks already registered
+        self.window = window
+        self._released: dict[int, int] = {}  # seq_id -> leading blocks released (before the window)
+        self.num_released_pages = 0  # pages released before a window (cumulative)
 
     # --- queries -------------------------------------------------------------------------
     @property
@@ -125,8 +152,10 @@ class BlockManager:
 
         Returns the copy-on-write (src, dst) page pairs to perform before the
         step, or None when the free pool cannot cover it, in which case nothing
-        changed.
+        changed but the release of pages before the sliding window (always valid).
         """
+        if self.window is not None:
+            self._release_before_window(seq)
         table = self.tables.get(seq.seq_id)
         ps = self.page_size
         if table is not None and not computed_blocks:  # fast path: a decode inside its last page
@@ -163,6 +192,23 @@ class BlockManager:
             table.append(self._pop_free())
         return copies
 
+    def _release_before_window(self, seq) -> None:
+        """Drops `seq`'s hold on the pages wholly before the window of its next token: that query
+        (position `num_computed_tokens`, the earliest any later step computes) sees keys from
+        `num_computed_tokens - window + 1` on."""
+        table = self.tables.get(seq.seq_id)
+        if not table or getattr(seq, "keeps_all_pages", False):
+            return
+        done = self._released.get(seq.seq_id, 0)
+        upto = min(len(table), max(0, seq.num_computed_tokens - self.window + 1) // self.page_size)
+        if upto <= done:
+            return
+        pages = table[done:upto]
+        table[done:upto] = [NO_PAGE] * (upto - done)
+        self._released[seq.seq_id] = upto
+        self.num_released_pages += upto - done
+        self._release(pages)
+
     def _pop_free(self) -> int:
         b, _ = self.free.popitem(last=False)
         h = self.block_hash[b]
@@ -177,14 +223,18 @@ class BlockManager:
         """`child` shares all of `parent`'s pages (copy-on-write on the first write)."""
         table = list(self.tables.get(parent.seq_id, []))
         for b in table:
-            self.ref[b] += 1
+            if b != NO_PAGE:
+                self.ref[b] += 1
         self.tables[child.seq_id] = table
         self._registered[child.seq_id] = self._registered.get(parent.seq_id, 0)
+        if parent.seq_id in self._released:
+            self._released[child.seq_id] = self._released[parent.seq_id]
 
     def free_seq(self, seq) -> None:
         """Drops `seq`'s hold on its pages; pages nobody holds go back to the free queue."""
         table = self.tables.pop(seq.seq_id, None)
         self._registered.pop(seq.seq_id, None)
+        self._released.pop(seq.seq_id, None)
         if table:
             self._release(table)
 
@@ -205,6 +255,8 @@ class BlockManager:
         end (evicted last) while it is cached and may still be hit, at its front (reused first) if not.
         Last page first, so a sequence's tail is evicted before the prefix other prompts share."""
         for b in reversed(pages):
+            if b == NO_PAGE:
+                continue
             self.ref[b] -= 1
             if self.ref[b] == 0:
                 self.free[b] = None
@@ -232,7 +284,7 @@ class BlockManager:
         hashes = self._hashes_upto(seq, full)
         for i in range(done, full):
             b, h = table[i], hashes[i]
-            if self.block_hash[b] is None and h not in self.cached:
+            if b != NO_PAGE and self.block_hash[b] is None and h not in self.cached:
                 self.cached[h] = b
                 self.block_hash[b] = h
         self._registered[seq.seq_id] = full
@@ -260,8 +312,10 @@ class BlockManager:
         """
         counts = [0] * self.num_pages
         for sid, table in self.tables.items():
-            assert len(set(table)) == len(table), f"seq {sid} holds a page twice: {table}"
-            for b in table:
+            held = [b for b in table if b != NO_PAGE]
+            assert len(set(held)) == len(held), f"seq {sid} holds a page twice: {table}"
+            assert NO_PAGE not in table[self._released.get(sid, 0):], f"seq {sid}: a released page past its window"
+            for b in held:
                 counts[b] += 1
         assert counts == self.ref, "reference counts disagree with the block tables"
         free = set(self.free)

@@ -28,7 +28,7 @@ from model.config import ModelConfig
 from model.generation_config import GenerationDefaults
 from model.quant import check_kv_cache_dtype, check_weight_dtype, kv_bytes_per_token, kv_cache_dtype, quantize_params
 from serving.core import engine_args, sampling_controls
-from serving.core.block_manager import BlockManager, is_cache_salt
+from serving.core.block_manager import BlockManager, is_cache_salt, releasing_window
 from serving.core.input_batch import Buckets, pack_step, sampling_row
 from serving.core.model_runner import ModelRunner
 from serving.core.kv_pool import default_num_pages
@@ -102,7 +102,8 @@ class Engine:
         self.control_slots = None
         if getattr(self.runner, "controls", None) is not None:
             self.control_slots = sampling_controls.ControlSlots(self.runner.controls.counts.shape[0])
-        self.block_manager = BlockManager(num_pages, ps, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_pages, ps, config.enable_prefix_caching,
+                                          window=None if config.speculative_method else releasing_window(cfg))
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, model_len,
                                                    rows), self.block_manager)
         self.spec = None

@@ -75,6 +75,12 @@ class Sequence:
         return self.request.params
 
     @property
+    def keeps_all_pages(self) -> bool:
+        """Whether every prompt page must stay held (its K/V is exported once the prefill ends), even
+        those a sliding window has passed (`BlockManager`)."""
+        return self.request.kv_export is not None
+
+    @property
     def hash_root(self) -> Optional[bytes]:
         """The parent digest of this sequence's first block (its request's cache salt, or None)."""
         return self.request.hash_root
