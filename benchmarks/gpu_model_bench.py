@@ -156,7 +156,7 @@ def engine_throughput(cfg, params, smoke, deadline):
     # max_model_len), all compiled by the warm-up, so the timed run compiles nothing.
     llm = LLM(config=cfg, params=params, max_num_seqs=max_seqs, max_num_batched_tokens=budget, page_size=PAGE,
               num_pages=(max_seqs * max_len if smoke else 16384 * PAGE) // PAGE, max_model_len=max_len,
-              enable_prefix_caching=False, min_token_bucket=8 if smoke else 256, min_context_bucket=max_len // 2,
+              enable_prefix_caching=False, min_token_bucket=32 if smoke else 256, min_context_bucket=max_len // 2,
               compilation_cache_dir="", warmup=True)
     engine = llm.engine
     engine.stats_log.drain()

@@ -33,6 +33,22 @@ def small_cfg():
     return tiny_config()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After each test module, drops what JAX's caches still hold of its compiled programs.
+
+    Every XLA:CPU executable keeps its machine code in memory mappings of its own (hundreds for
+    a step program), and JAX's caches keep an executable alive as long as its lowering is cached,
+    so a whole-suite run accumulates them until the process reaches the kernel's per-process
+    mapping limit (vm.max_map_count, 65530 by default) and LLVM aborts while mapping the next
+    one. Engines that fixtures keep across modules hold their own step executables."""
+    yield
+    import gc
+
+    gc.collect()
+    jax.clear_caches()
+
+
 # --- helpers shared by several test files ------------------------------------------------------------
 
 

@@ -22,7 +22,7 @@ from serving.core.pipeline_runner import PipelineRunner
 from serving.core.sampling_params import InvalidParameterError
 
 CFG = tiny_config()
-COMMON = dict(max_model_len=64, min_token_bucket=8, min_context_bucket=16, attention_backend="reference")
+COMMON = dict(max_model_len=64, min_token_bucket=16, min_context_bucket=16, attention_backend="reference")
 PREFILL = dict(page_size=8, num_pages=32, max_num_seqs=4, max_num_batched_tokens=16, **COMMON)  # shared shapes
 LENGTHS = [1, 3, 7, 8, 9, 16, 17, 30]
 KEYS = kv_wire.SigningKeys("a secret both workers share")

@@ -14,7 +14,8 @@ from model.params import init_params, stack_layers
 from serving import LLM, SamplingParams
 
 PROMPTS = ["def __init__(self", "import os\nimport sys\n" * 3]
-ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, attention_backend="xla")
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, attention_backend="xla",
+              min_token_bucket=16)  # one token bucket: two step shapes per engine to compile
 
 
 def _run(llm):

@@ -17,10 +17,13 @@ directly, which lets startup be split:
   use, as `jit` would. After a warm-up such a compile is counted
   (`stats().compiles_after_ready`): it means a shape escaped the bucket set.
 
-Executables are kept in one module-level table keyed by everything that
+Executables are found through one module-level table keyed by everything that
 determines the program (config, backend, layout, bucket, and the shapes,
 dtypes and shardings of params, cache and host inputs), so engines over the
-same model share them, as they shared `jit`'s cache before.
+same model share them, as they shared `jit`'s cache before. The table holds
+them weakly: each `StepPrograms` keeps its own, so an executable lives as long
+as some runner that uses it, and a process that builds many engines (a test
+suite, a notebook) does not keep every program it ever compiled.
 """
 
 from __future__ import annotations
@@ -29,12 +32,13 @@ import dataclasses
 import logging
 import threading
 import time
+import weakref
 from typing import Callable, Optional
 
 
 log = logging.getLogger("ridgeline.warmup")
 
-_TABLE: dict = {}  # key -> jax.stages.Compiled
+_TABLE: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()  # key -> jax.stages.Compiled
 _LOCK = threading.Lock()
 _IN_PROGRESS: dict = {}  # key -> threading.Event set when its compile ends
 _compiled_total = 0  # executables compiled by this module (every runner)
@@ -69,6 +73,7 @@ class StepPrograms:
     def __init__(self, lower: Callable, key: Callable):
         self._lower = lower
         self._key = key
+        self._own: dict = {}  # key -> executable: what keeps this runner's programs alive
         self._warm_set: list = []  # every bucket warm-up was asked to compile
         self._compiled: set = set()  # buckets of `_warm_set` compiled
         self._warmed_up = False  # the minimal set is in: compiles on demand are now counted
@@ -82,7 +87,7 @@ class StepPrograms:
     def get(self, shape):
         """The executable of `shape`, compiled now if no one has (or waited for, if another thread is)."""
         key = self._key(shape)
-        exe = _TABLE.get(key)
+        exe = self._own.get(key)
         if exe is None:
             exe = self._compile(shape, key, on_demand=True)
         return exe
@@ -91,8 +96,10 @@ class StepPrograms:
         global _compiled_total
         while True:
             with _LOCK:
-                if key in _TABLE:
-                    return _TABLE[key]
+                exe = _TABLE.get(key)
+                if exe is not None:
+                    self._own[key] = exe
+                    return exe
                 pending = _IN_PROGRESS.get(key)
                 if pending is None:
                     _IN_PROGRESS[key] = threading.Event()
@@ -105,6 +112,7 @@ class StepPrograms:
             exe = self._lower(shape).compile()
             with _LOCK:
                 _TABLE[key] = exe
+                self._own[key] = exe
                 _compiled_total += 1
             return exe
         finally:
@@ -112,7 +120,8 @@ class StepPrograms:
                 _IN_PROGRESS.pop(key).set()
 
     def is_compiled(self, shape) -> bool:
-        return self._key(shape) in _TABLE
+        key = self._key(shape)
+        return key in self._own or key in _TABLE
 
     # --- choosing a bucket ----------------------------------------------------------------------
     def shape_for(self, shape):
@@ -159,8 +168,7 @@ class StepPrograms:
             t = time.perf_counter()
             key = self._key(shape)
             found = key in _TABLE
-            if not found:
-                self._compile(shape, key, on_demand=False)
+            self._compile(shape, key, on_demand=False)  # takes the table's executable when found
             self._compiled.add(shape)
             elapsed = time.perf_counter() - t0
             left = len(shapes) - i - 1
