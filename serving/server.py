@@ -329,6 +329,13 @@ def main(argv) -> None:
         check_port_free(FLAGS.host, FLAGS.port)
     cache_dir = compile_cache.enable(FLAGS.compilation_cache_dir)  # before anything compiles
     log.info("persistent compilation cache: %s", cache_dir or "off")
+    # The HTTP stack is imported before the model loads: once the engine exists, its background warm-up
+    # competes with whatever the main thread still does, and these imports are a second of it.
+    import serving.api.http_app  # noqa: F401
+    import serving.api.http_auth  # noqa: F401
+    import serving.api.http_metrics  # noqa: F401
+    import serving.core.async_engine  # noqa: F401
+
     log.info("loading %s", FLAGS.checkpoint or "the embedded default model")
     llm = make_llm_from_flags()
     for line in describe_startup(llm):

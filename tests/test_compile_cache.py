@@ -28,6 +28,11 @@ import jax
 from conftest import tiny_config
 from model.params import init_params
 from serving import LLM, SamplingParams
+from serving.core import executable_store
+from serving.core.model_runner import ModelRunner
+lowered = []  # step buckets traced and lowered in this process
+_lower = ModelRunner._lower_step
+ModelRunner._lower_step = lambda self, shape: lowered.append(shape) or _lower(self, shape)
 cfg = tiny_config()
 llm = LLM(config=cfg, params=init_params(cfg, jax.random.key(3)), max_num_seqs=4, max_num_batched_tokens=16,
           min_token_bucket=16, page_size=8, num_pages=8, max_model_len=16, attention_backend="reference",
@@ -38,7 +43,8 @@ total = compile_cache.compile_counts() - before
 print("RESULT " + json.dumps({
     "requests": total.requests, "xla_compiled": total.compiled, "cache_hits": total.cache_hits,
     "cache_writes": total.cache_writes, "warmup": llm.warmup_info, "cache_dir": llm.compilation_cache_dir,
-    "entries": compile_cache.cache_entries(llm.compilation_cache_dir),
+    "entries": compile_cache.cache_entries(llm.compilation_cache_dir), "lowered": len(lowered),
+    "stored_steps": executable_store.entries(llm.compilation_cache_dir),
     "tokens": [list(o.outputs[0].token_ids) for o in outs]}))
 """
 
@@ -63,13 +69,16 @@ def test_a_second_start_with_a_warm_cache_compiles_nothing(tmp_path):
     assert cold["entries"] == cold["cache_writes"]
     assert cold["warmup"]["xla_compiled"] == cold["warmup"]["compiled"] > 0
 
+    assert cold["lowered"] == cold["stored_steps"] > 0  # every step bucket saved whole
+
     warm = start(cache_dir)
+    assert warm["lowered"] == 0  # step executables loaded whole: no bucket was even traced
     assert warm["requests"] == cold["requests"]  # the same executables were needed...
     assert warm["xla_compiled"] == 0 and warm["cache_writes"] == 0  # ...and none was compiled
     assert warm["cache_hits"] == cold["requests"]
     assert warm["warmup"]["xla_compiled"] == 0
     assert warm["warmup"]["cache_hits"] == warm["warmup"]["compiled"] == cold["warmup"]["compiled"]
-    assert warm["entries"] == cold["entries"]
+    assert warm["entries"] == cold["entries"] and warm["stored_steps"] == cold["stored_steps"]
     assert warm["tokens"] == cold["tokens"]  # executables loaded from disk compute the same thing
 
 
@@ -143,3 +152,29 @@ def test_an_unwritable_directory_turns_the_cache_off_instead_of_failing():
         assert jax.config.jax_compilation_cache_dir is None
     finally:
         compile_cache.enable(previous or "")
+
+
+def test_the_step_store_names_entries_by_everything_that_shapes_the_program(tmp_path, monkeypatch):
+    """A key without a stable text is never stored; a change to the step's source names another entry; an
+    entry that does not load is removed (and the caller compiles)."""
+    import jax
+    import jax.numpy as jnp
+
+    from serving.core import executable_store
+
+    store = executable_store.ExecutableStore(str(tmp_path))
+    assert store.path(("step", object())) is None
+    key = ("step", "cfg", 3)
+    first = store.path(key)
+    assert first == store.path(key) and first.endswith(executable_store.SUFFIX)
+    monkeypatch.setattr(executable_store, "source_digest", lambda: "edited")
+    assert store.path(key) != first
+    monkeypatch.undo()
+
+    exe = jax.jit(lambda x: x * 2 + 1).lower(jnp.arange(4.0)).compile()
+    store.save(key, exe)
+    loaded = store.load(key)
+    assert loaded is not None and list(loaded(jnp.arange(4.0))) == [1.0, 3.0, 5.0, 7.0]
+    with open(first, "wb") as f:
+        f.write(b"torn")
+    assert store.load(key) is None and not os.path.exists(first)

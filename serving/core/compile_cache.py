@@ -151,12 +151,24 @@ class _Counters:
             with self._lock:
                 self._writes += 1
 
+    def on_stored_load(self, seconds: float) -> None:
+        """An executable loaded whole from `serving.core.executable_store`: a cache hit, untraced."""
+        with self._lock:
+            self._requests += 1
+            self._hits += 1
+            self._seconds += seconds
+
     def snapshot(self) -> CompileCounts:
         with self._lock:
             return CompileCounts(self._requests, self._hits, self._writes, self._seconds)
 
 
 _counters = _Counters()
+
+
+def count_stored_load(seconds: float) -> None:
+    _counters.install()
+    _counters.on_stored_load(seconds)
 
 
 def compile_counts() -> CompileCounts:

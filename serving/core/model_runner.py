@@ -453,11 +453,13 @@ class ModelRunner:
             shapes = self._warm_up_shapes(self._run)
             return {"seconds": time.perf_counter() - t0, "compiled": self.compilation_count() - before,
                     "shapes": shapes, "background": 0}
-        info = self.programs.warm_up(self.warm_up_order(), background=background, start_thread=start_thread)
+        info = self.programs.warm_up(self.warm_up_order(), background=background, start_thread=False)
         for size in self.copy_sizes:
             self._copy(np.zeros(size, np.int32), np.full(size, self.num_pages, np.int32))
         self._warm_up_controls()
         jax.block_until_ready(self.cache)
+        if start_thread and info["background"]:  # after the page copies: a tracing thread would slow them
+            self.programs.start_background()
         info.update(seconds=time.perf_counter() - t0, compiled=self.compilation_count() - before,
                     shapes=info["shapes"] + len(self.copy_sizes))
         return info

@@ -35,6 +35,8 @@ import time
 import weakref
 from typing import Callable, Optional
 
+from serving.core import compile_cache, executable_store
+
 
 log = logging.getLogger("ridgeline.warmup")
 
@@ -106,10 +108,15 @@ class StepPrograms:
                     break
             pending.wait()  # another thread is compiling it; then take its result
         try:
-            if on_demand and self._warmed_up:
-                self.compiles_after_ready += 1
-                log.warning("compiling step bucket T=%d, P=%d on demand after warm-up", shape.T, shape.P)
-            exe = self._lower(shape).compile()
+            exe = self._load_stored(key)
+            if exe is None:
+                if on_demand and self._warmed_up:
+                    self.compiles_after_ready += 1
+                    log.warning("compiling step bucket T=%d, P=%d on demand after warm-up", shape.T, shape.P)
+                exe = self._lower(shape).compile()
+                store = executable_store.current()
+                if store is not None:
+                    store.save(key, exe)
             with _LOCK:
                 _TABLE[key] = exe
                 self._own[key] = exe
@@ -118,6 +125,18 @@ class StepPrograms:
         finally:
             with _LOCK:
                 _IN_PROGRESS.pop(key).set()
+
+    @staticmethod
+    def _load_stored(key):
+        """The executable saved by an earlier process (`executable_store`), loaded without tracing."""
+        store = executable_store.current()
+        if store is None:
+            return None
+        t = time.perf_counter()
+        exe = store.load(key)
+        if exe is not None:
+            compile_cache.count_stored_load(time.perf_counter() - t)
+        return exe
 
     def is_compiled(self, shape) -> bool:
         key = self._key(shape)
