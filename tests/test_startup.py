@@ -5,6 +5,7 @@ executable table is shared by engines over the same model and pool) and the test
 bucket is compiled.
 """
 
+import os
 import socket
 
 import httpx
@@ -107,3 +108,28 @@ def test_a_busy_port_is_reported_before_anything_loads():
         with pytest.raises(SystemExit, match=f"cannot listen on 127.0.0.1:{port}"):
             check_port_free("127.0.0.1", port)
     check_port_free("127.0.0.1", port)  # free again: no error
+
+
+def test_a_bucket_saved_by_an_earlier_process_loads_instead_of_padding(tmp_path, monkeypatch):
+    """While warm-up goes on, a step whose bucket an earlier start saved whole runs in that bucket (loading
+    it is cheap); one whose bucket must compile runs padded in a larger compiled one."""
+    from serving.core import executable_store
+    from serving.core.input_batch import StepShape
+
+    monkeypatch.setattr(executable_store, "current", lambda: executable_store.ExecutableStore(str(tmp_path)))
+    shapes = [StepShape(T, 1, P) for T, P in ((1, 1), (4, 1), (8, 1), (16, 2))]
+
+    class Executable:  # what the table holds (weakly)
+        pass
+
+    class Lowered:
+        def compile(self):
+            return Executable()
+
+    programs = step_programs.StepPrograms(lambda shape: Lowered(), lambda shape: ("fake-step", shape.T, shape.P))
+    saved = executable_store.current().path(("fake-step", 4, 1))
+    open(saved, "wb").close()  # what an earlier process left for bucket (4, 1)
+    programs.warm_up(shapes, background=True, start_thread=False)  # (1, 1) and (16, 2) compiled now
+    assert programs.shape_for(shapes[1]) == shapes[1]  # saved: loads on demand
+    assert programs.shape_for(shapes[2]) == shapes[3]  # not saved: the smallest compiled bucket holding it
+    assert programs.steps_in_larger_bucket == 1

@@ -12,7 +12,9 @@ directly, which lets startup be split:
   returns. The other buckets compile in a background thread, one at a time.
 * Until a step's exact bucket is compiled, `shape_for` hands out the smallest
   compiled bucket that holds it (more padding, no waiting); padding rows and
-  tokens are inert, so the step's results are the same.
+  tokens are inert, so the step's results are the same. A bucket an earlier
+  process saved whole (`executable_store`) is loaded on demand instead: that
+  takes a fraction of a second, a padded step of a deep model on CPU seconds.
 * A bucket nobody compiled yet (no warm-up: scripts, tests) compiles on first
   use, as `jit` would. After a warm-up such a compile is counted
   (`stats().compiles_after_ready`): it means a shape escaped the bucket set.
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 import weakref
@@ -76,6 +79,7 @@ class StepPrograms:
         self._lower = lower
         self._key = key
         self._own: dict = {}  # key -> executable: what keeps this runner's programs alive
+        self._stored: dict = {}  # shape -> whether `executable_store` holds it (checked once)
         self._warm_set: list = []  # every bucket warm-up was asked to compile
         self._compiled: set = set()  # buckets of `_warm_set` compiled
         self._warmed_up = False  # the minimal set is in: compiles on demand are now counted
@@ -126,6 +130,15 @@ class StepPrograms:
             with _LOCK:
                 _IN_PROGRESS.pop(key).set()
 
+    def _is_stored(self, shape) -> bool:
+        """Whether an earlier process saved this bucket's executable (`executable_store`)."""
+        found = self._stored.get(shape)
+        if found is None:
+            store = executable_store.current()
+            path = None if store is None else store.path(self._key(shape))
+            found = self._stored[shape] = path is not None and os.path.exists(path)
+        return found
+
     @staticmethod
     def _load_stored(key):
         """The executable saved by an earlier process (`executable_store`), loaded without tracing."""
@@ -145,8 +158,8 @@ class StepPrograms:
     # --- choosing a bucket ----------------------------------------------------------------------
     def shape_for(self, shape):
         """`shape`, or while warm-up is still compiling it, the smallest compiled bucket that holds it."""
-        if self._thread is None or shape in self._compiled or self.is_compiled(shape):
-            return shape
+        if self._thread is None or shape in self._compiled or self.is_compiled(shape) or self._is_stored(shape):
+            return shape  # (a stored executable loads on demand in a fraction of a second: no reason to pad)
         holders = [s for s in list(self._compiled) if s.T >= shape.T and s.S >= shape.S and s.P >= shape.P]
         if not holders:
             return shape  # compiles on demand (counted)
