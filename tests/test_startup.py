@@ -5,7 +5,6 @@ executable table is shared by engines over the same model and pool) and the test
 bucket is compiled.
 """
 
-import os
 import socket
 
 import httpx

@@ -12,10 +12,7 @@ from typing import Any
 
 from model.config import LlamaConfig, UnsupportedModelError
 from model.families import llama
-from model.families.base import ModelFamily
-from model.families.moe_layers import DECLARE_CACHE, MOE_BLOCKS, checkpoint_tensors, declare_weights
-
-
+from model.families.moe_layers import checkpoint_tensors, moe_family
 def config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> LlamaConfig:
     if hf.get("sliding_window") is not None:
         raise UnsupportedModelError(f"unsupported Mixtral variant: sliding_window={hf['sliding_window']} "
@@ -33,14 +30,4 @@ def mixtral_tensors(cfg: LlamaConfig):
     return checkpoint_tensors(cfg, "block_sparse_moe", "gate", "w1", "w3", "w2")
 
 
-MIXTRAL = ModelFamily(
-    name="Mixtral",
-    architectures=("MixtralForCausalLM",),
-    model_types=("mixtral",),
-    config_class=LlamaConfig,
-    config_from_hf=config_from_hf,
-    declare_weights=declare_weights,
-    declare_cache=DECLARE_CACHE,
-    checkpoint_tensors=mixtral_tensors,
-    blocks=MOE_BLOCKS,
-)
+MIXTRAL = moe_family("Mixtral", "MixtralForCausalLM", "mixtral", config_from_hf, mixtral_tensors)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from model import blocks
 from model.cache import KVCache
 from model.config import LlamaConfig, UnsupportedModelError
-from model.families.base import ForwardBlocks, TensorPlan
+from model.families.base import ForwardBlocks, ModelFamily, TensorPlan
 from model.families.decoder import _bias_heads
 from model.families.llama import _identity
 from model.families.llama import checkpoint_tensors as llama_tensors
@@ -120,6 +120,13 @@ MOE_BLOCKS = ForwardBlocks(norm=rms_norm, rope=rope_frequencies, attention=block
 DECLARE_CACHE = KVCache.declare  # the KV cache is Llama's: experts change only the MLP
 
 
+def moe_family(name: str, architecture: str, model_type: str, config_from_hf, checkpoint_tensors) -> ModelFamily:
+    """A mixture-of-experts family's registry entry: only its config translation and tensor names differ."""
+    return ModelFamily(name=name, architectures=(architecture,), model_types=(model_type,), config_class=LlamaConfig,
+                       config_from_hf=config_from_hf, declare_weights=declare_weights, declare_cache=DECLARE_CACHE,
+                       checkpoint_tensors=checkpoint_tensors, blocks=MOE_BLOCKS)
+
+
 def checkpoint_tensors(cfg: LlamaConfig, moe: str, router: str, gate: str, up: str, down: str) -> list[TensorPlan]:
     """A MoE checkpoint's tensors: Llama's attention and norms, the q/k/v biases with
     `attention_bias`, the per-head q/k norms with `qk_norm`, and under `model.layers.{i}.{moe}.`
@@ -155,6 +162,11 @@ def checkpoint_tensors(cfg: LlamaConfig, moe: str, router: str, gate: str, up: s
                 plan += [TensorPlan(p + ours, m + f"experts.{j}.{theirs}.weight", shape, _identity, stack=(j, e))
                          for j in range(e)]
     return plan
+
+
+def qwen_moe_tensors(cfg: LlamaConfig) -> list[TensorPlan]:
+    """Qwen2-MoE's and Qwen3-MoE's names: `mlp.gate` routes, `mlp.experts.{j}.{gate,up,down}_proj`."""
+    return checkpoint_tensors(cfg, "mlp", "gate", "gate_proj", "up_proj", "down_proj")
 
 
 def check_all_layers_sparse(hf: dict, family: str) -> None:

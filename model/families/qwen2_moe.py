@@ -14,9 +14,7 @@ from typing import Any
 
 from model.config import LlamaConfig, UnsupportedModelError
 from model.families import llama
-from model.families.base import ModelFamily
-from model.families.moe_layers import (DECLARE_CACHE, MOE_BLOCKS, check_all_layers_sparse, checkpoint_tensors,
-                                       declare_weights)
+from model.families.moe_layers import check_all_layers_sparse, moe_family, qwen_moe_tensors
 
 ARCH = "Qwen2MoeForCausalLM"
 
@@ -39,18 +37,4 @@ def config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> LlamaConfig:
         shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0))
 
 
-def qwen2_moe_tensors(cfg: LlamaConfig):
-    return checkpoint_tensors(cfg, "mlp", "gate", "gate_proj", "up_proj", "down_proj")
-
-
-QWEN2_MOE = ModelFamily(
-    name="Qwen2-MoE",
-    architectures=(ARCH,),
-    model_types=("qwen2_moe",),
-    config_class=LlamaConfig,
-    config_from_hf=config_from_hf,
-    declare_weights=declare_weights,
-    declare_cache=DECLARE_CACHE,
-    checkpoint_tensors=qwen2_moe_tensors,
-    blocks=MOE_BLOCKS,
-)
+QWEN2_MOE = moe_family("Qwen2-MoE", ARCH, "qwen2_moe", config_from_hf, qwen_moe_tensors)

@@ -12,9 +12,7 @@ from typing import Any
 
 from model.config import LlamaConfig, UnsupportedModelError
 from model.families import llama
-from model.families.base import ModelFamily
-from model.families.moe_layers import (DECLARE_CACHE, MOE_BLOCKS, check_all_layers_sparse, checkpoint_tensors,
-                                       declare_weights)
+from model.families.moe_layers import check_all_layers_sparse, moe_family, qwen_moe_tensors
 
 
 def config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> LlamaConfig:
@@ -33,18 +31,4 @@ def config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> LlamaConfig:
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)), qk_norm=True)
 
 
-def qwen3_moe_tensors(cfg: LlamaConfig):
-    return checkpoint_tensors(cfg, "mlp", "gate", "gate_proj", "up_proj", "down_proj")
-
-
-QWEN3_MOE = ModelFamily(
-    name="Qwen3-MoE",
-    architectures=("Qwen3MoeForCausalLM",),
-    model_types=("qwen3_moe",),
-    config_class=LlamaConfig,
-    config_from_hf=config_from_hf,
-    declare_weights=declare_weights,
-    declare_cache=DECLARE_CACHE,
-    checkpoint_tensors=qwen3_moe_tensors,
-    blocks=MOE_BLOCKS,
-)
+QWEN3_MOE = moe_family("Qwen3-MoE", "Qwen3MoeForCausalLM", "qwen3_moe", config_from_hf, qwen_moe_tensors)
