@@ -60,12 +60,20 @@ def _load_kernels() -> None:
         pass
 
 
-def get_backend(name: str = "auto") -> AttentionBackend:
+def pallas_supports_head_dim(head_dim: int) -> bool:
+    """The Pallas kernels' head sizes: powers of two from 16 (Phi-3's 96 is not one)."""
+    return head_dim >= 16 and not head_dim & (head_dim - 1)
+
+
+def get_backend(name: str = "auto", head_dim: int | None = None) -> AttentionBackend:
+    """The backend `name`; "auto" is the Pallas kernels on GPU for the head sizes they take
+    (`head_dim`, when given), the xla backend otherwise."""
     import jax
 
     _load_kernels()
     if name == "auto":
-        name = "pallas" if jax.default_backend() == "gpu" and "pallas" in _BACKENDS else "xla"
+        pallas = jax.default_backend() == "gpu" and "pallas" in _BACKENDS
+        name = "pallas" if pallas and (head_dim is None or pallas_supports_head_dim(head_dim)) else "xla"
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; known: {backend_names()}")
     return _BACKENDS[name]()

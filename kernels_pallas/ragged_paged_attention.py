@@ -107,6 +107,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kernels_pallas import pallas_supports_head_dim
 from kernels_pallas.pow2 import next_pow2
 from kernels_pallas.reference import check_kv_scales
 
@@ -281,8 +282,9 @@ def check_supported(q, k_pages, v_pages, block_tables):
     num_kv_heads = k_pages.shape[2]
     if k_pages.shape[3] != head_dim or num_q_heads % num_kv_heads:
         raise ValueError(f"q heads {num_q_heads} / head_dim {head_dim} do not fit kv pages {k_pages.shape}")
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two >= 16 for the Pallas kernel, got {head_dim}")
+    if not pallas_supports_head_dim(head_dim):
+        raise ValueError(f"head_dim must be a power of two >= 16 for the Pallas kernel, got {head_dim} "
+                         "(attention_backend=auto uses the xla backend for such models)")
     if math.prod(k_pages.shape) >= 2**31:
         raise ValueError(f"K/V page array of {math.prod(k_pages.shape)} elements exceeds int32 offsets; "
                          "split the cache into smaller per-layer arrays or shard kv_heads")

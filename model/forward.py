@@ -170,7 +170,7 @@ def forward_hidden(params: Weights, cache: KVCache, tokens, md: BatchMetadata, c
     from model.families import family_for_config  # the families import this module
 
     blocks = family_for_config(cfg).blocks
-    impl = get_backend(backend)
+    impl = get_backend(backend, head_dim=cfg.head_dim)
     if layout is not None:
         impl = layout.attention_backend(impl, cfg)
     per_layer = blocks.layer_inputs(cfg)

@@ -354,7 +354,7 @@ def pipeline_forward(params: StagedWeights, cache: KVCache, tokens, md: BatchMet
     def run_stages(stages, k_cache, v_cache, x_in, mmd):
         stage = jax.lax.axis_index(PIPELINE)
         inner = _StageLayout(jax.sharding.get_abstract_mesh(), layout.rules)
-        impl = inner.attention_backend(get_backend(backend), cfg)
+        impl = inner.attention_backend(get_backend(backend, head_dim=cfg.head_dim), cfg)
         inv_freq = rope_frequencies(cfg)
         layers, ks, vs = stages, k_cache, v_cache  # this stage's own blocks, unstaged shapes
 

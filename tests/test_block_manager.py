@@ -269,3 +269,16 @@ def test_a_window_only_when_every_layer_slides():
     assert releasing_window(LlamaConfig(**base, sliding_window=8)) == 8
     assert releasing_window(LlamaConfig(**base, sliding_window=8,
                                         layer_types=("sliding_attention", "full_attention"))) is None
+
+
+def test_pages_released_before_their_step_was_processed_are_still_registered():
+    """With overlapped scheduling the next step is planned (and the window moves) before the previous one's
+    output is processed, i.e. before its full blocks are registered: they are registered on release."""
+    bm = BlockManager(num_pages=16, page_size=4, window=4)
+    a = Seq(range(20))
+    assert bm.allocate(a, 16) == []
+    a.num_computed_tokens = 16  # dispatched, not yet processed (no register_full_blocks call)
+    assert bm.allocate(a, 4) == []  # the window now starts at 13: pages 0-2 go
+    assert bm.table(a)[:3] == [NO_PAGE] * 3
+    assert len(bm.lookup_prefix(Seq(range(20)))) == 4
+    bm.check_invariants([a.seq_id])

@@ -68,6 +68,19 @@ def test_auto_backend_is_xla_on_cpu():
     assert get_backend("reference").name == "reference"
 
 
+def test_auto_backend_on_gpu_takes_pallas_only_for_the_head_sizes_it_supports(monkeypatch):
+    """Phi-3's head_dim 96 is not a Pallas head size: "auto" serves it with the xla backend on a GPU."""
+    import kernels_pallas
+
+    kernels_pallas._load_kernels()
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert get_backend("auto", head_dim=128).name == "pallas"
+    assert get_backend("auto", head_dim=96).name == "xla"
+    assert get_backend("auto").name == "pallas"
+    assert [d for d in (16, 32, 64, 96, 128, 256) if kernels_pallas.pallas_supports_head_dim(d)] == [16, 32, 64, 128,
+                                                                                                   256]
+
+
 
 def test_engine_greedy_output_is_the_same_with_xla_and_reference_backends():
     """Through the whole engine (chunked prefill mixed with decodes, several buckets),

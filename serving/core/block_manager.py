@@ -203,6 +203,7 @@ class BlockManager:
         upto = min(len(table), max(0, seq.num_computed_tokens - self.window + 1) // self.page_size)
         if upto <= done:
             return
+        self.register_full_blocks(seq)  # first, so the released pages stay hittable (their K/V is written)
         pages = table[done:upto]
         table[done:upto] = [NO_PAGE] * (upto - done)
         self._released[seq.seq_id] = upto
