@@ -88,6 +88,21 @@ def pytree_dataclass(cls):
     return jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
 
 
+def attention_extras(cfg: LlamaConfig) -> dict:
+    """The optional attention weights a config turns on, for every layer type that has them: q/k/v
+    biases (`attention_bias`; they stay in the compute dtype when the weights are quantized) and the
+    per-head q/k RMSNorm weights (`qk_norm`)."""
+    d, nq, nkv, dt = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.jnp_dtype
+    extra = {}
+    if cfg.attention_bias:
+        extra.update(q_bias=ArrayInfo((nq, d), dt, ("q_heads", "head_dim"), normal_init(d)),
+                     k_bias=ArrayInfo((nkv, d), dt, ("kv_heads", "head_dim"), normal_init(d)),
+                     v_bias=ArrayInfo((nkv, d), dt, ("kv_heads", "head_dim"), normal_init(d)))
+    if cfg.qk_norm:
+        extra.update(q_norm=ArrayInfo((d,), dt, ("norm",), ones_init), k_norm=ArrayInfo((d,), dt, ("norm",), ones_init))
+    return extra
+
+
 @pytree_dataclass
 class Layer:
     # Linear weights are [out..., in...] (see `linear_weight`).
@@ -115,14 +130,7 @@ class Layer:
         h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         nq, nkv, dt = cfg.num_heads, cfg.num_kv_heads, cfg.jnp_dtype
         lin = functools.partial(linear_weight, cfg)
-        extra = {}
-        if cfg.attention_bias:  # biases stay in the compute dtype when the weights are quantized
-            extra.update(q_bias=ArrayInfo((nq, d), dt, ("q_heads", "head_dim"), normal_init(d)),
-                         k_bias=ArrayInfo((nkv, d), dt, ("kv_heads", "head_dim"), normal_init(d)),
-                         v_bias=ArrayInfo((nkv, d), dt, ("kv_heads", "head_dim"), normal_init(d)))
-        if cfg.qk_norm:
-            extra.update(q_norm=ArrayInfo((d,), dt, ("norm",), ones_init),
-                         k_norm=ArrayInfo((d,), dt, ("norm",), ones_init))
+        extra = attention_extras(cfg)
         if cfg.sandwich_norms:
             extra.update(post_attn_norm=ArrayInfo((h,), dt, ("norm",), ones_init),
                          post_mlp_norm=ArrayInfo((h,), dt, ("norm",), ones_init))

@@ -18,6 +18,7 @@ class Seq:
         self.num_computed_tokens = 0
         self.block_hashes = []
         self.hash_root = salt_digest(cache_salt)
+        self.keeps_all_pages = False  # True for a prefill whose K/V is exported
 
     @property
     def num_tokens(self):

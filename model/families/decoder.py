@@ -44,6 +44,20 @@ def _bias_heads(n: int, d: int):
     return lambda b: b.reshape(n, d)
 
 
+def attention_extra_tensors(cfg: LlamaConfig, ours: str, attn: str) -> list[TensorPlan]:
+    """The HF tensors of `model.params.attention_extras`: q/k/v biases and q/k norms of the layer
+    whose weights are named `ours` + ... and whose HF attention module is `attn` (`...self_attn.`)."""
+    nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    plan = []
+    if cfg.attention_bias:
+        plan += [TensorPlan(ours + f"{x}_bias", attn + f"{x}_proj.bias", (n * d,), _bias_heads(n, d))
+                 for x, n in (("q", nq), ("k", nkv), ("v", nkv))]
+    if cfg.qk_norm:
+        plan += [TensorPlan(ours + "q_norm", attn + "q_norm.weight", (d,), _identity),
+                 TensorPlan(ours + "k_norm", attn + "k_norm.weight", (d,), _identity)]
+    return plan
+
+
 def checkpoint_tensors(cfg: LlamaConfig, *, fused: bool = False) -> list[TensorPlan]:
     """Every HF tensor of a checkpoint of `cfg`, in our declaration order (`model.params.Layer`).
 
@@ -72,13 +86,7 @@ def checkpoint_tensors(cfg: LlamaConfig, *, fused: bool = False) -> list[TensorP
                  TensorPlan(p + "wo", a + "o_proj.weight", (h, nq * d), _split_in_heads(nq, d)),
                  TensorPlan(p + "mlp_norm", n + mlp_norm + ".weight", (h,), _identity), *mlp,
                  TensorPlan(p + "w_down", m + "down_proj.weight", (h, f), _identity)]
-        if cfg.attention_bias:
-            plan += [TensorPlan(p + "q_bias", a + "q_proj.bias", (nq * d,), _bias_heads(nq, d)),
-                     TensorPlan(p + "k_bias", a + "k_proj.bias", (nkv * d,), _bias_heads(nkv, d)),
-                     TensorPlan(p + "v_bias", a + "v_proj.bias", (nkv * d,), _bias_heads(nkv, d))]
-        if cfg.qk_norm:
-            plan += [TensorPlan(p + "q_norm", a + "q_norm.weight", (d,), _identity),
-                     TensorPlan(p + "k_norm", a + "k_norm.weight", (d,), _identity)]
+        plan += attention_extra_tensors(cfg, p, a)
         if cfg.sandwich_norms:
             plan += [TensorPlan(p + "post_attn_norm", n + "post_attention_layernorm.weight", (h,), _identity),
                      TensorPlan(p + "post_mlp_norm", n + "post_feedforward_layernorm.weight", (h,), _identity)]

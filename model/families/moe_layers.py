@@ -24,12 +24,12 @@ from model import blocks
 from model.cache import KVCache
 from model.config import LlamaConfig, UnsupportedModelError
 from model.families.base import ForwardBlocks, ModelFamily, TensorPlan
-from model.families.decoder import _bias_heads
+from model.families.decoder import attention_extra_tensors
 from model.families.llama import _identity
 from model.families.llama import checkpoint_tensors as llama_tensors
 from model.forward import _constrain, embed_tokens, forward, output_logits, rms_norm, rope_frequencies
 from model.moe import moe_mlp
-from model.params import ArrayInfo, Weights, linear_weight, normal_init, ones_init, pytree_dataclass
+from model.params import ArrayInfo, Weights, attention_extras, linear_weight, normal_init, ones_init, pytree_dataclass
 from model.quant import linear
 
 # The logical axes the expert weights add (configs/rules_*.json map them): `experts` splits
@@ -65,12 +65,8 @@ class MoeLayer:
         h, f, d, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.head_dim, cfg.num_experts
         nq, nkv, dt = cfg.num_heads, cfg.num_kv_heads, cfg.jnp_dtype
         lin = functools.partial(linear_weight, cfg)
-        head_norm = (lambda: ArrayInfo((d,), dt, ("norm",), ones_init)) if cfg.qk_norm else (lambda: None)
-        extra = {}
-        if cfg.attention_bias:  # biases stay in the compute dtype when the weights are quantized
-            extra.update(q_bias=ArrayInfo((nq, d), dt, ("q_heads", "head_dim"), normal_init(d)),
-                         k_bias=ArrayInfo((nkv, d), dt, ("kv_heads", "head_dim"), normal_init(d)),
-                         v_bias=ArrayInfo((nkv, d), dt, ("kv_heads", "head_dim"), normal_init(d)))
+        extra = attention_extras(cfg)  # biases and q/k norms, as the dense layers declare them
+        q_norm, k_norm = extra.pop("q_norm", None), extra.pop("k_norm", None)  # fields without defaults here
         fs = cfg.shared_expert_intermediate_size
         if fs:  # a dense MLP beside the experts, split over devices as Llama's is
             extra.update(shared_gate=lin(ArrayInfo((fs, h), dt, ("ffw", "embed"), normal_init(h))),
@@ -83,8 +79,8 @@ class MoeLayer:
             wk=lin(ArrayInfo((nkv, d, h), dt, ("kv_heads", "head_dim", "embed"), normal_init(h)), 2),
             wv=lin(ArrayInfo((nkv, d, h), dt, ("kv_heads", "head_dim", "embed"), normal_init(h)), 2),
             wo=lin(ArrayInfo((h, nq, d), dt, ("embed", "q_heads", "head_dim"), normal_init(nq * d))),
-            q_norm=head_norm(),
-            k_norm=head_norm(),
+            q_norm=q_norm,
+            k_norm=k_norm,
             mlp_norm=ArrayInfo((h,), dt, ("norm",), ones_init),
             router=ArrayInfo((e, h), dt, (None, "embed"), normal_init(h)),
             w_gate=lin(ArrayInfo((e, f, h), dt, ("experts", "moe_ffw", "embed"), normal_init(h)), 2),
@@ -134,7 +130,7 @@ def checkpoint_tensors(cfg: LlamaConfig, moe: str, router: str, gate: str, up: s
     into our `[E, ...]` weights) and, with a shared expert, `shared_expert.{gate|up|down}_proj`
     and `shared_expert_gate`."""
     h, f, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
-    nq, nkv, d, fs = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.shared_expert_intermediate_size
+    fs = cfg.shared_expert_intermediate_size
     plan = []
     for t in llama_tensors(cfg.replace(intermediate_size=1)):
         if t.ours.rsplit(".", 1)[-1] in ("w_gate", "w_up", "w_down"):
@@ -144,13 +140,7 @@ def checkpoint_tensors(cfg: LlamaConfig, moe: str, router: str, gate: str, up: s
         if len(name) == 2 and name[1] == "mlp_norm":
             i = int(t.ours.split(".")[1])
             p, m = f"layers.{i}.", f"model.layers.{i}.{moe}."
-            a = f"model.layers.{i}.self_attn."
-            if cfg.attention_bias:
-                plan += [TensorPlan(p + f"{x}_bias", a + f"{x}_proj.bias", (n * d,), _bias_heads(n, d))
-                         for x, n in (("q", nq), ("k", nkv), ("v", nkv))]
-            if cfg.qk_norm:
-                plan += [TensorPlan(p + "q_norm", a + "q_norm.weight", (d,), _identity),
-                         TensorPlan(p + "k_norm", a + "k_norm.weight", (d,), _identity)]
+            plan += attention_extra_tensors(cfg, p, f"model.layers.{i}.self_attn.")
             if fs:
                 se = m + "shared_expert."
                 plan += [TensorPlan(p + "shared_gate", se + "gate_proj.weight", (fs, h), _identity),

@@ -197,7 +197,7 @@ class BlockManager:
         (position `num_computed_tokens`, the earliest any later step computes) sees keys from
         `num_computed_tokens - window + 1` on."""
         table = self.tables.get(seq.seq_id)
-        if not table or getattr(seq, "keeps_all_pages", False):
+        if not table or seq.keeps_all_pages:
             return
         done = self._released.get(seq.seq_id, 0)
         upto = min(len(table), max(0, seq.num_computed_tokens - self.window + 1) // self.page_size)
