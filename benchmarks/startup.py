@@ -24,7 +24,14 @@ process that imports transformers, loads that checkpoint and generates one
 token from the same prompt (`transformers_seconds`), best of `--repeats`.
 Ratios are ours / transformers'.
 
-Writes benchmarks/results/startup_cpu.json (or `--out`).
+On a GPU (`--platform gpu`, what `benchmarks/gpu_check.sh` runs) the model is
+`llama3-8b`: the Llama-3-8B shape with random bf16 weights, written as our own
+checkpoint (no conversion, no transformers peer: loading 16 GB twice would not
+fit the check's time), and the cold server is not waited on for its whole
+background warm-up (`--no-cold_wait_ready`), so the warm start loads the two
+buckets the cold one compiled first and compiles the rest again.
+
+Writes benchmarks/results/startup_cpu.json (or `--out`), after every row.
 """
 
 from __future__ import annotations
@@ -83,8 +90,26 @@ def write_135m_checkpoint(directory: str) -> tuple[str, str]:
     return hf_dir, ours
 
 
+WRITE_8B = """
+import sys
+import jax
+from model.checkpoint import save_checkpoint
+from model.config import config_by_name
+from model.params import init_params
+cfg = config_by_name("llama3-8b")
+save_checkpoint(sys.argv[1], init_params(cfg, jax.random.key(0)), cfg)
+"""
+
+
+def write_8b_checkpoint(directory: str) -> str:
+    """Our checkpoint of the Llama-3-8B shape, random bf16 weights, made on the device and written by orbax
+    in a process of its own (this one must leave the device's memory to the servers)."""
+    subprocess.run([sys.executable, "-c", WRITE_8B, directory], cwd=ROOT, check=True)
+    return directory
+
+
 def time_server(checkpoint: str | None, cache_dir: str, layer_loop: str, extra: list[str],
-                wait_ready: bool = False) -> dict:
+                wait_ready: bool = False, platform_name: str = "cpu") -> dict:
     """One server start: seconds to /health and to the first token, from the process start; with
     `wait_ready`, also until /health reports the background warm-up done (what a server that ran a
     while leaves in the cache for its next start)."""
@@ -93,8 +118,9 @@ def time_server(checkpoint: str | None, cache_dir: str, layer_loop: str, extra: 
            f"--layer_loop={layer_loop}", "--served_model_name=m"] + extra
     if checkpoint:
         cmd.append(f"--checkpoint={checkpoint}")
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env = dict(os.environ, JAX_PLATFORMS=platform_name)
+    if platform_name == "cpu":
+        env.pop("XLA_FLAGS", None)
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -148,8 +174,14 @@ def main(argv=None) -> dict:
     p.add_argument("--models", default="embedded,llama-135m-30l")
     p.add_argument("--layer_loops", default="auto", help="comma-separated --layer_loop values to start with")
     p.add_argument("--repeats", type=int, default=2, help="transformers runs (best kept)")
+    p.add_argument("--platform", default="cpu", choices=("cpu", "gpu"),
+                   help="where the servers run (gpu: the llama3-8b model only)")
+    p.add_argument("--cold_wait_ready", action=argparse.BooleanOptionalAction, default=True,
+                   help="let the cold server finish its background warm-up before the warm start")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "startup_cpu.json"))
     args = p.parse_args(argv)
+    if args.platform == "gpu" and args.models != "llama3-8b":
+        p.error("--platform gpu measures --models llama3-8b")
     work = tempfile.mkdtemp(prefix="ridgeline-startup-")
     results = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
                "prompt_tokens": len(PROMPT), "runs": []}
@@ -158,25 +190,33 @@ def main(argv=None) -> dict:
         if model == "llama-135m-30l":
             hf_dir, checkpoint = write_135m_checkpoint(os.path.join(work, model))
             peer = time_transformers(hf_dir, args.repeats)
+        elif model == "llama3-8b":
+            checkpoint = write_8b_checkpoint(os.path.join(work, model))
         for loop in args.layer_loops.split(","):
             cache_dir = tempfile.mkdtemp(prefix="cache-", dir=work)
             row = {"model": model, "layer_loop": loop, "transformers_seconds": peer}
             for phase in ("cold", "warm"):
-                row[phase] = time_server(checkpoint, cache_dir, loop, [], wait_ready=phase == "cold")
+                row[phase] = time_server(checkpoint, cache_dir, loop, [], platform_name=args.platform,
+                                         wait_ready=phase == "cold" and args.cold_wait_ready)
                 if peer:
                     row[phase]["first_token_vs_transformers"] = round(row[phase]["first_token_seconds"] / peer, 2)
             results["runs"].append(row)
+            save(args.out, results)
             print(f"{model:16s} layer_loop={loop:6s} cold: health {row['cold']['health_seconds']:6.1f} s, first "
                   f"token {row['cold']['first_token_seconds']:6.1f} s | warm: health "
                   f"{row['warm']['health_seconds']:6.1f} s, first token {row['warm']['first_token_seconds']:6.1f} s"
-                  f" (cold warm-up all done at {row['cold']['ready_seconds']:.0f} s)"
+                  + (f" (cold warm-up all done at {row['cold']['ready_seconds']:.0f} s)"
+                     if row["cold"]["ready_seconds"] else "")
                   + (f" | transformers {peer:.1f} s (cold {row['cold']['first_token_vs_transformers']}x, warm "
                      f"{row['warm']['first_token_vs_transformers']}x)" if peer else ""), flush=True)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
+    return results
+
+
+def save(path: str, results: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
         json.dump(results, f, indent=2)
         f.write("\n")
-    return results
 
 
 if __name__ == "__main__":

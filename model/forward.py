@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from kernels_pallas import get_backend
 from model.cache import BatchMetadata, KVCache, StackedKVCache, layer_offsets
 from model.config import LlamaConfig
+from model.layer_select import PerLayer, layer_view
 from model.params import Layer, Weights
 from model.quant import QuantizedArray, linear
 
@@ -101,6 +102,9 @@ def _merge_heads(w, first: int):
     non-contracting] and, with [out, in] weights, does so by transposing the whole weight on every
     call (measured on XLA CPU: batch-1 decode of a 125M model 3x slower). A 2-D [out, in] weight
     is contracted over its last dim as it is."""
+    if isinstance(w, PerLayer):
+        return w.map(functools.partial(_merge_heads, first=first))
+
     def merge(a):
         if a.ndim < first + 2:
             return a
@@ -194,12 +198,15 @@ def _scan_layers(blocks, params: Weights, cache: StackedKVCache, x, md: BatchMet
                  impl, layout):
     """Every layer as one `lax.scan` step: stacked weights and the per-layer data are the scan's inputs, the
     hidden state and the whole stacked KV cache its carry (each layer writes and reads its own rows of it,
-    in place)."""
+    in place). Weights left per layer (a list) are picked inside the body instead (`model.layer_select`)."""
     num_layers, num_pages, page_size = cache.num_layers, cache.num_pages, cache.page_size
+    per_layer_weights = isinstance(params.layers, (list, tuple))
 
     def layer_step(carry, xs):
         x, k, v = carry
         layer, inputs, i = xs
+        if per_layer_weights:
+            layer = layer_view(params.layers, i)
         layer_md = layer_offsets(md, i, num_layers, num_pages, page_size)
         x, k, v = blocks.attention(layer, x, k, v, layer_md, inputs, cfg, impl, layout)
         x = blocks.mlp(layer, x, cfg, layout)
@@ -207,7 +214,8 @@ def _scan_layers(blocks, params: Weights, cache: StackedKVCache, x, md: BatchMet
 
     with jax.named_scope("layers"):
         (x, k, v), _ = jax.lax.scan(layer_step, (x, cache.k, cache.v),
-                                    (params.layers, per_layer, jnp.arange(num_layers, dtype=jnp.int32)))
+                                    (None if per_layer_weights else params.layers, per_layer,
+                                     jnp.arange(num_layers, dtype=jnp.int32)))
     return x, StackedKVCache(k=k, v=v, num_layers=num_layers)
 
 

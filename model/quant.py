@@ -152,6 +152,10 @@ def linear(spec: str, x, w, **kwargs):
     "thd,ehd->te") work the same way. A float weight
     takes exactly the old path, so unquantized programs are unchanged.
     """
+    from model.layer_select import PerLayer, selected_linear  # (it builds on this module)
+
+    if isinstance(w, PerLayer):  # one matrix per layer, picked inside a scan (`model.layer_select`)
+        return selected_linear(spec, x, w, **kwargs)
     if not isinstance(w, QuantizedArray):
         return jnp.einsum(spec, x, w, **kwargs)
     out = jnp.einsum(spec, x, w.data.astype(x.dtype), **kwargs)

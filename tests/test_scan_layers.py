@@ -51,10 +51,12 @@ def _cfg(layers):
                        num_kv_heads=2, head_dim=32, dtype="float32")
 
 
-def _step_hlo(layers, stacked, num_pages=64, page_size=16):
+def _step_hlo(layers, stacked, num_pages=64, page_size=16, per_layer_weights=False):
+    """The compiled forward: unrolled, scanned over stacked weights, or (`per_layer_weights`) scanned with
+    each matmul picking its layer's matrix (`model.layer_select`, what XLA CPU runs)."""
     cfg = _cfg(layers)
     params = init_params(cfg, jax.random.PRNGKey(layers))
-    if stacked:
+    if stacked and not per_layer_weights:
         params = stack_layers(params)
     cache = init_cache(cfg, num_pages, page_size, stacked=stacked)
     tokens, md = pack_batch([(list(range(1, 6)), 0, [3])], page_size=page_size, num_pages=num_pages, num_tokens=8,
@@ -98,3 +100,33 @@ def test_kv_pages_leave_and_enter_a_stacked_pool_as_they_do_a_per_layer_one():
     for runner in runners.values():
         back = np.asarray(runner.export_pages([5]))[:, :, 0, :len(slots)]
         np.testing.assert_array_equal(back, kv)
+
+
+def test_the_cpu_scan_reads_every_weight_where_it_lies():
+    """Scanning stacked weights, XLA CPU materialises each layer's slice of every matrix on every step; the
+    switch-picked matrices (`model.layer_select`) are read in place, and the program still holds one layer
+    body: deeper models add a one-dot branch per matmul, not a layer."""
+    matrices = r"f32\[(256,128|128,256)\]\{[\d,]*\} (copy|dynamic-slice|slice|fusion)\("  # w_gate/w_up, w_down
+    stacked = _step_hlo(8, True)[0]
+    assert re.search(matrices, stacked)  # what the stacked scan pays for
+    select2, select8 = _step_hlo(2, True, per_layer_weights=True)[0], _step_hlo(8, True, per_layer_weights=True)[0]
+    assert not re.findall(matrices, select8)
+    unrolled2, unrolled8 = _step_hlo(2, False)[0], _step_hlo(8, False)[0]
+    per_layer_unrolled = (_num_instructions(unrolled8) - _num_instructions(unrolled2)) / 6
+    per_layer_select = (_num_instructions(select8) - _num_instructions(select2)) / 6
+    assert per_layer_select < 0.25 * per_layer_unrolled, (per_layer_select, per_layer_unrolled)
+
+
+def test_per_layer_weights_scan_to_the_unrolled_result():
+    cfg = _cfg(3)
+    params = init_params(cfg, jax.random.PRNGKey(5))
+    tokens, md = pack_batch([(list(range(1, 6)), 0, [3]), (list(range(7, 10)), 0, [5])], page_size=16,
+                            num_pages=64, num_tokens=8, max_seqs=2, pages_per_seq=4)
+    fn = jax.jit(forward, static_argnames=("cfg", "backend"))
+    outs = {}
+    for name, p, stacked in (("unrolled", params, False), ("select", params, True),
+                             ("stacked", stack_layers(params), True)):
+        logits, _ = fn(p, init_cache(cfg, 64, 16, stacked=stacked), tokens, md, cfg=cfg, backend="xla")
+        outs[name] = np.asarray(logits)
+    np.testing.assert_allclose(outs["select"], outs["unrolled"], atol=1e-5)
+    np.testing.assert_allclose(outs["stacked"], outs["unrolled"], atol=1e-5)

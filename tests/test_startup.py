@@ -132,3 +132,9 @@ def test_a_bucket_saved_by_an_earlier_process_loads_instead_of_padding(tmp_path,
     assert programs.shape_for(shapes[1]) == shapes[1]  # saved: loads on demand
     assert programs.shape_for(shapes[2]) == shapes[3]  # not saved: the smallest compiled bucket holding it
     assert programs.steps_in_larger_bucket == 1
+
+    # The background compiles what nobody saved and leaves the saved bucket to load on first use.
+    programs.start_background()
+    assert programs.wait(timeout=60)
+    assert programs.is_compiled(shapes[2]) and not programs.is_compiled(shapes[1])
+    assert programs.stats().ready and programs.shape_for(shapes[1]) == shapes[1]

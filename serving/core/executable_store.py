@@ -19,6 +19,11 @@ it): keep it where only the server's user can write. A key whose text is not
 stable across processes (an object printed with its address) is never stored.
 An entry that fails to load is removed and the bucket compiles as usual. A
 multi-process run does not use the store.
+
+The runner's small programs (page copies, the sampling controls' row load) go
+through `call`, which stores them the same way under their argument
+signature (`.fn` entries): a warm start then lowers nothing at all, which also
+spares it MLIR's start-up (about 0.4 s the first lowering of a process pays).
 """
 
 from __future__ import annotations
@@ -29,15 +34,18 @@ import logging
 import os
 import pickle
 import tempfile
+import weakref
 from typing import Optional
 
 import jax
+import numpy as np
 
 log = logging.getLogger("ridgeline.warmup")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SOURCE_DIRS = ("model", "kernels_pallas", "sharding", os.path.join("serving", "core"))
 SUFFIX = ".step"
+FUNCTION_SUFFIX = ".fn"  # the small programs of `call`
 # JAX options that change what a traced step lowers to.
 _LOWERING_OPTIONS = ("jax_default_matmul_precision", "jax_enable_x64", "jax_numpy_rank_promotion",
                      "jax_default_prng_impl", "jax_threefry_partitionable")
@@ -71,15 +79,16 @@ def _environment() -> str:
 class ExecutableStore:
     """Saves and loads step executables by the runner's key of the bucket."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, suffix: str = SUFFIX):
         self.directory = directory
+        self.suffix = suffix  # SUFFIX for step executables, FUNCTION_SUFFIX for `call`'s
 
     def path(self, key) -> Optional[str]:
         text = repr(key)
         if " at 0x" in text:  # an object without a stable text: no name across processes
             return None
         digest = hashlib.sha256((text + "\0" + _environment()).encode()).hexdigest()
-        return os.path.join(self.directory, digest + SUFFIX)
+        return os.path.join(self.directory, digest + self.suffix)
 
     def load(self, key):
         """The stored executable of `key`, or None."""
@@ -120,17 +129,51 @@ class ExecutableStore:
             log.warning("step executable not stored (%s)", e)
 
 
-def current() -> Optional[ExecutableStore]:
+def current(suffix: str = SUFFIX) -> Optional[ExecutableStore]:
     """The store beside the persistent compilation cache in use; None when that cache is off."""
     directory = jax.config.jax_compilation_cache_dir
     if not directory or jax.process_count() > 1:  # processes compile together; each sees only its devices
         return None
-    return ExecutableStore(os.path.join(directory, "steps"))
+    return ExecutableStore(os.path.join(directory, "steps"), suffix)
 
 
-def entries(directory: Optional[str]) -> int:
-    """Step executables stored under a compilation cache directory."""
+_TABLE: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()  # (name, signature) -> executable
+_functions_compiled = 0  # executables `call` compiled (every caller)
+
+
+def functions_compiled() -> int:
+    """Executables compiled by `call` so far in this process."""
+    return _functions_compiled
+
+
+def call(jitted, name: str, held: dict, *args):
+    """`jitted(*args)` through an executable the store keeps for the arguments' signature (tree, shapes,
+    dtypes, shardings), so that a warm start neither traces nor lowers the small programs beside the step
+    (the runner's page copies, the sampling controls' row load). `held`: the caller's dict, which keeps its
+    executables alive (the process-wide table holds them weakly, as `step_programs` does). Without a store
+    (no persistent cache, several processes) this is `jitted(*args)`."""
+    global _functions_compiled
+    store = current(FUNCTION_SUFFIX)
+    if store is None:
+        return jitted(*args)
+    leaves, treedef = jax.tree.flatten(args)
+    signature = (treedef, tuple((np.shape(x), np.dtype(getattr(x, "dtype", None) or np.result_type(x)).name,
+                                 getattr(x, "sharding", None)) for x in leaves))
+    exe = held.get(signature)
+    if exe is None:
+        key = (name, signature)
+        exe = _TABLE.get(key) or store.load(key)
+        if exe is None:
+            exe = jitted.lower(*args).compile()
+            store.save(key, exe)
+            _functions_compiled += 1
+        _TABLE[key] = held[signature] = exe
+    return exe(*args)
+
+
+def entries(directory: Optional[str], suffix: str = SUFFIX) -> int:
+    """Step executables (or with `FUNCTION_SUFFIX`, `call`'s) stored under a compilation cache directory."""
     steps = os.path.join(directory or "", "steps")
     if not directory or not os.path.isdir(steps):
         return 0
-    return sum(1 for name in os.listdir(steps) if name.endswith(SUFFIX))
+    return sum(1 for name in os.listdir(steps) if name.endswith(suffix))

@@ -79,8 +79,22 @@ class Buckets:
             raise ValueError(f"{n} pages exceed the {self.max_pages_per_seq} pages of max_model_len")
         return sizes[i]
 
+    def step_pages(self, num_tokens_bucket: int, n: int) -> int:
+        """The page bucket of a step of `num_tokens_bucket` tokens whose longest block table has `n` pages.
+
+        A decode-sized step (no more tokens than `max_num_seqs`, so one query row per sequence slot)
+        always takes the largest: its attention visits each row's live pages whatever the bucket
+        (`kernels_pallas.xla_attention`'s page pairs, the Pallas kernels' dynamic KV loop), so smaller
+        page buckets would only multiply its step shapes. A larger step gets its own power of two:
+        there attention gathers whole tables."""
+        if num_tokens_bucket <= self.max_num_seqs:
+            self.pages_for(n)  # (the same error for a table longer than max_model_len)
+            return self.page_sizes[-1]
+        return self.pages_for(n)
+
     def all_shapes(self) -> list[tuple[int, int, int]]:
-        return [(t, self.seqs_for(t), p) for t in self.token_sizes for p in self.page_sizes]
+        return [(t, self.seqs_for(t), p) for t in self.token_sizes
+                for p in (self.page_sizes if t > self.max_num_seqs else self.page_sizes[-1:])]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +193,7 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
     T = buckets.tokens_for(max(total, num_rows, 1))
     S = buckets.seqs_for(T)
     seq_tables = [tables[it.seq.seq_id] for it in items]
-    P = buckets.pages_for(max((len(t) for t in seq_tables), default=1))
+    P = buckets.step_pages(T, max((len(t) for t in seq_tables), default=1))
     shape = StepShape(T, S, P)
     if shape_for is not None:
         shape = shape_for(shape)

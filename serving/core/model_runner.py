@@ -27,9 +27,10 @@ import numpy as np
 from model.cache import BatchMetadata, StackedKVCache, cache_bytes, init_cache
 from model.config import ModelConfig
 from model.forward import forward
+from model.layer_select import selects_layers
 from model.params import param_bytes, stack_layers
 from serving.core.input_batch import Buckets, StepShape, StepBatch
-from serving.core import sampling_controls
+from serving.core import executable_store, sampling_controls
 from serving.core.sampler import SamplingInputs, sample
 from serving.core.sampling_table import ROW_PARAMS
 from serving.core.step_programs import StepPrograms, compiled_total
@@ -129,7 +130,7 @@ _copy_jit = jax.jit(_copy_pages, donate_argnums=(0,))
 def compilation_count() -> int:
     """Executables compiled so far for the step and page-copy functions (all runners)."""
     return (_step_jit._cache_size() + _copy_jit._cache_size() + sampling_controls.load_jit._cache_size()
-            + compiled_total())
+            + compiled_total() + executable_store.functions_compiled())
 
 
 class StepResult:
@@ -182,6 +183,7 @@ class ModelRunner:
         self.copy_sizes = _pow4_upto(buckets.max_num_seqs)  # buckets of copy-on-write pairs per step
         self._all_allowed_masks: dict = {}  # rows -> resident all-ones token bitmask (`_all_allowed`)
         self.programs = StepPrograms(self._lower_step, self._program_key)
+        self._small_programs: dict = {}  # the page copies' and control loads' executables (`executable_store.call`)
         self.controls = None  # sampling_controls.ControlState, threaded through every step
         if control_slots > 0 and self.controls_unsupported() is None:
             # placed like the feed: on the one device, or replicated over the layout's mesh
@@ -197,7 +199,8 @@ class ModelRunner:
             params = jax.device_put(params, self.layout.param_shardings(self.cfg))
             cache_shardings = self.layout.cache_shardings(self.cfg, self.num_pages, self.page_size, cache_dtype)
         if self.scan_layers:
-            params = stack_layers(params, None if self.layout is None else _stacked(params.layers[0]))
+            if not selects_layers(params.layers, jax.default_backend()):  # else the scan picks per-layer arrays
+                params = stack_layers(params, None if self.layout is None else _stacked(params.layers[0]))
             if cache_shardings is not None:  # one layer's page sharding covers the stacked pages too
                 cache_shardings = StackedKVCache(cache_shardings.k[0], cache_shardings.v[0], self.cfg.num_layers)
         cache = init_cache(self.cfg, self.num_pages, self.page_size, cache_dtype, shardings=cache_shardings,
@@ -241,7 +244,8 @@ class ModelRunner:
     def _copy(self, src, dst):
         if self.dispatch_hook is not None:
             self.dispatch_hook("copy", src, dst)
-        self.cache = _copy_jit(self.cache, *self._host_inputs(src, dst))
+        self.cache = executable_store.call(_copy_jit, "copy-pages", self._small_programs, self.cache,
+                                           *self._host_inputs(src, dst))
         return self.cache
 
     def _run(self, ibuf, fbuf, shape, token_mask=None):
@@ -319,7 +323,8 @@ class ModelRunner:
 
     def load_controls(self, slot: int, row: tuple) -> None:
         """Writes one slot's row (`sampling_controls.host_row`) before the next step reads it."""
-        self.controls = sampling_controls.load_jit(self.controls, *self._host_inputs(np.int32(slot), *row))
+        self.controls = executable_store.call(sampling_controls.load_jit, "load-controls", self._small_programs,
+                                              self.controls, *self._host_inputs(np.int32(slot), *row))
 
     @property
     def param_bytes(self) -> int:
@@ -453,16 +458,21 @@ class ModelRunner:
             shapes = self._warm_up_shapes(self._run)
             return {"seconds": time.perf_counter() - t0, "compiled": self.compilation_count() - before,
                     "shapes": shapes, "background": 0}
-        info = self.programs.warm_up(self.warm_up_order(), background=background, start_thread=False)
-        for size in self.copy_sizes:
-            self._copy(np.zeros(size, np.int32), np.full(size, self.num_pages, np.int32))
-        self._warm_up_controls()
+        self._program_key(self.warm_up_order()[0])  # the argument specs, taken before the copies donate the cache
+        info = self.programs.warm_up(self.warm_up_order(), background=background, start_thread=False,
+                                     meanwhile=self._warm_up_small_programs)
         jax.block_until_ready(self.cache)
         if start_thread and info["background"]:  # after the page copies: a tracing thread would slow them
             self.programs.start_background()
         info.update(seconds=time.perf_counter() - t0, compiled=self.compilation_count() - before,
                     shapes=info["shapes"] + len(self.copy_sizes))
         return info
+
+    def _warm_up_small_programs(self) -> None:
+        """The page copies (every size; all padding, so nothing moves) and the control row load."""
+        for size in self.copy_sizes:
+            self._copy(np.zeros(size, np.int32), np.full(size, self.num_pages, np.int32))
+        self._warm_up_controls()
 
     def _warm_up_controls(self) -> None:
         if self.controls is not None:  # slot 0 written as it starts (nothing holds it yet)
@@ -482,9 +492,7 @@ class ModelRunner:
             shape = StepShape(T, S, P)
             ibuf, fbuf, _ = shape.empty(pad)
             run_step(ibuf, fbuf, shape)
-        for size in self.copy_sizes:
-            self._copy(np.zeros(size, np.int32), np.full(size, self.num_pages, np.int32))
-        self._warm_up_controls()
+        self._warm_up_small_programs()
         jax.block_until_ready(self.cache)
         return len(shapes) + len(self.copy_sizes)
 

@@ -15,6 +15,8 @@ directly, which lets startup be split:
   tokens are inert, so the step's results are the same. A bucket an earlier
   process saved whole (`executable_store`) is loaded on demand instead: that
   takes a fraction of a second, a padded step of a deep model on CPU seconds.
+  The background thread leaves such buckets to load on first use (it counts
+  them as ready), so a warm restart serves without loads competing with it.
 * A bucket nobody compiled yet (no warm-up: scripts, tests) compiles on first
   use, as `jit` would. After a warm-up such a compile is counted
   (`stats().compiles_after_ready`): it means a shape escaped the bucket set.
@@ -30,6 +32,7 @@ suite, a notebook) does not keep every program it ever compiled.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -95,29 +98,30 @@ class StepPrograms:
         key = self._key(shape)
         exe = self._own.get(key)
         if exe is None:
-            exe = self._compile(shape, key, on_demand=True)
+            exe, _ = self._compile(shape, key, on_demand=True)
         return exe
 
     def _compile(self, shape, key, on_demand: bool):
+        """(executable, how): "found" in the table, "loaded" from the store or "compiled" now."""
         global _compiled_total
         while True:
             with _LOCK:
                 exe = _TABLE.get(key)
                 if exe is not None:
                     self._own[key] = exe
-                    return exe
+                    return exe, "found"
                 pending = _IN_PROGRESS.get(key)
                 if pending is None:
                     _IN_PROGRESS[key] = threading.Event()
                     break
             pending.wait()  # another thread is compiling it; then take its result
         try:
-            exe = self._load_stored(key)
+            exe, how = self._load_stored(key), "loaded"
             if exe is None:
                 if on_demand and self._warmed_up:
                     self.compiles_after_ready += 1
                     log.warning("compiling step bucket T=%d, P=%d on demand after warm-up", shape.T, shape.P)
-                exe = self._lower(shape).compile()
+                exe, how = self._lower(shape).compile(), "compiled"
                 store = executable_store.current()
                 if store is not None:
                     store.save(key, exe)
@@ -125,7 +129,7 @@ class StepPrograms:
                 _TABLE[key] = exe
                 self._own[key] = exe
                 _compiled_total += 1
-            return exe
+            return exe, how
         finally:
             with _LOCK:
                 _IN_PROGRESS.pop(key).set()
@@ -167,17 +171,19 @@ class StepPrograms:
         return min(holders, key=lambda s: (s.T, s.P))
 
     # --- warm-up --------------------------------------------------------------------------------
-    def warm_up(self, shapes: list, *, background: bool, start_thread: bool = True) -> dict:
+    def warm_up(self, shapes: list, *, background: bool, start_thread: bool = True,
+                meanwhile: Optional[Callable] = None) -> dict:
         """Compiles `shapes`: all of them now, or with `background` the minimal set now (the first and
         the last of `shapes`, which must be sorted smallest to largest) and the rest in a thread
-        (`start_thread=False` leaves them for `start_background()`). Returns seconds, how many
+        (`start_thread=False` leaves them for `start_background()`). `meanwhile()` runs on this thread
+        while the minimal set compiles (the caller's own small programs). Returns seconds, how many
         compiled now and how many were left to the background."""
         t0 = time.perf_counter()
         self._warm_set = list(shapes)
         first = [shapes[0], shapes[-1]] if background and len(shapes) > 2 else list(shapes)
         self._rest = [s for s in shapes if s not in first]
         compiled_before = _compiled_total
-        self._compile_all(first, t0, len(shapes))
+        self._compile_in_pairs(first, t0, len(shapes), meanwhile)
         self._warmed_up = True
         info = {"seconds": time.perf_counter() - t0, "compiled": _compiled_total - compiled_before,
                 "shapes": len(first), "background": len(self._rest)}
@@ -192,22 +198,38 @@ class StepPrograms:
         """Starts compiling the buckets a `warm_up(background=True, start_thread=False)` left."""
         self._thread.start()
 
+    def _compile_in_pairs(self, shapes: list, t0: float, total: int, meanwhile: Optional[Callable]) -> None:
+        """`shapes` compiled on two threads, `meanwhile()` on this one. Tracing a step holds the GIL, but
+        XLA's compile of it does not, so on two cores the minimal set is ready in about the time of
+        its slower member instead of the sum of both."""
+        with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="ridgeline-warmup") as pool:
+            done = [pool.submit(self._compile_all, shapes[i::2], t0, total) for i in range(2)]
+            if meanwhile is not None:
+                meanwhile()
+            for future in done:
+                future.result()  # re-raises a failed compile
+
     def _compile_all(self, shapes: list, t0: Optional[float], total: int) -> None:
         t0 = time.perf_counter() if t0 is None else t0
+        background = self._thread is not None and threading.current_thread() is self._thread
         for i, shape in enumerate(shapes):
             if self._stopping:
                 return
             t = time.perf_counter()
             key = self._key(shape)
-            found = key in _TABLE
-            self._compile(shape, key, on_demand=False)  # takes the table's executable when found
+            if background and not self.is_compiled(shape) and self._is_stored(shape):
+                # Saved whole by an earlier process: it loads on first use in a fraction of a second, so
+                # loading it now would only compete with the requests being served.
+                how = "stored (loads on first use)"
+            else:
+                _, how = self._compile(shape, key, on_demand=False)  # takes the table's executable when found
+                how += f" in {time.perf_counter() - t:.1f} s"
             self._compiled.add(shape)
             elapsed = time.perf_counter() - t0
             left = len(shapes) - i - 1
-            log.info("step executable %d/%d (T=%d, P=%d) %s in %.1f s; %.0f s elapsed%s", len(self._compiled), total,
-                     shape.T, shape.P, "found" if found else "compiled", time.perf_counter() - t, elapsed,
-                     f", about {elapsed / (i + 1) * left:.0f} s left" if left else "")
-        if self._thread is not None and threading.current_thread() is self._thread:
+            log.info("step executable %d/%d (T=%d, P=%d) %s; %.0f s elapsed%s", len(self._compiled), total,
+                     shape.T, shape.P, how, elapsed, f", about {elapsed / (i + 1) * left:.0f} s left" if left else "")
+        if background:
             log.info("warm-up done: all %d step executables ready (%d steps ran in a larger bucket meanwhile)",
                      total, self.steps_in_larger_bucket)
 

@@ -192,7 +192,7 @@ class DraftModelProposer:
         T = self.buckets.tokens_for(total)
         S = self.buckets.seqs_for(T)
         tables = [self.bm.tables[seq.seq_id] for seq, _, _, _ in items]
-        P = self.buckets.pages_for(max(len(t) for t in tables))
+        P = self.buckets.step_pages(T, max(len(t) for t in tables))
         shape = StepShape(T, S, P)
         ibuf, fbuf, v = shape.empty(self.num_pages * ps)
         toks = []
