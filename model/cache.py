@@ -104,12 +104,18 @@ def layer_offsets(md: "BatchMetadata", layer, num_layers: int, num_pages: int, p
 def init_cache(cfg: LlamaConfig, num_pages: int, page_size: int, dtype=None, shardings=None,
                stacked: bool = False):
     """A zeroed cache: per-layer arrays (`KVCache`), or with `stacked` one `StackedKVCache`."""
+    return cache_builder(cfg, num_pages, page_size, dtype, shardings, stacked)()
+
+
+def cache_builder(cfg: LlamaConfig, num_pages: int, page_size: int, dtype=None, shardings=None,
+                  stacked: bool = False):
+    """The jitted, argument-free program `init_cache` runs (for callers that keep its executable)."""
     decl = (StackedKVCache if stacked else KVCache).declare(cfg, num_pages, page_size, dtype)
 
     def build():
         return jax.tree.map(lambda i: jnp.zeros(i.shape, i.dtype), decl, is_leaf=is_array_info)
 
-    return jax.jit(build, out_shardings=shardings)()
+    return jax.jit(build, out_shardings=shardings)
 
 
 def cache_bytes(cache: KVCache) -> int:

@@ -7,14 +7,14 @@ and shardings (`sharding.rules` maps logical axes to mesh axes), so the three
 can never disagree.
 
 Layers are declared, stored and converted as a list of per-layer arrays (the
-checkpoint's naming, `layers.3.wq`). The serving runner stacks them once at
-load (`stack_layers`: one `Layer` whose leaves have a leading `[num_layers]`
-axis) so that the forward runs one `jax.lax.scan` over layers and compiles one
-layer body whatever the depth. On XLA CPU the scan's per-layer slice of a
-stacked weight is a copy (measured: batch-1 decode of 8 layers of 1024x2816
-fp32 weights 3x slower than unrolled; the GPU compiler feeds the slice to its
-matmuls in place), which is why the unrolled list stays the form everything
-else uses and `scan_layers` can be turned off.
+checkpoint's naming, `layers.3.wq`). To scan over layers (one `jax.lax.scan`,
+one compiled layer body whatever the depth) the serving runner stacks them
+once at load (`stack_layers`: one `Layer` whose leaves have a leading
+`[num_layers]` axis), except on XLA CPU: there the scan's per-layer slice of a
+stacked weight is a copy (batch-1 decode of 8 layers of 1024x2816 fp32
+weights 4x slower than unrolled; the GPU compiler feeds the slice to its
+matmuls in place), so the list stays and the scanned body picks each matrix
+by `lax.switch` (`model.layer_select`).
 """
 
 from __future__ import annotations

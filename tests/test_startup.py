@@ -138,3 +138,20 @@ def test_a_bucket_saved_by_an_earlier_process_loads_instead_of_padding(tmp_path,
     assert programs.wait(timeout=60)
     assert programs.is_compiled(shapes[2]) and not programs.is_compiled(shapes[1])
     assert programs.stats().ready and programs.shape_for(shapes[1]) == shapes[1]
+
+
+def test_decode_sized_steps_share_the_largest_page_bucket():
+    """Fewer step shapes: a decode-sized step of 16 or more rows always takes the largest page bucket (its
+    attention visits each row's live pages whatever the bucket); the smallest steps and the prefill-sized
+    ones keep a bucket per page count."""
+    from serving.core.input_batch import Buckets
+
+    b = Buckets(max_num_batched_tokens=512, max_num_seqs=64, max_pages_per_seq=128, min_pages=4)
+    shapes = b.all_shapes()
+    assert len(shapes) == 4 * 6 + 3 + 3 * 6  # was 10 token sizes x 6 page counts = 60
+    assert {p for t, _, p in shapes if 16 <= t <= 64} == {128}
+    assert {p for t, _, p in shapes if t <= 8 or t > 64} == {4, 8, 16, 32, 64, 128}
+    assert (b.step_pages(8, 3), b.step_pages(16, 3), b.step_pages(64, 3), b.step_pages(128, 3)) == (4, 128, 128, 4)
+    assert all((t, s, b.step_pages(t, 3)) in shapes for t, s, _ in shapes)  # every step lands in the set
+    with pytest.raises(ValueError, match="exceed"):
+        b.step_pages(16, 129)

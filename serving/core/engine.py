@@ -47,8 +47,8 @@ PromptType = Union[str, list, dict]
 
 
 def scans_layers(layer_loop: str) -> bool:
-    """Whether steps scan over layers (`EngineConfig.layer_loop`; "auto": everywhere but on CPU)."""
-    return layer_loop == "scan" or (layer_loop == "auto" and jax.default_backend() != "cpu")
+    """Whether steps scan over layers (`EngineConfig.layer_loop`; "auto" scans, "unroll" does not)."""
+    return layer_loop in ("auto", "scan")
 
 
 class ContextLengthError(InvalidParameterError):

@@ -34,11 +34,14 @@ import logging
 import os
 import pickle
 import tempfile
+import time
 import weakref
 from typing import Optional
 
 import jax
 import numpy as np
+
+from serving.core import compile_cache
 
 log = logging.getLogger("ridgeline.warmup")
 
@@ -142,7 +145,8 @@ _functions_compiled = 0  # executables `call` compiled (every caller)
 
 
 def functions_compiled() -> int:
-    """Executables compiled by `call` so far in this process."""
+    """Executables `call` compiled or loaded so far in this process (as `step_programs.compiled_total`
+    counts the steps': what `model_runner.compilation_count` adds up)."""
     return _functions_compiled
 
 
@@ -159,15 +163,20 @@ def call(jitted, name: str, held: dict, *args):
     leaves, treedef = jax.tree.flatten(args)
     signature = (treedef, tuple((np.shape(x), np.dtype(getattr(x, "dtype", None) or np.result_type(x)).name,
                                  getattr(x, "sharding", None)) for x in leaves))
-    exe = held.get(signature)
+    key = (name, signature)
+    exe = held.get(key)
     if exe is None:
-        key = (name, signature)
-        exe = _TABLE.get(key) or store.load(key)
+        exe = _TABLE.get(key)
         if exe is None:
-            exe = jitted.lower(*args).compile()
-            store.save(key, exe)
+            t = time.perf_counter()
+            exe = store.load(key)
+            if exe is not None:
+                compile_cache.count_stored_load(time.perf_counter() - t)
+            else:
+                exe = jitted.lower(*args).compile()
+                store.save(key, exe)
             _functions_compiled += 1
-        _TABLE[key] = held[signature] = exe
+        _TABLE[key] = held[key] = exe
     return exe(*args)
 
 

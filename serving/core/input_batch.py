@@ -39,6 +39,9 @@ from serving.core.sequence import Sequence
 NUM_FLAGS = 3  # any_random, any_filter, want_logprobs
 
 
+ONE_PAGE_BUCKET_FROM = 16  # decode-sized steps of at least this many tokens use one page bucket (`Buckets`)
+
+
 @dataclasses.dataclass(frozen=True)
 class Buckets:
     """The padded shapes the step is compiled for."""
@@ -79,22 +82,25 @@ class Buckets:
             raise ValueError(f"{n} pages exceed the {self.max_pages_per_seq} pages of max_model_len")
         return sizes[i]
 
-    def step_pages(self, num_tokens_bucket: int, n: int) -> int:
-        """The page bucket of a step of `num_tokens_bucket` tokens whose longest block table has `n` pages.
+    def one_page_bucket(self, num_tokens_bucket: int) -> bool:
+        """Whether steps of this many tokens all take the largest page bucket: decode-sized ones (no more
+        tokens than `max_num_seqs`, one query row per sequence slot) of at least `ONE_PAGE_BUCKET_FROM`
+        rows. Their attention visits each row's live pages whatever the bucket (the page pairs of
+        `kernels_pallas.xla_attention`, the Pallas kernels' dynamic KV loop), so smaller page buckets only
+        multiply step shapes. Measured on CPU (embedded model, docs/performance.md): 16 and 64 decoding
+        rows as fast in the largest bucket as in their own; one row 1.7x slower (its few pages are then
+        one chunk of the whole bucket's pairs), which is why the smallest steps keep every page bucket.
+        A larger step gets its own power of two: there attention gathers whole tables."""
+        return ONE_PAGE_BUCKET_FROM <= num_tokens_bucket <= self.max_num_seqs
 
-        A decode-sized step (no more tokens than `max_num_seqs`, so one query row per sequence slot)
-        always takes the largest: its attention visits each row's live pages whatever the bucket
-        (`kernels_pallas.xla_attention`'s page pairs, the Pallas kernels' dynamic KV loop), so smaller
-        page buckets would only multiply its step shapes. A larger step gets its own power of two:
-        there attention gathers whole tables."""
-        if num_tokens_bucket <= self.max_num_seqs:
-            self.pages_for(n)  # (the same error for a table longer than max_model_len)
-            return self.page_sizes[-1]
-        return self.pages_for(n)
+    def step_pages(self, num_tokens_bucket: int, n: int) -> int:
+        """The page bucket of a step of `num_tokens_bucket` tokens whose longest block table has `n` pages."""
+        pages = self.pages_for(n)  # (an error for a table longer than max_model_len either way)
+        return self.page_sizes[-1] if self.one_page_bucket(num_tokens_bucket) else pages
 
     def all_shapes(self) -> list[tuple[int, int, int]]:
         return [(t, self.seqs_for(t), p) for t in self.token_sizes
-                for p in (self.page_sizes if t > self.max_num_seqs else self.page_sizes[-1:])]
+                for p in (self.page_sizes[-1:] if self.one_page_bucket(t) else self.page_sizes)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.cache import BatchMetadata, StackedKVCache, cache_bytes, init_cache
+from model.cache import BatchMetadata, StackedKVCache, cache_builder, cache_bytes
 from model.config import ModelConfig
 from model.forward import forward
 from model.layer_select import selects_layers
@@ -176,6 +176,7 @@ class ModelRunner:
         self.buckets = buckets
         self.backend = backend
         self.layout = layout
+        self._small_programs: dict = {}  # executables of the cache's zeroing, the page copies, the control loads
         self.params, self.cache = self.place(params, cache_dtype)
         # The last step's sampled ids, padded to the most logit rows a step has: the next step
         # reads its placeholder tokens from it (`feed_tokens`) without a trip through the host.
@@ -183,7 +184,6 @@ class ModelRunner:
         self.copy_sizes = _pow4_upto(buckets.max_num_seqs)  # buckets of copy-on-write pairs per step
         self._all_allowed_masks: dict = {}  # rows -> resident all-ones token bitmask (`_all_allowed`)
         self.programs = StepPrograms(self._lower_step, self._program_key)
-        self._small_programs: dict = {}  # the page copies' and control loads' executables (`executable_store.call`)
         self.controls = None  # sampling_controls.ControlState, threaded through every step
         if control_slots > 0 and self.controls_unsupported() is None:
             # placed like the feed: on the one device, or replicated over the layout's mesh
@@ -203,8 +203,11 @@ class ModelRunner:
                 params = stack_layers(params, None if self.layout is None else _stacked(params.layers[0]))
             if cache_shardings is not None:  # one layer's page sharding covers the stacked pages too
                 cache_shardings = StackedKVCache(cache_shardings.k[0], cache_shardings.v[0], self.cfg.num_layers)
-        cache = init_cache(self.cfg, self.num_pages, self.page_size, cache_dtype, shardings=cache_shardings,
-                           stacked=self.scan_layers)
+        # Zeroed by a program the store keeps (its argument-free signature says nothing: the name says what).
+        build = cache_builder(self.cfg, self.num_pages, self.page_size, cache_dtype, cache_shardings, self.scan_layers)
+        name = repr(("init-cache", self.cfg, self.num_pages, self.page_size, str(cache_dtype), self.scan_layers,
+                     cache_shardings))
+        cache = executable_store.call(build, name, self._small_programs)
         if self.layout is None:  # committed like the step's output, or the first step shape compiles twice
             cache = jax.device_put(cache, jax.devices()[0])
         return params, cache
@@ -458,9 +461,8 @@ class ModelRunner:
             shapes = self._warm_up_shapes(self._run)
             return {"seconds": time.perf_counter() - t0, "compiled": self.compilation_count() - before,
                     "shapes": shapes, "background": 0}
-        self._program_key(self.warm_up_order()[0])  # the argument specs, taken before the copies donate the cache
-        info = self.programs.warm_up(self.warm_up_order(), background=background, start_thread=False,
-                                     meanwhile=self._warm_up_small_programs)
+        info = self.programs.warm_up(self.warm_up_order(), background=background, start_thread=False)
+        self._warm_up_small_programs()
         jax.block_until_ready(self.cache)
         if start_thread and info["background"]:  # after the page copies: a tracing thread would slow them
             self.programs.start_background()

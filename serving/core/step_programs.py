@@ -32,7 +32,6 @@ suite, a notebook) does not keep every program it ever compiled.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -171,19 +170,18 @@ class StepPrograms:
         return min(holders, key=lambda s: (s.T, s.P))
 
     # --- warm-up --------------------------------------------------------------------------------
-    def warm_up(self, shapes: list, *, background: bool, start_thread: bool = True,
-                meanwhile: Optional[Callable] = None) -> dict:
+    def warm_up(self, shapes: list, *, background: bool, start_thread: bool = True) -> dict:
         """Compiles `shapes`: all of them now, or with `background` the minimal set now (the first and
         the last of `shapes`, which must be sorted smallest to largest) and the rest in a thread
-        (`start_thread=False` leaves them for `start_background()`). `meanwhile()` runs on this thread
-        while the minimal set compiles (the caller's own small programs). Returns seconds, how many
-        compiled now and how many were left to the background."""
+        (`start_thread=False` leaves them for `start_background()`). Returns seconds, how many
+        compiled now and how many were left to the background. (One at a time: XLA CPU's compile of
+        one step already keeps two cores busy; two compiles at once took as long in all.)"""
         t0 = time.perf_counter()
         self._warm_set = list(shapes)
         first = [shapes[0], shapes[-1]] if background and len(shapes) > 2 else list(shapes)
         self._rest = [s for s in shapes if s not in first]
         compiled_before = _compiled_total
-        self._compile_in_pairs(first, t0, len(shapes), meanwhile)
+        self._compile_all(first, t0, len(shapes))
         self._warmed_up = True
         info = {"seconds": time.perf_counter() - t0, "compiled": _compiled_total - compiled_before,
                 "shapes": len(first), "background": len(self._rest)}
@@ -197,17 +195,6 @@ class StepPrograms:
     def start_background(self) -> None:
         """Starts compiling the buckets a `warm_up(background=True, start_thread=False)` left."""
         self._thread.start()
-
-    def _compile_in_pairs(self, shapes: list, t0: float, total: int, meanwhile: Optional[Callable]) -> None:
-        """`shapes` compiled on two threads, `meanwhile()` on this one. Tracing a step holds the GIL, but
-        XLA's compile of it does not, so on two cores the minimal set is ready in about the time of
-        its slower member instead of the sum of both."""
-        with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="ridgeline-warmup") as pool:
-            done = [pool.submit(self._compile_all, shapes[i::2], t0, total) for i in range(2)]
-            if meanwhile is not None:
-                meanwhile()
-            for future in done:
-                future.result()  # re-raises a failed compile
 
     def _compile_all(self, shapes: list, t0: Optional[float], total: int) -> None:
         t0 = time.perf_counter() if t0 is None else t0
