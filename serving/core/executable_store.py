@@ -20,8 +20,8 @@ stable across processes (an object printed with its address) is never stored.
 An entry that fails to load is removed and the bucket compiles as usual. A
 multi-process run does not use the store.
 
-The runner's small programs (page copies, the sampling controls' row load) go
-through `call`, which stores them the same way under their argument
+The runner's small programs (the KV pool's zeroing, page copies, the sampling
+controls' row load) go through `call`, which stores them the same way under their argument
 signature (`.fn` entries): a warm start then lowers nothing at all, which also
 spares it MLIR's start-up (about 0.4 s the first lowering of a process pays).
 """
@@ -153,7 +153,8 @@ def functions_compiled() -> int:
 def call(jitted, name: str, held: dict, *args):
     """`jitted(*args)` through an executable the store keeps for the arguments' signature (tree, shapes,
     dtypes, shardings), so that a warm start neither traces nor lowers the small programs beside the step
-    (the runner's page copies, the sampling controls' row load). `held`: the caller's dict, which keeps its
+    (the runner's KV pool zeroing, page copies, the sampling controls' row load). `name` tells programs
+    apart (an argument-free one's signature says nothing: its name must say what it builds). `held`: the caller's dict, which keeps its
     executables alive (the process-wide table holds them weakly, as `step_programs` does). Without a store
     (no persistent cache, several processes) this is `jitted(*args)`."""
     global _functions_compiled
