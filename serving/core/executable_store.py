@@ -94,18 +94,20 @@ class ExecutableStore:
         return os.path.join(self.directory, digest + self.suffix)
 
     def load(self, key):
-        """The stored executable of `key`, or None."""
+        """The stored executable of `key`, or None; a load is counted as a cache hit (`compile_cache`)."""
         path = self.path(key)
         if path is None or not os.path.exists(path):
             return None
         from jax.experimental.serialize_executable import deserialize_and_load
 
         try:
+            t = time.perf_counter()
             with open(path, "rb") as f:
                 payload, in_tree, out_tree, device_ids = pickle.load(f)
             by_id = {d.id: d for d in jax.devices()}
-            return deserialize_and_load(payload, in_tree, out_tree,
-                                        execution_devices=[by_id[i] for i in device_ids])
+            exe = deserialize_and_load(payload, in_tree, out_tree, execution_devices=[by_id[i] for i in device_ids])
+            compile_cache.count_stored_load(time.perf_counter() - t)
+            return exe
         except Exception as e:  # a torn or stale entry: compile instead, and forget it
             log.warning("stored step executable %s did not load (%s); compiling it", os.path.basename(path), e)
             try:
@@ -169,11 +171,8 @@ def call(jitted, name: str, held: dict, *args):
     if exe is None:
         exe = _TABLE.get(key)
         if exe is None:
-            t = time.perf_counter()
             exe = store.load(key)
-            if exe is not None:
-                compile_cache.count_stored_load(time.perf_counter() - t)
-            else:
+            if exe is None:
                 exe = jitted.lower(*args).compile()
                 store.save(key, exe)
             _functions_compiled += 1

@@ -40,7 +40,7 @@ import time
 import weakref
 from typing import Callable, Optional
 
-from serving.core import compile_cache, executable_store
+from serving.core import executable_store
 
 
 log = logging.getLogger("ridgeline.warmup")
@@ -146,13 +146,7 @@ class StepPrograms:
     def _load_stored(key):
         """The executable saved by an earlier process (`executable_store`), loaded without tracing."""
         store = executable_store.current()
-        if store is None:
-            return None
-        t = time.perf_counter()
-        exe = store.load(key)
-        if exe is not None:
-            compile_cache.count_stored_load(time.perf_counter() - t)
-        return exe
+        return None if store is None else store.load(key)
 
     def is_compiled(self, shape) -> bool:
         key = self._key(shape)
