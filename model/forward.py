@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from kernels_pallas import get_backend
 from model.cache import BatchMetadata, KVCache, StackedKVCache, layer_offsets
 from model.config import LlamaConfig
-from model.layer_select import PerLayer, layer_view
+from model.layer_select import PerLayer, layer_view, split_layers
 from model.params import Layer, Weights
 from model.quant import QuantizedArray, linear
 
@@ -201,12 +201,15 @@ def _scan_layers(blocks, params: Weights, cache: StackedKVCache, x, md: BatchMet
     in place). Weights left per layer (a list) are picked inside the body instead (`model.layer_select`)."""
     num_layers, num_pages, page_size = cache.num_layers, cache.num_pages, cache.page_size
     per_layer_weights = isinstance(params.layers, (list, tuple))
+    layers = params.layers
+    if per_layer_weights:
+        matrices, layers = split_layers(params.layers)
 
     def layer_step(carry, xs):
         x, k, v = carry
         layer, inputs, i = xs
         if per_layer_weights:
-            layer = layer_view(params.layers, i)
+            layer = layer_view(matrices, layer, i)
         layer_md = layer_offsets(md, i, num_layers, num_pages, page_size)
         x, k, v = blocks.attention(layer, x, k, v, layer_md, inputs, cfg, impl, layout)
         x = blocks.mlp(layer, x, cfg, layout)
@@ -214,8 +217,7 @@ def _scan_layers(blocks, params: Weights, cache: StackedKVCache, x, md: BatchMet
 
     with jax.named_scope("layers"):
         (x, k, v), _ = jax.lax.scan(layer_step, (x, cache.k, cache.v),
-                                    (None if per_layer_weights else params.layers, per_layer,
-                                     jnp.arange(num_layers, dtype=jnp.int32)))
+                                    (layers, per_layer, jnp.arange(num_layers, dtype=jnp.int32)))
     return x, StackedKVCache(k=k, v=v, num_layers=num_layers)
 
 

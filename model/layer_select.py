@@ -12,7 +12,7 @@ step still traces and optimises one layer body whatever the depth (a branch
 is a single dot).
 
 The rest of a layer (norm scales, biases) is small: it is stacked once per
-step and sliced, as in the stacked scan. A mixture of experts' layer keeps the
+step, before the loop, and sliced, as in the stacked scan. A mixture of experts' layer keeps the
 stacked scan (its experts feed grouped products, not `linear`).
 """
 
@@ -76,15 +76,14 @@ def selects_layers(layers, platform: str) -> bool:
     return platform == "cpu" and type(layers[0]) is Layer
 
 
-def layer_view(layers: list, index) -> Layer:
-    """Layer `index` (traced) of `layers`: its `MATRICES` as `PerLayer`, the rest sliced from a stack."""
-    fields = {}
-    for field in dataclasses.fields(layers[0]):
-        values = [getattr(layer, field.name) for layer in layers]
-        if values[0] is None:
-            fields[field.name] = None
-        elif field.name in MATRICES:
-            fields[field.name] = PerLayer(tuple(values), index)
-        else:
-            fields[field.name] = jnp.stack(values)[index]
-    return dataclasses.replace(layers[0], **fields)
+def split_layers(layers: list) -> tuple[dict, Layer]:
+    """(matrices, rest): every layer's `MATRICES` as a tuple per name, and one `Layer` of the other weights
+    stacked `[layers, ...]` (its matrices None), which the scan slices as it slices stacked weights."""
+    matrices = {name: tuple(getattr(layer, name) for layer in layers) for name in MATRICES}
+    rest = [dataclasses.replace(layer, **dict.fromkeys(MATRICES)) for layer in layers]
+    return matrices, jax.tree.map(lambda *xs: jnp.stack(xs), *rest)
+
+
+def layer_view(matrices: dict, rest: Layer, index) -> Layer:
+    """Layer `index` (traced): `rest`, its slice of `split_layers`' stack, with its matrices as `PerLayer`."""
+    return dataclasses.replace(rest, **{name: PerLayer(arrays, index) for name, arrays in matrices.items()})
