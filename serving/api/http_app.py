@@ -352,7 +352,7 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
             return JSONResponse({"status": "ready"})
         # It serves already (vLLM's contract: 200 when it can); the other step buckets still compile.
         return JSONResponse({"status": "warming", "step_executables_compiled": warm.compiled,
-                             "step_executables_total": warm.total})
+                             "step_executables_total": warm.total, "step_executables_quick": warm.quick})
 
     @app.get("/v1/models", dependencies=keyed)
     async def models():

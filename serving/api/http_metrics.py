@@ -325,6 +325,8 @@ class _SnapshotCollector:
             yield gauge("warmup_step_executables", "Step buckets the warm-up compiles.", w.total)
             yield gauge("warmup_step_executables_compiled", "Of those, compiled so far (the rest compile in the "
                         "background while the server serves).", w.compiled)
+            yield gauge("warmup_step_executables_quick", "Of those, compiled quickly (slower steps) and waiting "
+                        "for their full compile in the background.", w.quick)
             yield counter("steps_in_larger_bucket", "Steps run in a larger bucket than their own because their "
                           "own was not compiled yet.", w.steps_in_larger_bucket)
             yield counter("compiles_after_ready", "Step buckets compiled on demand after warm-up (0 unless a "

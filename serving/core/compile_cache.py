@@ -186,7 +186,10 @@ def describe_warmup(info: dict, cache_dir: Optional[str]) -> str:
     line = (f"warm-up: compiled {info.get('compiled')} executables for {info.get('shapes')} step shapes "
             f"in {info.get('seconds', 0.0):.1f} s")
     if info.get("background"):
-        line += f" ({info['background']} more step shapes compile in the background while serving)"
+        line += f" ({info['background']} more step shapes compile in the background while serving"
+        if info.get("quick"):
+            line += f", after full compiles of the {info['quick']} compiled quickly now"
+        line += ")"
     if not cache_dir:
         return line + " (persistent compilation cache off)"
     if "xla_compiled" not in info:

@@ -495,10 +495,11 @@ class Engine:
     def warm_up(self, background: bool = False) -> dict:
         """Compiles every step shape, so serving never compiles; returns seconds and counts. With
         `background` only the smallest and the largest compile before this returns, the rest in a
-        thread while the engine serves (`serving.core.step_programs`); speculation warms up fully."""
+        thread while the engine serves (`serving.core.step_programs`; option `quick_warmup_compile`);
+        speculation warms up fully."""
         if self.spec is not None:  # with speculation, every step is the verification step
             return self.spec.warm_up()
-        return self.runner.warm_up(background=background)
+        return self.runner.warm_up(background=background, quick=background and self.config.quick_warmup_compile)
 
     def stop_warm_up(self) -> None:
         """Ends a background warm-up after the compile under way (before the process exits)."""

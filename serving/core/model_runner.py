@@ -183,7 +183,7 @@ class ModelRunner:
         self.feed = self._place_feed(np.zeros(buckets.max_num_seqs, np.int32))
         self.copy_sizes = _pow4_upto(buckets.max_num_seqs)  # buckets of copy-on-write pairs per step
         self._all_allowed_masks: dict = {}  # rows -> resident all-ones token bitmask (`_all_allowed`)
-        self.programs = StepPrograms(self._lower_step, self._program_key)
+        self.programs = StepPrograms(self._lower_step, self._program_key, platform=jax.default_backend())
         self.controls = None  # sampling_controls.ControlState, threaded through every step
         if control_slots > 0 and self.controls_unsupported() is None:
             # placed like the feed: on the one device, or replicated over the layout's mesh
@@ -450,18 +450,19 @@ class ModelRunner:
         jax.block_until_ready(self.cache)
         return kv_transfer.compilation_count() - before
 
-    def warm_up(self, background: bool = False, start_thread: bool = True) -> dict:
+    def warm_up(self, background: bool = False, start_thread: bool = True, quick: bool = False) -> dict:
         """Compiles every bucket, and the page copies; returns what it did. With `background`, only
         the smallest and the largest bucket compile now and the rest in a thread (`step_programs`;
         `start_thread=False` leaves it to `programs.start_background()`); steps meanwhile run in the
-        smallest compiled bucket that holds them."""
+        smallest compiled bucket that holds them. `quick`: those two compile quickly first, and
+        fully in the thread before the rest."""
         t0 = time.perf_counter()
         before = self.compilation_count()
         if self._spans_processes():  # processes compile together, as they run: every bucket, now
             shapes = self._warm_up_shapes(self._run)
             return {"seconds": time.perf_counter() - t0, "compiled": self.compilation_count() - before,
                     "shapes": shapes, "background": 0}
-        info = self.programs.warm_up(self.warm_up_order(), background=background, start_thread=False)
+        info = self.programs.warm_up(self.warm_up_order(), background=background, start_thread=False, quick=quick)
         self._warm_up_small_programs()
         jax.block_until_ready(self.cache)
         if start_thread and info["background"]:  # after the page copies: a tracing thread would slow them

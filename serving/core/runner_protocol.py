@@ -37,9 +37,10 @@ class Runner(Protocol):
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicates (src, dst) pages on the device before the step that writes them."""
 
-    def warm_up(self, background: bool = False) -> dict:
+    def warm_up(self, background: bool = False, quick: bool = False) -> dict:
         """Compiles every step shape (with `background`, the smallest and largest now and the rest in a
-        thread); {"seconds", "compiled", "shapes", "background"}."""
+        thread; with `quick` too, those two compile quickly now and fully in the thread first);
+        {"seconds", "compiled", "shapes", "background"}."""
 
     def step_shape(self, shape) -> Any:
         """The bucket (`input_batch.StepShape`) a step of `shape` runs in: its own, or while a background
