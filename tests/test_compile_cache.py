@@ -71,7 +71,7 @@ def test_a_second_start_with_a_warm_cache_compiles_nothing(tmp_path):
     assert cold["warmup"]["xla_compiled"] == cold["warmup"]["compiled"] > 0
 
     assert cold["lowered"] == cold["stored_steps"] > 0  # every step bucket saved whole
-    assert cold["stored_functions"] == 4  # and the KV pool zeroing, the page copies (2 sizes), the control load
+    assert cold["stored_functions"] == 3  # and the KV pool zeroing, the page copy (one program), the control load
 
     warm = start(cache_dir)
     assert warm["lowered"] == 0  # step executables loaded whole: no bucket was even traced

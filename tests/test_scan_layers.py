@@ -130,3 +130,31 @@ def test_per_layer_weights_scan_to_the_unrolled_result():
         outs[name] = np.asarray(logits)
     np.testing.assert_allclose(outs["select"], outs["unrolled"], atol=1e-5)
     np.testing.assert_allclose(outs["stacked"], outs["unrolled"], atol=1e-5)
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+def test_page_copies_loop_over_the_real_pairs_only(stacked):
+    """Copy-on-write is one program for any number of pairs (a loop over the pairs before the padding):
+    each pair's page is copied in every layer of a stacked or per-layer pool, nothing else changes, and
+    the pool is updated in place (no copy of it in the program)."""
+    from serving.core.model_runner import _copy_jit
+
+    pages, size = 9, 6
+    cfg = _cfg(3)
+    rng = np.random.default_rng(3)
+    cache = jax.tree.map(lambda x: jax.numpy.asarray(rng.standard_normal(x.shape).astype(np.float32)),
+                         init_cache(cfg, pages, 4, stacked=stacked))
+    hlo = _copy_jit.lower(cache, np.zeros(size, np.int32), np.zeros(size, np.int32)).compile().as_text()
+    pool_shape = ",".join(map(str, jax.tree.leaves(cache)[0].shape))
+    assert f"f32[{pool_shape}]" in hlo and not re.search(rf"f32\[{pool_shape}\]\{{[\d,]*\}} copy\(", hlo)
+    for src, dst in (([], []), ([2], [5]), ([0, 7, 3], [8, 1, 4])):
+        before = [np.asarray(x) for x in jax.tree.leaves(cache)]
+        s = np.zeros(size, np.int32)
+        d = np.full(size, pages, np.int32)  # padding
+        s[:len(src)], d[:len(dst)] = src, dst
+        cache = _copy_jit(cache, s, d)
+        for old, new in zip(before, jax.tree.leaves(cache)):
+            want = old.copy()
+            for layer in range(old.shape[0] // pages):
+                want[layer * pages + np.array(dst, int)] = old[layer * pages + np.array(src, int)]
+            np.testing.assert_array_equal(np.asarray(new), want)

@@ -99,16 +99,24 @@ _step_jit = jax.jit(_step, static_argnames=("cfg", "backend", "shape", "layout")
 
 
 def _copy_pages(cache, src, dst):
-    """Copies whole pages src[i] -> dst[i] in every layer; dst == num_pages is padding (dropped).
+    """Copies whole pages src[i] -> dst[i] in every layer; the pairs come first, then padding
+    (dst == num_pages), which is never visited.
 
-    Every cache leaf (pages, and the scales of a quantized cache) is indexed by page first; a
+    One program for any number of pairs up to the buffers' length: a loop over the real pairs,
+    each copying its page in every layer (its cost follows the pairs, not the padding). Every
+    cache leaf (pages, and the scales of a quantized cache) is indexed by page first; a
     `StackedKVCache` holds layer l's page p at row `l * num_pages + p`."""
     if isinstance(cache, StackedKVCache):
-        layers, pages = cache.num_layers, cache.num_pages
-        offsets = (jnp.arange(layers, dtype=src.dtype) * pages)[:, None]
-        src = (src[None, :] + offsets).reshape(-1)
-        dst = jnp.where(dst[None, :] >= pages, layers * pages, dst[None, :] + offsets).reshape(-1)
-    return jax.tree.map(lambda x: x.at[dst].set(x[src], mode="drop"), cache)
+        pages = cache.num_pages
+        rows = jnp.arange(cache.num_layers, dtype=src.dtype) * pages
+    else:
+        pages = jax.tree.leaves(cache)[0].shape[0]
+        rows = jnp.zeros((1,), src.dtype)
+
+    def copy_one(i, cache):
+        return jax.tree.map(lambda x: x.at[rows + dst[i]].set(x[rows + src[i]]), cache)
+
+    return jax.lax.fori_loop(0, jnp.sum(dst < pages), copy_one, cache)
 
 
 def _page_arrays(cache) -> list:
@@ -181,7 +189,7 @@ class ModelRunner:
         # The last step's sampled ids, padded to the most logit rows a step has: the next step
         # reads its placeholder tokens from it (`feed_tokens`) without a trip through the host.
         self.feed = self._place_feed(np.zeros(buckets.max_num_seqs, np.int32))
-        self.copy_sizes = _pow4_upto(buckets.max_num_seqs)  # buckets of copy-on-write pairs per step
+        self.copy_sizes = [buckets.max_num_seqs]  # copy-on-write pairs per copy program (one size: `_copy_pages`)
         self._all_allowed_masks: dict = {}  # rows -> resident all-ones token bitmask (`_all_allowed`)
         self.programs = StepPrograms(self._lower_step, self._program_key, platform=jax.default_backend())
         self.controls = None  # sampling_controls.ControlState, threaded through every step
@@ -369,9 +377,9 @@ class ModelRunner:
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicates pages on device before the step that writes them."""
-        for i in range(0, len(copies), self.copy_sizes[-1]):
-            chunk = copies[i:i + self.copy_sizes[-1]]
-            size = next(s for s in self.copy_sizes if s >= len(chunk))
+        size = self.copy_sizes[-1]
+        for i in range(0, len(copies), size):
+            chunk = copies[i:i + size]
             src = np.zeros(size, np.int32)
             dst = np.full(size, self.num_pages, np.int32)
             src[:len(chunk)] = [c[0] for c in chunk]
@@ -503,12 +511,3 @@ class ModelRunner:
     def compilation_count() -> int:
         """Executables compiled so far by runners of this kind (a subclass adds its own functions)."""
         return compilation_count()
-
-
-def _pow4_upto(n: int) -> list[int]:
-    out, b = [], 1
-    while b < n:
-        out.append(b)
-        b *= 4
-    out.append(n)
-    return out

@@ -24,7 +24,7 @@ class Runner(Protocol):
     page_size: int
     buckets: Any  # input_batch.Buckets: the step shapes it compiles
     backend: str  # the attention backend
-    copy_sizes: list[int]  # copy-on-write pair counts it compiles copies for
+    copy_sizes: list[int]  # copy-on-write pairs per copy program, one program per entry
 
     # --- steps -----------------------------------------------------------------------------
     def dispatch(self, batch) -> Any:
