@@ -12,7 +12,8 @@ Recorded per run, from the moment the process is started: `health_seconds`
 bucket are compiled or loaded; the rest compile in the background) and
 `first_token_seconds` (until a one-token completion of a 16-token prompt came
 back, sent right after `/health`). The server's own log gives the load time.
-The warm start is repeated `--warm_repeats` times (single starts vary by about
+A cold start also finds no compiled bytecode of the project (`clear_bytecode`),
+as the first start after an install would. The warm start is repeated `--warm_repeats` times (single starts vary by about
 20% on a shared 2-core machine); the best is recorded, with every run's times.
 The cold server is left running until its background warm-up is done
 (`ready_seconds`), as a server that served a while would be, so the warm start
@@ -53,6 +54,7 @@ import time
 import httpx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROJECT_PACKAGES = ("configs", "kernels_pallas", "model", "serving", "sharding")
 PROMPT = list(range(1, 17))  # 16 token ids (valid in both vocabularies)
 
 SHAPE_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -123,6 +125,7 @@ def time_server(checkpoint: str | None, cache_dir: str, layer_loop: str, extra: 
     env = dict(os.environ, JAX_PLATFORMS=platform_name)
     if platform_name == "cpu":
         env.pop("XLA_FLAGS", None)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # see clear_bytecode
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -159,6 +162,19 @@ def time_server(checkpoint: str | None, cache_dir: str, layer_loop: str, extra: 
     loaded = [line for line in text.splitlines() if "loaded in" in line]
     return {"health_seconds": round(health, 2), "first_token_seconds": round(first, 2),
             "status_at_first_token": warming, "ready_seconds": None if ready is None else round(ready, 2), "load_line": loaded[-1].split("] ")[-1] if loaded else None}
+
+
+def clear_bytecode() -> None:
+    """Removes the project's compiled bytecode (`__pycache__`), so a cold start compiles its Python
+    source as the first start after an install does. The servers run without PYTHONDONTWRITEBYTECODE
+    (set on some machines): they write bytecode, as Python does by default, and a warm start reads it
+    (the project's source is about 0.9 s of compiling on 2 cores; installed packages have theirs)."""
+    import shutil
+
+    for top in PROJECT_PACKAGES:
+        for dirpath, dirnames, _ in os.walk(os.path.join(ROOT, top)):
+            if "__pycache__" in dirnames:
+                shutil.rmtree(os.path.join(dirpath, "__pycache__"))
 
 
 def time_transformers(hf_dir: str, repeats: int) -> float:
@@ -198,6 +214,7 @@ def main(argv=None) -> dict:
         for loop in args.layer_loops.split(","):
             cache_dir = tempfile.mkdtemp(prefix="cache-", dir=work)
             row = {"model": model, "layer_loop": loop, "transformers_seconds": peer}
+            clear_bytecode()
             row["cold"] = time_server(checkpoint, cache_dir, loop, [], platform_name=args.platform,
                                       wait_ready=args.cold_wait_ready)
             # Warm starts vary by ~20% on a shared machine: the best of --warm_repeats is kept, all are listed.

@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from serving.core import compile_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -181,3 +183,33 @@ def test_the_step_store_names_entries_by_everything_that_shapes_the_program(tmp_
     with open(first, "wb") as f:
         f.write(b"torn")
     assert store.load(key) is None and not os.path.exists(first)
+
+
+def test_a_small_program_prepared_from_shapes_is_the_one_a_later_call_runs(tmp_path, monkeypatch):
+    """`executable_store.prepare` compiles a small program from argument shapes alone (what a background
+    warm-up does, touching no live array); the call with real arguments then runs that executable,
+    compiling and loading nothing, and a later process loads it from the store."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from serving.core import executable_store
+
+    store = executable_store.ExecutableStore(str(tmp_path))
+    monkeypatch.setattr(executable_store, "current", lambda suffix=executable_store.SUFFIX: store)
+    jitted = jax.jit(lambda pool, i: pool.at[i].set(pool[i] + 1.0), donate_argnums=(0,))
+    pool = jnp.arange(8.0)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None)),
+                          (pool, np.int32(3)))
+    held = {}
+    exe = executable_store.prepare(jitted, "bump", held, *shapes)
+    assert len(held) == 1 and len(os.listdir(str(tmp_path))) == 1
+    compiled = executable_store.functions_compiled()
+    monkeypatch.setattr(jitted, "lower", lambda *a: pytest.fail("lowered again"))
+    monkeypatch.setattr(store, "load", lambda key: pytest.fail("loaded again"))
+    out = executable_store.call(jitted, "bump", held, pool, np.int32(3))
+    assert list(np.asarray(out)) == [0.0, 1.0, 2.0, 4.0, 4.0, 5.0, 6.0, 7.0]
+    assert executable_store.functions_compiled() == compiled and held[next(iter(held))] is exe
+    monkeypatch.undo()
+    later = executable_store.ExecutableStore(str(tmp_path))
+    assert later.load(next(iter(held))) is not None  # saved for the next process

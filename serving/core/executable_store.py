@@ -34,6 +34,7 @@ import logging
 import os
 import pickle
 import tempfile
+import threading
 import time
 import weakref
 from typing import Optional
@@ -143,6 +144,7 @@ def current(suffix: str = SUFFIX) -> Optional[ExecutableStore]:
 
 
 _TABLE: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()  # (name, signature) -> executable
+_LOCK = threading.Lock()  # the table is filled from the engine's thread and the warm-up's
 _functions_compiled = 0  # executables `call` compiled (every caller)
 
 
@@ -156,28 +158,38 @@ def call(jitted, name: str, held: dict, *args):
     """`jitted(*args)` through an executable the store keeps for the arguments' signature (tree, shapes,
     dtypes, shardings), so that a warm start neither traces nor lowers the small programs beside the step
     (the runner's KV pool zeroing, page copies, the sampling controls' row load). `name` tells programs
-    apart (an argument-free one's signature says nothing: its name must say what it builds). `held`: the caller's dict, which keeps its
-    executables alive (the process-wide table holds them weakly, as `step_programs` does). Without a store
-    (no persistent cache, several processes) this is `jitted(*args)`."""
-    global _functions_compiled
-    store = current(FUNCTION_SUFFIX)
-    if store is None:
+    apart (an argument-free one's signature says nothing: its name must say what it builds). `held`: the
+    caller's dict, which keeps its executables alive (the process-wide table holds them weakly, as
+    `step_programs` does). Without a store (no persistent cache, several processes) this is `jitted(*args)`."""
+    if current(FUNCTION_SUFFIX) is None:
         return jitted(*args)
+    return prepare(jitted, name, held, *args)(*args)
+
+
+def prepare(jitted, name: str, held: dict, *args):
+    """The executable `call` runs for these arguments (arrays or `jax.ShapeDtypeStruct`s of them), loaded
+    or compiled now if needed, without running it: a background warm-up prepares the small programs so.
+    Needs the store (`current(FUNCTION_SUFFIX)`)."""
+    global _functions_compiled
     leaves, treedef = jax.tree.flatten(args)
     signature = (treedef, tuple((np.shape(x), np.dtype(getattr(x, "dtype", None) or np.result_type(x)).name,
                                  getattr(x, "sharding", None)) for x in leaves))
     key = (name, signature)
     exe = held.get(key)
     if exe is None:
-        exe = _TABLE.get(key)
+        with _LOCK:
+            exe = _TABLE.get(key)
         if exe is None:
+            store = current(FUNCTION_SUFFIX)
             exe = store.load(key)
             if exe is None:
                 exe = jitted.lower(*args).compile()
                 store.save(key, exe)
-            _functions_compiled += 1
-        _TABLE[key] = held[key] = exe
-    return exe(*args)
+            with _LOCK:
+                _functions_compiled += 1
+        with _LOCK:
+            _TABLE[key] = held[key] = exe
+    return exe
 
 
 def entries(directory: Optional[str], suffix: str = SUFFIX) -> int:

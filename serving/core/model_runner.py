@@ -471,7 +471,12 @@ class ModelRunner:
             return {"seconds": time.perf_counter() - t0, "compiled": self.compilation_count() - before,
                     "shapes": shapes, "background": 0}
         info = self.programs.warm_up(self.warm_up_order(), background=background, start_thread=False, quick=quick)
-        self._warm_up_small_programs()
+        if info["background"] and executable_store.current(executable_store.FUNCTION_SUFFIX) is not None:
+            calls = self._small_program_calls()  # their argument shapes, taken now: the thread runs nothing
+            self.programs.first_in_background(
+                lambda: [executable_store.prepare(jitted, name, self._small_programs, *args) for jitted, name, args in calls])
+        else:
+            self._warm_up_small_programs()
         jax.block_until_ready(self.cache)
         if start_thread and info["background"]:  # after the page copies: a tracing thread would slow them
             self.programs.start_background()
@@ -480,14 +485,32 @@ class ModelRunner:
         return info
 
     def _warm_up_small_programs(self) -> None:
-        """The page copies (every size; all padding, so nothing moves) and the control row load."""
+        """Runs the page copy (all padding, so nothing moves) and the control row load once."""
         for size in self.copy_sizes:
             self._copy(np.zeros(size, np.int32), np.full(size, self.num_pages, np.int32))
         self._warm_up_controls()
 
     def _warm_up_controls(self) -> None:
         if self.controls is not None:  # slot 0 written as it starts (nothing holds it yet)
-            self.load_controls(0, tuple(x[0] for x in sampling_controls.init_state(1, self.cfg.vocab_size)))
+            self.load_controls(0, self._empty_control_row())
+
+    def _empty_control_row(self) -> tuple:
+        return tuple(x[0] for x in sampling_controls.init_state(1, self.cfg.vocab_size))
+
+    def _small_program_calls(self) -> list:
+        """(jitted, name, abstract arguments) of what `_warm_up_small_programs` runs, for
+        `executable_store.prepare` to compile from another thread without touching the live arrays."""
+        def abstract(*args):
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                                               sharding=getattr(x, "sharding", None)), args)
+
+        calls = [(_copy_jit, "copy-pages",
+                  abstract(self.cache, *self._host_inputs(np.zeros(n, np.int32), np.zeros(n, np.int32))))
+                 for n in self.copy_sizes]
+        if self.controls is not None:
+            calls.append((sampling_controls.load_jit, "load-controls",
+                          abstract(self.controls, *self._host_inputs(np.int32(0), *self._empty_control_row()))))
+        return calls
 
     def warm_up_order(self) -> list[StepShape]:
         """Every bucket, smallest first: the batch-1 decode first and the bucket that holds every step
