@@ -36,37 +36,37 @@ def _workload(llm):
 
 
 def test_serving_starts_on_the_minimal_set_and_finishes_warm_up_in_the_background(llm):
-    """The server's warm-up: the minimal set compiled quickly (XLA CPU at -O0), requests served at once in
-    buckets that hold them, then in the background the minimal set compiled fully and swapped in, and
-    the rest compiled; the results are the same throughout."""
+    """The server's warm-up: the minimal set compiled (the batch-1 decode quickly, XLA CPU at -O0), requests
+    served at once in buckets that hold them, then in the background the decode bucket compiled fully and
+    swapped in, and the rest compiled; the results are the same throughout."""
     runner = llm.engine.runner
     programs = runner.programs
     order = runner.warm_up_order()
     before, steps_before = compilation_count(), step_programs.compiled_total()
     info = runner.warm_up(background=True, start_thread=False, quick=True)
-    assert info["background"] == len(order) - 2 > 0 and info["quick"] == 2
+    assert info["background"] == len(order) - 2 > 0 and info["quick"] == 1
     # Of the step, the smallest and the largest bucket (the rest are small programs: page copies).
     assert step_programs.compiled_total() - steps_before == 2
     assert compilation_count() - before == info["compiled"]
     assert programs.is_compiled(order[0]) and programs.is_compiled(order[-1])
     assert not any(programs.is_compiled(s) for s in order[1:-1])
-    quick = [programs.get(s) for s in (order[0], order[-1])]
+    quick, largest = programs.get(order[0]), programs.get(order[-1])
 
     # Requests are served at once: every step runs in a compiled bucket that holds it; no step compiles.
     # (The page copy and the control load are left to the background thread, not started here: the
     # workload's forks compile the copy on first use.)
     padded_tokens, padded_logprobs = _workload(llm)
     stats = runner.warmup_stats()
-    assert not stats.ready and stats.compiled == 2 and stats.quick == 2
+    assert not stats.ready and stats.compiled == 2 and stats.quick == 1
     assert stats.steps_in_larger_bucket > 0
     assert stats.compiles_after_ready == 0 and step_programs.compiled_total() - steps_before == 2
 
-    # The background recompiles the two fully first (new executables), then the rest; every step then
+    # The background recompiles the decode bucket fully first (a new executable), then the rest; every step then
     # runs in its own, fully compiled bucket, with the same results.
     programs.start_background()
     assert programs.wait(timeout=600)
     assert all(programs.is_compiled(s) for s in order)
-    assert all(programs.get(s) is not q for s, q in zip((order[0], order[-1]), quick))
+    assert programs.get(order[0]) is not quick and programs.get(order[-1]) is largest
     stats = runner.warmup_stats()
     assert stats.ready and stats.compiled == len(order) and stats.quick == 0
     before = compilation_count()
@@ -148,9 +148,10 @@ def test_a_bucket_saved_by_an_earlier_process_loads_instead_of_padding(tmp_path,
 
 
 def test_quick_compiles_are_replaced_first_and_only_full_ones_are_saved(tmp_path, monkeypatch):
-    """A quick compile (the platform's quick options) serves until the background thread's full compile of
-    the same bucket replaces it, before any other bucket compiles; only full compiles go to the store,
-    so a later process loads fully optimised programs. A platform without quick options compiles fully."""
+    """The smallest bucket's quick compile (the platform's quick options; the largest compiles fully) serves
+    until the background thread's full compile of it replaces it, before any other bucket compiles; only
+    full compiles go to the store, so a later process loads fully optimised programs. A platform without
+    quick options compiles fully."""
     from serving.core import executable_store
     from serving.core.input_batch import StepShape
 
@@ -176,13 +177,13 @@ def test_quick_compiles_are_replaced_first_and_only_full_ones_are_saved(tmp_path
     programs = step_programs.StepPrograms(Lowered, key, platform="cpu")
     programs.warm_up(shapes, background=True, start_thread=False, quick=True)
     quick_options = step_programs.QUICK_COMPILE_OPTIONS["cpu"]
-    assert compiles == [(1, quick_options), (8, quick_options)] and not saved
+    assert compiles == [(1, quick_options), (8, None)] and [k for k, _ in saved] == [key(shapes[2])]
     assert programs.get(shapes[0]).options == quick_options
-    assert programs.stats().quick == 2 and not programs.stats().ready
+    assert programs.stats().quick == 1 and not programs.stats().ready
     programs.start_background()
     assert programs.wait(timeout=60)
-    assert compiles[2:] == [(1, None), (8, None), (4, None)]  # the two replaced first, then the rest
-    assert [k for k, _ in saved] == [key(shapes[0]), key(shapes[2]), key(shapes[1])]
+    assert compiles[2:] == [(1, None), (4, None)]  # the quick one replaced first, then the rest
+    assert [k for k, _ in saved] == [key(shapes[2]), key(shapes[0]), key(shapes[1])]
     assert all(e.options is None for _, e in saved)
     assert programs.get(shapes[0]).options is None and programs.stats().quick == 0
 

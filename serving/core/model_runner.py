@@ -462,7 +462,7 @@ class ModelRunner:
         """Compiles every bucket, and the page copies; returns what it did. With `background`, only
         the smallest and the largest bucket compile now and the rest in a thread (`step_programs`;
         `start_thread=False` leaves it to `programs.start_background()`); steps meanwhile run in the
-        smallest compiled bucket that holds them. `quick`: those two compile quickly first, and
+        smallest compiled bucket that holds them. `quick`: the smallest compiles quickly first, and
         fully in the thread before the rest."""
         t0 = time.perf_counter()
         before = self.compilation_count()

@@ -39,7 +39,7 @@ class Runner(Protocol):
 
     def warm_up(self, background: bool = False, quick: bool = False) -> dict:
         """Compiles every step shape (with `background`, the smallest and largest now and the rest in a
-        thread; with `quick` too, those two compile quickly now and fully in the thread first);
+        thread; with `quick` too, the smallest compiles quickly now and fully in the thread first);
         {"seconds", "compiled", "shapes", "background"}."""
 
     def step_shape(self, shape) -> Any:

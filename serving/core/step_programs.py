@@ -17,11 +17,14 @@ directly, which lets startup be split:
   takes a fraction of a second, a padded step of a deep model on CPU seconds.
   The background thread leaves such buckets to load on first use (it counts
   them as ready), so a warm restart serves without loads competing with it.
-* With `quick`, the minimal set is compiled with the platform's quick
-  compiler options (`QUICK_COMPILE_OPTIONS`: on XLA CPU, LLVM at -O0), which
-  take about half the time; the background thread first recompiles those two
-  fully and swaps them in, then compiles the rest. Only full compiles are
-  saved whole (`executable_store`), so a warm restart loads full programs.
+* With `quick`, the smallest bucket (the batch-1 decode) is compiled with
+  the platform's quick compiler options (`QUICK_COMPILE_OPTIONS`: on XLA
+  CPU, LLVM at -O0), in about half the time; the background thread first
+  recompiles it fully and swaps it in, then compiles the rest. The largest
+  bucket always compiles fully: the steps padded into it while warm-up goes
+  on are the expensive ones, and at -O0 a deep model's first prefill took
+  twice as long. Only full compiles are saved whole (`executable_store`), so
+  a warm restart loads full programs.
 * A bucket nobody compiled yet (no warm-up: scripts, tests) compiles on first
   use, as `jit` would. After a warm-up such a compile is counted
   (`stats().compiles_after_ready`): it means a shape escaped the bucket set.
@@ -57,9 +60,9 @@ _IN_PROGRESS: dict = {}  # key -> threading.Event set when its compile ends
 _compiled_total = 0  # executables compiled by this module (every runner)
 
 # Compiler options of a quick compile, per platform (`jax.Device.platform`). XLA CPU at LLVM -O0:
-# measured on the embedded model (2 cores), the two minimal buckets compile in 4.1 s instead of
-# 7.2 s and their steps run at 0.5-0.65x speed, with the same tokens, until the full compile
-# replaces them. Platforms without an entry compile fully from the start.
+# measured on the embedded model (2 cores, benchmarks/quick_compile.py), a bucket compiles in about
+# half the time and its steps run at 0.5-0.65x speed, with the same tokens, until the full compile
+# replaces it. Platforms without an entry compile fully from the start.
 QUICK_COMPILE_OPTIONS = {"cpu": {"xla_backend_optimization_level": 0}}
 
 
@@ -206,7 +209,7 @@ class StepPrograms:
         """Compiles `shapes`: all of them now, or with `background` the minimal set now (the first and
         the last of `shapes`, which must be sorted smallest to largest) and the rest in a thread
         (`start_thread=False` leaves them for `start_background()`). With `quick` (and `background`)
-        the minimal set is compiled quickly, and fully again first thing in the thread. Returns
+        the smallest bucket is compiled quickly, and fully again first thing in the thread. Returns
         seconds, how many compiled now, how many of those quickly and how many were left to the
         background. (One at a time: XLA CPU's compile of one step already keeps two cores busy; two
         compiles at once took as long in all.)"""
@@ -295,7 +298,9 @@ class StepPrograms:
                 lowered = None if self.is_compiled(shape) or self._is_stored(shape) else self._lower(shape)
                 if in_flight is not None:
                     finish(*in_flight)
-                in_flight = (i, shape, t, helper.submit(self._compile, shape, key, False, quick, lowered))
+                # Only the batch-1 decode compiles quickly: its steps stay cheap at -O0 at any depth, while
+                # steps padded into the largest bucket are the costly ones (below).
+                in_flight = (i, shape, t, helper.submit(self._compile, shape, key, False, quick and i == 0, lowered))
             if in_flight is not None:
                 finish(*in_flight)
 
