@@ -21,7 +21,6 @@ import threading
 import time
 from typing import Optional, Union
 
-import jax
 import numpy as np
 
 from model.config import ModelConfig
