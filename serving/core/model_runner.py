@@ -478,7 +478,7 @@ class ModelRunner:
         else:
             self._warm_up_small_programs()
         jax.block_until_ready(self.cache)
-        if start_thread and info["background"]:  # after the page copies: a tracing thread would slow them
+        if start_thread and info["background"]:  # after any small programs run here: a tracing thread would slow them
             self.programs.start_background()
         info.update(seconds=time.perf_counter() - t0, compiled=self.compilation_count() - before,
                     shapes=info["shapes"] + len(self.copy_sizes))

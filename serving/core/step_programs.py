@@ -123,7 +123,6 @@ class StepPrograms:
         """(executable, how): "found" in the table, "loaded" from the store or "compiled" now (with
         `quick` and quick options for this platform: "compiled quickly", and not saved), from
         `lowered` when the caller traced it already."""
-        global _compiled_total
         while True:
             with _LOCK:
                 exe = _TABLE.get(key)
@@ -147,10 +146,7 @@ class StepPrograms:
                     self._quick.add(shape)
                 else:
                     exe, how = self._full_compile(shape, key, lowered), "compiled"
-            with _LOCK:
-                _TABLE[key] = exe
-                self._own[key] = exe
-                _compiled_total += 1
+            self._keep(key, exe)
             return exe, how
         finally:
             with _LOCK:
@@ -164,14 +160,17 @@ class StepPrograms:
             store.save(key, exe)
         return exe
 
-    def _replace_quick(self, shape, key) -> None:
-        """Compiles a quickly compiled bucket fully and swaps it in (steps pick it up from the next one)."""
+    def _keep(self, key, exe) -> None:
+        """Makes `exe` the executable of `key`, for this runner and the process-wide table."""
         global _compiled_total
-        exe = self._full_compile(shape, key)
         with _LOCK:
             _TABLE[key] = exe
             self._own[key] = exe
             _compiled_total += 1
+
+    def _replace_quick(self, shape, key) -> None:
+        """Compiles a quickly compiled bucket fully and swaps it in (steps pick it up from the next one)."""
+        self._keep(key, self._full_compile(shape, key))
         self._quick.discard(shape)
 
     def _is_stored(self, shape) -> bool:
@@ -218,7 +217,7 @@ class StepPrograms:
         first = [shapes[0], shapes[-1]] if background and len(shapes) > 2 else list(shapes)
         self._rest = [s for s in shapes if s not in first]
         compiled_before = _compiled_total
-        self._compile_all(first, t0, len(shapes), quick=quick and bool(self._rest))
+        self._compile_overlapped(first, t0, len(shapes), quick=quick and bool(self._rest))
         self._warmed_up = True
         info = {"seconds": time.perf_counter() - t0, "compiled": _compiled_total - compiled_before,
                 "shapes": len(first), "background": len(self._rest), "quick": len(self._quick)}
@@ -243,13 +242,11 @@ class StepPrograms:
         for work in self._first:
             if not self._stopping:
                 work()
-        self._compile_all(self._rest, None, total)
+        self._compile_rest(self._rest, total)
 
-    def _compile_all(self, shapes: list, t0: Optional[float], total: int, quick: bool = False) -> None:
-        t0 = time.perf_counter() if t0 is None else t0
-        background = self._thread is not None and threading.current_thread() is self._thread
-        if not background:
-            return self._compile_overlapped(shapes, t0, total, quick)
+    def _compile_rest(self, shapes: list, total: int) -> None:
+        """The background thread's compiles, one at a time: quick compiles replaced, then the rest."""
+        t0 = time.perf_counter()
         for i, shape in enumerate(shapes):
             if self._stopping:
                 return
@@ -260,21 +257,20 @@ class StepPrograms:
                 log.info("step executable (T=%d, P=%d) recompiled fully in %.1f s, replacing its quick compile",
                          shape.T, shape.P, time.perf_counter() - t)
                 continue
-            if background and not self.is_compiled(shape) and self._is_stored(shape):
+            if not self.is_compiled(shape) and self._is_stored(shape):
                 # Saved whole by an earlier process: it loads on first use in a fraction of a second, so
                 # loading it now would only compete with the requests being served.
                 how = "stored (loads on first use)"
             else:
-                _, how = self._compile(shape, key, on_demand=False, quick=quick)  # the table's when found
+                _, how = self._compile(shape, key, on_demand=False)  # the table's when found
                 how += f" in {time.perf_counter() - t:.1f} s"
             self._compiled.add(shape)
             elapsed = time.perf_counter() - t0
-            left = len([s for s in shapes[i + 1:] if s not in self._quick])
+            left = len(shapes) - i - 1
             log.info("step executable %d/%d (T=%d, P=%d) %s; %.0f s elapsed%s", len(self._compiled), total,
                      shape.T, shape.P, how, elapsed, f", about {elapsed / (i + 1) * left:.0f} s left" if left else "")
-        if background:
-            log.info("warm-up done: all %d step executables ready (%d steps ran in a larger bucket meanwhile)",
-                     total, self.steps_in_larger_bucket)
+        log.info("warm-up done: all %d step executables ready (%d steps ran in a larger bucket meanwhile)",
+                 total, self.steps_in_larger_bucket)
 
     def _compile_overlapped(self, shapes: list, t0: float, total: int, quick: bool) -> None:
         """What warm-up compiles before serving, each bucket traced while the one before it compiles in
