@@ -177,6 +177,20 @@ def clear_bytecode() -> None:
                 shutil.rmtree(os.path.join(dirpath, "__pycache__"))
 
 
+def versions() -> dict:
+    """The versions startup depends on most: import time is about a second of a warm start, and one
+    release of ml_dtypes alone added a second to it."""
+    import importlib.metadata
+
+    out = {"python": platform.python_version()}
+    for dist in ("jax", "jaxlib", "numpy", "ml_dtypes"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
 def time_transformers(hf_dir: str, repeats: int) -> float:
     best = None
     for _ in range(repeats):
@@ -203,7 +217,7 @@ def main(argv=None) -> dict:
         p.error("--platform gpu measures --models llama3-8b")
     work = tempfile.mkdtemp(prefix="ridgeline-startup-")
     results = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-               "prompt_tokens": len(PROMPT), "runs": []}
+               "versions": versions(), "prompt_tokens": len(PROMPT), "runs": []}
     for model in args.models.split(","):
         checkpoint, peer = None, None
         if model == "llama-135m-30l":
