@@ -22,9 +22,11 @@ finds every step executable it compiled.
 The 135M shape (vocab 49152, hidden 576, 9 query / 3 KV heads, intermediate
 1536, 30 layers, tied embeddings) gets random bf16 weights written as a Hugging
 Face checkpoint by transformers and converted by `python -m model.convert_hf`
-(conversion is not timed). The peer, measured in the same run: a fresh Python
-process that imports transformers, loads that checkpoint and generates one
-token from the same prompt (`transformers_seconds`), best of `--repeats`.
+(conversion is not timed). On CPU the server computes in float32 (`--dtype
+auto` there: XLA CPU's 16-bit matmuls are its slow path), as the peer does.
+The peer, measured in the same run: a fresh Python process that imports
+transformers, loads that checkpoint in float32 and generates one token from
+the same prompt (`transformers_seconds`), best of `--repeats`.
 Ratios are ours / transformers'.
 
 On a GPU (`--platform gpu`, what `benchmarks/gpu_check.sh` runs) the model is

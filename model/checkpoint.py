@@ -86,21 +86,22 @@ def load_checkpoint(directory: str, shardings: Weights | None = None, cfg: Llama
         # Read in the stored dtype, then cast: the cast keeps each array's sharding.
         read_as = {k: jax.ShapeDtypeStruct(v.shape, stored[k].dtype, sharding=v.sharding) for k, v in target.items()}
         flat = ckptr.restore(os.path.join(directory, PARAMS_DIR), read_as)
-    flat.update(_cast(flat, target))
+    flat.update(cast_flat(flat, {k: v.dtype for k, v in target.items()}))
     return cfg, unflatten_params(cfg, flat)
 
 
-def _cast(flat: dict, target: dict) -> dict:
-    """The arrays of `flat` whose dtype differs from `target`'s, cast: on the host when they live in host
-    memory anyway (CPU devices), else in one program. Why not `astype` array by array: each cast is then
-    an eager op of its own to trace and compile, half a second of a small model's start."""
-    names = [k for k, v in flat.items() if v.dtype != target[k].dtype]
+def cast_flat(flat: dict, dtypes: dict) -> dict:
+    """The arrays of `flat` whose dtype differs from `dtypes[name]`, cast, each keeping its sharding: on the
+    host when they live in this process's host memory anyway (CPU devices), else in one program. Why not
+    `astype` array by array: each cast is then an eager op of its own to trace and compile, half a second
+    of a small model's start."""
+    names = [k for k, v in flat.items() if v.dtype != dtypes[k]]
     if not names:
         return {}
-    dtypes = {k: target[k].dtype for k in names}
-    if all(d.platform == "cpu" for k in names for d in flat[k].sharding.device_set):
-        return {k: jax.device_put(np.asarray(flat[k]).astype(dtypes[k]), flat[k].sharding) for k in names}
-    cast = jax.jit(lambda xs: {k: x.astype(dtypes[k]) for k, x in xs.items()},
+    targets = {k: dtypes[k] for k in names}
+    if all(flat[k].is_fully_addressable and d.platform == "cpu" for k in names for d in flat[k].sharding.device_set):
+        return {k: jax.device_put(np.asarray(flat[k]).astype(targets[k]), flat[k].sharding) for k in names}
+    cast = jax.jit(lambda xs: {k: x.astype(targets[k]) for k, x in xs.items()},
                    out_shardings={k: flat[k].sharding for k in names})
     return cast({k: flat[k] for k in names})
 

@@ -26,7 +26,7 @@ import numpy as np
 from model.config import ModelConfig
 from model.generation_config import GenerationDefaults
 from model.quant import check_kv_cache_dtype, check_weight_dtype, kv_bytes_per_token, kv_cache_dtype, quantize_params
-from serving.core import engine_args, sampling_controls
+from serving.core import compute_dtype, engine_args, sampling_controls
 from serving.core.block_manager import BlockManager, is_cache_salt, releasing_window
 from serving.core.input_batch import Buckets, pack_step, sampling_row
 from serving.core.model_runner import ModelRunner
@@ -67,7 +67,8 @@ class Engine:
         check_weight_dtype(config.weight_dtype)
         check_kv_cache_dtype(config.kv_cache_dtype)
         check_spec_options(config.speculative_method, config.num_speculative_tokens)
-        if runner is None:  # load-time quantization of float weights (a no-op for "auto")
+        if runner is None:  # the compute dtype, then load-time quantization of float weights ("auto": no-ops)
+            cfg, params = compute_dtype.apply(cfg, params, config.dtype)
             cfg, params = quantize_params(params, cfg, config.weight_dtype)
         self.cfg = cfg
         self.config = config
@@ -111,7 +112,8 @@ class Engine:
 
             self.spec = SpecDecoder(self.scheduler, self.block_manager, self.runner, max_model_len=model_len,
                                     max_num_seqs=config.max_num_seqs, method=config.speculative_method,
-                                    k=config.num_speculative_tokens, draft=draft, draft_dir=config.speculative_model)
+                                    k=config.num_speculative_tokens, draft=draft, draft_dir=config.speculative_model,
+                                    dtype=config.dtype)
         self.generation = generation or GenerationDefaults()
         self.eos_token_ids = tuple(sorted(set(cfg.eos_token_ids) | set(getattr(tokenizer, "eos_ids", ()) or ())
                                           | set(self.generation.eos_token_ids)))

@@ -86,6 +86,9 @@ class LLM:
     each, and `num_microbatches=M` cuts each step's tokens into M microbatches
     that flow through the stages (docs/sharding.md, "Pipeline parallelism").
 
+    `dtype` is the float dtype the model computes in: the checkpoint's ("auto";
+    on CPU a bf16 / fp16 checkpoint computes in float32, see
+    `serving.core.compute_dtype`) or the one named.
     `weight_dtype` ("auto", "int8", "fp8") quantizes a float model's linear
     layers at load time (a checkpoint converted with `--weight_dtype` is
     already quantized and loads as it is); `kv_cache_dtype` ("auto", "int8",

@@ -28,6 +28,7 @@ import time
 
 import numpy as np
 
+from serving.core import compute_dtype
 from serving.core.model_runner import StepResult, _copy_jit
 from serving.core.sequence import SequenceStatus
 from serving.spec_decode import draft_model
@@ -61,7 +62,7 @@ class SpecDecoder:
     drafts, has the runner verify them, and tells the scheduler what was accepted."""
 
     def __init__(self, scheduler, block_manager, runner, *, max_model_len: int, max_num_seqs: int, method: str,
-                 k: int, draft=None, draft_dir=None):
+                 k: int, dtype: str, draft=None, draft_dir=None):
         check_options(method, k)
         reason = runner.spec_decode_unsupported()
         if reason:
@@ -84,6 +85,8 @@ class SpecDecoder:
                 dcfg, dparams = load_checkpoint(directory, None, load_config(directory))
             else:
                 dcfg, dparams = draft
+            # The target's `dtype` option holds for the draft too (on CPU "auto" makes a bf16 draft float32).
+            dcfg, dparams = compute_dtype.apply(dcfg, dparams, dtype, what="the draft model")
             if dcfg.vocab_size != cfg.vocab_size:
                 raise ValueError(f"the draft model's vocabulary ({dcfg.vocab_size}) differs from the target's "
                                  f"({cfg.vocab_size}); they must share the tokenizer")
