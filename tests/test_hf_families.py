@@ -28,9 +28,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from model.checkpoint import load_checkpoint  # noqa: E402
-from model.convert_hf import convert  # noqa: E402
-from test_hf_parity import MODES, Runner, run_one_call  # noqa: E402
+from test_hf_parity import MODES, Runner, hf_greedy, run_one_call, save_and_convert, scale_weights_  # noqa: E402
 
 TOL = 1e-4
 BASE = dict(vocab_size=260, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -60,24 +58,15 @@ NAMES = sorted(FAMILIES)
 
 
 def make_hf_model(name: str, seed: int):
-    """The family's tiny model with weights large enough that a layout mistake shows in the logits
-    (HF's std-0.02 init would leave every logit near zero)."""
+    """The family's tiny model with weights large enough that a layout mistake shows in the logits."""
     config_cls, model_cls, overrides, _ = FAMILIES[name]
     torch.manual_seed(seed)
     cfg = getattr(transformers, config_cls)(**{**BASE, **overrides})
     cfg._attn_implementation = "eager"
     model = getattr(transformers, model_cls)(cfg).eval()
-    gemma = name.startswith("gemma")
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if p.ndim == 1 and pname.endswith("norm.weight"):
-                p.copy_((0.0 if gemma else 1.0) + 0.3 * torch.randn_like(p))  # Gemma scales by (1 + w)
-            elif p.ndim == 1:  # biases
-                p.normal_(0.0, 0.5)
-            elif "embed_tokens" in pname:
-                p.normal_(0.0, 0.5 / (math.sqrt(cfg.hidden_size) if gemma else 1.0))
-            else:
-                p.normal_(0.0, 1.5 / math.sqrt(p.shape[1]))
+    gemma = name.startswith("gemma")  # Gemma scales norms by (1 + w) and its embedding by sqrt(hidden)
+    scale_weights_(model, norm_center=0.0 if gemma else 1.0, bias_std=0.5,
+                   embed_std=0.5 / (math.sqrt(cfg.hidden_size) if gemma else 1.0))
     return model
 
 
@@ -86,11 +75,7 @@ def converted(request, tmp_path_factory):
     name = request.param
     seed = NAMES.index(name)
     model = make_hf_model(name, seed)
-    hf_dir = str(tmp_path_factory.mktemp(f"hf_{name}"))
-    out_dir = str(tmp_path_factory.mktemp(f"ours_{name}"))
-    model.save_pretrained(hf_dir)
-    convert(hf_dir, out_dir, dtype="float32", progress=False)
-    cfg, params = load_checkpoint(out_dir)
+    _, out_dir, cfg, params = save_and_convert(model, tmp_path_factory, name)
     rng = np.random.default_rng(200 + seed)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (14, 5, 11)]
     with torch.no_grad():
@@ -149,17 +134,6 @@ def _greedy(llm, prompts, extended):
     return tokens, llm.engine.stats().prefix_cache_hit_tokens - hits
 
 
-def _hf_greedy(c, prompts):
-    tokens = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = c["model"].generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                      max_new_tokens=NEW_TOKENS, pad_token_id=0)
-            tokens.append(out[0, len(p):].tolist())
-    return tokens
-
-
 @pytest.fixture(scope="module")
 def engine_run(converted):
     """TP=1 engine tokens of the family (prefix caching on, prefills chunked) and transformers' own."""
@@ -168,7 +142,7 @@ def engine_run(converted):
     c = converted
     prompts, extended = _engine_prompts(c)
     tokens, hits = _greedy(LLM(c["out_dir"], **ENGINE), prompts, extended)
-    return c, prompts, extended, tokens, hits, _hf_greedy(c, prompts + [extended])
+    return c, prompts, extended, tokens, hits, [hf_greedy(c["model"], p, NEW_TOKENS) for p in prompts + [extended]]
 
 
 def test_engine_greedy_matches_transformers(engine_run):

@@ -59,25 +59,55 @@ HF_CONFIGS = {
 
 
 def make_hf_model(seed: int = 0, dtype=None, **config_kwargs):
-    """A LlamaForCausalLM with weights large enough that a layout mistake shows in the logits.
-
-    HF's default init (std 0.02, unit norms) makes every logit nearly zero, which
-    would let transposed or mis-rotated weights pass; norms here are random too.
-    """
+    """A LlamaForCausalLM with weights large enough that a layout mistake shows in the logits."""
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(**config_kwargs)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1:
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            elif "embed_tokens" in name:
-                p.normal_(0.0, 0.5)  # tied heads then give logits up to ~20, like real models
-            else:
-                p.normal_(0.0, 1.5 / math.sqrt(p.shape[1]))
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config_kwargs)).eval()
+    scale_weights_(model)
     if dtype is not None:
         model = model.to(dtype)
     return model
+
+
+def scale_weights_(model, *, norm_center: float = 1.0, bias_std=None, embed_std: float = 0.5):
+    """Draws `model`'s weights again (from torch's current seed), large enough to matter.
+
+    HF's default init (std 0.02, unit norms) makes every logit nearly zero, which
+    would let transposed or mis-rotated weights pass. Here norm scales are
+    `norm_center` + N(0, 0.3) (Gemma scales by 1 + w: center 0), biases
+    N(0, `bias_std`) (None: drawn as norm scales are), the embedding N(0,
+    `embed_std`) (tied heads then give logits up to ~20, like real models) and
+    every matrix N(0, 1.5 / sqrt(fan-in)) (experts stacked in front: the last dim).
+    """
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and (bias_std is None or name.endswith("norm.weight")):
+                p.copy_(norm_center + 0.3 * torch.randn_like(p))
+            elif p.ndim == 1:
+                p.normal_(0.0, bias_std)
+            elif "embed_tokens" in name:
+                p.normal_(0.0, embed_std)
+            else:
+                p.normal_(0.0, 1.5 / math.sqrt(p.shape[-1]))
+
+
+def save_and_convert(model, tmp_path_factory, name: str):
+    """(HF directory, converted directory, config, params): `model` saved by transformers, converted
+    in fp32 and loaded back."""
+    hf_dir = str(tmp_path_factory.mktemp(f"hf_{name}"))
+    out_dir = str(tmp_path_factory.mktemp(f"ours_{name}"))
+    model.save_pretrained(hf_dir)
+    convert(hf_dir, out_dir, dtype="float32", progress=False)
+    cfg, params = load_checkpoint(out_dir)
+    return hf_dir, out_dir, cfg, params
+
+
+def hf_greedy(model, prompt, n: int) -> list:
+    """transformers' greedy continuation of `prompt` (its own KV cache), exactly `n` tokens (no EOS stop)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
 
 
 def save_hf(model, directory, max_shard_size=None):

@@ -12,7 +12,6 @@ and a second round of requests compiles nothing.
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import numpy as np
@@ -21,9 +20,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from model.checkpoint import load_checkpoint  # noqa: E402
 from model.convert_hf import ConversionError, convert  # noqa: E402
-from test_hf_parity import MODES, TOL, Runner, hf_logits  # noqa: E402
+from test_hf_parity import MODES, TOL, Runner, hf_greedy, hf_logits, save_and_convert, scale_weights_  # noqa: E402
 
 COMMON = dict(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               head_dim=8, tie_word_embeddings=False, max_position_embeddings=256)
@@ -47,14 +45,7 @@ def make_hf_moe(name: str, seed: int):
     config_class, model_class, extra = HF_MODELS[name]
     torch.manual_seed(seed)
     model = model_class(config_class(**COMMON, **extra)).eval()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if p.ndim == 1:
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            elif "embed_tokens" in pname:
-                p.normal_(0.0, 0.5)
-            else:  # [.., out, in] (experts stacked in front): scaled by the input dim
-                p.normal_(0.0, 1.5 / math.sqrt(p.shape[-1]))
+    scale_weights_(model)  # large enough that routing differs token to token
     return model
 
 
@@ -63,11 +54,7 @@ def converted(request, tmp_path_factory):
     name = request.param
     seed = sorted(HF_MODELS).index(name)
     model = make_hf_moe(name, seed)
-    hf_dir = str(tmp_path_factory.mktemp(f"hf_{name}"))
-    out_dir = str(tmp_path_factory.mktemp(f"ours_{name}"))
-    model.save_pretrained(hf_dir)
-    convert(hf_dir, out_dir, dtype="float32", progress=False)
-    cfg, params = load_checkpoint(out_dir)
+    hf_dir, out_dir, cfg, params = save_and_convert(model, tmp_path_factory, name)
     rng = np.random.default_rng(200 + seed)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (14, 5, 11)]
     return name, model, hf_dir, out_dir, cfg, params, prompts
@@ -102,15 +89,6 @@ def test_prompt_logprob_parity(converted, mode):
     assert diff < TOL, f"{name} {mode}: max |logprob diff| {diff:.3g}"
 
 
-def _hf_greedy(model, prompt, n):
-    """HF's greedy continuation (its own KV cache), exactly `n` tokens (no stop at EOS)."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None,
-                             pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 def _runner_greedy(cfg, params, prompts, n):
     """Greedy continuation of every prompt through the paged forward, all sequences in one
     batch: the prompts prefilled together, then `n - 1` steps of one decode each."""
@@ -128,7 +106,7 @@ def _runner_greedy(cfg, params, prompts, n):
 
 def test_greedy_matches_hf(converted):
     name, model, _, _, cfg, params, prompts = converted
-    expected = [_hf_greedy(model, p, GREEDY_TOKENS) for p in prompts]
+    expected = [hf_greedy(model, p, GREEDY_TOKENS) for p in prompts]
     assert _runner_greedy(cfg, params, prompts, GREEDY_TOKENS) == expected
 
 
@@ -150,7 +128,7 @@ def test_engine_greedy_with_chunks_and_prefix_cache(converted):
     again = [list(o.outputs[0].token_ids) for o in llm.generate(prompts[::-1], sp)]
     assert llm.engine.stats().prefix_cache_hit_tokens > hits
     assert compilation_count() == compiled, "the MoE step compiled again for new requests"
-    expected = [_hf_greedy(model, p, GREEDY_TOKENS) for p in prompts]
+    expected = [hf_greedy(model, p, GREEDY_TOKENS) for p in prompts]
     assert first == expected
     assert again == expected[::-1]
 
