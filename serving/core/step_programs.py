@@ -247,6 +247,14 @@ class StepPrograms:
     def _compile_rest(self, shapes: list, total: int) -> None:
         """The background thread's compiles, one at a time: quick compiles replaced, then the rest."""
         t0 = time.perf_counter()
+        # Saved whole by an earlier process: each loads on first use in a fraction of a second, so loading
+        # them now would only compete with the requests being served. They count as ready at once.
+        stored = [s for s in shapes if s not in self._quick and not self.is_compiled(s) and self._is_stored(s)]
+        self._compiled.update(stored)
+        if stored:
+            log.info("step executables: %d of %d stored by an earlier start, ready (each loads on first use)",
+                     len(stored), total)
+        shapes = [s for s in shapes if s not in stored]
         for i, shape in enumerate(shapes):
             if self._stopping:
                 return
@@ -257,18 +265,13 @@ class StepPrograms:
                 log.info("step executable (T=%d, P=%d) recompiled fully in %.1f s, replacing its quick compile",
                          shape.T, shape.P, time.perf_counter() - t)
                 continue
-            if not self.is_compiled(shape) and self._is_stored(shape):
-                # Saved whole by an earlier process: it loads on first use in a fraction of a second, so
-                # loading it now would only compete with the requests being served.
-                how = "stored (loads on first use)"
-            else:
-                _, how = self._compile(shape, key, on_demand=False)  # the table's when found
-                how += f" in {time.perf_counter() - t:.1f} s"
+            _, how = self._compile(shape, key, on_demand=False)  # the table's when found
             self._compiled.add(shape)
             elapsed = time.perf_counter() - t0
             left = len(shapes) - i - 1
-            log.info("step executable %d/%d (T=%d, P=%d) %s; %.0f s elapsed%s", len(self._compiled), total,
-                     shape.T, shape.P, how, elapsed, f", about {elapsed / (i + 1) * left:.0f} s left" if left else "")
+            log.info("step executable %d/%d (T=%d, P=%d) %s in %.1f s; %.0f s elapsed%s", len(self._compiled),
+                     total, shape.T, shape.P, how, time.perf_counter() - t, elapsed,
+                     f", about {elapsed / (i + 1) * left:.0f} s left" if left else "")
         log.info("warm-up done: all %d step executables ready (%d steps ran in a larger bucket meanwhile)",
                  total, self.steps_in_larger_bucket)
 
