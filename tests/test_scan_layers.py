@@ -37,8 +37,13 @@ def test_scanned_engine_matches_the_unrolled_one(kv_cache_dtype):
         results[loop] = _run(llm)
     (t_u, lp_u, plp_u), (t_s, lp_s, plp_s) = results["unroll"], results["scan"]
     assert t_s == t_u
-    np.testing.assert_allclose(np.concatenate(lp_s), np.concatenate(lp_u), atol=1e-5)
-    np.testing.assert_allclose(np.concatenate(plp_s), np.concatenate(plp_u), atol=1e-5)
+    # The two programs round differently in the last bit (their fusions differ). In float32 that stays
+    # below 1e-5. An int8 KV cache turns such a bit into a different rounding of a quantized K or V
+    # element now and then, which moved one prompt logprob of 80 by 2.3e-4 (the tokens stay equal,
+    # and are checked exactly above).
+    atol = 1e-5 if kv_cache_dtype == "auto" else 1e-3
+    np.testing.assert_allclose(np.concatenate(lp_s), np.concatenate(lp_u), atol=atol)
+    np.testing.assert_allclose(np.concatenate(plp_s), np.concatenate(plp_u), atol=atol)
 
 
 def test_tensor_parallel_scan_matches_one_device():

@@ -189,7 +189,7 @@ class ModelRunner:
         # The last step's sampled ids, padded to the most logit rows a step has: the next step
         # reads its placeholder tokens from it (`feed_tokens`) without a trip through the host.
         self.feed = self._place_feed(np.zeros(buckets.max_num_seqs, np.int32))
-        self.copy_sizes = [buckets.max_num_seqs]  # copy-on-write pairs per copy program (one size: `_copy_pages`)
+        self.max_copy_pairs = buckets.max_num_seqs  # copy-on-write pairs per call of the page copy (`_copy_pages`)
         self._all_allowed_masks: dict = {}  # rows -> resident all-ones token bitmask (`_all_allowed`)
         self.programs = StepPrograms(self._lower_step, self._program_key, platform=jax.default_backend())
         self.controls = None  # sampling_controls.ControlState, threaded through every step
@@ -377,7 +377,7 @@ class ModelRunner:
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicates pages on device before the step that writes them."""
-        size = self.copy_sizes[-1]
+        size = self.max_copy_pairs
         for i in range(0, len(copies), size):
             chunk = copies[i:i + size]
             src = np.zeros(size, np.int32)
@@ -481,13 +481,13 @@ class ModelRunner:
         if start_thread and info["background"]:  # after any small programs run here: a tracing thread would slow them
             self.programs.start_background()
         info.update(seconds=time.perf_counter() - t0, compiled=self.compilation_count() - before,
-                    shapes=info["shapes"] + len(self.copy_sizes))
+                    shapes=info["shapes"] + 1)  # and the page copy
         return info
 
     def _warm_up_small_programs(self) -> None:
         """Runs the page copy (all padding, so nothing moves) and the control row load once."""
-        for size in self.copy_sizes:
-            self._copy(np.zeros(size, np.int32), np.full(size, self.num_pages, np.int32))
+        size = self.max_copy_pairs
+        self._copy(np.zeros(size, np.int32), np.full(size, self.num_pages, np.int32))
         self._warm_up_controls()
 
     def _warm_up_controls(self) -> None:
@@ -504,9 +504,8 @@ class ModelRunner:
             return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
                                                                sharding=getattr(x, "sharding", None)), args)
 
-        calls = [(_copy_jit, "copy-pages",
-                  abstract(self.cache, *self._host_inputs(np.zeros(n, np.int32), np.zeros(n, np.int32))))
-                 for n in self.copy_sizes]
+        pairs = np.zeros(self.max_copy_pairs, np.int32)
+        calls = [(_copy_jit, "copy-pages", abstract(self.cache, *self._host_inputs(pairs, pairs)))]
         if self.controls is not None:
             calls.append((sampling_controls.load_jit, "load-controls",
                           abstract(self.controls, *self._host_inputs(np.int32(0), *self._empty_control_row()))))
@@ -518,8 +517,8 @@ class ModelRunner:
         return sorted((StepShape(T, S, P) for T, S, P in self.buckets.all_shapes()), key=lambda s: (s.T, s.P))
 
     def _warm_up_shapes(self, run_step) -> int:
-        """Runs `run_step(ibuf, fbuf, shape)` once per bucket on an empty batch, and every page-copy
-        size; returns how many shapes that was."""
+        """Runs `run_step(ibuf, fbuf, shape)` once per bucket on an empty batch, and the small programs;
+        returns how many shapes that was (the page copy counted)."""
         pad = self.num_pages * self.page_size
         shapes = self.buckets.all_shapes()
         for T, S, P in shapes:
@@ -528,7 +527,7 @@ class ModelRunner:
             run_step(ibuf, fbuf, shape)
         self._warm_up_small_programs()
         jax.block_until_ready(self.cache)
-        return len(shapes) + len(self.copy_sizes)
+        return len(shapes) + 1  # and the page copy
 
     @staticmethod
     def compilation_count() -> int:

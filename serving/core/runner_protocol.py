@@ -24,7 +24,7 @@ class Runner(Protocol):
     page_size: int
     buckets: Any  # input_batch.Buckets: the step shapes it compiles
     backend: str  # the attention backend
-    copy_sizes: list[int]  # copy-on-write pairs per copy program, one program per entry
+    max_copy_pairs: int  # copy-on-write pairs the one page-copy program takes (more go in several calls)
 
     # --- steps -----------------------------------------------------------------------------
     def dispatch(self, batch) -> Any:
