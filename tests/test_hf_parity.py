@@ -192,9 +192,9 @@ def converted(request, tmp_path_factory):
     name = request.param
     seed = sorted(HF_CONFIGS).index(name)
     model = make_hf_model(seed=seed, **HF_CONFIGS[name])
-    hf_dir = str(tmp_path_factory.mktemp(f"hf_{name}"))
-    out_dir = str(tmp_path_factory.mktemp(f"ours_{name}"))
     if name == "odd_sizes_sharded":
+        hf_dir = str(tmp_path_factory.mktemp(f"hf_{name}"))
+        out_dir = str(tmp_path_factory.mktemp(f"ours_{name}"))
         save_hf(model, hf_dir, max_shard_size="40KB")
         assert os.path.exists(os.path.join(hf_dir, "model.safetensors.index.json"))
         assert len([f for f in os.listdir(hf_dir) if f.endswith(".safetensors")]) > 2
@@ -204,10 +204,9 @@ def converted(request, tmp_path_factory):
                               env={**os.environ, "JAX_PLATFORMS": "cpu"})
         assert proc.returncode == 0, proc.stderr
         assert "converting" in proc.stderr  # the progress bar
+        cfg, params = load_checkpoint(out_dir)
     else:
-        save_hf(model, hf_dir)
-        convert(hf_dir, out_dir, dtype="float32", progress=False)
-    cfg, params = load_checkpoint(out_dir)
+        _, _, cfg, params = save_and_convert(model, tmp_path_factory, name)
     rng = np.random.default_rng(100 + seed)
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in PROMPT_LENS]
     expected = [hf_logits(model, p) for p in prompts]
