@@ -64,8 +64,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from kernels_pallas import get_backend
 from model.cache import BatchMetadata, KVCache
 from model.config import ModelConfig
-from model.forward import attention_block, mlp_block, output_logits, rope_frequencies
-from model.params import Layer, Weights, is_array_info, pytree_dataclass
+from model.families import family_for_config
+from model.params import is_array_info, pytree_dataclass
 from sharding.layout import Layout
 from sharding.mesh import MeshError, make_mesh, mesh_axis_sizes
 from sharding.rules import RuleError, Rules, load_rules
@@ -80,11 +80,12 @@ class PipelineError(ValueError):
 
 @pytree_dataclass
 class StagedWeights:
-    """Weights with the layers regrouped by stage: `stages[j]` is a `Layer` whose every
-    array is the `p` stages' copies concatenated along the first dimension (stage `s`'s
-    block is global layer `s * L/p + j`).
+    """Weights with the layers regrouped by stage: `stages[j]` is a layer of the model's own
+    kind (`model.params.Layer`, a mixture of experts' `MoeLayer`) whose every array is the `p`
+    stages' copies concatenated along the first dimension (stage `s`'s block is global layer
+    `s * L/p + j`); a field the family leaves out (None: a bias, a q/k norm) stays None.
     `embed`, `final_norm` and `lm_head` keep the names of `model.params.Weights`, so the
-    model's `output_logits` applies to them unchanged."""
+    family's `embed` and `logits` blocks apply to them unchanged."""
 
     embed: object
     stages: list
@@ -143,14 +144,11 @@ class PipelineLayout:
         return Layout(self.mesh, self.rules)
 
     def check(self, cfg: ModelConfig) -> None:
-        """Raises `PipelineError` when the model's layers do not split into the stages."""
+        """Raises `PipelineError` when the model's layers do not split into the stages. Any
+        registered family stages (`model.families`): every layer of one model declares the same
+        weights, and what differs between layers is per-layer data the stages slice."""
         p = self.pipeline_parallel_size
-        if getattr(cfg, "num_experts", 0):
-            raise PipelineError("pipeline parallelism stages Llama's dense layers; a mixture-of-experts model "
-                                "runs on one device or under tensor / expert parallelism")
-        if cfg.architecture != "LlamaForCausalLM":
-            raise PipelineError(f"pipeline parallelism runs Llama-family models only, not {cfg.architecture}; "
-                                "use tensor_parallel_size instead")
+        family_for_config(cfg)  # an unknown architecture: the registry's error, naming what runs
         if cfg.num_layers % p:
             raise PipelineError(f"pipeline_parallel_size={p} must divide the model's {cfg.num_layers} layers "
                                 f"(each stage holds an equal, contiguous run of layers)")
@@ -183,7 +181,7 @@ class PipelineLayout:
         first = () if first is None else (first,) if isinstance(first, str) else tuple(first)
         return PartitionSpec((PIPELINE,) + first if first else PIPELINE, *spec[1:])
 
-    def param_shardings(self, cfg: ModelConfig) -> Weights:
+    def param_shardings(self, cfg: ModelConfig):
         """Shardings of the unstaged `Weights` (e.g. to restore a checkpoint into): each layer on
         its stage's devices, split over `tensor` by the rules; the rest on every device."""
         from sharding.shardings import param_shardings as tp_param_shardings
@@ -199,15 +197,15 @@ class PipelineLayout:
         """Shardings of the `StagedWeights`: every layer weight's first dimension split over
         `pipeline` (then over its own mesh axes)."""
         self.check(cfg)
-        decl = Weights.declare(cfg)
-        layer_decl = decl.layers[0]
+        layer_decl = family_for_config(cfg).declare_weights(cfg).layers[0]
 
-        def staged(decl, name):  # an ArrayInfo, or a QuantizedArray of two (data and scale: each staged)
+        def staged(decl, name):  # an ArrayInfo, a QuantizedArray of two (data and scale: each staged), or None
             return jax.tree.map(lambda info: NamedSharding(self.mesh, self._staged_spec(info, name)), decl,
                                 is_leaf=is_array_info)
 
-        stage_layer = Layer(**{f.name: staged(getattr(layer_decl, f.name), f"layers.{f.name}")
-                               for f in dataclasses.fields(Layer)})
+        # The family's own layer class and fields (biases, q/k norms, experts, ...): absent ones stay None.
+        stage_layer = type(layer_decl)(**{f.name: staged(getattr(layer_decl, f.name), f"layers.{f.name}")
+                                          for f in dataclasses.fields(layer_decl)})
         full = self.tensor_layout.param_shardings(cfg)
         return StagedWeights(embed=full.embed, stages=[stage_layer] * self.layers_per_stage(cfg),
                              final_norm=full.final_norm, lm_head=full.lm_head)
@@ -216,14 +214,14 @@ class PipelineLayout:
         """Shardings of the staged cache: per stage-local layer `[p * pages, slot, kv_heads, head_dim]`,
         the page axis split over `pipeline` (a quantized cache's `[p * pages, slot, kv_heads]` scales
         likewise, so every page keeps its scales on its stage)."""
-        info = KVCache.declare(cfg, num_pages, page_size, dtype).k[0]
+        info = family_for_config(cfg).declare_cache(cfg, num_pages, page_size, dtype).k[0]
         sh = jax.tree.map(lambda i: NamedSharding(self.mesh, self._staged_spec(i, "cache")), info,
                           is_leaf=is_array_info)
         n = self.layers_per_stage(cfg)
         return KVCache(k=[sh] * n, v=[sh] * n)
 
     # --- building the staged pytrees ---------------------------------------------------------------
-    def stage_params(self, cfg: ModelConfig, params: Weights) -> StagedWeights:
+    def stage_params(self, cfg: ModelConfig, params) -> StagedWeights:
         """Regroups `Weights` by stage. Each layer is first put on its stage's devices (a no-op
         for weights restored with `param_shardings`); the `[p]` arrays are then assembled from
         those per-device buffers (no copy), so nothing crosses stages and no device ever
@@ -243,7 +241,7 @@ class PipelineLayout:
         """The declaration of one stage-local cache layer (K or V): pages (and the scales of a
         quantized cache) `[p * num_pages, ...]`, the page axis holding every stage's block."""
         p = self.pipeline_parallel_size
-        info = KVCache.declare(cfg, num_pages, page_size, dtype).k[0]
+        info = family_for_config(cfg).declare_cache(cfg, num_pages, page_size, dtype).k[0]
         return jax.tree.map(lambda i: dataclasses.replace(i, shape=(p * i.shape[0],) + tuple(i.shape[1:])), info,
                             is_leaf=is_array_info)
 
@@ -326,14 +324,31 @@ def _pad_to(x, length: int, value):
     return jnp.pad(x, (0, length - x.shape[0]), constant_values=value)
 
 
+def stage_layer_inputs(per_layer, stage, num_stages: int):
+    """This stage's slice of the family's per-layer data (`ForwardBlocks.layer_inputs`: leaves
+    `[layers, ...]`, e.g. RoPE frequencies and sliding windows): leaves `[layers / p, ...]`,
+    row `j` being global layer `stage * L/p + j`. `stage` is traced (the pipeline's axis index);
+    None leaves (no window) stay None."""
+    def pick(a):
+        blocks = a.reshape((num_stages, a.shape[0] // num_stages) + a.shape[1:])
+        return jax.lax.dynamic_index_in_dim(blocks, stage, axis=0, keepdims=False)
+    return jax.tree.map(pick, per_layer)
+
+
 def pipeline_forward(params: StagedWeights, cache: KVCache, tokens, md: BatchMetadata, cfg: ModelConfig,
                      backend: str, layout: PipelineLayout, num_ticks: int | None = None):
     """Logits `[R, vocab]` (fp32) for rows `md.logits_indices`, and the updated staged cache.
+
+    The layers are the model family's own blocks (`family_for_config(cfg).blocks`: its
+    `embed`, `attention`, `mlp`, `logits` and `layer_inputs`), the very functions
+    `model.forward` runs unpipelined, so every registered family runs here with one
+    implementation of each layer.
 
     `num_ticks` (default `m + p - 1`, the full schedule) exists for the benchmark, which
     times a schedule without the fill/drain ticks to measure what they cost; any other
     value gives wrong results.
     """
+    blocks = family_for_config(cfg).blocks
     T = tokens.shape[0]
     # More microbatches than tokens would only add empty ticks (small decode buckets).
     p, m = layout.pipeline_parallel_size, min(layout.num_microbatches, T)
@@ -348,14 +363,14 @@ def pipeline_forward(params: StagedWeights, cache: KVCache, tokens, md: BatchMet
                              slot_mapping=_pad_to(md.slot_mapping, padded, drop_slot))
     mmd = microbatch_metadata(md, m, mb_tokens)
     with jax.named_scope("embed"):
-        x = tp.constrain(params.embed[tokens].astype(cfg.jnp_dtype), ("tokens", "embed"))
+        x = blocks.embed(params, tokens, cfg, tp)
     x = x.reshape(m, mb_tokens, cfg.hidden_size)
 
     def run_stages(stages, k_cache, v_cache, x_in, mmd):
         stage = jax.lax.axis_index(PIPELINE)
         inner = _StageLayout(jax.sharding.get_abstract_mesh(), layout.rules)
         impl = inner.attention_backend(get_backend(backend, head_dim=cfg.head_dim), cfg)
-        inv_freq = rope_frequencies(cfg)
+        per_layer = stage_layer_inputs(blocks.layer_inputs(cfg), stage, p)
         layers, ks, vs = stages, k_cache, v_cache  # this stage's own blocks, unstaged shapes
 
         def tick(t, carry):
@@ -371,9 +386,10 @@ def pipeline_forward(params: StagedWeights, cache: KVCache, tokens, md: BatchMet
             new_ks, new_vs = [], []
             for j, (layer, k_pages, v_pages) in enumerate(zip(layers, ks, vs)):
                 with jax.named_scope(f"stage_layer_{j}"):
-                    h, k_pages, v_pages = attention_block(layer, h, k_pages, v_pages, md_i, inv_freq, cfg, impl,
-                                                          inner)
-                    h = mlp_block(layer, h, cfg, inner)
+                    inputs = jax.tree.map(lambda a: a[j], per_layer)
+                    h, k_pages, v_pages = blocks.attention(layer, h, k_pages, v_pages, md_i, inputs, cfg, impl,
+                                                           inner)
+                    h = blocks.mlp(layer, h, cfg, inner)
                 new_ks.append(k_pages)
                 new_vs.append(v_pages)
             keep = valid & (stage == p - 1)
@@ -396,7 +412,7 @@ def pipeline_forward(params: StagedWeights, cache: KVCache, tokens, md: BatchMet
                         in_specs=(staged, staged, staged, rep, rep), out_specs=(rep, staged, staged))
     rows, new_k, new_v = run(params.stages, cache.k, cache.v, x, mmd)
     with jax.named_scope("logits"):
-        logits = output_logits(params, tp.constrain(rows, ("tokens", "embed")), cfg, tp)
+        logits = blocks.logits(params, tp.constrain(rows, ("tokens", "embed")), cfg, tp)
     return logits, KVCache(k=new_k, v=new_v)
 
 

@@ -13,19 +13,23 @@ import functools
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from conftest import greedy, ragged_prompts as prompts, tiny_config
+from model.blocks import NO_WINDOW
 from model.cache import cache_bytes, init_cache, pack_batch
+from model.families import family_for_config
 from model.forward import forward_jit
-from model.params import init_params
+from model.params import abstract_params, init_params
 from serving import LLM, SamplingParams
 from serving.core.input_batch import StepShape
 from serving.core.model_runner import _step_jit
 from sharding import MeshError, make_mesh, param_shardings
 from sharding.hlo import collectives, shape_dims
-from sharding.pipeline import PipelineError, copy_staged_pages, make_pipeline_layout, pipeline_forward_jit
+from sharding.pipeline import (PipelineError, copy_staged_pages, make_pipeline_layout, pipeline_forward_jit,
+                               stage_layer_inputs)
 
 CFG = tiny_config(vocab_size=128, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=8)
 NUM_PAGES, PAGE = 48, 8
@@ -225,3 +229,131 @@ def test_impossible_layouts_are_clear_errors():
         LLM(config=CFG, params=params(), num_microbatches=2, **COMMON)
     with pytest.raises(ValueError, match="num_microbatches must be a positive integer"):
         LLM(config=CFG, params=params(), pipeline_parallel_size=2, num_microbatches=0, **COMMON)
+
+
+# --- every model family through the stages ----------------------------------------------------------
+
+_SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+              head_dim=8)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, moe_router="softmax_topk")
+_GEMMA = dict(norm_offset=1.0, scale_embeddings=True, hidden_act="gelu_tanh", sandwich_norms=True,
+              query_pre_attn_scalar=16.0, tie_word_embeddings=True)
+# The steps' sequences reach 13 tokens, so a window of 4 hides keys; Gemma 3's four layers put a
+# global layer first on stage 1 (stage-local layer 0), so a stage reading another stage's windows
+# or RoPE bases, or its layers' in the wrong order, computes something else.
+FAMILY_CONFIGS = {
+    "qwen2": tiny_config(**_SMALL, architecture="Qwen2ForCausalLM", attention_bias=True),
+    "qwen3": tiny_config(**_SMALL, architecture="Qwen3ForCausalLM", qk_norm=True, tie_word_embeddings=True),
+    "mistral_sliding": tiny_config(**_SMALL, architecture="MistralForCausalLM", sliding_window=4),
+    "phi3": tiny_config(**_SMALL, architecture="Phi3ForCausalLM", sliding_window=4),
+    "gemma2": tiny_config(**_SMALL, architecture="Gemma2ForCausalLM", **_GEMMA, sliding_window=4,
+                          layer_types=("sliding_attention", "full_attention"), attn_logit_softcap=5.0,
+                          final_logit_softcap=3.0),
+    "gemma3": tiny_config(**dict(_SMALL, num_layers=4), architecture="Gemma3ForCausalLM", **_GEMMA, qk_norm=True,
+                          sliding_window=4, rope_theta=1e6, rope_local_theta=1e4,
+                          layer_types=("sliding_attention", "sliding_attention", "full_attention",
+                                       "sliding_attention")),
+    "mixtral": tiny_config(**_SMALL, architecture="MixtralForCausalLM", **dict(_MOE, moe_router="topk_softmax")),
+    "qwen2_moe": tiny_config(**_SMALL, architecture="Qwen2MoeForCausalLM", **_MOE, attention_bias=True,
+                             shared_expert_intermediate_size=24),
+    "qwen3_moe": tiny_config(**_SMALL, architecture="Qwen3MoeForCausalLM", **_MOE, qk_norm=True, norm_topk_prob=True),
+}
+
+
+def _random_params(cfg, seed=5):
+    """Random weights drawn on the host, biases and norms included: norms scale by about one, as trained
+    ones do, whether a family stores the scale (w) or its offset from one (Gemma's 1 + w)."""
+    rng = np.random.default_rng(seed)
+    center = 1.0 - cfg.norm_offset
+
+    def draw(a):
+        if a.ndim == 1:
+            return (center + 0.2 * rng.standard_normal(a.shape)).astype(np.float32)
+        return (rng.standard_normal(a.shape) / np.sqrt(a.shape[-1])).astype(np.float32)
+
+    return jax.tree.map(draw, abstract_params(cfg))
+
+
+@pytest.mark.parametrize("name,tp", [(n, 1) for n in FAMILY_CONFIGS] + [("qwen2_moe", 2), ("gemma3", 2)])
+def test_every_family_pipelined_forward_matches_the_plain_forward(name, tp):
+    """The stages run the family's own blocks: biases, q/k norms, Gemma's norms, scalings and soft caps,
+    per-layer windows and RoPE bases, and the experts (split over `tensor` inside each stage at TP=2:
+    expert parallelism)."""
+    cfg = FAMILY_CONFIGS[name]
+    host = _random_params(cfg)
+    layout = make_pipeline_layout(2, tp, 3)
+    staged = layout.stage_params(cfg, host)
+    # Every weight of every layer is staged, the family's optional ones included.
+    assert type(staged.stages[0]) is type(host.layers[0])
+    assert len(jax.tree.leaves(staged.stages)) * 2 == len(jax.tree.leaves(host.layers))
+    want = run_steps(lambda p, c, t, md: forward_jit(p, c, t, md, cfg, "reference"), host, init_cache(cfg, 16, 4))
+    got = run_steps(lambda p, c, t, md: pipeline_forward_jit(p, c, t, md, cfg, "reference", layout), staged,
+                    layout.init_cache(cfg, 16, 4))
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_each_stage_gets_its_own_layers_per_layer_data():
+    cfg = FAMILY_CONFIGS["gemma3"]
+    per_layer = family_for_config(cfg).blocks.layer_inputs(cfg)
+    for stage, windows in ((0, [4, 4]), (1, [NO_WINDOW, 4])):
+        got = stage_layer_inputs(per_layer, jnp.int32(stage), 2)
+        assert np.asarray(got.window).tolist() == windows
+        np.testing.assert_array_equal(np.asarray(got.inv_freq), np.asarray(per_layer.inv_freq)[2 * stage:2 * stage + 2])
+
+
+# --- engines: a sliding-window family and a mixture of experts, controls and structured outputs -------
+
+ENGINE = dict(page_size=4, max_model_len=64, num_pages=64, max_num_seqs=4, max_num_batched_tokens=16,
+              min_token_bucket=16, min_context_bucket=64, attention_backend="reference")
+# Byte-level vocabulary, so the engine has a tokenizer (structured outputs compile against it).
+SLIDING = tiny_config(**dict(_SMALL, vocab_size=320), architecture="MistralForCausalLM", sliding_window=8)
+MOE = FAMILY_CONFIGS["qwen3_moe"]
+
+
+@functools.cache
+def family_engines(name):
+    """(the plain engine, PP=2 with 2 microbatches) over the same random weights."""
+    cfg = {"sliding": SLIDING, "moe": MOE}[name]
+    host = _random_params(cfg, seed=9)
+    return (LLM(config=cfg, params=host, **ENGINE),
+            LLM(config=cfg, params=host, pipeline_parallel_size=2, num_microbatches=2, **ENGINE))
+
+
+@pytest.mark.parametrize("name", ["sliding", "moe"])
+def test_family_engine_greedy_tokens_identical(name):
+    plain, piped = family_engines(name)
+    assert piped.engine.runner.layout.pipeline_parallel_size == 2
+    cfg = plain.config
+    batch = prompts(cfg.vocab_size, n=4, seed=2, max_len=30)
+    want = greedy(plain, batch, max_tokens=12)
+    assert len({tuple(t) for t in want}) == len(batch)  # not vacuous
+    assert greedy(piped, batch, max_tokens=12) == want
+    if name == "sliding":  # every layer slides: both block managers let pages before the window go
+        assert piped.engine.block_manager.window == plain.engine.block_manager.window == 8
+
+
+def _texts(llm, batch, sps):
+    return [[list(c.token_ids) for c in o.outputs] for o in llm.generate(batch, sps)]
+
+
+def test_sampling_controls_and_structured_outputs_under_stages():
+    plain, piped = family_engines("sliding")
+    assert piped.engine.control_slots is not None  # the pipeline runner keeps the controls' slot state
+    batch = prompts(SLIDING.vocab_size, n=4, seed=3, max_len=20)
+    free = greedy(plain, batch, max_tokens=10)
+    sps = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logit_bias={free[0][0]: -100.0, 65: 5.0}),
+           SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, repetition_penalty=1.8,
+                          presence_penalty=0.5),
+           SamplingParams(temperature=0.0, max_tokens=10, min_tokens=4, bad_words=[chr(free[2][1])],
+                          ignore_eos=True),
+           SamplingParams(temperature=0.8, seed=4, max_tokens=10, ignore_eos=True, frequency_penalty=0.7)]
+    want = _texts(plain, batch, sps)
+    assert want[0][0] != free[0] and free[0][0] not in want[0][0]  # the controls changed something
+    assert want[1][0] != free[1]
+    assert _texts(piped, batch, sps) == want
+
+    sp = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs={"regex": "(ab|cd){1,4}x"})
+    want = [o.outputs[0].text for o in plain.generate(batch[:2], sp)]
+    assert all(re.fullmatch("(ab|cd){1,4}x", t) for t in want), want
+    assert [o.outputs[0].text for o in piped.generate(batch[:2], sp)] == want

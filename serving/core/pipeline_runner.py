@@ -5,7 +5,13 @@ the device state: params are `StagedWeights` (each layer on its stage's
 devices) and the KV cache holds, per stage-local layer, one `[p * pages, ...]`
 array whose page axis is split over `pipeline`. The block manager is unchanged: page ids are
 the same on every stage, each stage holding those pages for its own layers.
-The step itself is `model_runner`'s: the layout supplies the forward pass.
+The step itself is `model_runner`'s: the layout supplies the forward pass
+(the model family's own blocks, `sharding.pipeline.pipeline_forward`), and
+everything around it is shared as it is: sampling controls (logit bias,
+penalties, `min_tokens`, bad words: `sampling_controls`' slot state, placed
+and threaded like the feed, replicated over the mesh) and structured outputs'
+token bitmask, both applied to the logits after the stages, which every
+device holds.
 """
 
 from __future__ import annotations
@@ -35,9 +41,6 @@ class PipelineRunner(ModelRunner):
 
     def spec_decode_unsupported(self):
         return "speculative decoding is not supported with pipeline parallelism (pipeline_parallel_size > 1) yet"
-
-    def controls_unsupported(self):
-        return "not supported with pipeline parallelism (pipeline_parallel_size > 1) yet"
 
     def kv_transfer_unsupported(self):
         return ("KV transfer is not supported with pipeline parallelism yet (each stage holds only its own "
