@@ -12,18 +12,11 @@ the package's small jax-free helpers (`kernels_pallas.pow2`) import alone.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
+from kernels_pallas.backend import AttentionBackend, pallas_supports_head_dim
 
-@dataclasses.dataclass(frozen=True)
-class AttentionBackend:
-    name: str
-    attention: Callable
-    write_kv: Callable
-    # Whether attention / write_kv accept the optional k_scale / v_scale of an int8 / fp8
-    # cache (see `reference`). A backend without it is refused for a quantized cache.
-    quantized_kv: bool = False
+__all__ = ["AttentionBackend", "backend_names", "get_backend", "pallas_supports_head_dim", "register_backend"]
 
 
 def _reference() -> AttentionBackend:
@@ -52,17 +45,14 @@ def backend_names() -> list[str]:
 
 
 def _load_kernels() -> None:
-    # The Pallas kernels register themselves on import; they are optional so
-    # the reference path works even where Pallas cannot be imported.
+    # The Pallas kernels are optional, so the reference path works even where Pallas cannot
+    # be imported; their module lists its backends, registered here on first use.
     try:
-        import kernels_pallas.kernels  # noqa: F401
+        from kernels_pallas.kernels import PALLAS_BACKENDS
     except ImportError:
-        pass
-
-
-def pallas_supports_head_dim(head_dim: int) -> bool:
-    """The Pallas kernels' head sizes: powers of two from 16 (Phi-3's 96 is not one)."""
-    return head_dim >= 16 and not head_dim & (head_dim - 1)
+        return
+    for name, factory in PALLAS_BACKENDS.items():
+        _BACKENDS.setdefault(name, factory)
 
 
 def get_backend(name: str = "auto", head_dim: int | None = None) -> AttentionBackend:

@@ -1,4 +1,4 @@
-"""Registers the Pallas backends with `kernels_pallas.get_backend`.
+"""The Pallas backends, which `kernels_pallas.get_backend` registers on first use.
 
 "pallas" runs the kernels compiled for the GPU; "pallas_interpret" runs the
 very same kernel bodies through Pallas' interpreter on any platform. The
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 
-from kernels_pallas import AttentionBackend, register_backend
+from kernels_pallas.backend import AttentionBackend
 from kernels_pallas.kv_cache_write import write_kv
 from kernels_pallas.ragged_paged_attention import ragged_paged_attention
 
@@ -24,5 +24,7 @@ def _backend(name: str, interpret: bool) -> AttentionBackend:
     )
 
 
-register_backend("pallas", lambda: _backend("pallas", interpret=False))
-register_backend("pallas_interpret", lambda: _backend("pallas_interpret", interpret=True))
+PALLAS_BACKENDS = {
+    "pallas": lambda: _backend("pallas", interpret=False),
+    "pallas_interpret": lambda: _backend("pallas_interpret", interpret=True),
+}

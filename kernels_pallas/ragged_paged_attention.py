@@ -107,7 +107,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kernels_pallas import pallas_supports_head_dim
+from kernels_pallas.backend import pallas_supports_head_dim
 from kernels_pallas.pow2 import next_pow2
 from kernels_pallas.reference import check_kv_scales
 
