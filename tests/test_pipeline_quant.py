@@ -6,7 +6,8 @@ and every KV dtype, with KV heads split (PP=2 x TP=2) and replicated (PP=2 x TP=
 stage. Forked samples (n=2) share their last page until copy-on-write, which must copy the
 pages' scales on every stage. Quantizing weights that already sit on their stages converts
 each stage's layers on that stage with one compilation per device set, and the staged
-quantized weights and KV scales live on their own stage only.
+quantized weights and KV scales live on their own stage only. A mixture of experts' quantized expert
+weights stage with their per-expert scales.
 """
 
 import functools
@@ -136,3 +137,42 @@ def test_quantize_params_on_stage_devices_compiles_once_per_device_set():
     staged = layout.stage_params(qcfg, got)
     np.testing.assert_array_equal(np.asarray(staged.stages[0].wk.scale)[CFG.num_kv_heads:],
                                   np.asarray(got.layers[1].wk.scale))  # stage 1's block: global layer 1
+
+
+def test_quantized_mixture_of_experts_stages_with_its_expert_scales():
+    """Int8 Qwen2-MoE weights (expert weights with `[experts, out]` scales, the shared expert, q/k/v
+    biases left in the compute dtype) staged field by field at PP=2 x TP=2, experts split over
+    `tensor` inside each stage: the pipelined logits equal the plain forward's."""
+    from model.cache import init_cache, pack_batch
+    from model.forward import forward_jit
+    from model.params import abstract_params
+    from sharding.pipeline import pipeline_forward_jit
+
+    moe = tiny_config(vocab_size=128, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, architecture="Qwen2MoeForCausalLM", num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=16, moe_router="softmax_topk",
+                      attention_bias=True, shared_expert_intermediate_size=24)
+    rng = np.random.default_rng(2)
+    host = jax.tree.map(lambda a: (rng.standard_normal(a.shape) / np.sqrt(a.shape[-1])).astype(np.float32)
+                        if a.ndim > 1 else np.ones(a.shape, np.float32), abstract_params(moe))
+    cfg, host = quant.quantize_params(host, moe, "int8")
+    layout = make_pipeline_layout(2, 2, 2)
+    staged = layout.stage_params(cfg, host)
+    assert staged.stages[0].w_gate.scale.shape == (2 * moe.num_experts, moe.moe_intermediate_size)
+    assert staged.stages[0].q_bias.dtype == jnp.float32
+
+    def run(fn, params, cache):
+        out = []
+        for chunks in ([(list(range(3, 12)), 0, [0, 1, 2]), ([7, 8, 9], 0, [3])],
+                       [([40], 9, [0, 1, 2]), ([50, 51, 52, 53], 3, [3, 4])]):
+            tokens, md = pack_batch(chunks, page_size=4, num_pages=8, num_tokens=16, max_seqs=2, pages_per_seq=3,
+                                    logits_rows=2)
+            logits, cache = fn(params, cache, tokens, md)
+            out.append(np.asarray(logits))
+        return out
+
+    want = run(lambda p, c, t, md: forward_jit(p, c, t, md, cfg, "reference"), host, init_cache(cfg, 8, 4))
+    got = run(lambda p, c, t, md: pipeline_forward_jit(p, c, t, md, cfg, "reference", layout), staged,
+              layout.init_cache(cfg, 8, 4))
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
