@@ -43,7 +43,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from model.cache import init_cache  # noqa: E402
-from model.config import LlamaConfig, config_by_name  # noqa: E402
+from model.config import LlamaConfig  # noqa: E402
+from model.families import config_by_name, kv_bytes_per_token, num_params  # noqa: E402
 from model.params import init_params, param_bytes  # noqa: E402
 from serving import LLM, SamplingParams  # noqa: E402
 from serving.core.input_batch import StepShape  # noqa: E402
@@ -230,9 +231,9 @@ def main():
     dev = jax.devices()[0]
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "smoke": smoke,
               "device": getattr(dev, "device_kind", str(dev)), "platform": jax.default_backend(),
-              "jax": jax.__version__, "model": {"params_billions": cfg.num_params() / 1e9, "dtype": cfg.dtype,
+              "jax": jax.__version__, "model": {"params_billions": num_params(cfg) / 1e9, "dtype": cfg.dtype,
                                                  "layers": cfg.num_layers, "hidden": cfg.hidden_size}}
-    log(f"device {result['device']}; model {cfg.num_params() / 1e9:.2f}B params {cfg.dtype}")
+    log(f"device {result['device']}; model {num_params(cfg) / 1e9:.2f}B params {cfg.dtype}")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "gpu_model_bench_smoke.json" if smoke else "gpu_model_bench.json")
 
@@ -254,7 +255,7 @@ def main():
 
     params = init_params(cfg, jax.random.key(0))
     wbytes = weight_bytes_per_step(cfg, params)
-    kv_token = cfg.kv_bytes_per_token()
+    kv_token = kv_bytes_per_token(cfg)
     ctx_pages = context // PAGE
     num_pages = max(batches) * ctx_pages + prefill // PAGE + 1
     timer = StepTimer(cfg, params, num_pages)

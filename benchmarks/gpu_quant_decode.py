@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 
 from model import quant  # noqa: E402
 from model.cache import init_cache, pack_batch  # noqa: E402
-from model.config import config_by_name  # noqa: E402
+from model.families import config_by_name, num_params  # noqa: E402
 from model.forward import forward_jit  # noqa: E402
 from model.params import init_params  # noqa: E402
 
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     rounds = args.rounds or (1 if smoke else 3)
     backend = "reference" if smoke and args.backend == "auto" else args.backend
     cfg = config_by_name(model).replace(dtype="bfloat16")
-    print(f"gpu_quant_decode: {model} ({cfg.num_params() / 1e9:.2f}B params), batch 1, context {context}, "
+    print(f"gpu_quant_decode: {model} ({num_params(cfg) / 1e9:.2f}B params), batch 1, context {context}, "
           f"{steps} steps x {rounds} rounds, backend {backend}, device {jax.devices()[0].device_kind}", flush=True)
 
     t0 = time.perf_counter()

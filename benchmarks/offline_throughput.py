@@ -51,6 +51,7 @@ import numpy as np  # noqa: E402
 
 from model.cache import init_cache, pack_batch  # noqa: E402
 from model.config import LlamaConfig  # noqa: E402
+from model.families import num_params  # noqa: E402
 from model.forward import forward_jit, head_projection, output_projection, rms_norm  # noqa: E402
 from kernels_pallas import get_backend  # noqa: E402
 from model.params import init_params, param_bytes  # noqa: E402
@@ -254,10 +255,10 @@ def main():
     result["machine"].update(torch=torch.__version__, transformers=transformers.__version__,
                              torch_threads=torch.get_num_threads())
 
-    log(f"model: {cfg.num_params() / 1e6:.1f}M params, fp32")
+    log(f"model: {num_params(cfg) / 1e6:.1f}M params, fp32")
     params = init_params(cfg, jax.random.key(0))
     result["model"] = {"shape": {k: v for k, v in shape.items() if k not in ("eos_token_ids",)},
-                       "params_millions": cfg.num_params() / 1e6, "param_bytes": param_bytes(params)}
+                       "params_millions": num_params(cfg) / 1e6, "param_bytes": param_bytes(params)}
 
     bw_mib = 128 if args.quick else 512
     bw = read_bandwidth(bw_mib)

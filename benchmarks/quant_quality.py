@@ -46,7 +46,7 @@ import numpy as np  # noqa: E402
 from model import quant  # noqa: E402
 from model.cache import init_cache, pack_batch  # noqa: E402
 from model.checkpoint import load_checkpoint  # noqa: E402
-from model.config import config_by_name  # noqa: E402
+from model.families import config_by_name  # noqa: E402
 from model.forward import forward  # noqa: E402
 from model.params import abstract_params  # noqa: E402
 from model.tokenizer import ByteTokenizer  # noqa: E402

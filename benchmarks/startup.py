@@ -100,7 +100,7 @@ WRITE_8B = """
 import sys
 import jax
 from model.checkpoint import save_checkpoint
-from model.config import config_by_name
+from model.families import config_by_name
 from model.params import init_params
 cfg = config_by_name("llama3-8b")
 save_checkpoint(sys.argv[1], init_params(cfg, jax.random.key(0)), cfg)

@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from model.families import num_params  # noqa: E402
 from serving import LLM, SamplingParams  # noqa: E402
 from serving.core.compile_cache import compile_counts  # noqa: E402
 
@@ -220,7 +221,7 @@ def main():
         "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
                     "device": str(jax.devices()[0]), "loadavg_before": load_before},
-        "model": {"name": name, "params_millions": cfg.num_params() / 1e6, "layers": cfg.num_layers,
+        "model": {"name": name, "params_millions": num_params(cfg) / 1e6, "layers": cfg.num_layers,
                   "hidden": cfg.hidden_size, "dtype": str(cfg.dtype)},
         "engine": {"num_pages": args.num_pages, "page_size": args.page_size, "max_model_len": args.max_model_len,
                    "min_token_bucket": args.min_token_bucket, "prefix_caching": False,

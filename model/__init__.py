@@ -9,10 +9,10 @@ from model.lazy_exports import lazy_exports
 
 _EXPORTS = {
     **dict.fromkeys(("BatchMetadata", "KVCache", "cache_bytes", "init_cache", "pad_slot"), "model.cache"),
-    **dict.fromkeys(("LlamaConfig", "ModelConfig", "RopeScaling", "config_by_name", "from_hf_config"),
-                    "model.config"),
-    **dict.fromkeys(("ModelFamily", "family_for_architectures", "family_for_config", "family_for_hf_config",
-                     "num_params"), "model.families"),
+    **dict.fromkeys(("LlamaConfig", "ModelConfig", "RopeScaling"), "model.config"),
+    **dict.fromkeys(("ModelFamily", "config_by_name", "family_for_architectures", "family_for_config",
+                     "family_for_hf_config", "from_hf_config", "num_params"),
+                    "model.families"),
     **dict.fromkeys(("forward", "forward_hidden", "forward_jit"), "model.forward"),
     **dict.fromkeys(("Layer", "Weights", "abstract_params", "init_params", "logical_axes", "param_bytes"),
                     "model.params"),

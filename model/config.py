@@ -4,10 +4,13 @@ Llama is the base; the fields after `weight_dtype` are what the other families
 (Qwen2/3, Mistral, Phi-3, Gemma 2/3) change, each defaulting to Llama's value.
 
 The config is hashable so it can be a static argument of `jax.jit`. It loads
-from our own JSON (`configs/*.json`, `model_config.json` in a checkpoint) and
-from a Hugging Face `config.json` written by transformers 4 or 5; the latter
-goes through the family registry (`model.families`), which picks the
-translation by the file's `architectures` name.
+from our own JSON (`configs/*.json`, `model_config.json` in a checkpoint). A
+Hugging Face `config.json` written by transformers 4 or 5 is translated by its
+family (`model.families.from_hf_config`; `model.families.config_by_name` reads
+either kind), and parameter counts and KV bytes are sums over a family's
+declarations (`model.families.num_params`, `kv_bytes_per_token`). The families
+import this module, so it imports nothing from them (`LlamaConfig.num_params`
+aside, kept for its last caller).
 """
 
 from __future__ import annotations
@@ -167,18 +170,13 @@ class LlamaConfig:
     def replace(self, **changes) -> "LlamaConfig":
         return dataclasses.replace(self, **changes)
 
-    # --- parameter and KV arithmetic, used by the planner and the metrics ---
-    # Both are sums over the declarations (`model.families`), not formulas of their own.
+    # --- parameter arithmetic ---
     def num_params(self) -> int:
-        from model.families import num_params  # the families import this module
+        """`model.families.num_params(self)`, for serving/core/engine.py's `describe`, its last caller.
+        The one import of the families here; it goes with that call, leaving this module a leaf."""
+        from model.families import num_params
 
         return num_params(self)
-
-    def kv_bytes_per_token(self, bytes_per_element: int | None = None) -> int:
-        """K and V of every layer in the model's dtype (or `bytes_per_element` each), no scales."""
-        from model.families import kv_bytes_per_token
-
-        return kv_bytes_per_token(self, bytes_per_element=bytes_per_element)
 
     # --- serialization ---
     def to_dict(self) -> dict[str, Any]:
@@ -233,29 +231,5 @@ _FAMILY_FIELDS = ("architecture", "attention_bias", "qk_norm", "sliding_window",
 ModelConfig = LlamaConfig
 
 
-def config_by_name(name: str) -> LlamaConfig:
-    """A named shape from `configs/` ("tiny", "llama3-8b", ...) or a path to a JSON file."""
-    path = name if name.endswith(".json") else os.path.join(CONFIGS_DIR, f"{name}.json")
-    if not os.path.exists(path):
-        names = sorted(f[:-5] for f in os.listdir(CONFIGS_DIR) if f.endswith(".json") and not f.startswith("rules"))
-        raise FileNotFoundError(f"no model config {name!r}; known: {names}")
-    with open(path) as f:
-        d = json.load(f)
-    if "architectures" in d or "model_type" in d:
-        return from_hf_config(d)
-    return LlamaConfig.from_dict(d)
-
-
 class UnsupportedModelError(ValueError):
     """The checkpoint is not a model family this stack can run (`model.families`)."""
-
-
-def from_hf_config(hf: dict[str, Any], dtype: str | None = None) -> LlamaConfig:
-    """Builds a config from an HF `config.json` dict (transformers 4 or 5 layout).
-
-    The registry picks the family by the dict's `architectures` (or `model_type`) and
-    raises `UnsupportedModelError`, naming what is supported, for any other; the
-    family translates the fields (`model.families.llama.config_from_hf`)."""
-    from model.families import family_for_hf_config  # the families import this module
-
-    return family_for_hf_config(hf).config_from_hf(hf, dtype)

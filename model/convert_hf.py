@@ -56,8 +56,9 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from model.checkpoint import save_checkpoint
-from model.config import ModelConfig, UnsupportedModelError, from_hf_config
-from model.families import ModelFamily, TensorPlan, family_for_config, family_for_hf_config
+from model.config import ModelConfig, UnsupportedModelError
+from model.families import (ModelFamily, TensorPlan, family_for_config, family_for_hf_config, from_hf_config,
+                            num_params)
 from model.params import unflatten_params
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -278,7 +279,7 @@ def main(argv):
         print(f"convert_hf: error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {FLAGS.out_dir}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-          f"{cfg.num_params() / 1e6:.2f}M params, dtype {cfg.dtype}"
+          f"{num_params(cfg) / 1e6:.2f}M params, dtype {cfg.dtype}"
           + (f", linear weights {cfg.weight_dtype}" if cfg.weight_dtype else ""))
     return 0
 

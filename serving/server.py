@@ -184,13 +184,15 @@ def describe_startup(llm) -> list[str]:
     """The startup log lines: model, KV pool, load and warm-up time, compilation cache."""
     import jax.numpy as jnp
 
+    from model.families import kv_bytes_per_token, num_params
+
     cfg, engine = llm.config, llm.engine
     runner = engine.runner
     lines = [
         f"model: {llm.checkpoint or 'in-memory weights'}; {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
         f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads, vocab {cfg.vocab_size}, dtype {cfg.dtype}"
         f"{', linear weights ' + cfg.weight_dtype if cfg.weight_dtype else ''}; "
-        f"{cfg.num_params() / 1e6:.1f}M parameters, {_human_bytes(_param_bytes(runner) or 0)} of weights; "
+        f"{num_params(cfg) / 1e6:.1f}M parameters, {_human_bytes(_param_bytes(runner) or 0)} of weights; "
         f"tokenizer {type(llm.tokenizer).__name__}",
     ]
     pool_bytes = runner.cache_bytes
@@ -198,7 +200,7 @@ def describe_startup(llm) -> list[str]:
     lines.append(
         f"KV pool: {engine.num_pages} pages x {engine.config.page_size} tokens = "
         f"{engine.num_pages * engine.config.page_size} tokens, {_human_bytes(pool_bytes)} "
-        f"({_human_bytes(_kv_bytes_per_token(engine) or cfg.kv_bytes_per_token())} per token, {kv_dtype}); "
+        f"({_human_bytes(_kv_bytes_per_token(engine) or kv_bytes_per_token(cfg))} per token, {kv_dtype}); "
         f"max_model_len {engine.max_model_len}; "
         f"max_num_seqs {engine.config.max_num_seqs}, max_num_batched_tokens {engine.config.max_num_batched_tokens}, "
         f"prefix caching {'on' if engine.config.enable_prefix_caching else 'off'}")

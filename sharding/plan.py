@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 
-from model.config import config_by_name
+from model.families import config_by_name
 from sharding.estimate import DTYPE_BYTES, QUANTIZED_WEIGHTS, PlanInputs, plan
 from sharding.hardware import GPUS, get_gpu
 from sharding.mesh import MeshError

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from model.config import (CONFIGS_DIR, LlamaConfig, RopeScaling, UnsupportedModelError, config_by_name,
-                          from_hf_config)
+from model.config import CONFIGS_DIR, LlamaConfig, RopeScaling, UnsupportedModelError
+from model.families import config_by_name, from_hf_config, num_params
 
 # Llama-3.1-8B's config.json as transformers 4 writes it: rope settings flat, `torch_dtype`.
 HF4_LLAMA31_8B = {
@@ -160,7 +160,7 @@ def test_named_configs_round_trip(name, tmp_path):
                                            ("llama3-70b", 70.6), ("llama3-405b", 405.9)])
 def test_named_configs_parameter_counts(name, billions):
     """The public Llama-3 sizes (tied heads for 1B/3B) as published."""
-    assert config_by_name(name).num_params() / 1e9 == pytest.approx(billions, rel=0.01)
+    assert num_params(config_by_name(name)) / 1e9 == pytest.approx(billions, rel=0.01)
 
 
 def test_config_by_name_reads_hf_json(tmp_path):

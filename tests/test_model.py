@@ -10,7 +10,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from conftest import tiny_config
 from model.cache import init_cache, pack_batch, pad_slot
-from model.config import config_by_name
+from model.families import config_by_name, num_params
 from model.forward import forward
 from model.params import (ArrayInfo, Weights, abstract_params, flatten_params, init_params, is_array_info,
                           logical_axes, unflatten_params)
@@ -87,7 +87,7 @@ def test_abstract_params_follow_declarations_at_8b_scale():
     assert abstract["layers.0.w_down"].shape == (4096, 14336)
     assert abstract["embed"].shape == (128256, 4096) and abstract["lm_head"].shape == (128256, 4096)
     assert {a.dtype for a in abstract.values()} == {jnp.dtype(jnp.bfloat16)}
-    assert sum(int(np.prod(a.shape)) for a in abstract.values()) == cfg.num_params()
+    assert sum(int(np.prod(a.shape)) for a in abstract.values()) == num_params(cfg)
     axes = logical_axes(cfg)
     assert axes.layers[0].wq == ("q_heads", "head_dim", "embed") and axes.lm_head == ("vocab", "embed")
     assert axes.layers[0].wo == ("embed", "q_heads", "head_dim") and axes.layers[0].w_down == ("embed", "ffw")

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from model.config import config_by_name
+from model.families import config_by_name
 from sharding.estimate import PlanInputs, plan
 from sharding.hardware import get_gpu
 

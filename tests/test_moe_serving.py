@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from conftest import metric_value, tiny_config
-from model.families import active_params, expert_params
+from model.families import active_params, expert_params, num_params
 from model.params import init_params
 from model.tokenizer import ByteTokenizer
 from serving import LLM, SamplingParams
@@ -62,4 +62,4 @@ def test_the_server_serves_a_moe_model_and_counts_active_parameters(params):
     # MFU prices a token at its active weights: the routed experts it uses and the shared one, not all four.
     untied, norms = CFG.vocab_size * CFG.hidden_size, CFG.hidden_size * (2 * CFG.num_layers + 1)
     assert cost.flops_per_token == 2.0 * (active_params(CFG) - untied - norms)
-    assert active_params(CFG) == CFG.num_params() - expert_params(CFG) // 2  # top 2 of 4 routed experts
+    assert active_params(CFG) == num_params(CFG) - expert_params(CFG) // 2  # top 2 of 4 routed experts

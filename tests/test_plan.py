@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from model.config import config_by_name
+from model.families import config_by_name
 from sharding.estimate import PlanInputs, plan
 from sharding.hardware import get_gpu
 from sharding.plan import main

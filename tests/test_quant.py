@@ -382,7 +382,7 @@ def test_backend_without_quantized_kv_support_is_refused():
 
 
 def test_plan_counts_real_quantized_bytes():
-    from model.config import config_by_name
+    from model.families import config_by_name, num_params
     from sharding.estimate import PlanInputs, plan
     from sharding.hardware import get_gpu
 
@@ -395,7 +395,7 @@ def test_plan_counts_real_quantized_bytes():
     scales = 4 * (L * (d * (nq + 2 * nkv) + h + 2 * f + h) + v)  # fp32, one per output channel
     floats = 2 * (v * h + (2 * L + 1) * h)  # bf16 embedding table and norms
     assert q["model"]["weight_bytes_total"] == linear + scales + floats
-    assert q["model"]["params"] == bf16["model"]["params"] == cfg.num_params()
+    assert q["model"]["params"] == bf16["model"]["params"] == num_params(cfg)
     assert q["memory"]["kv_bytes_per_token"] == 2 * L * nkv * (d + 4)
     assert q["inputs"]["kv_dtype"] == "int8"
     assert plan(PlanInputs(cfg=cfg, gpu=get_gpu("h200"), weight_dtype="int8"))["inputs"]["kv_dtype"] == "bfloat16"

@@ -36,7 +36,7 @@ def make_llm() -> LLM:
         return LLM(**ENGINE)
     import jax
 
-    from model.config import config_by_name
+    from model.families import config_by_name
     from model.params import init_params
 
     cfg = config_by_name("tiny")  # the embedded model's shape

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from model.config import config_by_name
+from model.families import config_by_name, num_params
 from model.tokenizer import ByteTokenizer
 from serving.api.chat_template import BYTE_CHAT_TEMPLATE, ChatTemplateError, encode_chat, render_chat
 from serving.api.http_app import _DeltaTracker, completion_logprobs
@@ -88,7 +88,7 @@ def test_model_cost_from_config():
     cost = ModelCost.from_config(cfg)
     # bf16 weights, untied: the input embedding table is gathered, not streamed.
     embed = cfg.vocab_size * cfg.hidden_size
-    assert cost.weight_bytes == pytest.approx(2 * (cfg.num_params() - embed))
+    assert cost.weight_bytes == pytest.approx(2 * (num_params(cfg) - embed))
     assert cost.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads, dim 128, bf16
     assert 2 * 6.9e9 < cost.flops_per_token < 2 * 7.6e9
 

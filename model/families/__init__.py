@@ -5,7 +5,7 @@ A checkpoint's `config.json` names its class (`"architectures":
 `ModelFamily` that knows how to translate the config, which weights and
 cache arrays it declares, which HF tensor each weight comes from, and the
 blocks of its forward (`model.families.base`). Config loading
-(`model.config.from_hf_config`) and checkpoint conversion
+(`from_hf_config`, `config_by_name` here) and checkpoint conversion
 (`model.convert_hf`) go through it, so an unsupported checkpoint gets one
 error, naming what is supported, wherever it is opened.
 
@@ -25,13 +25,15 @@ A new family is a module beside `llama.py` and one entry in `FAMILIES`.
 from __future__ import annotations
 
 import functools
+import json
 import math
+import os
 from typing import Any, Iterable
 
 import jax
 import jax.numpy as jnp
 
-from model.config import UnsupportedModelError
+from model.config import CONFIGS_DIR, LlamaConfig, ModelConfig, UnsupportedModelError
 from model.families.base import ForwardBlocks, ModelFamily, TensorPlan
 from model.families.gemma import GEMMA2, GEMMA3
 from model.families.llama import LLAMA
@@ -43,10 +45,9 @@ from model.families.qwen2_moe import QWEN2_MOE
 from model.families.qwen3_moe import QWEN3_MOE
 from model.quant import KV_CACHE_DTYPE_CHOICES, is_quantized, kv_cache_dtype
 
-__all__ = ["FAMILIES", "ForwardBlocks", "ModelFamily", "TensorPlan", "family_for_architectures",
-           "family_for_config", "family_for_hf_config", "kv_bytes_per_token", "num_params", "active_params",
-           "expert_params", "is_expert_weight",
-           "supported_architectures"]
+__all__ = ["FAMILIES", "ForwardBlocks", "ModelFamily", "TensorPlan", "config_by_name", "family_for_architectures",
+           "family_for_config", "family_for_hf_config", "from_hf_config", "kv_bytes_per_token", "num_params",
+           "active_params", "expert_params", "is_expert_weight", "supported_architectures"]
 
 FAMILIES: tuple[ModelFamily, ...] = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3, MIXTRAL, QWEN2_MOE, QWEN3_MOE)
 
@@ -77,6 +78,29 @@ def family_for_architectures(names: Iterable[str] | None, model_type: str | None
 def family_for_hf_config(hf: dict[str, Any]) -> ModelFamily:
     """The family of an HF `config.json` dict, by its `architectures` (or `model_type`)."""
     return family_for_architectures(hf.get("architectures") or [], hf.get("model_type"))
+
+
+def from_hf_config(hf: dict[str, Any], dtype: str | None = None) -> ModelConfig:
+    """Builds a config from an HF `config.json` dict (transformers 4 or 5 layout).
+
+    The registry picks the family by the dict's `architectures` (or `model_type`) and
+    raises `UnsupportedModelError`, naming what is supported, for any other; the
+    family translates the fields (`model.families.llama.config_from_hf`)."""
+    return family_for_hf_config(hf).config_from_hf(hf, dtype)
+
+
+def config_by_name(name: str) -> ModelConfig:
+    """A named shape from `configs/` ("tiny", "llama3-8b", ...) or a path to a JSON file: our
+    own config JSON, or an HF `config.json` (one with `architectures` or `model_type`)."""
+    path = name if name.endswith(".json") else os.path.join(CONFIGS_DIR, f"{name}.json")
+    if not os.path.exists(path):
+        names = sorted(f[:-5] for f in os.listdir(CONFIGS_DIR) if f.endswith(".json") and not f.startswith("rules"))
+        raise FileNotFoundError(f"no model config {name!r}; known: {names}")
+    with open(path) as f:
+        d = json.load(f)
+    if "architectures" in d or "model_type" in d:
+        return from_hf_config(d)
+    return LlamaConfig.from_dict(d)
 
 
 def family_for_config(cfg) -> ModelFamily:

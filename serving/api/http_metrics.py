@@ -111,9 +111,9 @@ class ModelCost:
         estimated from `weight_bytes` or the config, assuming one dtype throughout."""
         import numpy as np
 
-        from model.families import active_params, expert_params
+        from model.families import active_params, expert_params, kv_bytes_per_token as kv_bytes, num_params
 
-        params, experts = cfg.num_params(), expert_params(cfg)
+        params, experts = num_params(cfg), expert_params(cfg)
         if weight_bytes is None:
             weight_bytes = params * np.dtype(cfg.jnp_dtype).itemsize
         embed = cfg.vocab_size * cfg.hidden_size
@@ -121,7 +121,7 @@ class ModelCost:
         if streamed_weight_bytes is None:
             streamed_weight_bytes = float(weight_bytes) * (params - untied_embed) / params
         if kv_bytes_per_token is None:
-            kv_bytes_per_token = cfg.kv_bytes_per_token(kv_bytes_per_element)
+            kv_bytes_per_token = kv_bytes(cfg, bytes_per_element=kv_bytes_per_element)
         expert_bytes = float(streamed_weight_bytes) * experts / (params - untied_embed)  # same dtype assumed
         return cls(
             weight_bytes=float(streamed_weight_bytes) - expert_bytes,
