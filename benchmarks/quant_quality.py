@@ -149,7 +149,7 @@ def main(argv=None) -> int:
             print(markdown(json.load(f)))
         return 0
 
-    from serving.core.llm import default_checkpoint_dir
+    from serving.llm import default_checkpoint_dir
 
     cfg, params = load_checkpoint(args.checkpoint or default_checkpoint_dir())
     data = heldout_windows(cfg, args.num_windows)

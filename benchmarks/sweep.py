@@ -61,14 +61,14 @@ def int_list(text: str) -> list[int]:
 def load_model(args):
     """(config, params, tokenizer, description): the embedded checkpoint, or a named shape with random weights."""
     if args.random_config:
-        from model.config import config_by_name
+        from model.families import config_by_name
         from model.params import init_params
 
         cfg = config_by_name(args.random_config)
         return cfg, init_params(cfg, jax.random.key(args.seed)), None, f"random weights, shape {args.random_config}"
     from model.checkpoint import load_checkpoint
     from model.tokenizer import load_tokenizer
-    from serving.core.llm import default_checkpoint_dir
+    from serving.llm import default_checkpoint_dir
 
     directory = args.checkpoint or default_checkpoint_dir()
     cfg, params = load_checkpoint(directory)

@@ -17,7 +17,7 @@ _EXPORTS = {
     "Engine": "serving.core.engine",
     "EngineConfig": "serving.core.engine",
     "InvalidParameterError": "serving.core.sampling_params",
-    "LLM": "serving.core.llm",
+    "LLM": "serving.llm",
     "Logprob": "serving.core.outputs",
     "RequestOutput": "serving.core.outputs",
     "SamplingParams": "serving.core.sampling_params",

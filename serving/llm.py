@@ -18,8 +18,8 @@ from model.checkpoint import load_checkpoint, load_config
 from model.generation_config import read_generation_config
 from model.quant import check_kv_cache_dtype, check_weight_dtype
 from model.tokenizer import ByteTokenizer, load_tokenizer
-from serving.core import compile_cache, engine_args
 from serving.cluster import distributed, multihost
+from serving.core import compile_cache, engine_args
 from serving.core.engine import Engine, EngineConfig
 from serving.core.outputs import RequestOutput
 from serving.core.sampling_params import SamplingParams

@@ -291,7 +291,7 @@ def join_from_flags() -> bool:
 def make_llm_from_flags(flag_values: Optional[flags.FlagValues] = None):
     """The `LLM` the flags describe: every engine option passed through, every shape compiled up front."""
     from serving.core import engine_args
-    from serving.core.llm import LLM
+    from serving.llm import LLM
 
     fv = FLAGS if flag_values is None else flag_values
     return LLM(fv.checkpoint, warmup="background" if fv.warmup == "background" else True,

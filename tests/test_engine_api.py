@@ -9,7 +9,7 @@ import pytest
 from model.params import init_params
 from model.tokenizer import ByteTokenizer
 from serving import AsyncEngine, InvalidParameterError, LLM, SamplingParams
-from serving.core.llm import default_checkpoint_dir
+from serving.llm import default_checkpoint_dir
 from test_engine import CFG, make_llm
 
 

@@ -98,7 +98,7 @@ def test_flags_pass_through_to_llm(flag_values, monkeypatch):
         def __init__(self, checkpoint, **kw):
             seen.update(kw, checkpoint=checkpoint)
 
-    monkeypatch.setattr("serving.core.llm.LLM", FakeLLM)
+    monkeypatch.setattr("serving.llm.LLM", FakeLLM)
     server.make_llm_from_flags(fv)
     want = {o.name: o.default for o in OPTIONS}
     want.update(min_token_bucket=8, enable_prefix_caching=False, kv_cache_dtype="int8", speculative_method="ngram",

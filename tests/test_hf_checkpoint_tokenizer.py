@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 from hf_tokenizer_styles import save_style  # noqa: E402
 from model.convert_hf import convert  # noqa: E402
 from serving.api import http_app, http_protocol as P  # noqa: E402
-from serving.core.llm import LLM  # noqa: E402
+from serving.llm import LLM  # noqa: E402
 from serving.core.sampling_params import SamplingParams  # noqa: E402
 from test_hf_parity import make_hf_model, save_hf  # noqa: E402
 

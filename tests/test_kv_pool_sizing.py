@@ -13,7 +13,7 @@ from conftest import tiny_config
 from model.cache import init_cache
 from serving.core import kv_pool
 from serving.core.engine import EngineConfig, default_num_pages
-from serving.core.llm import parallel_layout
+from serving.llm import parallel_layout
 
 CFG = tiny_config(num_heads=8, num_kv_heads=4, num_layers=4)  # 4 KV heads: split 4 ways at most
 PAGE = 8

@@ -212,7 +212,7 @@ THRESHOLDS = {
 
 @pytest.fixture(scope="module")
 def embedded():
-    from serving.core.llm import default_checkpoint_dir
+    from serving.llm import default_checkpoint_dir
 
     return load_checkpoint(default_checkpoint_dir())
 
@@ -288,7 +288,7 @@ def test_quantized_forward_matches_full_precision_on_the_embedded_model(embedded
 # --- the engine ----------------------------------------------------------------------------------------
 
 def test_llm_generate_with_int8_weights_and_int8_kv(embedded):
-    from serving.core.llm import LLM
+    from serving.llm import LLM
     from serving.core.model_runner import compilation_count
     from serving.core.sampling_params import SamplingParams
 
@@ -347,7 +347,7 @@ def test_kv_pool_sizing_uses_real_bytes_per_token():
 
 def test_bad_quantization_flags_are_clear_errors():
     from serving.core.engine import Engine, EngineConfig
-    from serving.core.llm import LLM
+    from serving.llm import LLM
 
     with pytest.raises(ValueError, match=r"weight_dtype must be one of \['auto', 'int8', 'fp8'\], got 'int4'"):
         LLM(weight_dtype="int4")

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from model.tokenizer import load_tokenizer
 from serving.core.block_manager import BlockManager, block_digest, salt_digest
 from serving.api.chat_template import encode_chat
-from serving.core.llm import default_checkpoint_dir
+from serving.llm import default_checkpoint_dir
 from serving.router import RouterService, create_router_app, transfer_figures
 from serving.routing.router_index import PrefixIndex, PromptEncoder, Router, WorkerLoad, block_hashes
 from serving.routing.router_workers import parse_worker_metrics

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serving import LLM, SamplingParams
 from serving.api.chat_template import encode_chat
 from serving.api.http_metrics import DevicePeak
-from serving.core.llm import default_checkpoint_dir
+from serving.llm import default_checkpoint_dir
 from serving.server import ServerThread
 
 MODEL = "ridgeline-test"

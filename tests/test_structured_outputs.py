@@ -15,7 +15,7 @@ import pytest
 
 from serving import LLM, SamplingParams
 from serving.core.engine import Engine
-from serving.core.llm import default_checkpoint_dir
+from serving.llm import default_checkpoint_dir
 from serving.core.sampling_params import InvalidParameterError
 from serving.server import ServerThread
 
