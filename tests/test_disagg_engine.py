@@ -3,7 +3,9 @@
 The decode engine uses another page size than the prefill engine (the payload
 is per token), a pool small enough that imports wait for seats, and its
 prefix cache: a second import of a prompt reuses the blocks the first one
-registered.
+registered. An int8 or fp8 KV cache ships its pages as stored, with their
+scales (the stacked cache of the scanned layers and the per-layer one), and a
+payload of another KV dtype than the worker's is refused.
 """
 
 import types
@@ -15,9 +17,10 @@ import pytest
 from conftest import run_to_completion, tiny_config
 from model.params import init_params
 from serving import LLM, SamplingParams
+from model.cache import StackedKVCache
+from model.quant import kv_bytes_per_token
 from serving.disaggregation import kv_transfer as kt
 from serving.disaggregation import kv_wire
-from serving.core.model_runner import ModelRunner
 from serving.core.pipeline_runner import PipelineRunner
 from serving.core.sampling_params import InvalidParameterError
 
@@ -52,21 +55,21 @@ def prefill(engine, rid, prompt, sp) -> bytes:
     first = sp.clone()
     first.max_tokens = 1
     req = engine.make_request(rid, prompt, first)
-    req.kv_export = exports.append
+    req.kv_export = kt.Exporter(exports.append)
     engine.enqueue(req)
     run_to_completion(engine)
     (exp,) = exports
     assert exp.num_tokens == len(prompt) and exp.pages.shape[2] * exp.page_size >= len(prompt)
-    return kt.encode_payload(exp, engine.cfg, engine.runner.cache.k[0].dtype, KEYS)
+    return kt.encode_payload(exp, engine.cfg, engine.runner.kv_dtype, KEYS)
 
 
 def decode(engine, payload: bytes):
-    return kt.decode_payload(payload, KEYS, engine.cfg, engine.runner.cache.k[0].dtype, engine.max_model_len)
+    return kt.decode_payload(payload, KEYS, engine.cfg, engine.runner.kv_dtype, engine.max_model_len)
 
 
 def submit_import(engine, rid, prompt, sp, payload: bytes):
     header, body = decode(engine, payload)
-    imp = kt.to_import(header, body, engine.cfg, engine.runner.cache.k[0].dtype)
+    imp = kt.to_import(header, body, engine.cfg, engine.runner.kv_dtype)
     req = engine.make_request(rid, prompt, sp)
     kt.check_import(req, imp)
     req.kv_import = imp
@@ -122,7 +125,7 @@ def test_bad_payloads_are_refused_before_anything_is_queued(params):
     p = prompts()[3]
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     good = prefill(pre, "x", p, sp)
-    dtype = dec.runner.cache.k[0].dtype
+    dtype = dec.runner.kv_dtype
     with pytest.raises(kv_wire.WireError, match="bad magic"):
         decode(dec, b"nope" + good[4:])
     with pytest.raises(kv_wire.WireError, match="bytes of K/V"):
@@ -132,11 +135,13 @@ def test_bad_payloads_are_refused_before_anything_is_queued(params):
         kt.to_import(header, body[:-4], CFG, dtype)
     with pytest.raises(kt.PayloadError, match="num_kv_heads"):
         kt.to_import({**header, "num_kv_heads": 4}, body, CFG, dtype)
-    with pytest.raises(kt.PayloadError, match="dtype"):
+    with pytest.raises(kt.PayloadError, match="dtype 'float32' does not match .* 'bfloat16'"):
         kt.to_import(header, body, CFG, "bfloat16")
-    scaled = {**header, "arrays": header["arrays"] + [{"name": "k_scale", "shape": [len(p), 2]}]}
-    with pytest.raises(kt.PayloadError, match="quantized KV"):
+    scaled = {**header, "arrays": header["arrays"] + [{"name": "k_scale", "shape": [len(p), 2], "dtype": "float32"}]}
+    with pytest.raises(kt.PayloadError, match="not those of a float32 KV cache"):
         kt.to_import(scaled, body, CFG, dtype)
+    with pytest.raises(kt.PayloadError, match="version 2 is not 3"):
+        kt.to_import({**header, "version": 2}, body, CFG, dtype)
     imp = kt.to_import(header, body, CFG, dtype)
     with pytest.raises(InvalidParameterError, match="other token ids"):
         kt.check_import(dec.make_request("y", p[:-1] + [5], sp), imp)
@@ -144,15 +149,18 @@ def test_bad_payloads_are_refused_before_anything_is_queued(params):
         kt.check_import(dec.make_request("y", p, SamplingParams(max_tokens=4, logprobs=1)), imp)
     assert dec.block_manager.num_used_blocks == 0 and not dec.has_unfinished_requests()
 
-    # Runners the payload cannot serve say why: a quantized cache (pages with scales), a mesh over several
-    # processes, pipeline stages. (Tensor parallelism in one process is supported: test_engine_tp.py.)
+    # Runners the payload cannot serve say why: a mesh over several processes, pipeline stages. (Tensor
+    # parallelism in one process is supported: test_engine_tp.py; quantized caches below.)
     assert kt.unsupported_reason(dec) is None
-    quantized = types.SimpleNamespace(cache=kt.KVCache(k=[{"data": 0, "scale": 0}] * 2,
-                                                       v=[{"data": 0, "scale": 0}] * 2), _spans_processes=lambda: False)
-    assert "quantized" in ModelRunner.kv_transfer_unsupported(quantized)
-    spanning = types.SimpleNamespace(cache=dec.runner.cache, _spans_processes=lambda: True)
-    assert "one process" in ModelRunner.kv_transfer_unsupported(spanning)
+    spanning = types.SimpleNamespace(runner=types.SimpleNamespace(
+        replicated=types.SimpleNamespace(is_fully_addressable=False)))
+    assert "one process" in kt.unsupported_reason(spanning)
     assert "pipeline" in PipelineRunner.kv_transfer_unsupported(None)
+    staged = types.SimpleNamespace(runner=types.SimpleNamespace(kv_transfer_unsupported=lambda: "staged pages",
+                                                                replicated=dec.runner.replicated))
+    assert kt.unsupported_reason(staged) == "staged pages"
+    with pytest.raises(InvalidParameterError, match="staged pages"):
+        kt.Exporter(print).check(staged, None)
 
     # Aborted while waiting to be admitted, and after admission: nothing is held either way.
     submit_import(dec, "a", p, sp, good)
@@ -163,3 +171,97 @@ def test_bad_payloads_are_refused_before_anything_is_queued(params):
     assert dec.block_manager.num_used_blocks == 2  # 9 tokens + the first output token, pages of 8
     dec.abort_request("b")
     assert dec.block_manager.num_used_blocks == 0 and not dec.has_unfinished_requests()
+
+
+# --- int8 / fp8 KV caches: pages travel as stored, with their scales -------------------------------------------
+
+# (kv dtype, layer loop): the scanned layers keep one stacked cache, the unrolled ones a cache per layer.
+QUANTIZED = {"int8": "auto", "fp8": "unroll"}
+
+
+def quantized_jobs():
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    out = [(f"g{i}", p, greedy) for i, p in enumerate(prompts()) if len(p) in (3, 9, 17, 30)]
+    out.append(("lp", prompts()[6], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def quantized(params):
+    """kv dtype -> (prefill engine, decode engine, the prefill engine's own outputs of `quantized_jobs`, payloads).
+
+    The prefill engine, without prefix caching, is also the single engine the shipped requests are compared
+    with; the decode engine has another page size and a prefix cache."""
+    out = {}
+    for kv_dtype, loop in QUANTIZED.items():
+        kw = dict(kv_cache_dtype=kv_dtype, layer_loop=loop)
+        pre = LLM(config=CFG, params=params, enable_prefix_caching=False, **PREFILL, **kw)
+        want = {rid: pre.generate([p], sp)[0].outputs[0] for rid, p, sp in quantized_jobs()}
+        dec = LLM(config=CFG, params=params, page_size=4, num_pages=64, max_num_seqs=3, max_num_batched_tokens=16,
+                  **COMMON, **kw).engine
+        assert isinstance(pre.engine.runner.cache, StackedKVCache) == (loop == "auto")
+        assert isinstance(dec.runner.cache, StackedKVCache) == (loop == "auto")
+        payloads = {rid: prefill(pre.engine, rid, p, sp) for rid, p, sp in quantized_jobs()}
+        out[kv_dtype] = pre.engine, dec, want, payloads
+    return out
+
+
+@pytest.mark.parametrize("kv_dtype", sorted(QUANTIZED))
+def test_quantized_kv_is_shipped_with_its_scales_and_decodes_the_same(quantized, kv_dtype):
+    pre, dec, want, payloads = quantized[kv_dtype]
+    name = np.dtype(dec.runner.kv_dtype).name
+    assert name == {"int8": "int8", "fp8": "float8_e4m3fn"}[kv_dtype]
+    for rid, p, _ in quantized_jobs():
+        header, body = decode(dec, payloads[rid])
+        assert header["dtype"] == name and header["version"] == kt.VERSION
+        assert header["arrays"] == [{"name": "k", "shape": [len(p), 2, 16], "dtype": name},
+                                    {"name": "v", "shape": [len(p), 2, 16], "dtype": name},
+                                    {"name": "k_scale", "shape": [len(p), 2], "dtype": "float32"},
+                                    {"name": "v_scale", "shape": [len(p), 2], "dtype": "float32"}]
+        # one byte per element plus a 4-byte scale per token and KV head, for K and V of every layer
+        assert len(body) == len(p) * kv_bytes_per_token(CFG, dec.runner.kv_dtype) == len(p) * 2 * 2 * 2 * (16 + 4)
+        imp = kt.to_import(header, body, CFG, dec.runner.kv_dtype)
+        assert imp.kv.kv.dtype == dec.runner.kv_dtype and (imp.kv.scale > 0).all()
+
+    for rid, p, sp in quantized_jobs():
+        submit_import(dec, rid, p, sp, payloads[rid])
+    got = run_to_completion(dec)
+    for rid, _, _ in quantized_jobs():
+        assert got[rid].outputs[0].token_ids == want[rid].token_ids, rid
+    for ge, we in zip(got["lp"].outputs[0].logprobs, want["lp"].logprobs):
+        assert sorted(ge) == sorted(we)
+        for tid in we:
+            assert abs(ge[tid].logprob - we[tid].logprob) < 1e-5 and ge[tid].rank == we[tid].rank
+    assert dec.block_manager.num_used_blocks == 0
+
+    # The scatter writes the shipped bits and scales exactly, and the gather reads them back, in both cache forms:
+    # here into free pages of the decode engine, whose form differs from the other dtype's.
+    header, body = decode(dec, payloads["g7"])  # 30 tokens
+    shipped = kt.to_import(header, body, CFG, dec.runner.kv_dtype).kv
+    table = [40, 41, 50, 51, 52, 60, 61, 62]  # pages of 4
+    kt.write(dec.runner, kt.token_slots(table, 4, 0, 30), shipped)
+    pages, scales = kt.gather(dec.runner, table)
+    back = kt.PrefillExport(list(range(30)), 0, 0, 4, pages, None, scales=scales).host_kv()
+    np.testing.assert_array_equal(back.kv.view(np.uint8), shipped.kv.view(np.uint8))
+    np.testing.assert_array_equal(back.scale, shipped.scale)
+
+
+def test_a_payload_of_another_kv_dtype_is_refused_naming_both(quantized):
+    """int8 pages cannot go into an fp8 or float cache, nor float pages into a quantized one: refused (HTTP 400)
+    before anything is read or queued, with both dtypes named."""
+    int8_payload = next(iter(quantized["int8"][3].values()))
+    fp8_dec = quantized["fp8"][1]
+    float_export = kt.PrefillExport([5, 6, 7], 9, 0, 8, np.ones((CFG.num_layers, 2, 1, 8, 2, 16), np.float32), None)
+    float_payload = kt.encode_payload(float_export, CFG, np.float32, KEYS)
+    cases = [(int8_payload, fp8_dec.runner.kv_dtype, "'int8'", "'float8_e4m3fn'"),
+             (int8_payload, np.float32, "'int8'", "'float32'"),
+             (float_payload, quantized["int8"][1].runner.kv_dtype, "'float32'", "'int8'")]
+    for payload, dtype, theirs, mine in cases:
+        with pytest.raises(kt.PayloadError) as e:
+            kt.decode_payload(payload, KEYS, CFG, dtype, 64)
+        assert e.value.status == 400
+        assert f"KV payload dtype {theirs} does not match this worker's KV cache dtype {mine}" in str(e.value)
+    # The float payload itself is sound: a float32 worker takes it.
+    header, body = kt.decode_payload(float_payload, KEYS, CFG, np.float32, 64)
+    assert kt.to_import(header, body, CFG, np.float32).kv.kv.shape == (CFG.num_layers, 2, 3, 2, 16)
+    assert fp8_dec.block_manager.num_used_blocks == 0 and not fp8_dec.has_unfinished_requests()

@@ -97,7 +97,7 @@ def test_kv_export_and_import_are_identical_at_tp_1_and_2(params, single_device_
         for i, p in enumerate(batch):
             exports = []
             req = pre.make_request(f"pre{src}{dst}-{i}", p, first)
-            req.kv_export = exports.append
+            req.kv_export = kt.Exporter(exports.append)
             pre.enqueue(req)
             run_to_completion(pre)
             payload = kt.encode_payload(exports[0], pre.cfg, pre.runner.kv_dtype, keys)

@@ -12,6 +12,7 @@ from model.config import LlamaConfig
 from model.forward import forward
 from model.params import init_params, stack_layers
 from serving import LLM, SamplingParams
+from serving.disaggregation import kv_transfer as kt
 
 PROMPTS = ["def __init__(self", "import os\nimport sys\n" * 3]
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, attention_backend="xla",
@@ -91,7 +92,7 @@ def test_kv_pages_leave_and_enter_a_stacked_pool_as_they_do_a_per_layer_one():
         llm.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=1))
         runners[loop] = llm.engine.runner
     table = [0, 1, 2]
-    exported = {loop: np.asarray(r.export_pages(table)) for loop, r in runners.items()}
+    exported = {loop: np.asarray(kt.gather(r, table)[0]) for loop, r in runners.items()}
     np.testing.assert_allclose(exported["scan"], exported["unroll"], atol=1e-5)
     assert np.abs(exported["scan"]).sum() > 0  # the prompt's K/V, not an empty pool
 
@@ -101,9 +102,9 @@ def test_kv_pages_leave_and_enter_a_stacked_pool_as_they_do_a_per_layer_one():
     slots = np.arange(5 * r.page_size, 5 * r.page_size + 7)
     kv = rng.standard_normal((r.cfg.num_layers, 2, len(slots)) + exported["scan"].shape[4:]).astype(np.float32)
     for runner in runners.values():
-        runner.import_tokens(slots, kv)
+        kt.write(runner, slots, kt.HostKV(kv))
     for runner in runners.values():
-        back = np.asarray(runner.export_pages([5]))[:, :, 0, :len(slots)]
+        back = np.asarray(kt.gather(runner, [5])[0])[:, :, 0, :len(slots)]
         np.testing.assert_array_equal(back, kv)
 
 

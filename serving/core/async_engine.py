@@ -24,7 +24,7 @@ from typing import AsyncIterator, Optional
 
 from serving.core.engine import Engine, PromptType
 from serving.core.outputs import RequestOutput
-from serving.core.sampling_params import InvalidParameterError, SamplingParams
+from serving.core.sampling_params import SamplingParams
 from serving.core.stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -77,8 +77,9 @@ class AsyncEngine:
 
         `cache_salt` isolates the request's prefix-cache pages (`Engine.make_request`).
         `kv_import` (a `kv_transfer.KVImport`) resumes the request from a shipped prefill instead of
-        computing its prompt; `kv_export(PrefillExport)` is called on the engine thread when its first
-        token is sampled (see `serving.disaggregation.kv_transfer`).
+        computing its prompt; `kv_export` (a `kv_transfer.Exporter`) gathers its prompt's K/V on the engine
+        thread when its first token is sampled (see `serving.disaggregation.kv_transfer`). Each hook's
+        `check(engine, request)` refuses what it cannot do before anything is queued.
 
         Raises `InvalidParameterError` (bad prompt or parameter, nothing queued),
         `ValueError` (request id in use) or `EngineDeadError`.
@@ -87,17 +88,10 @@ class AsyncEngine:
             raise EngineDeadError("the engine loop has stopped") from self._error
         req = self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt)
         req.stream = True
-        if kv_import is not None or kv_export is not None:
-            from serving.disaggregation.kv_transfer import check_import, unsupported_reason
-
-            reason = unsupported_reason(self.engine)
-            if reason:
-                raise InvalidParameterError("prompt", f"prompt: {reason}")
-        if kv_import is not None:
-            check_import(req, kv_import)
-            req.kv_import = kv_import
-        if kv_export is not None:
-            req.kv_export = kv_export
+        for hook in (kv_import, kv_export):
+            if hook is not None:
+                hook.check(self.engine, req)
+        req.kv_import, req.kv_export = kv_import, kv_export
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:

@@ -132,7 +132,7 @@ class Engine:
         self._lock = threading.Lock()  # guards the seed generator (make_request may run on any thread)
         self._pending_finished: list[FinishedRequestStats] = []
         self._step_count = 0
-        # Requests resuming a shipped prefill (serving.disaggregation.kv_transfer).
+        # Requests resuming a shipped prefill (their `kv_import`, see `export_prompt_kv`).
         self._pending_imports: list[Request] = []
         # Overlapped scheduling needs a runner that dispatches without waiting; speculative
         # steps choose the next step's drafts from this step's tokens, so they run one at a time.
@@ -413,33 +413,26 @@ class Engine:
     def _on_token(self, seq: Sequence, tok: int, row: int, result, now: float, it: IterationStats) -> None:
         req = seq.request
         if req.kv_export is not None and seq.num_output_tokens == 1:
-            req.kv_export(self.export_prompt_kv(seq, tok, result, row))  # before a finish frees the pages
+            self.export_prompt_kv(seq, tok, result, row)  # before a finish frees the pages
         self.outputs.on_token(seq, tok, row, result, now, it)
         if req.structured is not None and not seq.is_finished and req.structured.accept(seq.sample_index, tok):
             structured_output.finish_complete(seq, self.scheduler.finish)  # the grammar allows only the end
 
-    # --- shipping a prefill's KV between engines (serving.disaggregation.kv_transfer) ----------------
-    def export_prompt_kv(self, seq: Sequence, first_token: int, result, row: int):
-        """The prompt's K/V pages (gathered on device, not yet copied) and its first sampled token."""
-        from serving.disaggregation import kv_transfer
-
+    # --- shipping a prefill's KV between engines ----------------------------------------------------
+    # The request carries the hooks, set by the caller that asked for the transfer
+    # (`serving.disaggregation.kv_transfer`: an `Exporter` as `kv_export`, a `KVImport` as `kv_import`);
+    # they run their device programs through the runner (`run_on_cache`), so the engine needs no more.
+    def export_prompt_kv(self, seq: Sequence, first_token: int, result, row: int) -> None:
+        """Hands the prompt's pages and its first sampled token (row `row` of `result`) to the request's
+        exporter, which gathers them on the device before a finish can free them."""
         table = self.block_manager.table(seq)[:self.block_manager.blocks_needed(seq.num_prompt_tokens)]
-        lp = None
-        if result.chosen_logprob is not None:
-            lp = {"chosen_logprob": float(result.chosen_logprob[row]), "rank": int(result.rank[row]),
-                  "top_ids": [int(x) for x in result.top_ids[row]],
-                  "top_logprobs": [float(x) for x in result.top_logprobs[row]]}
-        return kv_transfer.PrefillExport(list(seq.request.prompt_token_ids), int(first_token), seq.request.seed,
-                                         self.config.page_size, self.runner.export_pages(table), lp,
-                                         seq.request.cache_salt)
+        seq.request.kv_export.export(self.runner, seq.request, table, int(first_token), result, row)
 
     def _admit_imports(self):
         """Resumes pending imported requests: their first token now, their K/V once seats and pages allow.
 
         Returns ({request id: request} that produced output, stats of those first tokens).
         """
-        from serving.disaggregation import kv_transfer
-
         touched, it = {}, IterationStats(0, 0, 0, 0, 0, 0, 0.0, 0.0, 0)
         now = time.monotonic()
         while self._pending_imports:
@@ -469,8 +462,7 @@ class Engine:
             table, start = admitted
             n = seq.num_prompt_tokens
             if start < n:
-                self.runner.import_tokens(kv_transfer.token_slots(table, self.config.page_size, start, n),
-                                          imp.kv[:, :, start:n])
+                imp.write(self.runner, table, start, n)
             req.kv_import = None  # the host copy is no longer needed
             self._pending_imports.pop(0)
         return touched, it

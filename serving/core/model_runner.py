@@ -414,49 +414,28 @@ class ModelRunner:
         return self._warm_up_shapes(
             lambda ibuf, fbuf, shape: self._verify(ibuf, fbuf, empty_row_fields(shape.S), draft_probs, shape))
 
-    # --- disaggregated serving: pages leaving and entering the pool -------------------------------
-    def kv_transfer_unsupported(self):
-        """Why this runner cannot export or import KV pages, or None."""
+    # --- programs of other packages over the cache (KV transfer) ---------------------------------
+    def run_on_cache(self, jitted, *host_arrays, donate: bool, **static):
+        """Runs `jitted(cache, *inputs, **static)` over the KV cache: how code outside the runner reads or
+        writes the pool (`serving.disaggregation.kv_transfer` gathers and scatters pages with it) while the
+        runner alone places, donates and keeps it. Returns the program's outputs (not waited for).
+
+        `host_arrays` are placed as every device call's inputs are (`_host_inputs`). Without `donate` the
+        program reads the cache and returns what it computed. With `donate` it must donate its first
+        argument and return `(new cache, outputs)`; the runner keeps the new cache and returns `outputs`.
+        Such a program also gets `cache_shardings` (static: every cache leaf's sharding in `jax.tree.leaves`
+        order, None without a layout) and constrains its new cache to them, so the next step's inputs
+        match its executable. One process only: a mesh over several would need the call announced to the
+        others first (`dispatch_hook`, `replay`), here."""
         if self._spans_processes():
-            return "KV transfer runs in one process only (this engine's mesh spans several)"
-        if not all(isinstance(x, jax.Array) for x in _page_arrays(self.cache)):
-            return ("KV transfer supports plain K/V pages only; this worker's KV cache is quantized (pages with "
-                    "scales), which the payload does not carry yet")
-        return None
-
-    def export_pages(self, table: list[int]):
-        """`[layers, 2, P, page_size, kv_heads, head_dim]` on device (not waited for), P >= len(table)."""
-        from serving.disaggregation import kv_transfer
-
-        (pages,) = self._host_inputs(kv_transfer.padded_pages(table))
-        return kv_transfer.gather_jit(self.cache, pages)
-
-    def import_tokens(self, slots: np.ndarray, kv: np.ndarray) -> None:
-        """Writes host K/V (`[layers, 2, n, kv_heads, head_dim]`) at token `slots` of the donated cache."""
-        from serving.disaggregation import kv_transfer
-
-        slots, kv = self._host_inputs(*kv_transfer.padded_tokens(slots, kv, self.num_pages * self.page_size))
-        shardings = None
-        if self.layout is not None:  # the scatter keeps every leaf where `place` put it
-            shardings = tuple(x.sharding for x in _page_arrays(self.cache))
-        self.cache = kv_transfer.write_jit(self.cache, slots, kv, shardings=shardings)
-
-    def warm_up_transfer(self, max_model_len: int) -> int:
-        """Compiles the gather and the scatter for every size a request of up to `max_model_len`
-        tokens ships; writes nothing (every slot is padding). Returns how many executables compiled."""
-        from serving.disaggregation import kv_transfer
-
-        before = kv_transfer.compilation_count()
-        page_counts, token_counts = kv_transfer.transfer_sizes(max_model_len, self.page_size)
-        for n in page_counts:
-            self.export_pages([0] * n)
-        kv_shape = (self.cfg.num_layers, 2)
-        for n in token_counts:
-            pad = self.num_pages * self.page_size
-            self.import_tokens(np.full(n, pad, np.int64),
-                               np.zeros(kv_shape + (n,) + _page_arrays(self.cache)[0].shape[2:], self.kv_dtype))
-        jax.block_until_ready(self.cache)
-        return kv_transfer.compilation_count() - before
+            raise RuntimeError("a program over the KV cache runs in one process only (this engine's mesh spans "
+                               "several)")
+        inputs = self._host_inputs(*host_arrays)
+        if not donate:
+            return jitted(self.cache, *inputs, **static)
+        shardings = None if self.layout is None else tuple(x.sharding for x in jax.tree.leaves(self.cache))
+        self.cache, outputs = jitted(self.cache, *inputs, cache_shardings=shardings, **static)
+        return outputs
 
     def warm_up(self, background: bool = False, start_thread: bool = True, quick: bool = False) -> dict:
         """Compiles every bucket, and the page copies; returns what it did. With `background`, only

@@ -78,18 +78,12 @@ class Runner(Protocol):
     def replicated(self) -> Any:
         """The device or sharding a draft model that feeds `verify` lives on."""
 
-    # --- disaggregated serving -----------------------------------------------------------------
-    def kv_transfer_unsupported(self) -> Optional[str]:
-        """Why this runner cannot export or import KV pages, or None."""
-
-    def export_pages(self, table: list[int]) -> Any:
-        """The pages of `table` gathered on the device, `[layers, 2, P, page_size, kv_heads, head_dim]`."""
-
-    def import_tokens(self, slots: np.ndarray, kv: np.ndarray) -> None:
-        """Writes host K/V `[layers, 2, n, kv_heads, head_dim]` at token `slots` of the cache."""
-
-    def warm_up_transfer(self, max_model_len: int) -> int:
-        """Compiles the gather and the scatter for every size; returns how many executables compiled."""
+    # --- programs of other packages over the cache (KV transfer) ---------------------------------
+    def run_on_cache(self, jitted, *host_arrays, donate: bool, **static) -> Any:
+        """Runs `jitted(cache, *placed host arrays, **static)`; with `donate` the program returns
+        `(new cache, outputs)`, the runner keeps the cache (in its shardings, passed as the static
+        `cache_shardings`) and returns `outputs`. A runner whose cache such programs cannot read (pipeline
+        stages) also has `kv_transfer_unsupported()`, a sentence (see `serving.disaggregation.kv_transfer`)."""
 
     # --- what it holds ---------------------------------------------------------------------------
     @property

@@ -151,7 +151,8 @@ class Request:
         self.cache_salt = cache_salt
         self.hash_root = salt_digest(cache_salt)
         # Disaggregated serving (serving.disaggregation.kv_transfer): the shipped prompt K/V this request resumes
-        # from, and the callback that receives this request's prompt K/V when its first token exists.
+        # from (a `KVImport`), and the `Exporter` the engine hands this request's prompt pages to when its first
+        # token exists; set by the caller that asked for them (the engine calls their methods, never imports them).
         self.kv_import = None
         self.kv_export = None
 

@@ -27,19 +27,23 @@ receiver may use another), `num_tokens` (= prompt length), `prompt_token_ids`,
 `first_token`, `seed` (the effective sampling seed), `logprobs` (the first
 token's chosen logprob, rank, top ids and top logprobs, or null),
 `cache_salt` (the salt the prompt's pages were named under) and `arrays`:
-the per-layer arrays, e.g. `[{"name": "k", "shape": [num_tokens, kv_heads,
-head_dim]}, {"name": "v", ...}]`. The body is, for each layer in
-order, each listed array's C-order bytes, so for plain K/V it is one
-`[layers, 2, num_tokens, kv_heads, head_dim]` array. Quantized caches add
-arrays (e.g. `k_scale`, `v_scale`) to the list without changing the framing;
-a worker refuses arrays it does not know with a 400. Response headers:
+the per-layer arrays with their shapes and dtypes, `[{"name": "k", "shape":
+[num_tokens, kv_heads, head_dim], "dtype": <dtype>}, {"name": "v", ...}]`,
+followed for an int8 / fp8 cache by `{"name": "k_scale", "shape":
+[num_tokens, kv_heads], "dtype": "float32"}` and `v_scale` (one scale per
+token and KV head: quantized pages travel as stored, with their scales). The
+body is, for each layer in order, each listed array's C-order bytes, so for
+plain K/V it is one `[layers, 2, num_tokens, kv_heads, head_dim]` array. A
+worker refuses arrays other than those of its own cache, and a payload whose
+`dtype` is not its KV cache's (int8 into a float cache, float into an fp8
+one, ...), with a 400 naming both dtypes. Response headers:
 `x-ridgeline-kv-bytes` (body bytes after the header) and
 `x-ridgeline-prefill-seconds`.
 
 `POST /internal/decode`, body = that payload, unchanged. The worker reads it
 under size caps and checks its tags before it parses what they cover (401
 without tags, 403 with wrong ones, 413 past the caps), then checks it (model
-geometry and dtype against its own cache, the token count against its
+geometry and KV dtype against its own cache, the token count against its
 context window, the prompt the body tokenizes to against
 `prompt_token_ids`), then serves the echoed
 `endpoint`/`body` exactly as it would serve the request itself (the same
@@ -283,7 +287,7 @@ def add_kv_transfer_routes(app: FastAPI, ctx, secret: str, dependencies=()) -> N
         exports = []
         try:
             async for _ in ctx.engine.generate(ids, params, f"prefill-{uuid.uuid4().hex}", cache_salt=salt,
-                                               kv_export=exports.append):
+                                               kv_export=kt.Exporter(exports.append)):
                 pass
         except InvalidParameterError as e:
             raise ctx.api_error(e, kind, req) from e
@@ -296,8 +300,8 @@ def add_kv_transfer_routes(app: FastAPI, ctx, secret: str, dependencies=()) -> N
 
         async def chunks():
             yield signer.head()
-            for layer in host:  # one chunk per layer: the receiver gets bytes while later ones are sent
-                yield signer.body(layer.tobytes())
+            for layer in host.layer_bytes():  # one chunk per layer: the receiver gets bytes while later ones are sent
+                yield signer.body(layer)
             yield signer.tail()
 
         return StreamingResponse(chunks(), media_type=PAYLOAD_MEDIA_TYPE, headers={

@@ -1,36 +1,47 @@
-"""Moving a finished prefill's KV between engines: device gather/scatter and the wire payload.
+"""Moving a finished prefill's KV between engines: the device programs, the hooks the engine calls, the payload.
 
-Export (prefill side): when a request flagged with `kv_export` samples its
-first token, `Engine.export_prompt_kv` has the runner gather the pages of its
-block table with one jitted gather (`gather_jit`, page count padded to a power
-of two so few shapes compile) into a single `[layers, 2, pages, page_size,
-kv_heads, head_dim]` device array. Nothing waits for it on the engine thread;
-the HTTP handler copies it to host once and cuts it to the prompt's tokens.
+This module owns every device program of KV transfer; the model runner only
+runs them over its cache (`ModelRunner.run_on_cache`, which places the host
+inputs, donates and keeps the cache's shardings), so they work under tensor
+parallelism too, and `serving.core` never imports this package.
 
-Import (decode side): the runner scatters `[layers, 2, tokens, kv_heads,
-head_dim]` host K/V into its donated cache at the given slots (`write_jit`,
-token count padded to a power of two, padding slots dropped, a sharded
-cache kept in its shardings). It works per token, so the two engines may use
-different page sizes. Both calls go through the runner (`ModelRunner.
-export_pages` / `import_tokens`), the one place that places arrays, so they
-work under tensor parallelism too.
+Export (prefill side): a request whose `kv_export` is an `Exporter` hands it
+the block table of its prompt when it samples its first token
+(`Engine.export_prompt_kv`); the exporter runs one jitted gather (`gather_jit`,
+page count padded to a power of two so few shapes compile) into a
+`[layers, 2, pages, page_size, kv_heads, head_dim]` device array, plus for an
+int8 / fp8 cache the `[layers, 2, pages, page_size, kv_heads]` fp32 scales
+beside it. Nothing waits for them on the engine thread; the HTTP handler
+copies them to host once (`PrefillExport.host_kv`) and cuts them to the
+prompt's tokens.
 
-The payload is signed and read under size caps by `serving.disaggregation.kv_wire` (its
-framing and tags); this module says what its header holds (`payload_header`)
-and how many array bytes an engine accepts after it (`body_bytes`: the same
-geometry and dtype, at most the tokens the pool and context window hold). The
-header lists the per-layer arrays by name and shape, so quantized caches can
-add scale arrays without a new framing. `PayloadError` is an authenticated
-payload this engine cannot hold; `to_import` turns a checked one into a
-`KVImport` (the prompt, its K/V, the first token, seed, logprobs and the
-request's cache salt).
+Import (decode side): a request whose `kv_import` is a `KVImport` is admitted
+by the engine, which then calls `KVImport.write` with the slots' pages; that
+scatters the host K/V (and scales) into the donated cache at the token slots
+(`write_jit`, token count padded to a power of two, padding slots dropped, a
+sharded cache kept in its shardings). It works per token, so the two engines
+may use different page sizes. A quantized page is shipped as it is stored
+(the int8 / fp8 values and their per-token scales): nothing is dequantized or
+quantized again, so the decode side holds the same bits as the prefill side.
+
+The payload is signed and read under size caps by
+`serving.disaggregation.kv_wire` (its framing and tags); this module says what
+its header holds (`payload_header`: the per-layer arrays by name, shape and
+dtype, `array_specs`) and how many array bytes an engine accepts after it
+(`body_bytes`: the same geometry and KV dtype, at most the tokens the pool and
+context window hold). A payload whose KV dtype differs from the worker's cache
+(an int8 payload to a float worker, a float payload to an fp8 one, ...) is
+refused: pages cannot be converted without changing the tokens that follow.
+`PayloadError` is an authenticated payload this engine cannot hold;
+`to_import` turns a checked one into a `KVImport` (the prompt, its K/V, the
+first token, seed, logprobs and the request's cache salt).
 """
 
 from __future__ import annotations
 
 import contextvars
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import jax
 import jax.numpy as jnp
@@ -38,55 +49,97 @@ import numpy as np
 
 from kernels_pallas.pow2 import next_pow2, powers_of_two
 from model.cache import KVCache, StackedKVCache
-from model.quant import kv_bytes_per_token
+from model.quant import SCALE_DTYPE, QuantizedArray, is_quantized_dtype, kv_bytes_per_token
 from serving.core.block_manager import is_cache_salt
 from serving.disaggregation import kv_wire
 
-VERSION = 2
-KV_ARRAYS = ("k", "v")  # what this engine reads and writes; quantized caches would add e.g. "k_scale"
+VERSION = 3  # 3: each array lists its dtype, and int8 / fp8 pages travel with "k_scale" / "v_scale"
+KV_ARRAYS = ("k", "v")  # the arrays of every payload
+SCALE_ARRAYS = ("k_scale", "v_scale")  # added after them for an int8 / fp8 cache: one scale per token and KV head
 
 
 class PayloadError(kv_wire.WireError):
     """An authenticated KV payload that does not fit this engine (an HTTP 400, or 413 when too large)."""
 
 
-# --- device side (called by the model runner, which places the inputs) ------------------------------
+# --- the device programs (run over the cache by `ModelRunner.run_on_cache`) --------------------------
+
+def _parts(x):
+    """(pages, scales or None) of one cache leaf: a page array, or a `QuantizedArray` of pages and scales."""
+    return (x.data, x.scale) if isinstance(x, QuantizedArray) else (x, None)
+
 
 def _gather_pages(cache, pages):
+    """(`[layers, 2, P, page_size, kv_heads, head_dim]` pages, `[layers, 2, P, page_size, kv_heads]` scales or
+    None) of the page ids `pages`, K before V."""
     if isinstance(cache, StackedKVCache):  # layer l's page p is row l * num_pages + p
-        shape = (cache.num_layers, cache.num_pages) + cache.k.shape[1:]
-        return jnp.stack([cache.k.reshape(shape)[:, pages], cache.v.reshape(shape)[:, pages]], axis=1)
-    return jnp.stack([jnp.stack([k[pages], v[pages]]) for k, v in zip(cache.k, cache.v)])
+        layers = cache.num_layers
+
+        def take(x):  # [layers * num_pages, ...] -> [layers, P, ...]
+            return x.reshape((layers, x.shape[0] // layers) + x.shape[1:])[:, pages]
+
+        (kd, ks), (vd, vs) = _parts(cache.k), _parts(cache.v)
+        scales = None if ks is None else jnp.stack([take(ks), take(vs)], axis=1)
+        return jnp.stack([take(kd), take(vd)], axis=1), scales
+    k, v = [_parts(x) for x in cache.k], [_parts(x) for x in cache.v]
+    data = jnp.stack([jnp.stack([a[0][pages], b[0][pages]]) for a, b in zip(k, v)])
+    if k[0][1] is None:
+        return data, None
+    return data, jnp.stack([jnp.stack([a[1][pages], b[1][pages]]) for a, b in zip(k, v)])
 
 
-def _write_tokens(cache: KVCache, slots, kv, *, shardings=None):
-    """The cache with `kv` written at `slots`; `shardings` (one per leaf, k's then v's) keeps a sharded
-    cache in the shardings it was placed with, so the next step's inputs match its executable."""
-    def put(x, new):
-        num_pages, page_size, heads, dim = x.shape
-        flat = x.reshape(num_pages * page_size, heads, dim).at[slots].set(new.astype(x.dtype), mode="drop")
-        return flat.reshape(x.shape)
-
-    if isinstance(cache, StackedKVCache):  # layer l's page p is row l * num_pages + p: one scatter each
+def _write_tokens(cache, slots, kv, scales, *, cache_shardings=None):
+    """(the cache with `kv` ([layers, 2, n, kv_heads, head_dim]) and, for a quantized cache, `scales`
+    ([layers, 2, n, kv_heads]) written at token `slots`, None). `cache_shardings` (every leaf's, in
+    `jax.tree.leaves` order) keeps a sharded cache where it was placed, so the next step's inputs match
+    its executable."""
+    if isinstance(cache, StackedKVCache):  # layer l's page p is row l * num_pages + p: one scatter per array
         layers, pages, page_size = cache.num_layers, cache.num_pages, cache.page_size
         page, offset = slots // page_size, slots % page_size
         rows = jnp.where(page[None, :] >= pages, layers * pages,
                          page[None, :] + (jnp.arange(layers) * pages)[:, None])  # [layers, n]; padding dropped
-        k, v = (x.at[rows, offset[None, :]].set(kv[:, j].astype(x.dtype), mode="drop")
-                for j, x in enumerate((cache.k, cache.v)))
-        if shardings is not None:
-            k, v = (jax.lax.with_sharding_constraint(x, s) for x, s in zip((k, v), shardings))
-        return StackedKVCache(k=k, v=v, num_layers=layers)
-    k = [put(x, kv[i, 0]) for i, x in enumerate(cache.k)]
-    v = [put(x, kv[i, 1]) for i, x in enumerate(cache.v)]
-    if shardings is not None:
-        leaves = [jax.lax.with_sharding_constraint(x, s) for x, s in zip(k + v, shardings)]
-        k, v = leaves[:len(k)], leaves[len(k):]
-    return KVCache(k=k, v=v)
+
+        def put(x, new):  # x [layers * pages, page_size, ...], new [layers, n, ...]
+            return x.at[rows, offset[None, :]].set(new.astype(x.dtype), mode="drop")
+
+        def leaf(x, j):
+            d, s = _parts(x)
+            return put(d, kv[:, j]) if s is None else QuantizedArray(put(d, kv[:, j]), put(s, scales[:, j]))
+
+        new = StackedKVCache(k=leaf(cache.k, 0), v=leaf(cache.v, 1), num_layers=layers)
+    else:
+        def put(x, new):  # x [num_pages, page_size, ...], new [n, ...]
+            flat = x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+            return flat.at[slots].set(new.astype(x.dtype), mode="drop").reshape(x.shape)
+
+        def leaf(x, i, j):
+            d, s = _parts(x)
+            return put(d, kv[i, j]) if s is None else QuantizedArray(put(d, kv[i, j]), put(s, scales[i, j]))
+
+        new = KVCache(k=[leaf(x, i, 0) for i, x in enumerate(cache.k)],
+                      v=[leaf(x, i, 1) for i, x in enumerate(cache.v)])
+    if cache_shardings is not None:
+        leaves, treedef = jax.tree.flatten(new)
+        new = jax.tree.unflatten(treedef, [jax.lax.with_sharding_constraint(x, s)
+                                           for x, s in zip(leaves, cache_shardings)])
+    return new, None
 
 
 gather_jit = jax.jit(_gather_pages)
-write_jit = jax.jit(_write_tokens, static_argnames=("shardings",), donate_argnums=(0,))
+write_jit = jax.jit(_write_tokens, static_argnames=("cache_shardings",), donate_argnums=(0,))
+
+
+def gather(runner, table: list[int]):
+    """The pages of `table` on the device (not waited for): (pages `[layers, 2, P, page_size, kv_heads,
+    head_dim]`, scales `[layers, 2, P, page_size, kv_heads]` or None), P >= len(table)."""
+    return runner.run_on_cache(gather_jit, padded_pages(table), donate=False)
+
+
+def write(runner, slots: np.ndarray, kv: "HostKV") -> None:
+    """Writes host K/V (and scales) at token `slots` of the runner's (donated) cache."""
+    pad = runner.num_pages * runner.page_size
+    padded_slots, padded = padded_tokens(slots, kv, pad)
+    runner.run_on_cache(write_jit, padded_slots, padded.kv, padded.scale, donate=True)
 
 
 def padded_pages(table: list[int]) -> np.ndarray:
@@ -96,16 +149,22 @@ def padded_pages(table: list[int]) -> np.ndarray:
     return pages
 
 
-def padded_tokens(slots: np.ndarray, kv: np.ndarray, pad_slot: int) -> tuple[np.ndarray, np.ndarray]:
-    """`slots` and `kv` ([layers, 2, n, kv_heads, head_dim]) padded to a power-of-two token count (at
-    least 16); padding slots are `pad_slot`, one past the pool, which the scatter drops."""
+def padded_tokens(slots: np.ndarray, kv: "HostKV", pad_slot: int) -> tuple[np.ndarray, "HostKV"]:
+    """`slots` and `kv` padded to a power-of-two token count (at least 16); padding slots are `pad_slot`,
+    one past the pool, which the scatter drops."""
     n = len(slots)
     size = next_pow2(n, 16)
     padded_slots = np.full(size, pad_slot, np.int32)
     padded_slots[:n] = slots
-    padded = np.zeros(kv.shape[:2] + (size,) + kv.shape[3:], kv.dtype)
-    padded[:, :, :n] = kv
-    return padded_slots, padded
+
+    def pad(x):
+        if x is None:
+            return None
+        out = np.zeros(x.shape[:2] + (size,) + x.shape[3:], x.dtype)
+        out[:, :, :n] = x
+        return out
+
+    return padded_slots, HostKV(pad(kv.kv), pad(kv.scale))
 
 
 def transfer_sizes(max_model_len: int, page_size: int) -> tuple[list[int], list[int]]:
@@ -123,7 +182,16 @@ def compilation_count() -> int:
 def warm_up(engine) -> int:
     """Compiles the gather and the scatter for every size `engine` can ship or receive; returns how many
     executables that compiled. Call before the engine loop starts (it writes nothing: every slot is padding)."""
-    return engine.runner.warm_up_transfer(engine.max_model_len)
+    runner = engine.runner
+    before = compilation_count()
+    page_counts, token_counts = transfer_sizes(engine.max_model_len, runner.page_size)
+    for n in page_counts:
+        gather(runner, [0] * n)
+    pad = runner.num_pages * runner.page_size
+    for n in token_counts:
+        write(runner, np.full(n, pad, np.int64), HostKV.zeros(runner.cfg, runner.kv_dtype, n))
+    jax.block_until_ready(gather(runner, [0]))  # it reads the cache the writes leave: they are done too
+    return compilation_count() - before
 
 
 def token_slots(table: list[int], page_size: int, start: int, stop: int) -> np.ndarray:
@@ -131,11 +199,64 @@ def token_slots(table: list[int], page_size: int, start: int, stop: int) -> np.n
     return np.asarray(table, np.int64)[pos // page_size] * page_size + pos % page_size
 
 
+def unsupported_reason(engine) -> Optional[str]:
+    """Why `engine` cannot export or import KV, or None when it can. A runner whose cache these programs
+    cannot read says so itself (`kv_transfer_unsupported`, e.g. pipeline stages)."""
+    own = getattr(engine.runner, "kv_transfer_unsupported", None)
+    reason = own() if own is not None else None
+    if reason:
+        return reason
+    if not getattr(engine.runner.replicated, "is_fully_addressable", True):
+        return "KV transfer runs in one process only (this engine's mesh spans several)"
+    return None
+
+
+def _check_engine(engine) -> None:
+    from serving.core.sampling_params import InvalidParameterError
+
+    reason = unsupported_reason(engine)
+    if reason:
+        raise InvalidParameterError("prompt", f"prompt: {reason}")
+
+
 # --- what crosses between the engine and its callers ---------------------------------------------
 
 @dataclasses.dataclass
+class HostKV:
+    """A prompt's K/V on the host, per token: `kv` `[layers, 2, tokens, kv_heads, head_dim]` in the cache's
+    dtype and, for an int8 / fp8 cache, `scale` `[layers, 2, tokens, kv_heads]` (fp32; a value stands for
+    `kv * scale[..., None]`), else None."""
+
+    kv: np.ndarray
+    scale: Optional[np.ndarray] = None
+
+    @classmethod
+    def zeros(cls, cfg, dtype, n: int) -> "HostKV":
+        shape = (cfg.num_layers, 2, n, cfg.num_kv_heads)
+        scale = np.zeros(shape, SCALE_DTYPE) if is_quantized_dtype(dtype) else None
+        return cls(np.zeros(shape + (cfg.head_dim,), np.dtype(dtype)), scale)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.kv.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes + (0 if self.scale is None else self.scale.nbytes)
+
+    def tokens(self, start: int, stop: int) -> "HostKV":
+        """Tokens `start:stop` (views)."""
+        return HostKV(self.kv[:, :, start:stop], None if self.scale is None else self.scale[:, :, start:stop])
+
+    def layer_bytes(self) -> Iterator[bytes]:
+        """Each layer's bytes as the payload body holds them: its arrays in `array_specs` order."""
+        for i in range(self.kv.shape[0]):
+            yield self.kv[i].tobytes() + (b"" if self.scale is None else self.scale[i].tobytes())
+
+
+@dataclasses.dataclass
 class PrefillExport:
-    """What a prefill produced, handed to the request's `kv_export` callback on the engine thread."""
+    """What a prefill produced, handed to the `Exporter`'s callback on the engine thread."""
 
     prompt_token_ids: list[int]
     first_token: int
@@ -144,26 +265,60 @@ class PrefillExport:
     pages: Any  # device array [layers, 2, P, page_size, kv_heads, head_dim] (not yet on host)
     logprobs: Optional[dict]  # the first token's chosen_logprob, rank, top_ids, top_logprobs (or None)
     cache_salt: Optional[str] = None  # the request's prefix-cache salt (the decode side keeps it)
+    scales: Any = None  # int8 / fp8 cache: device array [layers, 2, P, page_size, kv_heads] (fp32), else None
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
-    def host_kv(self) -> np.ndarray:
-        """Copies the pages to host (blocking) and cuts them to `[layers, 2, tokens, kv_heads, head_dim]`."""
-        x = np.asarray(self.pages)
-        layers, two, pages, ps = x.shape[:4]
-        return np.ascontiguousarray(x.reshape(layers, two, pages * ps, *x.shape[4:])[:, :, :self.num_tokens])
+    def host_kv(self) -> HostKV:
+        """Copies the pages (and scales) to host (blocking) and cuts them to the prompt's tokens."""
+        def cut(x):
+            if x is None:
+                return None
+            x = np.asarray(x)
+            layers, two, pages, ps = x.shape[:4]
+            return np.ascontiguousarray(x.reshape(layers, two, pages * ps, *x.shape[4:])[:, :, :self.num_tokens])
+
+        return HostKV(cut(self.pages), cut(self.scales))
+
+
+def first_logprobs(result, row: int) -> Optional[dict]:
+    """The logprobs of row `row` of a step's `StepResult`, as a payload carries them (None without)."""
+    if result.chosen_logprob is None:
+        return None
+    return {"chosen_logprob": float(result.chosen_logprob[row]), "rank": int(result.rank[row]),
+            "top_ids": [int(x) for x in result.top_ids[row]],
+            "top_logprobs": [float(x) for x in result.top_logprobs[row]]}
+
+
+class Exporter:
+    """A request's `kv_export`: called by the engine when the request's first token is sampled, before a
+    finish frees its pages; gathers the prompt's pages on the device and hands `callback` a `PrefillExport`."""
+
+    def __init__(self, callback: Callable[[PrefillExport], Any]):
+        self.callback = callback
+
+    def check(self, engine, req) -> None:
+        """Raises InvalidParameterError unless `engine` can export KV."""
+        _check_engine(engine)
+
+    def export(self, runner, req, table: list[int], first_token: int, result, row: int) -> None:
+        """`table`: the pages of the prompt; `result`, `row`: the step's output and the first token's row."""
+        pages, scales = gather(runner, table)
+        self.callback(PrefillExport(list(req.prompt_token_ids), int(first_token), req.seed, runner.page_size,
+                                    pages, first_logprobs(result, row), req.cache_salt, scales))
 
 
 @dataclasses.dataclass
 class KVImport:
-    """A prompt's K/V and first token, to be resumed by `Engine` instead of computed."""
+    """A prompt's K/V and first token, to be resumed by `Engine` instead of computed (a request's
+    `kv_import`: the engine reads `first_token`, `seed` and `step_result`, and calls `write`)."""
 
     prompt_token_ids: list[int]
     first_token: int
     seed: int
-    kv: np.ndarray  # [layers, 2, tokens, kv_heads, head_dim]
+    kv: HostKV
     logprobs: Optional[dict] = None
     cache_salt: Optional[str] = None  # the salt the prefill side used; the resumed request keeps it
 
@@ -183,10 +338,14 @@ class KVImport:
             np.asarray([lp["chosen_logprob"]], np.float32), np.asarray([lp["rank"]], np.int64), top_ids,
             np.asarray(lp["top_logprobs"], np.float32)[None]))
 
+    def check(self, engine, req) -> None:
+        """Raises InvalidParameterError unless `engine` can import KV and this import can resume `req`."""
+        _check_engine(engine)
+        check_import(req, self)
 
-def unsupported_reason(engine) -> Optional[str]:
-    """Why `engine` cannot export or import KV, or None when it can."""
-    return engine.runner.kv_transfer_unsupported()
+    def write(self, runner, table: list[int], start: int, stop: int) -> None:
+        """Writes tokens `start:stop` into the request's pages `table` (the engine admitted it)."""
+        write(runner, token_slots(table, runner.page_size, start, stop), self.kv.tokens(start, stop))
 
 
 def check_import(req, imp: KVImport) -> None:
@@ -202,7 +361,7 @@ def check_import(req, imp: KVImport) -> None:
                                                   "under")
     if p.n != 1 or p.prompt_logprobs is not None:
         raise InvalidParameterError("n", "n: a disaggregated request must have n=1 and no prompt logprobs")
-    if imp.kv.shape[2] != len(req.prompt_token_ids):
+    if imp.kv.num_tokens != len(req.prompt_token_ids):
         raise InvalidParameterError("prompt", "prompt: the shipped KV does not cover the prompt")
     try:
         imp.step_result(p.logprobs)
@@ -222,24 +381,39 @@ def engine_kwargs() -> dict:
 
 # --- the payload ---------------------------------------------------------------------------------
 
+def dtype_name(dtype) -> str:
+    """The name a payload gives a KV dtype ("float32", "bfloat16", "int8", "float8_e4m3fn", ...)."""
+    return np.dtype(jnp.dtype(dtype)).name
+
+
 def geometry(cfg, dtype) -> dict:
     return {"num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-            "dtype": np.dtype(dtype).name}
+            "dtype": dtype_name(dtype)}
+
+
+def array_specs(cfg, dtype, num_tokens: int) -> list[dict]:
+    """The per-layer arrays of a payload from a cache of `dtype`, in body order: K and V pages, then for an
+    int8 / fp8 cache their scales (one per token and KV head)."""
+    pages = [num_tokens, cfg.num_kv_heads, cfg.head_dim]
+    out = [{"name": n, "shape": pages, "dtype": dtype_name(dtype)} for n in KV_ARRAYS]
+    if is_quantized_dtype(dtype):
+        out += [{"name": n, "shape": pages[:2], "dtype": dtype_name(SCALE_DTYPE)} for n in SCALE_ARRAYS]
+    return out
 
 
 def payload_header(export: PrefillExport, cfg, dtype, extra: dict) -> dict:
     """The header of the payload that ships `export` (the array bytes follow it)."""
-    shape = [export.num_tokens, cfg.num_kv_heads, cfg.head_dim]
     return {"version": VERSION, **extra, **geometry(cfg, dtype), "page_size": export.page_size,
             "num_tokens": export.num_tokens, "prompt_token_ids": export.prompt_token_ids,
             "first_token": export.first_token, "seed": export.seed, "logprobs": export.logprobs,
-            "cache_salt": export.cache_salt, "arrays": [{"name": n, "shape": shape} for n in KV_ARRAYS]}
+            "cache_salt": export.cache_salt, "arrays": array_specs(cfg, dtype, export.num_tokens)}
 
 
 def encode_payload(export: PrefillExport, cfg, dtype, keys: kv_wire.SigningKeys,
                    extra: Optional[dict] = None) -> bytes:
     """The whole signed payload in memory (the HTTP route streams the same bytes layer by layer)."""
-    return kv_wire.sign_payload(keys, payload_header(export, cfg, dtype, extra or {}), export.host_kv().tobytes())
+    return kv_wire.sign_payload(keys, payload_header(export, cfg, dtype, extra or {}),
+                                b"".join(export.host_kv().layer_bytes()))
 
 
 def max_header_bytes(max_model_len: int) -> int:
@@ -259,24 +433,27 @@ def body_bytes(header: dict, cfg, dtype, max_tokens: int) -> int:
     if header.get("version") != VERSION:
         raise PayloadError(f"KV payload version {header.get('version')!r} is not {VERSION}")
     mine = geometry(cfg, dtype)
+    if header.get("dtype") != mine["dtype"]:
+        raise PayloadError(f"KV payload dtype {header.get('dtype')!r} does not match this worker's KV cache dtype "
+                           f"{mine['dtype']!r}: prefill and decode workers must use the same kv_cache_dtype (pages "
+                           f"are shipped as stored, int8 / fp8 ones with their scales, never converted)")
     for key, want in mine.items():
         if header.get(key) != want:
             raise PayloadError(f"KV payload {key}={header.get(key)!r} does not match this worker's {want!r} "
                                f"(prefill and decode workers must serve the same model and KV dtype)")
-    arrays = header.get("arrays")
-    names = [a.get("name") for a in arrays if isinstance(a, dict)] if isinstance(arrays, list) else None
-    if names != list(KV_ARRAYS):
-        raise PayloadError(f"KV payload arrays {names} are not supported; this worker reads exactly "
-                           f"{list(KV_ARRAYS)} (quantized KV with scales is not supported yet)")
     n = header.get("num_tokens")
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= max_tokens:
         raise PayloadError(f"KV payload num_tokens={n!r} is not in [1, {max_tokens}] (this worker's context "
                            f"window and pool)", status=413 if isinstance(n, int) and n > max_tokens else 400)
-    for a in arrays:
-        if a.get("shape") != [n, cfg.num_kv_heads, cfg.head_dim]:
-            raise PayloadError(f"KV payload array {a.get('name')} has shape {a.get('shape')}, expected "
-                               f"{[n, cfg.num_kv_heads, cfg.head_dim]}")
-    return n * kv_bytes_per_token(cfg, dtype)  # plain K/V pages: what the cache holds per token
+    arrays, want = header.get("arrays"), array_specs(cfg, dtype, n)
+    names = [a.get("name") for a in arrays if isinstance(a, dict)] if isinstance(arrays, list) else None
+    if names != [a["name"] for a in want]:
+        raise PayloadError(f"KV payload arrays {names} are not those of a {mine['dtype']} KV cache; this worker "
+                           f"reads exactly {[a['name'] for a in want]}")
+    for got, spec in zip(arrays, want):
+        if got != spec:
+            raise PayloadError(f"KV payload array {spec['name']} is {got}, expected {spec}")
+    return n * kv_bytes_per_token(cfg, dtype)  # what the cache holds per token, scales included
 
 
 def decode_payload(data: bytes, keys: kv_wire.SigningKeys, cfg, dtype, max_tokens: int) -> tuple[dict, memoryview]:
@@ -286,8 +463,20 @@ def decode_payload(data: bytes, keys: kv_wire.SigningKeys, cfg, dtype, max_token
                                       lambda h: body_bytes(h, cfg, dtype, max_tokens))
 
 
+def _host_arrays(body, cfg, dtype, n: int) -> HostKV:
+    """The body's arrays as views: per layer, K and V pages, then (int8 / fp8) K and V scales."""
+    dtype = np.dtype(jnp.dtype(dtype))
+    pages = (2, n, cfg.num_kv_heads, cfg.head_dim)
+    raw = np.frombuffer(body, np.uint8).reshape(cfg.num_layers, -1)
+    split = int(np.prod(pages)) * dtype.itemsize
+    kv = raw[:, :split].view(dtype).reshape((cfg.num_layers,) + pages)
+    if not is_quantized_dtype(dtype):
+        return HostKV(kv)
+    return HostKV(kv, raw[:, split:].view(np.dtype(SCALE_DTYPE)).reshape((cfg.num_layers,) + pages[:3]))
+
+
 def to_import(header: dict, body: memoryview, cfg, dtype) -> KVImport:
-    """The checked `KVImport` of an authenticated payload (zero-copy view of `body`)."""
+    """The checked `KVImport` of an authenticated payload (zero-copy views of `body`)."""
     ids = header.get("prompt_token_ids")
     if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
         raise PayloadError("KV payload prompt_token_ids must be a non-empty list of ints")
@@ -302,6 +491,4 @@ def to_import(header: dict, body: memoryview, cfg, dtype) -> KVImport:
     salt = header.get("cache_salt")
     if salt is not None and not is_cache_salt(salt):
         raise PayloadError("KV payload cache_salt must be a non-empty string or null")
-    shape = (cfg.num_layers, len(KV_ARRAYS), len(ids), cfg.num_kv_heads, cfg.head_dim)
-    kv = np.frombuffer(body, dtype=np.dtype(jnp.dtype(dtype))).reshape(shape)
-    return KVImport(list(ids), first, seed, kv, header.get("logprobs"), salt)
+    return KVImport(list(ids), first, seed, _host_arrays(body, cfg, dtype, len(ids)), header.get("logprobs"), salt)
