@@ -49,6 +49,15 @@ Causality across microbatches: a sequence cut by a microbatch boundary has its
 earlier tokens in an earlier microbatch, which reaches every stage (so every
 layer) one tick before the later microbatch; their K/V are in the cache when
 the later tokens attend at the same layer.
+
+Families. The stages hold the family's own declared layer (`Layer`, a mixture
+of experts' `MoeLayer`; optional fields such as biases and q/k norms staged
+like the rest, or None in every stage) and run its blocks
+(`family_for_config(cfg).blocks`), the functions `model.forward` runs without
+stages. Per-layer data (`blocks.layer_inputs`: RoPE frequencies, sliding
+windows) is sliced per stage (`stage_layer_inputs`). A mixture of experts'
+MLP reaches `sharding.experts` through the stage layout's `expert_parallel`,
+so experts are split over `tensor` inside each stage as the rule table says.
 """
 
 from __future__ import annotations
