@@ -106,6 +106,55 @@ def test_record_counts_each_rows_draw_in_its_own_slot():
     assert np.asarray(new.recent)[0, -1] == 6 and (np.asarray(new.recent)[2] == -1).all()
 
 
+def _penalties(cases):
+    Penalties = collections.namedtuple("Penalties", "presence_penalty frequency_penalty repetition_penalty min_tokens")
+    return Penalties(**{f: jnp.asarray([getattr(c[3], f) for c in cases], dt) for f, dt in (
+        ("presence_penalty", jnp.float32), ("frequency_penalty", jnp.float32), ("repetition_penalty", jnp.float32),
+        ("min_tokens", jnp.int32))})
+
+
+def test_verifying_rows_see_the_drafts_before_them():
+    """Speculative decoding: a sequence's rows r0..r0+k check drafts d0..d(k-1); row j is adjusted as
+    if d0..d(j-1) were output already, and `record` keeps only what the verification emitted."""
+    vocab, slots = 40, 4
+    rng = random.Random(5)
+    state = [np.array(x) for x in sc.init_state(slots, vocab)]
+    cases, slot_of_row, ti, draft_token, group_start, outputs = [], [], [], [], [], []
+    for slot, k in enumerate((3, 0, 2)):  # groups of 4, 1 and 3 rows
+        case = random_case(rng, vocab)
+        prompt, output, words, params = case
+        rows_ = sc.RequestRows(params, prompt, (UNIT_EOS,), vocab, words)
+        for x, v in zip(state, sc.host_row(rows_, output, vocab)):
+            x[slot] = v
+        drafts = [rng.randrange(8) for _ in range(k)]  # few ids: they repeat the output's and hit bad words
+        first = len(slot_of_row)
+        for j in range(k + 1):
+            cases.append(case)
+            slot_of_row.append(slot)
+            ti.append(len(output) + j)
+            draft_token.append(drafts[j] if j < k else -1)
+            group_start.append(first)
+            outputs.append(output + drafts[:j])
+    logits = np.random.default_rng(2).normal(0, 3, (len(cases), vocab)).astype(np.float32)
+    drafts_in = sc.Drafts(jnp.asarray(draft_token, jnp.int32), jnp.asarray(group_start, jnp.int32))
+    st = sc.ControlState(*map(jnp.asarray, state))
+    got = np.asarray(jax.jit(sc.apply)(jnp.asarray(logits), st, jnp.asarray(slot_of_row, jnp.int32),
+                                       jnp.asarray(ti, jnp.int32), _penalties(cases), drafts_in))
+    for r, (prompt, _, words, params) in enumerate(cases):
+        want = reference(logits[r], params, prompt, outputs[r], ti[r], words)
+        np.testing.assert_allclose(got[r], want, rtol=1e-5, atol=1e-4)
+    # The first group accepts d0 and emits e at row 1 (rows 2, 3: -1); the others emit every row.
+    ids = np.asarray([draft_token[0], 7, -1, -1, 9, draft_token[5], draft_token[6], 11], np.int32)
+    new = jax.jit(sc.record)(st, jnp.asarray(slot_of_row, jnp.int32), jnp.asarray(ids), drafts_in)
+    L = sc.MAX_BAD_WORD_TOKENS - 1
+    for slot, emitted in ((0, [draft_token[0], 7]), (1, [9]), (2, [draft_token[5], draft_token[6], 11])):
+        output = cases[group_start.index(group_start[slot_of_row.index(slot)])][1] + emitted
+        want_counts = np.bincount(output, minlength=vocab)[:vocab]
+        np.testing.assert_array_equal(np.asarray(new.counts)[slot], want_counts)
+        want_recent = ([-1] * L + output)[-L:]
+        np.testing.assert_array_equal(np.asarray(new.recent)[slot], want_recent)
+
+
 def test_slots_are_taken_back_after_finish_preemption_and_fork():
     slots = sc.ControlSlots(2)
     req = types.SimpleNamespace(control_rows=object())
@@ -239,13 +288,28 @@ def test_same_tokens_without_overlap_and_through_preemption(llm, params):
     assert got == want
 
 
-def test_refused_where_not_applied(params):
-    spec = LLM(config=CFG, params=params, tokenizer=ByteTokenizer(V), max_num_seqs=2, max_num_batched_tokens=16,
-               max_model_len=64, num_pages=16, speculative_method="ngram", num_speculative_tokens=2)
-    with pytest.raises(InvalidParameterError) as e:
-        spec.engine.make_request("r", PROMPT, SamplingParams(presence_penalty=1.0))
-    assert e.value.param == "presence_penalty" and "speculative" in str(e.value)
-    spec.engine.make_request("ok", PROMPT, SamplingParams(presence_penalty=0.0))
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_speculation_draws_the_same_tokens(llm, params, method):
+    """Greedy requests with every control draw what the plain engine draws when their drafts are
+    verified: row j of a verifying sequence counts drafts 0..j-1 as output (penalties, bad words,
+    min_tokens) and only accepted tokens are recorded. The draft model is the target itself, unaware
+    of the controls, so it proposes many tokens the controls change and many they keep."""
+    spec = LLM(config=CFG, params=params, tokenizer=ByteTokenizer(V), max_num_seqs=4, max_num_batched_tokens=32,
+               max_model_len=96, num_pages=48, min_token_bucket=32, min_context_bucket=96,
+               speculative_method=method, num_speculative_tokens=3,
+               speculative_draft=(CFG, params) if method == "draft" else None)
+    prompts = [[1] + [40 + i, 41, 42, 43] * 5 for i in range(4)]
+    sps = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, frequency_penalty=0.02),
+           SamplingParams(temperature=0.0, max_tokens=40, presence_penalty=0.05, repetition_penalty=1.02,
+                          min_tokens=30),
+           SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, bad_words=["(x", "ab"],
+                          logit_bias={44: 0.5}),
+           SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, frequency_penalty=0.01, min_tokens=5)]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, sps)]
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, sps)]
+    st = spec.engine.stats().spec_decode
+    assert st.num_accepted_tokens > 0 and st.num_accepted_tokens < st.num_draft_tokens, st
+    assert got == want
 
 
 @pytest.mark.parametrize("field,value", [

@@ -214,10 +214,6 @@ def test_options_are_checked(params, draft):
                                                                           jax.random.key(0))))
     with pytest.raises(FileNotFoundError, match="draft model"):
         make_llm(params, speculative_method="draft", num_speculative_tokens=2, speculative_model="/nonexistent")
-    pp_cfg = tiny_config(vocab_size=96)  # (tensor parallelism is supported: test_engine_tp.py)
-    with pytest.raises(ValueError, match="pipeline parallelism"):
-        LLM(config=pp_cfg, params=init_params(pp_cfg, jax.random.key(0)), speculative_method="ngram",
-            num_speculative_tokens=2, pipeline_parallel_size=2, **COMMON)
     off = make_llm(params)
     assert off.engine.spec is None and off.engine.stats().spec_decode is None
 

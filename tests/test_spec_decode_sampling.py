@@ -16,6 +16,8 @@ Seeds are fixed, so each statistic is a fixed number; the threshold is the
 0.1% critical value of the chi-square distribution.
 """
 
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,7 +27,7 @@ from conftest import tiny_config
 from model.params import init_params
 from serving import LLM, SamplingParams
 from serving.core.sampler import SamplingInputs
-from serving.spec_decode import rejection_sampler, verify_step
+from serving.core import executable_store, rejection_sampler, step_programs
 
 # Critical values of chi-square at p = 0.001 by degrees of freedom.
 CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88,
@@ -186,15 +188,10 @@ def test_sampled_token_frequencies_match_without_speculation(sharp_params, plain
         assert stat < thr, (method, stat, thr, a, b)
 
     monkeypatch.setattr(rejection_sampler, "accept_random", accept_every_draft)
-
-    def biased_step(params, cache, ibuf, fbuf, rbuf, draft_probs, *, cfg, backend, shape, layout=None):
-        return verify_step._verify_step(params, cache, ibuf, fbuf, rbuf, draft_probs, cfg=cfg, backend=backend,
-                                        shape=shape, layout=layout)
-
-    # A new function, so it is traced afresh with the biased rule (traces are cached per function); the
-    # runner looks the verification step up in its module when it runs one.
-    monkeypatch.setattr(verify_step, "verify_step_jit", jax.jit(biased_step, donate_argnums=(1,),
-                                                                 static_argnames=("cfg", "backend", "shape", "layout")))
+    # The step program is traced afresh with the biased rule: nothing compiled before may serve it.
+    jax.clear_caches()
+    monkeypatch.setattr(step_programs, "_TABLE", weakref.WeakValueDictionary())
+    monkeypatch.setattr(executable_store, "current", lambda *a: None)
     freqs, _ = _frequencies(sharp_params, draft, **spec)
     stats = [two_sample(a, b) for a, b in zip(freqs, plain_frequencies)]
     assert any(stat > thr for stat, thr in stats), f"the biased rule passed: {stats}"

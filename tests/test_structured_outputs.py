@@ -16,7 +16,6 @@ import pytest
 from serving import LLM, SamplingParams
 from serving.core.engine import Engine
 from serving.llm import default_checkpoint_dir
-from serving.core.sampling_params import InvalidParameterError
 from serving.server import ServerThread
 
 MODEL = "ridgeline-so"
@@ -87,11 +86,27 @@ def test_llm_generate_same_with_overlap_on_and_off(llm):
     llm.engine.reset_prefix_cache()  # the second engine wrote into pages the first one has cached
 
 
-def test_structured_outputs_refused_under_speculative_decoding():
-    spec = LLM(speculative_method="ngram", num_speculative_tokens=2, warmup=False, **ENGINE)
-    with pytest.raises(InvalidParameterError, match="speculative") as e:
-        spec.engine.make_request("r", "x", SamplingParams(structured_outputs={"json_object": True}))
-    assert e.value.param == "structured_outputs"
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_speculation_keeps_constrained_output(llm, method):
+    """Under speculative decoding a constrained request gives the plain engine's greedy output: drafts
+    the grammar does not allow are cut off, row j of a verifying sequence is masked as after drafts
+    0..j-1, and the matcher takes in only the accepted tokens."""
+    spec = LLM(speculative_method=method, num_speculative_tokens=3, **ENGINE)
+    prompts = ["<|user|>\nA person\n<|assistant|>\n", "<|user|>\nname and age\n<|assistant|>\n{"]
+    sps = [SamplingParams(temperature=0.0, max_tokens=60, structured_outputs={"json": PERSON}),
+           SamplingParams(temperature=0.0, max_tokens=30, structured_outputs={"regex": r"(def|class) [a-z_]{1,12}\("}),
+           SamplingParams(temperature=0.0, max_tokens=60, structured_outputs={"choice": ["self.assertEqual",
+                                                                                          "self.value"]})]
+    jobs = [(p, sp) for p in prompts for sp in sps]
+    want = [o.outputs[0].text for o in llm.generate([p for p, _ in jobs], [sp for _, sp in jobs])]
+    got = [o.outputs[0].text for o in spec.generate([p for p, _ in jobs], [sp for _, sp in jobs])]
+    st = spec.engine.stats().spec_decode
+    assert st.num_accepted_tokens > 0, st
+    assert got == want
+    for text in got[0::3]:
+        jsonschema.validate(json.loads(text), PERSON)
+    assert all(re.fullmatch(r"(def|class) [a-z_]{1,12}\(", t) for t in got[1::3])
+    assert all(t in ("self.assertEqual", "self.value") for t in got[2::3])
 
 
 # --- through the HTTP API ----------------------------------------------------------------------------

@@ -97,7 +97,10 @@ class Engine:
         self.runner = runner or runner_class(cfg, params, num_pages=num_pages, page_size=ps, buckets=self.buckets,
                                              backend=config.attention_backend, layout=layout,
                                              cache_dtype=self.cache_dtype, scan_layers=scans_layers(config.layer_loop),
-                                             control_slots=0 if config.speculative_method else config.max_num_seqs)
+                                             control_slots=config.max_num_seqs,
+                                             verify=config.speculative_method is not None,
+                                             draft_rows=config.max_num_seqs * config.num_speculative_tokens
+                                             if config.speculative_method == "draft" else 0)
         # Slots of the per-request rows of logit bias, penalties, ... (serving.core.sampling_controls).
         self.control_slots = None
         if getattr(self.runner, "controls", None) is not None:
@@ -184,10 +187,6 @@ class Engine:
         """The request's compiled grammar (structured outputs), or None; a 400 when it cannot be used."""
         if params.structured_outputs is None:
             return None
-        if self.spec is not None:
-            raise InvalidParameterError("structured_outputs", "structured_outputs: not supported with speculative "
-                                                              "decoding (this engine runs speculative_method="
-                                                              f"{self.config.speculative_method})")
         try:
             return self.structured.for_request(params.structured_outputs, params.n)
         except (TypeError, ValueError) as e:
@@ -196,10 +195,8 @@ class Engine:
     def _control_rows(self, req: Request) -> sampling_controls.RequestRows:
         """The request's constant rows of logit bias and masks; refuses it where they cannot be applied."""
         why = None
-        if self.spec is not None:
-            why = "is not supported with speculative decoding yet"
-        elif self.control_slots is None:
-            why = "is not supported by this engine: " + (self.runner.controls_unsupported() or "no control slots")
+        if self.control_slots is None:
+            why = "is not supported by this engine: its model runner keeps no sampling-control slots"
         return sampling_controls.request_rows(req, self.tokenizer, self.cfg.vocab_size, why)
 
     def _prompt_ids(self, prompt) -> tuple[Optional[str], list[int]]:
@@ -362,14 +359,13 @@ class Engine:
             self.runner.copy_pages(out.copies)
         previous = self._in_flight.batch.draw_rows if self._in_flight is not None else None
         slots = self._assign_control_slots(out) if self.control_slots is not None else None
+        q_base, draft_probs = (None, None) if self.spec is None else self.spec.draft_distributions()
         batch = pack_step(out, self.block_manager.tables, self.buckets, self.config.page_size, self.num_pages,
-                          previous, slots, shape_for=None if self.spec is not None else self.runner.step_shape)
+                          previous, slots, shape_for=self.runner.step_shape, draft_q_base=q_base)
         it.kv_tokens_read = batch.kv_tokens
         batch.token_mask = structured_output.batch_mask(batch, self.structured.width)
-        if self.spec is not None:
-            pending = self.spec.execute(batch, out)
-        else:
-            pending = self.runner.dispatch(batch)
+        batch.draft_probs = draft_probs
+        pending = self.runner.dispatch(batch)
         for item in out.scheduled:
             m = item.seq.request.metrics
             if m.first_scheduled_time is None:
@@ -489,10 +485,13 @@ class Engine:
         """Compiles every step shape, so serving never compiles; returns seconds and counts. With
         `background` only the smallest and the largest compile before this returns, the rest in a
         thread while the engine serves (`serving.core.step_programs`; option `quick_warmup_compile`);
-        speculation warms up fully."""
-        if self.spec is not None:  # with speculation, every step is the verification step
-            return self.spec.warm_up()
-        return self.runner.warm_up(background=background, quick=background and self.config.quick_warmup_compile)
+        a draft model's drafting shapes compile before this returns."""
+        info = self.runner.warm_up(background=background, quick=background and self.config.quick_warmup_compile)
+        if self.spec is not None:
+            drafted = self.spec.warm_up()
+            info.update(seconds=info["seconds"] + drafted["seconds"], compiled=info["compiled"] + drafted["compiled"],
+                        shapes=info["shapes"] + drafted["shapes"])
+        return info
 
     def stop_warm_up(self) -> None:
         """Ends a background warm-up after the compile under way (before the process exits)."""

@@ -116,8 +116,8 @@ class StepShape:
         T, S, P = self.T, self.S, self.P
         return (("tokens", T), ("feed_rows", T), ("positions", T), ("slots", T), ("cu_q_lens", S + 1), ("kv_lens", S),
                 ("block_tables", S * P), ("num_seqs", 1), ("logits_indices", S), ("sample_index", S),
-                ("token_index", S), ("target", S), ("control_slot", S),
-                ("flags", NUM_FLAGS)) + sampling_table.buffer_fields(np.int32, S)
+                ("token_index", S), ("target", S), ("control_slot", S), ("draft_token", S), ("group_start", S),
+                ("q_index", S), ("flags", NUM_FLAGS)) + sampling_table.buffer_fields(np.int32, S)
 
     @property
     def float_fields(self):
@@ -154,6 +154,9 @@ class StepShape:
         v["feed_rows"][:] = -1
         v["target"][:] = -1
         v["control_slot"][:] = -1
+        v["draft_token"][:] = -1  # no drafts: every row its own group
+        v["group_start"][:] = np.arange(self.S)
+        v["q_index"][:] = -1
         sampling_table.reset(v)
         return ibuf, fbuf, v
 
@@ -174,6 +177,11 @@ class StepBatch:
     draw_rows: dict = dataclasses.field(default_factory=dict)
     # [S, ceil(vocab / 32)] int32 allowed-token bitmask of the rows (structured outputs), or None: all allowed.
     token_mask: Optional[np.ndarray] = None
+    # Speculative decoding: (first row, Sequence, sample_index, drafts) of each sequence verifying drafts;
+    # its rows are first_row .. first_row + len(drafts), row j following drafts 0..j-1.
+    draft_groups: list = dataclasses.field(default_factory=list)
+    # The draft model's distributions of those drafts, on device (None: drafts are point masses).
+    draft_probs: Optional[object] = None
 
 
 def sampling_row(request) -> dict:
@@ -183,13 +191,14 @@ def sampling_row(request) -> dict:
 
 def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: int, num_pages: int,
               previous_draw_rows: Optional[dict] = None, control_slots: Optional[dict] = None,
-              shape_for=None) -> StepBatch:
+              shape_for=None, draft_q_base: Optional[dict] = None) -> StepBatch:
     """The padded host buffers of one scheduled step. `previous_draw_rows` is the `draw_rows` of the
     step dispatched just before (overlapped scheduling): a decode whose last token that step is
     still drawing reads it from there on the device. `control_slots`: {seq_id: its slot of
     `sampling_controls`} for the sequences that use those controls. `shape_for(bucket) -> bucket`
     may hand out a larger bucket than the step's own (one that is compiled already,
-    `ModelRunner.step_shape`)."""
+    `ModelRunner.step_shape`). `draft_q_base`: {seq_id: row of its first draft's distribution in the
+    draft model's output} (speculative decoding with a draft model; None: drafts are point masses)."""
     items = out.scheduled
     n = len(items)
     n_new = np.fromiter((it.num_new_tokens for it in items), np.int64, n)
@@ -229,6 +238,7 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
     sample_rows: list[tuple[Sequence, int]] = []
     draw_rows: dict[int, int] = {}
     prompt_rows = []
+    draft_groups = []
     want_logprobs = False
     any_random = any_filter = False
     row = 0
@@ -249,6 +259,13 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
         draw_rows[seq.seq_id] = row
         nd = len(it.draft_token_ids)  # with drafts: one row per verified position, in order
         slot = control_slots.get(seq.seq_id, -1) if control_slots else -1
+        if nd:
+            q0 = draft_q_base.get(seq.seq_id, -1) if draft_q_base else -1
+            draft_groups.append((row, seq, it.sample_indices[0], it.draft_token_ids))
+            v["draft_token"][row:row + nd] = it.draft_token_ids
+            v["group_start"][row:row + nd + 1] = row
+            if q0 >= 0:
+                v["q_index"][row:row + nd] = np.arange(q0, q0 + nd)
         for s in it.sample_indices:
             for j in range(nd + 1):
                 li[row] = cu[i] - 1 - nd + j
@@ -269,4 +286,4 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
             row += cnt
     v["flags"][:] = (any_random, any_filter, want_logprobs)
     return StepBatch(shape, ibuf, fbuf, total, n, sample_rows, prompt_rows, want_logprobs, int(kv_lens.sum()),
-                     draw_rows)
+                     draw_rows, draft_groups=draft_groups)

@@ -30,8 +30,8 @@ from model.forward import forward
 from model.layer_select import selects_layers
 from model.params import param_bytes, stack_layers
 from serving.core.input_batch import Buckets, StepShape, StepBatch
-from serving.core import executable_store, sampling_controls
-from serving.core.sampler import SamplingInputs, sample
+from serving.core import executable_store, rejection_sampler, sampling_controls
+from serving.core.sampler import SamplingInputs, logprobs_of, sample, sample_ids
 from serving.core.sampling_table import ROW_PARAMS
 from serving.core.step_programs import StepPrograms, compiled_total
 from serving.core.structured_output import apply_token_bitmask, bitmask_width
@@ -61,13 +61,22 @@ def feed_tokens(tokens, feed_rows, feed):
     return jnp.where(feed_rows >= 0, feed[jnp.maximum(feed_rows, 0)], tokens)
 
 
-def _step(params, cache, ibuf, fbuf, feed=None, controls=None, token_mask=None, *, cfg: ModelConfig, backend: str,
-          shape: StepShape, layout=None):
-    """One engine step. With `feed` (the previous step's sampled ids, [max rows]) it also
-    fills placeholder tokens from it and returns this step's ids padded the same way. With
-    `controls` (a `sampling_controls.ControlState`) rows holding a slot are adjusted by it
-    before sampling, and their draws recorded in it. `token_mask` ([S, ceil(vocab / 32)] int32,
-    structured outputs) bars the tokens whose bit is 0."""
+def _step(params, cache, ibuf, fbuf, feed=None, controls=None, token_mask=None, draft_probs=None, *, cfg: ModelConfig,
+          backend: str, shape: StepShape, layout=None, verify: bool = False):
+    """One engine step: forward over the ragged batch, then each logit row's token.
+
+    Every feature a row can need is an input of this one program:
+    * `feed` (the previous step's sampled ids, [max rows]): placeholder tokens are filled from it
+      (overlapped scheduling), and this step's ids come back padded the same way;
+    * `token_mask` ([S, ceil(vocab / 32)] int32, structured outputs) bars the tokens whose bit is 0;
+    * `controls` (a `sampling_controls.ControlState`): rows holding a slot are adjusted by it before
+      sampling, and what they emit is recorded in it;
+    * with `verify` (speculative decoding) a sequence's k + 1 rows check its drafts (the step's
+      `draft_token` / `group_start` / `q_index` fields, `draft_probs` the draft model's distributions
+      or None for point-mass drafts): acceptance runs here (`rejection_sampler`), rows after a
+      sequence's first rejection come back as -1, and the mask and controls of row j see drafts
+      0..j-1 as already drawn. Rows without drafts are sampled exactly as without `verify`.
+    """
     v = shape.split(ibuf, fbuf)
     md, s = unpack_step(v)
     tokens = v["tokens"] if feed is None else feed_tokens(v["tokens"], v["feed_rows"], feed)
@@ -78,12 +87,21 @@ def _step(params, cache, ibuf, fbuf, feed=None, controls=None, token_mask=None, 
     raw = logits  # logprobs report the model's own distribution, as vLLM's do
     if token_mask is not None:
         logits = apply_token_bitmask(logits, token_mask)
-    if controls is None:
-        ids, logprobs = sample(logits, s, raw)
+    drafts = sampling_controls.Drafts(v["draft_token"], v["group_start"]) if verify else None
+    if controls is not None:
+        logits = sampling_controls.apply(logits, controls, v["control_slot"], s.token_index, s, drafts)
+    if verify:
+        q_rows = None
+        if draft_probs is not None:
+            q_rows = rejection_sampler.draft_rows(draft_probs, v["draft_token"], v["q_index"], logits.shape[-1])
+        ids = jax.lax.cond(jnp.any(v["draft_token"] >= 0),
+                           lambda: rejection_sampler.verify(logits, s, v["draft_token"], v["group_start"], q_rows),
+                           lambda: sample_ids(logits, s))
+        logprobs = logprobs_of(raw, jnp.maximum(ids, 0), s)
     else:
-        slot = v["control_slot"]
-        ids, logprobs = sample(sampling_controls.apply(logits, controls, slot, s.token_index, s), s, raw)
-        controls = sampling_controls.record(controls, slot, ids)
+        ids, logprobs = sample(logits, s, raw)
+    if controls is not None:
+        controls = sampling_controls.record(controls, v["control_slot"], ids, drafts)
         if getattr(layout, "replicated", None) is not None:
             controls = jax.lax.with_sharding_constraint(controls, layout.replicated)
     if feed is None:
@@ -95,7 +113,7 @@ def _step(params, cache, ibuf, fbuf, feed=None, controls=None, token_mask=None, 
 
 
 # Module level, so engines with the same model and buckets share compilations.
-_step_jit = jax.jit(_step, static_argnames=("cfg", "backend", "shape", "layout"), donate_argnums=(1, 5))
+_step_jit = jax.jit(_step, static_argnames=("cfg", "backend", "shape", "layout", "verify"), donate_argnums=(1, 5))
 
 
 def _copy_pages(cache, src, dst):
@@ -172,13 +190,15 @@ class PendingStep:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int, buckets: Buckets,
                  backend: str = "auto", cache_dtype=None, layout=None, control_slots: int = 0,
-                 scan_layers: bool = False):
+                 scan_layers: bool = False, verify: bool = False, draft_rows: int = 0):
         """`control_slots`: how many running sequences may use `sampling_controls` at once (0: none;
-        the state then does not exist and `controls_unsupported` says so). `scan_layers`: stack the
+        the state then does not exist). `scan_layers`: stack the
         layers' weights and KV pages so the step scans over layers (`model.forward`), compiling one
-        layer body whatever the depth."""
+        layer body whatever the depth. `verify`: steps check speculative drafts (`_step`); `draft_rows`:
+        rows of the draft model's distributions a step takes (0: drafts are point masses)."""
         self.cfg = cfg
         self.scan_layers = scan_layers
+        self.verify = verify
         self.num_pages = num_pages
         self.page_size = page_size
         self.buckets = buckets
@@ -193,7 +213,10 @@ class ModelRunner:
         self._all_allowed_masks: dict = {}  # rows -> resident all-ones token bitmask (`_all_allowed`)
         self.programs = StepPrograms(self._lower_step, self._program_key, platform=jax.default_backend())
         self.controls = None  # sampling_controls.ControlState, threaded through every step
-        if control_slots > 0 and self.controls_unsupported() is None:
+        # The draft distributions a step without them reads (the draft model's output has this shape).
+        self.no_drafts = None if draft_rows == 0 else self._place_feed(np.zeros((draft_rows, cfg.vocab_size),
+                                                                                 np.float32))
+        if control_slots > 0:
             # placed like the feed: on the one device, or replicated over the layout's mesh
             self.controls = self._place_feed(sampling_controls.init_state(control_slots, cfg.vocab_size))
 
@@ -250,6 +273,9 @@ class ModelRunner:
             return self._run(*arrays[:2], static["shape"], *arrays[2:])
         if kind == "copy":
             return self._copy(*arrays)
+        if kind == "controls":  # (slot, *row)
+            self.load_controls(int(arrays[0]), tuple(arrays[1:]))
+            return self.controls
         raise ValueError(f"unknown device call {kind!r}")
 
     def _copy(self, src, dst):
@@ -259,15 +285,17 @@ class ModelRunner:
                                            *self._host_inputs(src, dst))
         return self.cache
 
-    def _run(self, ibuf, fbuf, shape, token_mask=None):
+    def _run(self, ibuf, fbuf, shape, token_mask=None, draft_probs=None):
         if self.dispatch_hook is not None:
             masks = () if token_mask is None else (token_mask,)
             self.dispatch_hook("step", ibuf, fbuf, *masks, shape=shape)
         ibuf, fbuf = self._host_inputs(ibuf, fbuf)
         mask = self._all_allowed(shape.S) if token_mask is None else self._place_mask(token_mask)
-        args = (self.params, self.cache, ibuf, fbuf, self.feed, self.controls, mask)
+        args = (self.params, self.cache, ibuf, fbuf, self.feed, self.controls, mask,
+                self.no_drafts if draft_probs is None else draft_probs)
         if self._spans_processes():  # every process compiles in step with the others, through jit
-            outs = _step_jit(*args, cfg=self.cfg, backend=self.backend, shape=shape, layout=self.layout)
+            outs = _step_jit(*args, cfg=self.cfg, backend=self.backend, shape=shape, layout=self.layout,
+                             verify=self.verify)
         else:
             outs = self.programs.get(shape)(*args)
         self.cache, ids, lp, self.feed, self.controls = outs
@@ -278,26 +306,26 @@ class ModelRunner:
         (taken once, so a compile in another thread never touches arrays a running step donates)."""
         if self._specs is None:
             self._specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                       (self.params, self.cache, self.feed, self.controls))
-        params, cache, feed, controls = self._specs
+                                       (self.params, self.cache, self.feed, self.controls, self.no_drafts))
+        params, cache, feed, controls, no_drafts = self._specs
         sharding = None if self.layout is None else self.layout.replicated
         (_, isize), (_, fsize) = shape.offsets(shape.int_fields), shape.offsets(shape.float_fields)
         ibuf = jax.ShapeDtypeStruct((isize,), np.int32, sharding=sharding)
         fbuf = jax.ShapeDtypeStruct((fsize,), np.float32, sharding=sharding)
         mask = jax.ShapeDtypeStruct((shape.S, bitmask_width(self.cfg.vocab_size)), np.int32,
                                     sharding=sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-        return params, cache, ibuf, fbuf, feed, controls, mask
+        return params, cache, ibuf, fbuf, feed, controls, mask, no_drafts
 
     def _lower_step(self, shape: StepShape):
         return _step_jit.lower(*self._abstract_inputs(shape), cfg=self.cfg, backend=self.backend, shape=shape,
-                               layout=self.layout)
+                               layout=self.layout, verify=self.verify)
 
     def _program_key(self, shape: StepShape):
-        params, cache, _, _, feed, controls, _ = self._abstract_inputs(shape)
+        params, cache, _, _, feed, controls, _, no_drafts = self._abstract_inputs(shape)
         if self._signature is None:
-            leaves, treedef = jax.tree.flatten((params, cache, feed, controls))
+            leaves, treedef = jax.tree.flatten((params, cache, feed, controls, no_drafts))
             self._signature = (treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves))
-        return ("step", self.cfg, self.backend, self.layout, shape, self._signature)
+        return ("step", self.cfg, self.backend, self.layout, shape, self.verify, self._signature)
 
     _specs = None
     _signature = None
@@ -326,14 +354,10 @@ class ModelRunner:
         return self._all_allowed_masks[rows]
 
     # --- sampling controls (serving.core.sampling_controls) --------------------------------------
-    def controls_unsupported(self):
-        """Why this runner cannot apply logit bias, penalties and the other per-slot controls, or None."""
-        if self._spans_processes():
-            return "these sampling controls run in one process only (this engine's mesh spans several)"
-        return None
-
     def load_controls(self, slot: int, row: tuple) -> None:
         """Writes one slot's row (`sampling_controls.host_row`) before the next step reads it."""
+        if self.dispatch_hook is not None:
+            self.dispatch_hook("controls", np.int32(slot), *row)
         self.controls = executable_store.call(sampling_controls.load_jit, "load-controls", self._small_programs,
                                               self.controls, *self._host_inputs(np.int32(slot), *row))
 
@@ -372,7 +396,7 @@ class ModelRunner:
     def dispatch(self, batch: StepBatch) -> "PendingStep":
         """Starts one step and returns at once (JAX dispatches asynchronously); the host
         may do other work until it calls `result()`, the one synchronisation point."""
-        ids, lp = self._run(batch.ibuf, batch.fbuf, batch.shape, batch.token_mask)
+        ids, lp = self._run(batch.ibuf, batch.fbuf, batch.shape, batch.token_mask, batch.draft_probs)
         return PendingStep(ids, lp if batch.want_logprobs else None)
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
@@ -385,34 +409,6 @@ class ModelRunner:
             src[:len(chunk)] = [c[0] for c in chunk]
             dst[:len(chunk)] = [c[1] for c in chunk]
             self._copy(src, dst)
-
-    # --- speculative decoding: the verification step --------------------------------------------
-    def spec_decode_unsupported(self):
-        """Why this runner cannot verify drafts, or None."""
-        if self._spans_processes():
-            return "speculative decoding runs in one process only (this engine's mesh spans several)"
-        return None
-
-    def verify(self, batch: StepBatch, row_fields: np.ndarray, draft_probs) -> StepResult:
-        """Runs one verification step (`spec_decode.verify_step`) and waits for its emitted ids."""
-        ids, lp = self._verify(batch.ibuf, batch.fbuf, row_fields, draft_probs, batch.shape)
-        return PendingStep(ids, lp if batch.want_logprobs else None).result()
-
-    def _verify(self, ibuf, fbuf, row_fields, draft_probs, shape):
-        from serving.spec_decode.verify_step import verify_step_jit
-
-        ibuf, fbuf, rbuf = self._host_inputs(ibuf, fbuf, row_fields)
-        self.cache, ids, lp = verify_step_jit(self.params, self.cache, ibuf, fbuf, rbuf, draft_probs, cfg=self.cfg,
-                                              backend=self.backend, shape=shape, layout=self.layout)
-        return ids, lp
-
-    def warm_up_verify(self, draft_probs) -> int:
-        """Compiles the verification step for every bucket (on empty batches) and the page copies;
-        returns how many shapes that was."""
-        from serving.spec_decode.verify_step import empty_row_fields
-
-        return self._warm_up_shapes(
-            lambda ibuf, fbuf, shape: self._verify(ibuf, fbuf, empty_row_fields(shape.S), draft_probs, shape))
 
     # --- programs of other packages over the cache (KV transfer) ---------------------------------
     def run_on_cache(self, jitted, *host_arrays, donate: bool, **static):

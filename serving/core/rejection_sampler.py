@@ -1,4 +1,4 @@
-"""Distribution-exact acceptance of drafted tokens, on device, inside the jitted step.
+"""Distribution-exact acceptance of drafted tokens (speculative decoding), on device, inside the engine's step.
 
 The verification step computes the target's logits at k+1 consecutive
 positions of a sequence: row j predicts the token after draft j (row 0 follows
@@ -100,6 +100,14 @@ def verify(logits, s: SamplingInputs, draft_tokens, group_start, q_rows=None):
     accepted, own = jax.lax.cond(s.any_random, with_random, lambda: (greedy_accept, greedy))
     token = jnp.where(accepted, draft, own)
     return emit_prefix(token, accepted, group_start)
+
+
+def draft_rows(draft_probs, draft_tokens, q_index, vocab: int):
+    """[R, V] the distribution each row's draft was drawn from: row `q_index` of the draft model's
+    `draft_probs`, or a point mass on the draft where the row has no distribution (-1)."""
+    point = jax.nn.one_hot(jnp.maximum(draft_tokens, 0), vocab, dtype=jnp.float32)
+    gathered = draft_probs[jnp.clip(q_index, 0, draft_probs.shape[0] - 1)]
+    return jnp.where((q_index >= 0)[:, None], gathered, point)
 
 
 def emit_prefix(token, accepted, group_start):

@@ -123,6 +123,27 @@ def _logprobs(logits, ids, target):
     return LogprobsOutput(chosen, rank, top_ids.astype(jnp.int32), top_lp)
 
 
+def sample_ids(logits: jax.Array, s: SamplingInputs):
+    """Token ids [R] i32: each row's argmax, or its draw when the row samples."""
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.lax.cond(
+        s.any_random,
+        lambda: jnp.where(s.temperature > 0, _sample_random(logits, s), greedy),
+        lambda: greedy,
+    )
+
+
+def logprobs_of(raw_logits: jax.Array, ids, s: SamplingInputs) -> LogprobsOutput:
+    """Logprobs of `ids` (or each row's target) under `raw_logits`; zeros unless the batch asked."""
+    raw = raw_logits.astype(jnp.float32)
+    r = raw.shape[0]
+    k = num_top_logprobs(raw.shape[-1])
+    empty = LogprobsOutput(jnp.zeros((r,), jnp.float32), jnp.zeros((r,), jnp.int32),
+                           jnp.zeros((r, k), jnp.int32), jnp.zeros((r, k), jnp.float32))
+    return jax.lax.cond(s.want_logprobs, lambda: _logprobs(raw, ids, s.target), lambda: empty)
+
+
 def sample(logits: jax.Array, s: SamplingInputs, raw_logits=None):
     """Returns (token ids [R] i32, LogprobsOutput); logprobs are zeros unless asked for.
 
@@ -130,17 +151,5 @@ def sample(logits: jax.Array, s: SamplingInputs, raw_logits=None):
     and filters), as vLLM reports them: `raw_logits`, when `logits` were
     adjusted by `sampling_controls` first.
     """
-    logits = logits.astype(jnp.float32)
-    raw = logits if raw_logits is None else raw_logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    ids = jax.lax.cond(
-        s.any_random,
-        lambda: jnp.where(s.temperature > 0, _sample_random(logits, s), greedy),
-        lambda: greedy,
-    )
-    r = logits.shape[0]
-    k = num_top_logprobs(logits.shape[-1])
-    empty = LogprobsOutput(jnp.zeros((r,), jnp.float32), jnp.zeros((r,), jnp.int32),
-                           jnp.zeros((r, k), jnp.int32), jnp.zeros((r, k), jnp.float32))
-    lp = jax.lax.cond(s.want_logprobs, lambda: _logprobs(raw, ids, s.target), lambda: empty)
-    return ids, lp
+    ids = sample_ids(logits, s)
+    return ids, logprobs_of(logits if raw_logits is None else raw_logits, ids, s)

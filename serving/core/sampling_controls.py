@@ -213,9 +213,41 @@ def _load(state: ControlState, slot, *row) -> ControlState:
 load_jit = jax.jit(_load, donate_argnums=(0,))
 
 
-def _bad_word_mask(state: ControlState, idx, vocab: int):
+class Drafts(NamedTuple):
+    """The drafted tokens a verifying step's rows follow (speculative decoding), as the step reads them.
+
+    A verifying sequence has k + 1 consecutive rows; row j predicts the token after drafts 0..j-1, so
+    its controls see those drafts as output tokens already (counts for the penalties, the recent
+    tokens for bad words), exactly as the plain step would when it drew them one at a time."""
+
+    token: jax.Array  # [R] i32: the draft the row checks (-1: none; the last row of a group has none)
+    group_start: jax.Array  # [R] i32: the first row of the row's sequence (a row on its own: itself)
+
+
+def _row_context(state: ControlState, idx, drafts: Optional[Drafts]):
+    """Per row: its slot's output-token counts and last tokens, with the drafts before the row added."""
+    counts, recent = state.counts[idx], state.recent[idx]
+    if drafts is None:
+        return counts, recent
+    R, L = recent.shape
+    rows = jnp.arange(R, dtype=jnp.int32)
+    before = rows - drafts.group_start  # drafts of the row's group that precede it
+    # counts: one per (row, earlier row of its group), every earlier row of a group carrying a draft
+    earlier = (rows[None, :] >= drafts.group_start[:, None]) & (rows[None, :] < rows[:, None])
+    r_idx = jnp.broadcast_to(rows[:, None], (R, R))
+    tok = jnp.broadcast_to(jnp.maximum(drafts.token, 0)[None, :], (R, R))
+    counts = counts.at[r_idx, tok].add(earlier.astype(counts.dtype))
+    # recent: the last L of (slot's recent tokens ++ the drafts before the row)
+    p = jnp.arange(L, dtype=jnp.int32)[None, :]
+    src = before[:, None] + p
+    from_recent = jnp.take_along_axis(recent, jnp.clip(src, 0, L - 1), axis=1)
+    from_drafts = drafts.token[jnp.clip(rows[:, None] - L + p, 0, R - 1)]
+    return counts, jnp.where(src < L, from_recent, from_drafts)
+
+
+def _bad_word_mask(state: ControlState, idx, recent, vocab: int):
     """[R, vocab] bool: the last tokens of multi-token bad words whose prefix the output just ended with."""
-    prefix, last, recent = state.bad_prefix[idx], state.bad_last[idx], state.recent[idx]
+    prefix, last = state.bad_prefix[idx], state.bad_last[idx]
     matched = jnp.all((prefix == _ANY) | (prefix == recent[:, None, :]), axis=-1) & (last >= 0)  # [R, NB]
     hit = jnp.zeros((idx.shape[0], vocab + 1), bool)
     rows = jnp.broadcast_to(jnp.arange(idx.shape[0])[:, None], last.shape)
@@ -223,15 +255,15 @@ def _bad_word_mask(state: ControlState, idx, vocab: int):
     return hit[:, :vocab]
 
 
-def _apply_rows(logits, state: ControlState, slot, token_index, s):
+def _apply_rows(logits, state: ControlState, slot, token_index, s, drafts):
     has = slot >= 0
     idx = jnp.maximum(slot, 0)
     vocab = logits.shape[-1]
+    counts, recent = _row_context(state, idx, drafts)
     x = logits + state.bias[idx]
-    x = jnp.where(_bad_word_mask(state, idx, vocab), -jnp.inf, x)
+    x = jnp.where(_bad_word_mask(state, idx, recent, vocab), -jnp.inf, x)
     hold = (token_index < s.min_tokens)[:, None] & state.stop_mask[idx]
     x = jnp.where(hold, -jnp.inf, x)
-    counts = state.counts[idx]
     seen = state.prompt_seen[idx] | (counts > 0)
     rp = s.repetition_penalty[:, None]
     x = jnp.where(seen, jnp.where(x > 0, x / rp, x * rp), x)
@@ -239,19 +271,31 @@ def _apply_rows(logits, state: ControlState, slot, token_index, s):
     return jnp.where(has[:, None], x, logits)
 
 
-def apply(logits, state: ControlState, slot, token_index, s):
+def apply(logits, state: ControlState, slot, token_index, s, drafts: Optional[Drafts] = None):
     """The logits the sampler sees: each row with a slot adjusted by its controls (`s`: the sampler's
-    inputs, which carry the per-row penalties and min_tokens of `sampling_table`)."""
-    return jax.lax.cond(jnp.any(slot >= 0), lambda: _apply_rows(logits, state, slot, token_index, s),
+    inputs, which carry the per-row penalties and min_tokens of `sampling_table`; `drafts`: what a
+    verifying step's rows follow, None for a step that verifies nothing)."""
+    return jax.lax.cond(jnp.any(slot >= 0), lambda: _apply_rows(logits, state, slot, token_index, s, drafts),
                         lambda: logits)
 
 
-def record(state: ControlState, slot, ids) -> ControlState:
-    """Adds each row's sampled token to its slot's counts and recent tokens (rows without a slot:
-    nothing). Only sampling rows carry a slot."""
+def record(state: ControlState, slot, ids, drafts: Optional[Drafts] = None) -> ControlState:
+    """Adds each row's emitted token to its slot's counts and recent tokens (rows without a slot, and
+    rows a verification did not emit (-1): nothing). Only sampling rows carry a slot.
+
+    A verifying sequence emits the accepted drafts and one more token; its rows hold them in order,
+    so the counts take every emitted row, and the recent tokens are those its last emitted row saw
+    (`_row_context`: the slot's, then the accepted drafts) followed by that row's token."""
     n = state.counts.shape[0]
-    at = jnp.where(slot >= 0, slot, n)  # out of range: dropped
-    counts = state.counts.at[at, ids].add(1, mode="drop")
-    shifted = jnp.concatenate([state.recent[jnp.maximum(slot, 0), 1:], ids[:, None]], axis=1)
-    recent = state.recent.at[at].set(shifted, mode="drop")
+    emitted = (slot >= 0) & (ids >= 0)
+    tok = jnp.maximum(ids, 0)
+    counts = state.counts.at[jnp.where(emitted, slot, n), tok].add(1, mode="drop")
+    _, recent = _row_context(state, jnp.maximum(slot, 0), drafts)
+    last = emitted
+    if drafts is not None:  # the last emitted row of its group writes the group's recent tokens
+        nxt = jnp.concatenate([drafts.group_start[1:] == drafts.group_start[:-1], jnp.zeros((1,), bool)])
+        nxt_emitted = jnp.concatenate([ids[1:] >= 0, jnp.zeros((1,), bool)])
+        last = emitted & ~(nxt & nxt_emitted)
+    shifted = jnp.concatenate([recent[:, 1:], tok[:, None]], axis=1)
+    recent = state.recent.at[jnp.where(last, slot, n)].set(shifted, mode="drop")
     return state._replace(counts=counts, recent=recent)

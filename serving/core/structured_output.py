@@ -234,6 +234,29 @@ class RequestGrammar:
         self._fill(m, self.masks, sample_index)
         return False
 
+    # Speculative decoding: drafts are checked against the grammar without taking them in.
+    def valid_drafts(self, sample_index: int, drafts: list[int]) -> list[int]:
+        """The longest prefix of `drafts` the grammar allows after what the sample has taken in (a
+        draft past it could never be accepted under the masks, so it is not verified at all)."""
+        m = self.matchers[sample_index]
+        return [] if m.is_stopped() else list(drafts[:m.validate_tokens([int(t) for t in drafts])])
+
+    def fill_draft_masks(self, sample_index: int, drafts, out: np.ndarray, first_row: int) -> None:
+        """Writes the masks of a verifying sequence's rows into `out`: row `first_row` + j gets the mask
+        after drafts 0..j-1 (row `first_row` the sample's current one). The matcher steps over the
+        drafts and rolls back, so it holds only accepted tokens: those come in through `accept`."""
+        m = self.matchers[sample_index]
+        out[first_row] = self.masks[sample_index]
+        consumed = 0
+        for j, tok in enumerate(drafts):
+            if m.is_stopped() or not m.consume_token(int(tok)):
+                break  # this draft cannot be accepted, so no later row is emitted
+            consumed += 1
+            self._fill(m, out, first_row + j + 1)
+        if consumed and not m.rollback(consumed):
+            raise RuntimeError(f"structured outputs: the grammar could not roll back {consumed} drafted tokens: "
+                               f"{m.get_error()}")
+
 
 def batch_mask(batch, width: int) -> Optional[np.ndarray]:
     """The step's `[S, width]` bitmask (rows in `batch.sample_rows` order; all ones where no grammar
@@ -246,6 +269,9 @@ def batch_mask(batch, width: int) -> Optional[np.ndarray]:
         if mask is None:
             mask = np.full((batch.shape.S, width), -1, np.int32)
         mask[row] = grammar.masks[sample_index]
+    for first, seq, sample_index, drafts in batch.draft_groups:
+        if seq.request.structured is not None:
+            seq.request.structured.fill_draft_masks(sample_index, drafts, mask, first)
     return mask
 
 

@@ -6,11 +6,15 @@ Per engine step, with speculation on:
    every running sequence that decodes next; they go to `scheduler.drafts`.
    A sequence is never given more drafts than its `max_tokens` and the
    context window leave room for.
+   Drafts a request's grammar (structured outputs) does not allow are cut
+   off first: they could never be accepted.
 2. The scheduler gives such a decode 1 + k query tokens (the last token and
    the drafts) under the one token budget, and KV slots for all of them;
-   `pack_step` gives it k + 1 logit rows.
-3. `execute()` runs the verification step (`verify_step`): the target's
-   forward over the whole ragged batch, then acceptance on device; only the
+   `pack_step` gives it k + 1 logit rows, with the drafts and (for a draft
+   model) where their distributions are (`draft_distributions()`).
+3. The engine's one step program (`serving.core.model_runner._step`) runs
+   the target's forward over the whole ragged batch and verifies on device,
+   row j's grammar mask and sampling controls seeing drafts 0..j-1; only the
    emitted ids come back.
 4. `verified_tokens()` rolls each verified sequence back to what was
    accepted (`num_computed_tokens`, pages past it released) and yields the
@@ -24,17 +28,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 
 import numpy as np
 
 from serving.core import compute_dtype
-from serving.core.model_runner import StepResult, _copy_jit
+from serving.core.model_runner import compilation_count as step_compilation_count
 from serving.core.sequence import SequenceStatus
 from serving.spec_decode import draft_model
 from serving.spec_decode.ngram import NgramProposer
 from serving.spec_decode.options import check_options, default_draft_dir
-from serving.spec_decode.verify_step import empty_row_fields, verify_step_jit
 
 
 @dataclasses.dataclass
@@ -64,9 +66,6 @@ class SpecDecoder:
     def __init__(self, scheduler, block_manager, runner, *, max_model_len: int, max_num_seqs: int, method: str,
                  k: int, dtype: str, draft=None, draft_dir=None):
         check_options(method, k)
-        reason = runner.spec_decode_unsupported()
-        if reason:
-            raise ValueError(reason)
         self.scheduler, self.block_manager, self.runner = scheduler, block_manager, runner
         self.max_model_len = max_model_len
         self.method = method
@@ -109,27 +108,17 @@ class SpecDecoder:
         if self.method == "ngram":
             feeds = [(seq, limit) for seq, _, limit in feeds if limit > 0]
         drafts, _ = self.proposer.propose(feeds)
+        for seq in running:
+            grammar = seq.request.structured
+            if grammar is not None and drafts.get(seq.seq_id):
+                drafts[seq.seq_id] = grammar.valid_drafts(seq.sample_index, drafts[seq.seq_id])
         self.scheduler.set_drafts(drafts)
 
-    # --- 3. verify ---------------------------------------------------------------------------
-    def row_fields(self, out, S: int) -> np.ndarray:
-        buf = empty_row_fields(S)
-        draft_tok, group, q_index = buf[:S], buf[S:2 * S], buf[2 * S:]
-        q_base = getattr(self.proposer, "q_base", None)
-        row = 0
-        for it in out.scheduled:
-            nd = len(it.draft_token_ids)
-            if nd:
-                draft_tok[row:row + nd] = it.draft_token_ids
-                group[row:row + nd + 1] = row
-                if q_base is not None:
-                    base = q_base[it.seq.seq_id]
-                    q_index[row:row + nd] = np.arange(base, base + nd)
-            row += len(it.sample_indices) + nd
-        return buf
-
-    def execute(self, batch, out) -> StepResult:
-        return self.runner.verify(batch, self.row_fields(out, batch.shape.S), self.proposer.draft_probs)
+    # --- 3. verify (in the engine's step) -------------------------------------------------------
+    def draft_distributions(self):
+        """({seq_id: row of its first draft's distribution}, the distributions on device) of the drafts
+        just proposed, or (None, None) for point-mass drafts (prompt lookup)."""
+        return getattr(self.proposer, "q_base", None), self.proposer.draft_probs
 
     # --- 4. keep what was accepted -----------------------------------------------------------
     def verified_tokens(self, out, ids):
@@ -170,15 +159,10 @@ class SpecDecoder:
 
     # --- warm-up -----------------------------------------------------------------------------
     def warm_up(self) -> dict:
-        """Compiles every verification shape, the page copies and the proposer's shapes."""
-        t0 = time.perf_counter()
-        before = compilation_count()
-        shapes = self.runner.warm_up_verify(self.proposer.draft_probs)
-        drafted = self.proposer.warm_up()
-        return {"seconds": time.perf_counter() - t0, "compiled": compilation_count() - before,
-                "shapes": shapes + drafted["shapes"]}
+        """Compiles the proposer's shapes (the step's are the runner's warm-up)."""
+        return self.proposer.warm_up()
 
 
 def compilation_count() -> int:
-    """Executables compiled so far for verification, page copies and drafting (all engines)."""
-    return verify_step_jit._cache_size() + _copy_jit._cache_size() + draft_model.compilation_count()
+    """Executables compiled so far for the step (which verifies), page copies and drafting (all engines)."""
+    return step_compilation_count() + draft_model.compilation_count()

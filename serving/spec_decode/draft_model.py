@@ -33,7 +33,7 @@ from model.forward import forward
 from serving.core.block_manager import BlockManager
 from serving.core.input_batch import Buckets, StepShape, sampling_row
 from serving.core.sampler import inverse_cdf
-from serving.spec_decode.rejection_sampler import DRAFT_STREAM, stream_uniforms
+from serving.core.rejection_sampler import DRAFT_STREAM, stream_uniforms
 
 
 def _draw(logits, temperature, key_data, sample_index, token_index):
