@@ -176,10 +176,6 @@ def stack_layers(params: Weights, layer_shardings=None) -> Weights:
     return dataclasses.replace(params, layers=stack(list(params.layers)))
 
 
-def is_stacked(params) -> bool:
-    return not isinstance(params.layers, (list, tuple))
-
-
 def declare_weights(cfg: LlamaConfig) -> Weights:
     """The weight declarations of `cfg`'s model family (`model.families`)."""
     from model.families import family_for_config  # the families import this module

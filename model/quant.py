@@ -285,18 +285,6 @@ def _convert_group(leaves, kinds, out_shardings=None):
     return out
 
 
-def param_bytes_by_kind(params) -> dict[str, int]:
-    """{"quantized_data", "scales", "float"} bytes of a weight tree (what a step can stream)."""
-    out = {"quantized_data": 0, "scales": 0, "float": 0}
-    for leaf in jax.tree.leaves(params, is_leaf=is_quantized):
-        if is_quantized(leaf):
-            out["quantized_data"] += math.prod(leaf.data.shape) * jnp.dtype(leaf.data.dtype).itemsize
-            out["scales"] += math.prod(leaf.scale.shape) * jnp.dtype(leaf.scale.dtype).itemsize
-        else:
-            out["float"] += math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
-    return out
-
-
 def streamed_weight_bytes(params, cfg) -> int:
     """Bytes a forward step reads from the weights: all of them except an untied embedding
     table, of which a step gathers only a few rows."""
