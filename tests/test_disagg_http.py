@@ -162,6 +162,17 @@ def test_bad_payloads_get_a_4xx_and_the_worker_keeps_serving(workers):
         r = httpx.post(decode + "/internal/decode", content=data, timeout=60)
         assert 400 <= r.status_code < 500, (name, r.status_code, r.text)
         assert r.json()["error"]["message"], name
+    # An int8 worker's payload (pages and their scales) to this float32 worker: a 400 naming both dtypes.
+    n = header["num_tokens"]
+    int8 = {**header, "dtype": "int8", "arrays": [
+        {"name": "k", "shape": [n, 2, 64], "dtype": "int8"}, {"name": "v", "shape": [n, 2, 64], "dtype": "int8"},
+        {"name": "k_scale", "shape": [n, 2], "dtype": "float32"},
+        {"name": "v_scale", "shape": [n, 2], "dtype": "float32"}]}
+    r = httpx.post(decode + "/internal/decode", content=kv_wire.sign_payload(keys, int8, arrays[:n * 1088]),
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    assert ("KV payload dtype 'int8' does not match this worker's KV cache dtype 'float32'"
+            in r.json()["error"]["message"])
     r = httpx.post(prefill + "/internal/prefill", json={"endpoint": "/v1/nope", "body": body}, headers=AUTH,
                    timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "endpoint"
