@@ -9,6 +9,7 @@ methods: process 0 schedules and runs, the others replay its device calls
 from __future__ import annotations
 
 import itertools
+import functools
 import logging
 import os
 import time
@@ -145,7 +146,12 @@ class LLM:
         self.config = config
         self.tokenizer = tokenizer
         engine_config = EngineConfig(**{o.name: opts[o.name] for o in engine_args.ENGINE_CONFIG_OPTIONS})
-        self.engine = Engine(config, params, tokenizer, engine_config, layout=layout, draft=speculative_draft,
+        speculator = None
+        if engine_config.speculative_method is not None:
+            from serving.spec_decode import SpecDecoder
+
+            speculator = functools.partial(SpecDecoder.for_engine, draft=speculative_draft)
+        self.engine = Engine(config, params, tokenizer, engine_config, layout=layout, speculator=speculator,
                              generation=generation)
         self.config = self.engine.cfg  # with weight_dtype set when the engine quantized the weights
         self.load_seconds = time.perf_counter() - t0

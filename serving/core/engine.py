@@ -34,9 +34,10 @@ from serving.core.kv_pool import default_num_pages
 from serving.core.output_processor import OutputProcessor
 from serving.core.outputs import RequestOutput
 from serving.core.sampling_params import InvalidParameterError, SamplingParams, with_defaults
-from serving.core.scheduler import PoolTooSmall, Scheduler, SchedulerConfig, SchedulerOutput
+from serving.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from serving.core.sequence import Request, Sequence, SequenceStatus
-from serving.spec_decode.options import check_options as check_spec_options, logit_rows as spec_logit_rows
+from serving.core.kv_imports import KVImports
+from serving.core.spec_options import check_options as check_spec_options, logit_rows as spec_logit_rows
 from serving.core import structured_output
 from serving.core.stats import EngineStats, FinishedRequestStats, IterationStats, StatsLog
 
@@ -61,8 +62,9 @@ EngineConfig = engine_args.make_engine_config_class(__name__)
 
 class Engine:
     def __init__(self, cfg: ModelConfig, params, tokenizer=None, config: EngineConfig = EngineConfig(), *,
-                 runner=None, layout=None, draft=None, generation: Optional[GenerationDefaults] = None):
-        """`draft`: an in-memory (config, params) draft model for speculative_method="draft".
+                 runner=None, layout=None, speculator=None, generation: Optional[GenerationDefaults] = None):
+        """`speculator(engine)`: builds the speculative-decoding part (a `step_parts.StepPart`, e.g.
+        `serving.spec_decode.SpecDecoder.for_engine`) when `config.speculative_method` is set.
         `generation`: the checkpoint's generation_config.json defaults (EOS ids, sampling parameters)."""
         check_weight_dtype(config.weight_dtype)
         check_kv_cache_dtype(config.kv_cache_dtype)
@@ -109,14 +111,13 @@ class Engine:
                                           window=None if config.speculative_method else releasing_window(cfg))
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, model_len,
                                                    rows), self.block_manager)
-        self.spec = None
+        self.spec = None  # the speculative-decoding part
         if config.speculative_method is not None:
-            from serving.spec_decode import SpecDecoder
-
-            self.spec = SpecDecoder(self.scheduler, self.block_manager, self.runner, max_model_len=model_len,
-                                    max_num_seqs=config.max_num_seqs, method=config.speculative_method,
-                                    k=config.num_speculative_tokens, draft=draft, draft_dir=config.speculative_model,
-                                    dtype=config.dtype)
+            if speculator is None:
+                raise ValueError(f"speculative_method={config.speculative_method!r} needs the speculative-decoding "
+                                 "part: Engine(..., speculator=serving.spec_decode.SpecDecoder.for_engine), as LLM "
+                                 "passes it")
+            self.spec = speculator(self)
         self.generation = generation or GenerationDefaults()
         self.eos_token_ids = tuple(sorted(set(cfg.eos_token_ids) | set(getattr(tokenizer, "eos_ids", ()) or ())
                                           | set(self.generation.eos_token_ids)))
@@ -136,7 +137,9 @@ class Engine:
         self._pending_finished: list[FinishedRequestStats] = []
         self._step_count = 0
         # Requests resuming a shipped prefill (their `kv_import`, see `export_prompt_kv`).
-        self._pending_imports: list[Request] = []
+        self.imports = KVImports(self.scheduler, self.runner, self._on_token)
+        # The features that act inside a step, called in this order in each phase (`step_parts`).
+        self.parts = [self.imports] + ([self.spec] if self.spec is not None else [])
         # Overlapped scheduling needs a runner that dispatches without waiting; speculative
         # steps choose the next step's drafts from this step's tokens, so they run one at a time.
         self.overlap = config.async_scheduling and self.spec is None
@@ -235,7 +238,7 @@ class Engine:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
         if req.kv_import is not None:  # its prompt's K/V arrives with it
-            self._pending_imports.append(req)
+            self.imports.add(req)
             return
         self.scheduler.add(req.seqs[0])
 
@@ -255,8 +258,7 @@ class Engine:
             req = self.requests.pop(rid, None)
             if req is None:
                 continue
-            if req in self._pending_imports:
-                self._pending_imports.remove(req)
+            self.imports.discard(req)
             for seq in req.seqs:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, "abort")
@@ -272,50 +274,109 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Runs one scheduled batch; returns outputs of finished requests and of streaming ones that progressed.
 
-        With overlapped scheduling (`EngineConfig.async_scheduling`) the call dispatches the
-        next step before it processes the one dispatched by the previous call, so the host
-        schedules and packs step t+1 while the device still runs step t, and the outputs
-        returned are those of step t. The only wait is for step t's sampled ids. A step t with
-        grammar rows (structured outputs) is processed first instead, so that its sequences'
-        next masks exist and they join step t+1.
+        Four phases: schedule, pack, run, process; the parts (`self.parts`: shipped prefills,
+        speculation) act in them through `step_parts.StepPart`. With overlapped scheduling
+        (`EngineConfig.async_scheduling`) the call dispatches the next step before it processes
+        the one dispatched by the previous call, so the host schedules and packs step t+1 while
+        the device still runs step t, and the outputs returned are those of step t. The only wait
+        is for step t's sampled ids. A step t with grammar rows (structured outputs) is processed
+        first instead, so that its sequences' next masks exist and they join step t+1.
         """
         t0 = time.perf_counter()
-        imported = self._admit_imports() if self._pending_imports else None
-        if self.spec is not None:
-            self.spec.propose()
-        touched: dict[str, Request] = dict(imported[0]) if imported else {}
-        early = self._process_grammar_step(touched)
+        it = IterationStats(self._step_count, 0, 0, 0, 0, 0, 0.0, 0.0, 0)
+        touched: dict[str, Request] = {}  # requests with output this step
+        for part in self.parts:
+            part.before_schedule(touched, it)
+        waited = self._process_grammar_step(it, touched)
+        out = self._schedule(it, touched)
+        launched = None if out.is_empty else self._run(self._pack(out, it))
+        done = launched
+        if self.overlap:
+            done, self._in_flight = self._in_flight, launched
+        if done is not None:
+            waited += self._process(done, it, touched)
+        outputs = self._outputs(touched, it)
+        for part in self.parts:
+            part.after_step()
+        it.host_seconds = time.perf_counter() - t0 - waited
+        it.device_seconds = waited
+        self._step_count += 1
+        self.stats_log.record(it)
+        return outputs
+
+    def _schedule(self, it: IterationStats, touched: dict) -> SchedulerOutput:
+        """The scheduler's decisions; a sequence that can never fit the pool ends with an error."""
         out = self.scheduler.schedule()
-        now = time.monotonic()
         for seq in out.errored:
             req = seq.request
             req.error = (f"request {req.request_id} can never be scheduled: {seq.num_tokens} tokens need more than "
                          f"the {self.num_pages} pages of the KV pool")
             self.scheduler.finish(seq, "error")
             touched[req.request_id] = req
-        it = IterationStats(step=self._step_count, num_tokens=out.num_batched_tokens, num_seqs=len(out.scheduled),
-                            num_prompt_tokens=0, num_generation_tokens=0, kv_tokens_read=0, host_seconds=0.0,
-                            device_seconds=0.0, num_preemptions=len(out.preempted))
-        launched = None if out.is_empty else self._launch(out, it, now)
-        if self.overlap:
-            done, self._in_flight = self._in_flight, launched
-        else:
-            done = launched
-        waited = 0.0
-        if done is not None:
-            t1 = time.perf_counter()
-            result = done.result()
-            waited = time.perf_counter() - t1
-            self._process(done, result, it, touched)
-        if early is not None:  # the grammar step processed before scheduling
-            waited += early[1]
-            it.num_generation_tokens += early[0].num_generation_tokens
-            it.time_to_first_tokens.extend(early[0].time_to_first_tokens)
-            it.inter_token_latencies.extend(early[0].inter_token_latencies)
+        it.num_tokens, it.num_seqs, it.num_preemptions = out.num_batched_tokens, len(out.scheduled), len(out.preempted)
         now = time.monotonic()
-        if imported:
-            it.num_generation_tokens += len(imported[0])
-            it.time_to_first_tokens.extend(imported[1].time_to_first_tokens)
+        for item in out.scheduled:
+            m = item.seq.request.metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+            it.num_prompt_tokens += max(0, min(item.start + item.num_new_tokens, item.seq.num_prompt_tokens)
+                                        - item.start)
+        return out
+
+    def _pack(self, out: SchedulerOutput, it: IterationStats) -> "_StepInFlight":
+        """The step's host inputs: pages copied first (copy-on-write), control rows loaded, the batch
+        packed into its bucket, then each part's and the grammars' inputs added."""
+        if out.copies:
+            self.runner.copy_pages(out.copies)
+        previous = self._in_flight.batch.draw_rows if self._in_flight is not None else None
+        slots = self._assign_control_slots(out) if self.control_slots is not None else None
+        batch = pack_step(out, self.block_manager.tables, self.buckets, self.config.page_size, self.num_pages,
+                          previous, slots, shape_for=self.runner.step_shape)
+        batch.token_mask = structured_output.batch_mask(batch, self.structured.width)
+        for part in self.parts:
+            part.pack(batch)
+        it.kv_tokens_read = batch.kv_tokens
+        return _StepInFlight(out, batch, None)
+
+    def _run(self, step: "_StepInFlight") -> "_StepInFlight":
+        """Dispatches the packed step (JAX returns at once; `result()` waits)."""
+        step.pending = self.runner.dispatch(step.batch)
+        return step
+
+    def _process_grammar_step(self, it: IterationStats, touched: dict) -> float:
+        """Overlapped scheduling: processes the step in flight before scheduling when it has grammar
+        rows, whose sequences' next masks need its tokens (without them those sequences would sit
+        out every other step). Returns the seconds waited for it."""
+        done = self._in_flight
+        if done is None or done.batch.token_mask is None:
+            return 0.0
+        self._in_flight = None
+        return self._process(done, it, touched)
+
+    def _process(self, done: "_StepInFlight", it: IterationStats, touched: dict) -> float:
+        """Waits for a step's sampled ids and takes them into the sequences: tokens, logprobs, stops;
+        returns the seconds waited."""
+        t1 = time.perf_counter()
+        result = done.pending.result()
+        waited = time.perf_counter() - t1
+        out, batch = done.out, done.batch
+        sampled = result.ids[:len(batch.sample_rows)].tolist()
+        new_tokens = self.scheduler.update(out, sampled)
+        for part in self.parts:  # tokens the parts take (verified drafts), one at a time
+            new_tokens = itertools.chain(new_tokens, part.new_tokens(out, sampled))
+        now = time.monotonic()
+        for seq, row, p0, p1 in batch.prompt_rows:
+            if not seq.is_finished:
+                self.outputs.prompt_logprobs(seq, result, row, p0, p1)
+        for seq, tok, row in new_tokens:
+            self._on_token(seq, tok, row, result, now, it)
+            touched[seq.request.request_id] = seq.request
+            it.num_generation_tokens += 1
+        return waited
+
+    def _outputs(self, touched: dict, it: IterationStats) -> list[RequestOutput]:
+        """Outputs of the touched requests that finished or stream; finished ones leave the engine."""
+        now = time.monotonic()
         outputs = []
         for req in touched.values():
             finished = req.is_finished
@@ -327,52 +388,9 @@ class Engine:
                 self.requests.pop(req.request_id, None)
             if finished or req.stream:
                 outputs.append(self.outputs.make_output(req))
-        if self.spec is not None:
-            self.spec.after_step()
         it.finished.extend(self._pending_finished)
         self._pending_finished = []
-        it.host_seconds = time.perf_counter() - t0 - waited
-        it.device_seconds = waited
-        self._step_count += 1
-        self.stats_log.record(it)
         return outputs
-
-    def _process_grammar_step(self, touched: dict):
-        """Overlapped scheduling: processes the step in flight before scheduling when it has grammar
-        rows, whose sequences' next masks need its tokens (without them those sequences would sit
-        out every other step). Returns (its IterationStats, seconds waited), or None."""
-        done = self._in_flight
-        if done is None or done.batch.token_mask is None:
-            return None
-        self._in_flight = None
-        it = IterationStats(self._step_count, 0, 0, 0, 0, 0, 0.0, 0.0, 0)
-        t1 = time.perf_counter()
-        result = done.result()
-        waited = time.perf_counter() - t1
-        self._process(done, result, it, touched)
-        return it, waited
-
-    def _launch(self, out: SchedulerOutput, it: IterationStats, now: float) -> "_StepInFlight":
-        """Packs and starts a scheduled step (JAX dispatches asynchronously, so this returns
-        while the device works; a speculative step verifies its drafts synchronously)."""
-        if out.copies:
-            self.runner.copy_pages(out.copies)
-        previous = self._in_flight.batch.draw_rows if self._in_flight is not None else None
-        slots = self._assign_control_slots(out) if self.control_slots is not None else None
-        q_base, draft_probs = (None, None) if self.spec is None else self.spec.draft_distributions()
-        batch = pack_step(out, self.block_manager.tables, self.buckets, self.config.page_size, self.num_pages,
-                          previous, slots, shape_for=self.runner.step_shape, draft_q_base=q_base)
-        it.kv_tokens_read = batch.kv_tokens
-        batch.token_mask = structured_output.batch_mask(batch, self.structured.width)
-        batch.draft_probs = draft_probs
-        pending = self.runner.dispatch(batch)
-        for item in out.scheduled:
-            m = item.seq.request.metrics
-            if m.first_scheduled_time is None:
-                m.first_scheduled_time = now
-            it.num_prompt_tokens += max(0, min(item.start + item.num_new_tokens, item.seq.num_prompt_tokens)
-                                        - item.start)
-        return _StepInFlight(out, batch, pending)
 
     def _assign_control_slots(self, out: SchedulerOutput) -> dict:
         """Slots for the step's sequences that use sampling controls; a sequence new to its slot has its
@@ -383,22 +401,6 @@ class Engine:
             self.runner.load_controls(slot, sampling_controls.host_row(seq.request.control_rows,
                                                                        seq.output_token_ids, self.cfg.vocab_size))
         return slots
-
-    def _process(self, done: "_StepInFlight", result, it: IterationStats, touched: dict) -> None:
-        """Takes a finished step's sampled ids into the sequences: tokens, logprobs, stops."""
-        out, batch = done.out, done.batch
-        sampled = result.ids[:len(batch.sample_rows)].tolist()
-        new_tokens = self.scheduler.update(out, sampled)
-        if self.spec is not None:  # verified sequences: their accepted tokens, one at a time
-            new_tokens = itertools.chain(new_tokens, self.spec.verified_tokens(out, sampled))
-        now = time.monotonic()
-        for seq, row, p0, p1 in batch.prompt_rows:
-            if not seq.is_finished:
-                self.outputs.prompt_logprobs(seq, result, row, p0, p1)
-        for seq, tok, row in new_tokens:
-            self._on_token(seq, tok, row, result, now, it)
-            touched[seq.request.request_id] = seq.request
-            it.num_generation_tokens += 1
 
     def _finished_stats(self, req: Request, reason: str, now: float) -> FinishedRequestStats:
         m = req.metrics
@@ -424,45 +426,6 @@ class Engine:
         table = self.block_manager.table(seq)[:self.block_manager.blocks_needed(seq.num_prompt_tokens)]
         seq.request.kv_export.export(self.runner, seq.request, table, int(first_token), result, row)
 
-    def _admit_imports(self):
-        """Resumes pending imported requests: their first token now, their K/V once seats and pages allow.
-
-        Returns ({request id: request} that produced output, stats of those first tokens).
-        """
-        touched, it = {}, IterationStats(0, 0, 0, 0, 0, 0, 0.0, 0.0, 0)
-        now = time.monotonic()
-        while self._pending_imports:
-            req = self._pending_imports[0]
-            seq, imp = req.seqs[0], req.kv_import
-            if not seq.is_finished and seq.num_output_tokens == 0:  # the shipped first token, as if sampled here
-                if req.params.seed is None:
-                    req.seed = imp.seed
-                    req.sampling_row = sampling_row(req)
-                seq.token_ids.append(imp.first_token)
-                req.metrics.first_scheduled_time = now
-                self._on_token(seq, imp.first_token, 0, imp.step_result(req.params.logprobs), now, it)
-                touched[req.request_id] = req
-            if seq.is_finished:  # finished on its first token, or aborted while pending
-                self._pending_imports.pop(0)
-                continue
-            try:
-                admitted = self.scheduler.admit_imported(seq)
-            except PoolTooSmall as e:
-                req.error = f"request {req.request_id}: {e}"
-                self.scheduler.finish(seq, "error")
-                touched[req.request_id] = req
-                self._pending_imports.pop(0)
-                continue
-            if admitted is None:
-                break  # wait for a seat or pages
-            table, start = admitted
-            n = seq.num_prompt_tokens
-            if start < n:
-                imp.write(self.runner, table, start, n)
-            req.kv_import = None  # the host copy is no longer needed
-            self._pending_imports.pop(0)
-        return touched, it
-
     # --- outputs and stats ---------------------------------------------------------------------
     def stats(self) -> EngineStats:
         """A snapshot of gauges and counters; safe to call from another thread."""
@@ -487,10 +450,10 @@ class Engine:
         thread while the engine serves (`serving.core.step_programs`; option `quick_warmup_compile`);
         a draft model's drafting shapes compile before this returns."""
         info = self.runner.warm_up(background=background, quick=background and self.config.quick_warmup_compile)
-        if self.spec is not None:
-            drafted = self.spec.warm_up()
-            info.update(seconds=info["seconds"] + drafted["seconds"], compiled=info["compiled"] + drafted["compiled"],
-                        shapes=info["shapes"] + drafted["shapes"])
+        for part in self.parts:
+            own = part.warm_up()
+            info.update(seconds=info["seconds"] + own["seconds"], compiled=info["compiled"] + own["compiled"],
+                        shapes=info["shapes"] + own["shapes"])
         return info
 
     def stop_warm_up(self) -> None:
@@ -519,13 +482,9 @@ class Engine:
 
 
 class _StepInFlight:
-    """A dispatched step and what processing its results needs."""
+    """A packed step, once dispatched its pending results (`PendingStep`), and what processing needs."""
 
     __slots__ = ("out", "batch", "pending")
 
     def __init__(self, out: SchedulerOutput, batch, pending):
         self.out, self.batch, self.pending = out, batch, pending
-
-    def result(self):
-        """The step's host results (waits for the device; a synchronous step already has them)."""
-        return self.pending.result() if hasattr(self.pending, "result") else self.pending

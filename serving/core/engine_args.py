@@ -26,7 +26,7 @@ from absl import flags
 
 from model.quant import KV_CACHE_DTYPE_CHOICES, WEIGHT_DTYPE_CHOICES
 from serving.core.compute_dtype import CHOICES as COMPUTE_DTYPE_CHOICES
-from serving.spec_decode.options import METHODS as SPECULATIVE_METHODS
+from serving.core.spec_options import METHODS as SPECULATIVE_METHODS
 
 # The flags `define_flags` defines belong to its caller (absl lists a program's own flags under --help).
 flags.disclaim_key_flags()

@@ -191,14 +191,15 @@ def sampling_row(request) -> dict:
 
 def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: int, num_pages: int,
               previous_draw_rows: Optional[dict] = None, control_slots: Optional[dict] = None,
-              shape_for=None, draft_q_base: Optional[dict] = None) -> StepBatch:
+              shape_for=None) -> StepBatch:
     """The padded host buffers of one scheduled step. `previous_draw_rows` is the `draw_rows` of the
     step dispatched just before (overlapped scheduling): a decode whose last token that step is
     still drawing reads it from there on the device. `control_slots`: {seq_id: its slot of
     `sampling_controls`} for the sequences that use those controls. `shape_for(bucket) -> bucket`
     may hand out a larger bucket than the step's own (one that is compiled already,
-    `ModelRunner.step_shape`). `draft_q_base`: {seq_id: row of its first draft's distribution in the
-    draft model's output} (speculative decoding with a draft model; None: drafts are point masses)."""
+    `ModelRunner.step_shape`). A sequence with speculative drafts gets one row per draft and one
+    more; where the draft model's distributions of its drafts are (`q_index`) is the speculative
+    part's to add (`SpecDecoder.pack`)."""
     items = out.scheduled
     n = len(items)
     n_new = np.fromiter((it.num_new_tokens for it in items), np.int64, n)
@@ -260,12 +261,9 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
         nd = len(it.draft_token_ids)  # with drafts: one row per verified position, in order
         slot = control_slots.get(seq.seq_id, -1) if control_slots else -1
         if nd:
-            q0 = draft_q_base.get(seq.seq_id, -1) if draft_q_base else -1
             draft_groups.append((row, seq, it.sample_indices[0], it.draft_token_ids))
             v["draft_token"][row:row + nd] = it.draft_token_ids
             v["group_start"][row:row + nd + 1] = row
-            if q0 >= 0:
-                v["q_index"][row:row + nd] = np.arange(q0, q0 + nd)
         for s in it.sample_indices:
             for j in range(nd + 1):
                 li[row] = cu[i] - 1 - nd + j

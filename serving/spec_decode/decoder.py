@@ -34,9 +34,10 @@ import numpy as np
 from serving.core import compute_dtype
 from serving.core.model_runner import compilation_count as step_compilation_count
 from serving.core.sequence import SequenceStatus
+from serving.core.step_parts import StepPart
 from serving.spec_decode import draft_model
 from serving.spec_decode.ngram import NgramProposer
-from serving.spec_decode.options import check_options, default_draft_dir
+from serving.core.spec_options import check_options, default_draft_dir
 
 
 @dataclasses.dataclass
@@ -59,9 +60,20 @@ class SpecStats:
         return self.num_emitted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
-class SpecDecoder:
-    """Speculation over an engine's parts: it reads the scheduler's running sequences, hands it the
-    drafts, has the runner verify them, and tells the scheduler what was accepted."""
+class SpecDecoder(StepPart):
+    """Speculation as a part of the engine's step (`serving.core.step_parts`): before scheduling it
+    reads the scheduler's running sequences and hands it their drafts; it adds where the drafts'
+    distributions are to the packed step, which verifies them; it tells the scheduler what was
+    accepted and yields the accepted tokens."""
+
+    @classmethod
+    def for_engine(cls, engine, draft=None) -> "SpecDecoder":
+        """The part for `engine` (`Engine(..., speculator=...)`), from its options; `draft`: an
+        in-memory (config, params) draft model instead of the `speculative_model` checkpoint."""
+        c = engine.config
+        return cls(engine.scheduler, engine.block_manager, engine.runner, max_model_len=engine.max_model_len,
+                   max_num_seqs=c.max_num_seqs, method=c.speculative_method, k=c.num_speculative_tokens,
+                   draft=draft, draft_dir=c.speculative_model, dtype=c.dtype)
 
     def __init__(self, scheduler, block_manager, runner, *, max_model_len: int, max_num_seqs: int, method: str,
                  k: int, dtype: str, draft=None, draft_dir=None):
@@ -92,9 +104,12 @@ class SpecDecoder:
             self.proposer = draft_model.DraftModelProposer(
                 dcfg, dparams, num_speculative_tokens=k, num_pages=runner.num_pages, page_size=runner.page_size,
                 buckets=runner.buckets, max_num_seqs=max_num_seqs, backend=runner.backend,
-                placement=runner.replicated)
+                runner=runner)  # placed where the runner says; announced through it on a multi-process mesh
 
     # --- 1. propose --------------------------------------------------------------------------
+    def before_schedule(self, touched: dict, it) -> None:
+        self.propose()
+
     def propose(self) -> None:
         running = [s for s in self.scheduler.running if s.status is SequenceStatus.RUNNING]
         self.proposer.forget(s.seq_id for s in running)
@@ -115,12 +130,23 @@ class SpecDecoder:
         self.scheduler.set_drafts(drafts)
 
     # --- 3. verify (in the engine's step) -------------------------------------------------------
-    def draft_distributions(self):
-        """({seq_id: row of its first draft's distribution}, the distributions on device) of the drafts
-        just proposed, or (None, None) for point-mass drafts (prompt lookup)."""
-        return getattr(self.proposer, "q_base", None), self.proposer.draft_probs
+    def pack(self, batch) -> None:
+        """Points each verifying row at its draft's distribution (the draft model's output, on device);
+        prompt-lookup drafts are point masses and leave the rows at -1."""
+        q_base = getattr(self.proposer, "q_base", None)
+        if q_base is None:
+            return
+        batch.draft_probs = self.proposer.draft_probs
+        q_index = batch.shape.split(batch.ibuf, batch.fbuf)["q_index"]  # a view: writes reach the buffer
+        for first, seq, _, drafts in batch.draft_groups:
+            base = q_base.get(seq.seq_id)
+            if base is not None:
+                q_index[first:first + len(drafts)] = np.arange(base, base + len(drafts))
 
     # --- 4. keep what was accepted -----------------------------------------------------------
+    def new_tokens(self, out, sampled):
+        return self.verified_tokens(out, sampled)
+
     def verified_tokens(self, out, ids):
         """Yields (sequence, token, row) for verified sequences, appending each token just before."""
         st = self.stats

@@ -1,4 +1,9 @@
-"""The speculative-decoding options (`speculative_method`, `num_speculative_tokens`) and what they imply."""
+"""The speculative-decoding options (`speculative_method`, `num_speculative_tokens`) and what they imply.
+
+Declared with the engine's other options (`engine_args`) and read by the engine to size its logit rows, so
+they live in `serving/core`; the speculation itself is `serving.spec_decode`, which the engine reaches
+only through the part its caller builds (`Engine(..., speculator=...)`).
+"""
 
 from __future__ import annotations
 
