@@ -52,7 +52,8 @@ import numpy as np  # noqa: E402
 from model.cache import init_cache, pack_batch  # noqa: E402
 from model.config import LlamaConfig  # noqa: E402
 from model.families import num_params  # noqa: E402
-from model.forward import forward_jit, head_projection, output_projection, rms_norm  # noqa: E402
+from model.forward import forward_jit  # noqa: E402
+from model.layers import head_projection, output_projection, rms_norm  # noqa: E402
 from kernels_pallas import get_backend  # noqa: E402
 from model.params import init_params, param_bytes  # noqa: E402
 from serving import LLM, SamplingParams  # noqa: E402

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 
 from model.cache import BatchMetadata
 from model.config import FULL_ATTENTION, SLIDING_ATTENTION, LlamaConfig
-from model.forward import (_constrain, apply_rope, head_projection, output_projection, paged_attention, rms_norm,
-                           rope_frequencies)
+from model.layers import (_constrain, apply_rope, head_projection, output_projection, paged_attention, rms_norm,
+                          rope_frequencies)
 from model.params import Layer, Weights, pytree_dataclass
 from model.quant import linear
 

@@ -32,8 +32,8 @@ from absl import app, flags, logging
 from model.checkpoint import save_checkpoint
 from model.config import LlamaConfig
 from model.families import config_by_name
-from model.forward import (apply_rope, head_projection, mlp_block, output_logits, output_projection, rms_norm,
-                           rope_frequencies)
+from model.layers import (apply_rope, head_projection, mlp_block, output_logits, output_projection, rms_norm,
+                          rope_frequencies)
 from model.params import Weights, init_params
 from model.tokenizer import ByteTokenizer
 

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from model.cache import BatchMetadata
 from model.config import ModelConfig
 from model.families import family_for_config
+from model.forward import forward
 from model.params import abstract_params, is_array_info
 from sharding.hlo import collectives_per_layer, collective_counts
 from sharding.layout import Layout
@@ -53,7 +54,6 @@ def measure(cfg: ModelConfig, *, tp: int, batch: int, context_len: int, rules="m
     layout = Layout(mesh, rules)
     params, cache, tokens, md, num_pages = abstract_step_inputs(
         cfg, mesh, rules, batch=batch, context_len=context_len, page_size=page_size, kv_dtype=kv_dtype)
-    forward = family_for_config(cfg).blocks.forward
     step = jax.jit(functools.partial(forward, cfg=cfg, backend=backend, layout=layout), donate_argnums=1)
     compiled = step.lower(params, cache, tokens, md).compile()
     hlo = compiled.as_text()

@@ -37,8 +37,8 @@ class TensorPlan:
 class ForwardBlocks:
     """The functions a family's forward pass is built of.
 
-    `forward` is the whole pass (`model.forward.forward`'s signature); the
-    blocks are what other drivers of the same weights reassemble (the
+    `model.forward.forward` runs them over the layers (the same driver for every
+    family); other drivers of the same weights reassemble them too (the
     pipeline-parallel forward runs `attention` and `mlp` per stage, training
     reuses them), so they are named here rather than found by import path.
     """
@@ -48,7 +48,6 @@ class ForwardBlocks:
     attention: Callable  # (layer, x, k_pages, v_pages, md, layer_inputs[i], cfg, backend, layout) -> (x, k, v)
     mlp: Callable  # (layer, x, cfg, layout) -> x
     logits: Callable  # (params, x, cfg, layout) -> fp32 logits
-    forward: Callable  # (params, cache, tokens, md, cfg, backend, layout) -> (logits, cache)
     embed: Callable  # (params, tokens, cfg, layout) -> x [T, embed]
     # (cfg) -> pytree of arrays with a leading [num_layers] dim: what differs per layer (RoPE
     # frequencies, sliding window), as data; `attention` gets layer i's slice.

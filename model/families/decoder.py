@@ -18,7 +18,7 @@ from model import blocks
 from model.cache import KVCache
 from model.config import LlamaConfig, UnsupportedModelError
 from model.families.base import ForwardBlocks, ModelFamily, TensorPlan
-from model.forward import forward, rms_norm, rope_frequencies
+from model.layers import rms_norm, rope_frequencies
 from model.params import Weights
 
 
@@ -136,6 +136,6 @@ def family_entry(name: str, architectures: tuple[str, ...], model_types: tuple[s
         declare_cache=KVCache.declare,
         checkpoint_tensors=(lambda cfg: checkpoint_tensors(cfg, fused=True)) if fused else checkpoint_tensors,
         blocks=ForwardBlocks(norm=norm, rope=rope_frequencies, attention=blocks.attention_block,
-                             mlp=blocks.mlp_block, logits=blocks.output_logits, forward=forward,
+                             mlp=blocks.mlp_block, logits=blocks.output_logits,
                              embed=blocks.embed_tokens, layer_inputs=blocks.layer_inputs),
     )

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from model.config import FULL_ATTENTION, SLIDING_ATTENTION, LlamaConfig, UnsupportedModelError
 from model.families.decoder import family_entry, refuse, sliding_fields
 from model.families.llama import common_fields
-from model.forward import rms_norm
+from model.layers import rms_norm
 
 
 def gemma_norm(x, weight, eps):

@@ -16,8 +16,8 @@ from typing import Any
 from model.cache import KVCache
 from model.config import COMPUTE_DTYPES, LlamaConfig, RopeScaling, UnsupportedModelError
 from model.families.base import ForwardBlocks, ModelFamily, TensorPlan
-from model.forward import (attention_block, embed_tokens, forward, layer_rope, mlp_block, output_logits, rms_norm,
-                           rope_frequencies)
+from model.layers import (attention_block, embed_tokens, layer_rope, mlp_block, output_logits, rms_norm,
+                          rope_frequencies)
 from model.params import Weights
 
 _HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -117,7 +117,7 @@ def _check_llama_features(hf: dict[str, Any]) -> None:
 #     embed_tokens.weight [vocab, embed]       -> embed (unchanged)
 #     lm_head.weight [vocab, embed]            -> lm_head (unchanged; absent when tied)
 # No q/k permutation is needed: HF checkpoints already use the half-rotation RoPE convention
-# that `model.forward.apply_rope` implements.
+# that `model.layers.apply_rope` implements.
 
 def _identity(w):
     return w
@@ -167,5 +167,5 @@ LLAMA = ModelFamily(
     declare_cache=KVCache.declare,
     checkpoint_tensors=checkpoint_tensors,
     blocks=ForwardBlocks(norm=rms_norm, rope=rope_frequencies, attention=attention_block, mlp=mlp_block,
-                         logits=output_logits, forward=forward, embed=embed_tokens, layer_inputs=layer_rope),
+                         logits=output_logits, embed=embed_tokens, layer_inputs=layer_rope),
 )

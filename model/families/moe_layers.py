@@ -27,7 +27,7 @@ from model.families.base import ForwardBlocks, ModelFamily, TensorPlan
 from model.families.decoder import attention_extra_tensors
 from model.families.llama import _identity
 from model.families.llama import checkpoint_tensors as llama_tensors
-from model.forward import _constrain, embed_tokens, forward, output_logits, rms_norm, rope_frequencies
+from model.layers import _constrain, embed_tokens, output_logits, rms_norm, rope_frequencies
 from model.moe import moe_mlp
 from model.params import ArrayInfo, Weights, attention_extras, linear_weight, normal_init, ones_init, pytree_dataclass
 from model.quant import linear
@@ -112,7 +112,7 @@ def mlp_block(layer: MoeLayer, x, cfg: LlamaConfig, layout=None):
 
 # Attention and per-layer data are the dense families' (`model.blocks`); only the MLP differs.
 MOE_BLOCKS = ForwardBlocks(norm=rms_norm, rope=rope_frequencies, attention=blocks.attention_block, mlp=mlp_block,
-                           logits=output_logits, forward=forward, embed=embed_tokens, layer_inputs=blocks.layer_inputs)
+                           logits=output_logits, embed=embed_tokens, layer_inputs=blocks.layer_inputs)
 DECLARE_CACHE = KVCache.declare  # the KV cache is Llama's: experts change only the MLP
 
 
