@@ -18,6 +18,9 @@ the model through it instead; its staged params and cache are placed by
 
 from __future__ import annotations
 
+import functools
+import importlib
+import sys
 import time
 
 import jax
@@ -153,6 +156,26 @@ def _stacked(layer):
 _copy_jit = jax.jit(_copy_pages, donate_argnums=(0,))
 
 
+@functools.cache
+def _replicate(sharding):
+    """A program that copies its inputs to `sharding` (replicated over a mesh spanning processes)."""
+    return jax.jit(lambda x: x, out_shardings=sharding)
+
+
+def _program_ref(jitted) -> tuple[str, str]:
+    """(module, name) of a module-level program, so another process can import it (`_program`)."""
+    module = sys.modules.get(getattr(jitted, "__module__", None) or "")
+    for name, value in (vars(module) if module is not None else {}).items():
+        if value is jitted:
+            return module.__name__, name
+    raise ValueError(f"{jitted!r} is not a module-level name, so the other processes cannot run it")
+
+
+def _program(ref: tuple[str, str]):
+    module, name = ref
+    return getattr(importlib.import_module(module), name)
+
+
 def compilation_count() -> int:
     """Executables compiled so far for the step and page-copy functions (all runners)."""
     return (_step_jit._cache_size() + _copy_jit._cache_size() + sampling_controls.load_jit._cache_size()
@@ -264,19 +287,51 @@ class ModelRunner:
         sharding = self.layout.replicated
         if sharding.is_fully_addressable:
             return jax.device_put(arrays, sharding)
-        return tuple(jax.make_array_from_process_local_data(sharding, a, a.shape) for a in arrays)
+        # Each leaf (a pytree such as the controls' state has several) as a global array built from this
+        # process's copy.
+        return jax.tree.map(lambda a: jax.make_array_from_process_local_data(sharding, a, np.shape(a)), arrays)
 
     def replay(self, kind: str, *arrays, **static):
         """Runs a device call another process announced through its `dispatch_hook`; returns its
-        outputs (not waited for)."""
-        if kind == "step":  # (ibuf, fbuf[, token_mask])
-            return self._run(*arrays[:2], static["shape"], *arrays[2:])
+        outputs (not waited for). Kinds of other packages' calls go to the handler they registered
+        (`register_replay`)."""
+        handler = (self._replay_handlers or {}).get(kind)
+        if handler is not None:
+            return handler(*arrays, **static)
+        if kind == "step":  # (ibuf, fbuf[, token_mask]); draft_probs: it reads this process's own
+            probs = (self._step_inputs or {})["draft_probs"]() if static.get("draft_probs") else None
+            mask = arrays[2] if len(arrays) > 2 else None
+            return self._run(*arrays[:2], static["shape"], mask, probs)
         if kind == "copy":
             return self._copy(*arrays)
         if kind == "controls":  # (slot, *row)
             self.load_controls(int(arrays[0]), tuple(arrays[1:]))
             return self.controls
+        if kind == "cache":  # a program of another package over the cache (`run_on_cache`)
+            static = dict(static)
+            return self.run_on_cache(_program(static.pop("program")), *arrays, **static)
         raise ValueError(f"unknown device call {kind!r}")
+
+    def announce(self, kind: str, *host_arrays, **static) -> None:
+        """Multi-host: shows a device call to the dispatch hook (process 0 sends it to the other processes)
+        before it is dispatched; nothing without a hook. For device calls made outside the runner (a draft
+        model's drafting), whose replay on the other processes is the handler registered for `kind`."""
+        if self.dispatch_hook is not None:
+            self.dispatch_hook(kind, *host_arrays, **static)
+
+    # What other packages plug into replay (a draft model): kind -> handler(*host_arrays, **static), running
+    # this process's copy of an announced call; name -> source() of a device input a replayed step reads
+    # ("draft_probs": the distributions this process's own draft model left for the step).
+    _replay_handlers: dict = None
+    _step_inputs: dict = None
+
+    def register_replay(self, kind: str, handler, step_inputs: dict = None) -> None:
+        """Replays announced calls of `kind` with `handler` on this process; `step_inputs` (name -> source)
+        are the device inputs the calls leave for a replayed step."""
+        if kind in ("step", "copy", "controls", "cache"):
+            raise ValueError(f"{kind!r} is the runner's own kind of device call")
+        self._replay_handlers = {**(self._replay_handlers or {}), kind: handler}
+        self._step_inputs = {**(self._step_inputs or {}), **(step_inputs or {})}
 
     def _copy(self, src, dst):
         if self.dispatch_hook is not None:
@@ -288,7 +343,9 @@ class ModelRunner:
     def _run(self, ibuf, fbuf, shape, token_mask=None, draft_probs=None):
         if self.dispatch_hook is not None:
             masks = () if token_mask is None else (token_mask,)
-            self.dispatch_hook("step", ibuf, fbuf, *masks, shape=shape)
+            # A draft model's distributions: each process's own (its proposer replayed the drafting call).
+            reads = {} if draft_probs is None or draft_probs is self.no_drafts else {"draft_probs": True}
+            self.dispatch_hook("step", ibuf, fbuf, *masks, shape=shape, **reads)
         ibuf, fbuf = self._host_inputs(ibuf, fbuf)
         mask = self._all_allowed(shape.S) if token_mask is None else self._place_mask(token_mask)
         args = (self.params, self.cache, ibuf, fbuf, self.feed, self.controls, mask,
@@ -421,14 +478,18 @@ class ModelRunner:
         argument and return `(new cache, outputs)`; the runner keeps the new cache and returns `outputs`.
         Such a program also gets `cache_shardings` (static: every cache leaf's sharding in `jax.tree.leaves`
         order, None without a layout) and constrains its new cache to them, so the next step's inputs
-        match its executable. One process only: a mesh over several would need the call announced to the
-        others first (`dispatch_hook`, `replay`), here."""
-        if self._spans_processes():
-            raise RuntimeError("a program over the KV cache runs in one process only (this engine's mesh spans "
-                               "several)")
+        match its executable.
+
+        On a mesh over several processes the call is announced with its host arrays (kind "cache"; `jitted`
+        must be a module-level name, which the other processes import), so every process runs it on its own
+        shards; what a program that does not donate returns comes back replicated, so process 0 can read
+        it from its own devices (a gather's pages, for KV export)."""
+        if self.dispatch_hook is not None:
+            self.dispatch_hook("cache", *host_arrays, program=_program_ref(jitted), donate=donate, **static)
         inputs = self._host_inputs(*host_arrays)
         if not donate:
-            return jitted(self.cache, *inputs, **static)
+            outputs = jitted(self.cache, *inputs, **static)
+            return _replicate(self.layout.replicated)(outputs) if self._spans_processes() else outputs
         shardings = None if self.layout is None else tuple(x.sharding for x in jax.tree.leaves(self.cache))
         self.cache, outputs = jitted(self.cache, *inputs, cache_shardings=shardings, **static)
         return outputs

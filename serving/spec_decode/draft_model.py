@@ -103,11 +103,30 @@ class _Slot:
         self.num_computed_tokens = num_computed_tokens
 
 
+def _on_processes(placement) -> bool:
+    """Whether `placement` is a sharding over a mesh that spans several processes."""
+    return isinstance(placement, jax.sharding.Sharding) and not placement.is_fully_addressable
+
+
+def _put(tree, placement):
+    """`tree` at `placement`; over several processes built from each process's own host copy (every
+    process holds the same draft model), as the target runner's host inputs are."""
+    if not _on_processes(placement):
+        return jax.device_put(tree, placement)
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(placement, np.asarray(x)), tree)
+
+
 class DraftModelProposer:
     def __init__(self, cfg: ModelConfig, params, *, num_speculative_tokens: int, num_pages: int, page_size: int,
-                 buckets: Buckets, max_num_seqs: int, backend: str = "reference", placement=None):
+                 buckets: Buckets, max_num_seqs: int, backend: str = "reference", placement=None, runner=None):
         """`placement`: a device or sharding for the draft's params, cache and distributions (default:
-        the first device); the target's runner gives its own, so the distributions feed its step."""
+        the first device). `runner`: the target's model runner; the draft then lives where it says
+        (`replicated`), so the distributions feed its step, and on a mesh spanning processes each drafting
+        call is announced through it (`ModelRunner.announce`) and replayed by the other processes' own
+        proposers (`ModelRunner.register_replay`), so every process runs it with the same inputs."""
+        self.runner = runner
+        if runner is not None:
+            placement = runner.replicated
         self.cfg = cfg
         self.k = num_speculative_tokens
         self.page_size = page_size
@@ -118,14 +137,21 @@ class DraftModelProposer:
         self.max_num_seqs = max_num_seqs
         self.backend = backend
         placement = jax.devices()[0] if placement is None else placement
-        self.params = jax.device_put(params, placement)
-        self.cache = jax.device_put(init_cache(cfg, num_pages, page_size), placement)
+        self.placement = placement
+        self.params = _put(params, placement)
+        self.cache = _put(init_cache(cfg, num_pages, page_size), placement)
         self.bm = BlockManager(num_pages, page_size, enable_prefix_caching=False)
         self.computed: dict[int, int] = {}  # seq_id -> tokens whose draft K/V is in the cache
-        # Committed to the device like the drafting call's output, so both are the same jit input.
-        self.no_drafts = jax.device_put(jnp.zeros((max_num_seqs * self.k, cfg.vocab_size), jnp.float32), placement)
+        # Committed to the device like the drafting call's output, so both are the same jit input. The
+        # runner's own, when it has them: a step given them reads no drafts, and announces none.
+        no_drafts = getattr(runner, "no_drafts", None)
+        if no_drafts is None or no_drafts.shape != (max_num_seqs * self.k, cfg.vocab_size):
+            no_drafts = _put(np.zeros((max_num_seqs * self.k, cfg.vocab_size), np.float32), placement)
+        self.no_drafts = no_drafts
         self.draft_probs = self.no_drafts
         self.q_base: dict[int, int] = {}  # seq_id -> row of its first draft in `draft_probs`
+        if runner is not None and hasattr(runner, "register_replay"):
+            runner.register_replay("draft", self._replay, step_inputs={"draft_probs": lambda: self.draft_probs})
 
     # --- bookkeeping ---------------------------------------------------------------------
     def forget(self, live_seq_ids) -> None:
@@ -171,11 +197,9 @@ class DraftModelProposer:
         if not items:
             return {}, self.draft_probs
         shape, ibuf, fbuf, nd_arr = self._pack(items)
-        self.cache, drafts, probs = _draft_jit(self.params, self.cache, ibuf, fbuf, nd_arr, cfg=self.cfg,
-                                               backend=self.backend, shape=shape, k=self.k,
-                                               out_seqs=self.max_num_seqs)
+        drafts, probs = self._draft(shape, ibuf, fbuf, nd_arr)
         self.draft_probs = probs
-        host = np.asarray(drafts)
+        host = np.asarray(drafts)  # replicated: over several processes, read from this one's devices
         out = {}
         for i, (seq, dc, n, nd) in enumerate(items):
             self.computed[seq.seq_id] = dc + n + max(nd - 1, 0)
@@ -223,6 +247,24 @@ class DraftModelProposer:
             nd_arr[i] = nd
         return shape, ibuf, fbuf, nd_arr
 
+    # --- the drafting call: every one passes through _draft -----------------------------------
+    def _draft(self, shape: StepShape, ibuf, fbuf, nd_arr):
+        """Runs the drafting call (announced first through the target's runner); (drafts, distributions)."""
+        if self.runner is not None and hasattr(self.runner, "announce"):
+            self.runner.announce("draft", ibuf, fbuf, nd_arr, shape=shape)
+        if _on_processes(self.placement):  # host inputs as global arrays, as the runner's are
+            ibuf, fbuf, nd_arr = (jax.make_array_from_process_local_data(self.placement, a) for a in (ibuf, fbuf, nd_arr))
+        self.cache, drafts, probs = _draft_jit(self.params, self.cache, ibuf, fbuf, nd_arr, cfg=self.cfg,
+                                               backend=self.backend, shape=shape, k=self.k,
+                                               out_seqs=self.max_num_seqs)
+        return drafts, probs
+
+    def _replay(self, ibuf, fbuf, nd_arr, *, shape: StepShape):
+        """Another process's announced drafting call, run here: this proposer's cache follows it, and its
+        distributions are what the next replayed step that reads draft distributions takes."""
+        _, self.draft_probs = self._draft(shape, ibuf, fbuf, nd_arr)
+        return self.draft_probs
+
     def warm_up(self) -> dict:
         """Compiles the drafting call for every catch-up shape (on empty batches)."""
         t0 = time.perf_counter()
@@ -231,8 +273,6 @@ class DraftModelProposer:
         for T, S, P in shapes:
             shape = StepShape(T, S, P)
             ibuf, fbuf, _ = shape.empty(self.num_pages * self.page_size)
-            self.cache, _, probs = _draft_jit(self.params, self.cache, ibuf, fbuf, np.zeros(S, np.int32),
-                                              cfg=self.cfg, backend=self.backend, shape=shape, k=self.k,
-                                              out_seqs=self.max_num_seqs)
+            self._draft(shape, ibuf, fbuf, np.zeros(S, np.int32))
         jax.block_until_ready(self.cache)
         return {"seconds": time.perf_counter() - t0, "compiled": compilation_count() - before, "shapes": len(shapes)}
