@@ -1,0 +1,284 @@
+"""Every feature composes with every other: the pairwise matrix, generated and run.
+
+Features are of two kinds:
+
+* engine features, how an engine is built: 2-way tensor parallelism, 2 pipeline stages,
+  prompt-lookup (ngram) or draft-model speculation, int8 weights, an int8 or fp8 KV cache,
+  overlapped scheduling, a sliding-window family (Mistral) and a mixture of experts (Qwen3-MoE);
+* request features, what a request asks for: structured outputs, sampling controls, logprobs,
+  n = 2, prefix-cache hits, a cache_salt, and KV export / import (disaggregated prefill).
+
+The engine configurations are a covering design (`covering_configs`): every allowed pair of engine
+features is in at least one of them. Each configuration serves a workload with one request per
+pair of request features (and one per feature), so every engine x request pair and every request
+pair is exercised too. The test of each configuration is equivalence: every request's greedy
+tokens equal those of the plain engine with the same model-changing settings (family, weight and
+KV dtypes; `MODEL_FEATURES`) on one device, without speculation, one step at a time. Equality
+alone cannot see a feature whose handling both engines lost, so each request feature is also
+checked for its own effect: only allowed ids and no bad word, the grammar matched, logprobs
+reported and equal, two samples, pages hit or kept apart by the salt, the shipped prefill decoded.
+
+A pair that is not run names its physical reason in `EXCLUDED` (docs/architecture.md shows the
+same matrix). Two processes, the remaining feature of the matrix, runs in tests/test_multihost.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import run_to_completion, tiny_config
+from model.params import init_params
+from model.tokenizer import ByteTokenizer
+from serving import LLM, SamplingParams
+from serving.disaggregation import kv_transfer as kt
+from serving.disaggregation import kv_wire
+
+V = 300  # a byte tokenizer's vocabulary fits (structured outputs need a tokenizer)
+BASE = tiny_config(vocab_size=V, max_position_embeddings=128)
+FAMILIES = {
+    "dense": BASE,
+    "sliding": BASE.replace(architecture="MistralForCausalLM", sliding_window=8),
+    "moe": BASE.replace(architecture="Qwen3MoeForCausalLM", qk_norm=True, num_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=32, moe_router="softmax_topk", norm_topk_prob=True),
+}
+# One step shape per engine (one token bucket, one context bucket): each configuration compiles once. The
+# pool holds the whole workload, so the second run of a prompt finds its pages still cached.
+SHAPES = dict(page_size=8, num_pages=240, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
+              min_token_bucket=32, min_context_bucket=64)
+
+ENGINE_FEATURES = {
+    "tp2": dict(tensor_parallel_size=2),
+    "pp2": dict(pipeline_parallel_size=2, num_microbatches=2),
+    "ngram": dict(speculative_method="ngram", num_speculative_tokens=3),
+    "draft": dict(speculative_method="draft", num_speculative_tokens=3),
+    "int8_weights": dict(weight_dtype="int8"),
+    "int8_kv": dict(kv_cache_dtype="int8"),
+    "fp8_kv": dict(kv_cache_dtype="fp8"),
+    "overlap": dict(async_scheduling=True),
+    "sliding": {},  # the family: FAMILIES["sliding"]
+    "moe": {},  # the family: FAMILIES["moe"]
+}
+# Features that change the model's numbers: the plain engine a configuration is compared with has them too.
+MODEL_FEATURES = ("int8_weights", "int8_kv", "fp8_kv", "sliding", "moe")
+OVERLAP_WITH_SPECULATION = (
+    "steps run one at a time: the next step's drafts, query positions and KV slots follow from how many "
+    "drafts this step accepts, which only its verification decides")
+EXCLUDED = {
+    frozenset({"ngram", "draft"}): "one proposer per engine: a sequence's drafts come from one method",
+    frozenset({"int8_kv", "fp8_kv"}): "one KV pool holds pages of one dtype",
+    frozenset({"overlap", "ngram"}): OVERLAP_WITH_SPECULATION,
+    frozenset({"overlap", "draft"}): OVERLAP_WITH_SPECULATION,
+    frozenset({"sliding", "moe"}): "one model is one family: no MoE family in the registry slides its window",
+}
+REQUEST_FEATURES = ("structured", "controls", "logprobs", "n2", "prefix", "salt", "kv_transfer")
+
+
+def covering_configs(features, excluded) -> list[tuple[str, ...]]:
+    """Engine configurations (tuples of features) that together hold every allowed pair: greedily, each
+    one starts from the first pair not yet covered and takes the feature that covers most uncovered
+    pairs with those already in, while no excluded pair forms."""
+    left = {frozenset(p) for p in itertools.combinations(features, 2)} - set(excluded)
+    configs = []
+    while left:
+        config = list(min(left, key=lambda p: sorted(features.index(f) for f in p)))
+        while True:
+            gains = {f: sum(frozenset({f, g}) in left for g in config) for f in features
+                     if f not in config and not any(frozenset({f, g}) in excluded for g in config)}
+            best = max(gains, key=lambda f: (gains[f], -features.index(f)), default=None)
+            if best is None or gains[best] == 0:
+                break
+            config.append(best)
+        configs.append(tuple(sorted(config, key=features.index)))
+        left -= {frozenset(p) for p in itertools.combinations(config, 2)}
+    return configs
+
+
+CONFIGS = covering_configs(list(ENGINE_FEATURES), EXCLUDED)
+
+
+def test_the_configurations_cover_every_allowed_pair_and_no_excluded_one():
+    pairs = set()
+    for config in CONFIGS:
+        for p in itertools.combinations(config, 2):
+            assert frozenset(p) not in EXCLUDED, config
+            pairs.add(frozenset(p))
+    allowed = {frozenset(p) for p in itertools.combinations(ENGINE_FEATURES, 2)} - set(EXCLUDED)
+    assert pairs == allowed
+    assert len(CONFIGS) < len(allowed) // 3  # a covering design, not one engine per pair
+
+
+# --- the workload --------------------------------------------------------------------------------------
+
+TOKENIZER = ByteTokenizer(V)
+ALLOWED = sorted(set(TOKENIZER.encode("abcdefgh.", add_special_tokens=False)))
+GRAMMAR = r"[a-h]{3,6}\."
+KEYS = kv_wire.SigningKeys("composition")
+
+
+def job_params(features) -> SamplingParams:
+    """A greedy request with the request features among `features` that act on sampling."""
+    kw = dict(temperature=0.0, max_tokens=10, ignore_eos=True)
+    if "structured" in features:
+        kw.update(structured_outputs={"regex": GRAMMAR}, ignore_eos=False)
+    if "controls" in features:
+        kw.update(allowed_token_ids=ALLOWED, bad_words=["ab"], frequency_penalty=0.4, repetition_penalty=1.1,
+                  min_tokens=3)
+    if "logprobs" in features:
+        kw.update(logprobs=2)
+    if "n2" in features:
+        kw.update(n=2)
+    return SamplingParams(**kw)
+
+
+def workload() -> list[tuple[str, tuple, list[int]]]:
+    """(name, request features, prompt): one job per pair of request features and one per feature.
+    Prompts are ragged, and every other one repeats a pattern (prompt lookup finds drafts there)."""
+    rng = np.random.default_rng(0)
+    combos = [(f,) for f in REQUEST_FEATURES] + list(itertools.combinations(REQUEST_FEATURES, 2))
+    jobs = []
+    for i, features in enumerate(combos):
+        n = int(rng.integers(12, 40))
+        if i % 2:
+            body = (list(rng.integers(97, 105, int(rng.integers(2, 5)))) * n)[:n]
+        else:
+            body = list(rng.integers(3, 256, n))
+        jobs.append(("+".join(features), features, [TOKENIZER.BOS] + [int(t) for t in body]))
+    return jobs
+
+
+JOBS = workload()
+
+
+def salt_of(features, wave: int):
+    return None if "salt" not in features else f"tenant-{wave}"
+
+
+def run_jobs(engine, jobs, wave: int) -> dict:
+    """Runs the jobs at once on `engine`; {name: RequestOutput}. A job with kv_transfer is left out here."""
+    for name, features, prompt in jobs:
+        engine.add_request(f"{name}#{wave}", prompt, job_params(features), cache_salt=salt_of(features, wave))
+    return {rid.split("#")[0]: out for rid, out in run_to_completion(engine).items()}
+
+
+def export_prefill(engine, name, features, prompt) -> bytes:
+    """The job's prefill on `engine`, shipped as a signed payload."""
+    first = job_params(features).clone()
+    first.max_tokens, first.n, first.min_tokens = 1, 1, min(first.min_tokens, 1)  # the same first draw
+    exports = []
+    req = engine.make_request(f"{name}#export", prompt, first, cache_salt=salt_of(features, 1))
+    req.kv_export = kt.Exporter(exports.append)
+    engine.enqueue(req)
+    run_to_completion(engine)
+    (exp,) = exports
+    return kt.encode_payload(exp, engine.cfg, engine.runner.kv_dtype, KEYS)
+
+
+def import_and_decode(engine, name, features, prompt, payload: bytes):
+    header, body = kt.decode_payload(payload, KEYS, engine.cfg, engine.runner.kv_dtype, engine.max_model_len)
+    imp = kt.to_import(header, body, engine.cfg, engine.runner.kv_dtype)
+    params = job_params(features)
+    params.n = 1  # a shipped prefill continues one sample
+    req = engine.make_request(f"{name}#import", prompt, params, cache_salt=salt_of(features, 1))
+    kt.check_import(req, imp)
+    req.kv_import = imp
+    engine.enqueue(req)
+    (out,) = run_to_completion(engine).values()
+    return out
+
+
+# --- engines ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def weights():
+    return {name: init_params(cfg, jax.random.key(5)) for name, cfg in FAMILIES.items()}
+
+
+def family_of(config) -> str:
+    return "sliding" if "sliding" in config else "moe" if "moe" in config else "dense"
+
+
+def build(weights, config, **extra) -> LLM:
+    family = family_of(config)
+    options = dict(SHAPES, async_scheduling=False)
+    for f in config:
+        options.update(ENGINE_FEATURES[f])
+    if "draft" in config:  # the target itself drafts: most drafts are accepted, some are not (controls, grammar)
+        extra["speculative_draft"] = (FAMILIES[family], weights[family])
+    return LLM(config=FAMILIES[family], params=weights[family], tokenizer=TOKENIZER, **options, **extra)
+
+
+_REFERENCES: dict = {}
+
+
+def reference(weights, config):
+    """The plain engine with `config`'s model-changing features, and its outputs of the workload (cached)."""
+    key = tuple(f for f in config if f in MODEL_FEATURES)
+    if key not in _REFERENCES:
+        llm = build(weights, key)
+        _REFERENCES[key] = llm, run_jobs(llm.engine, JOBS, wave=1)
+    return _REFERENCES[key]
+
+
+def check_effects(name, features, out, want, samples=None) -> None:
+    """What each request feature does, seen in the output itself (`want`: the plain engine's; `samples`:
+    how many it has, by default what its n asks)."""
+    assert len(out.outputs) == (samples or (2 if "n2" in features else 1)), name
+    for o in out.outputs:
+        text = TOKENIZER.decode(o.token_ids)
+        if "structured" in features:
+            assert re.fullmatch(GRAMMAR, text), (name, text)
+        if "controls" in features:
+            assert set(o.token_ids) <= set(ALLOWED) and "ab" not in text and len(o.token_ids) >= 3, (name, text)
+        if "logprobs" in features:
+            assert len(o.logprobs) == len(o.token_ids), name
+            for got_entry, want_entry in zip(o.logprobs, want.outputs[0].logprobs):
+                assert sorted(got_entry) == sorted(want_entry), name
+                for tid, lp in want_entry.items():
+                    assert abs(got_entry[tid].logprob - lp.logprob) < 2e-3, (name, tid)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["+".join(c) for c in CONFIGS])
+def test_every_pair_gives_the_plain_engines_tokens(weights, config):
+    ref_llm, want = reference(weights, config)
+    llm = build(weights, config)
+    engine = llm.engine
+    plain = [j for j in JOBS if "kv_transfer" not in j[1]]
+    got = run_jobs(engine, plain, wave=1)
+    for name, features, _ in plain:
+        assert [o.token_ids for o in got[name].outputs] == [o.token_ids for o in want[name].outputs], name
+        check_effects(name, features, got[name], want[name])
+
+    # Prefix hits: the same prompts again, under the same salt (pages shared) or another (kept apart).
+    again = [j for j in plain if "prefix" in j[1] or "salt" in j[1]]
+    for name, features, prompt in again:
+        wave = 2 if "salt" in features and "prefix" not in features else 1
+        engine.add_request(f"{name}#again", prompt, job_params(features), cache_salt=salt_of(features, wave))
+    second = {rid.split("#")[0]: out for rid, out in run_to_completion(engine).items()}
+    for name, features, _ in again:
+        assert [o.token_ids for o in second[name].outputs] == [o.token_ids for o in want[name].outputs], name
+        if "prefix" in features:
+            assert second[name].num_cached_tokens > 0, name
+        else:  # another tenant's salt: no page of the first run is reused
+            assert second[name].num_cached_tokens == 0, name
+
+    # KV export / import: prefilled here and decoded by the plain engine, and the other way round.
+    for name, features, prompt in [j for j in JOBS if "kv_transfer" in j[1]]:
+        expected = want[name].outputs[0].token_ids
+        shipped = import_and_decode(ref_llm.engine, name, features, prompt,
+                                    export_prefill(engine, name, features, prompt))
+        assert shipped.outputs[0].token_ids == expected, (name, "exported by this engine")
+        check_effects(name, features, shipped, want[name], samples=1)
+        received = import_and_decode(engine, name, features, prompt,
+                                     export_prefill(ref_llm.engine, name, features, prompt))
+        assert received.outputs[0].token_ids == expected, (name, "imported by this engine")
+
+    if engine.spec is not None:
+        st = engine.stats().spec_decode
+        assert st.num_accepted_tokens > 0, st
+    engine.block_manager.check_invariants(live_seq_ids=())
+    ref_llm.engine.block_manager.check_invariants(live_seq_ids=())
