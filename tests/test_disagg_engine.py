@@ -21,7 +21,6 @@ from model.cache import StackedKVCache
 from model.quant import kv_bytes_per_token
 from serving.disaggregation import kv_transfer as kt
 from serving.disaggregation import kv_wire
-from serving.core.pipeline_runner import PipelineRunner
 from serving.core.sampling_params import InvalidParameterError
 
 CFG = tiny_config()
@@ -149,23 +148,19 @@ def test_bad_payloads_are_refused_before_anything_is_queued(params):
         kt.check_import(dec.make_request("y", p, SamplingParams(max_tokens=4, logprobs=1)), imp)
     assert dec.block_manager.num_used_blocks == 0 and not dec.has_unfinished_requests()
 
-    # Runners the payload cannot serve say why: a mesh over several processes, pipeline stages. (Tensor
-    # parallelism in one process is supported: test_engine_tp.py; quantized caches below.)
+    # The runners here all ship KV (tensor parallelism: test_engine_tp.py; quantized caches and pipeline
+    # stages below); a runner whose cache the transfer programs could not read would say why.
     assert kt.unsupported_reason(dec) is None
-    spanning = types.SimpleNamespace(runner=types.SimpleNamespace(
-        replicated=types.SimpleNamespace(is_fully_addressable=False)))
-    assert "one process" in kt.unsupported_reason(spanning)
-    assert "pipeline" in PipelineRunner.kv_transfer_unsupported(None)
-    staged = types.SimpleNamespace(runner=types.SimpleNamespace(kv_transfer_unsupported=lambda: "staged pages",
-                                                                replicated=dec.runner.replicated))
-    assert kt.unsupported_reason(staged) == "staged pages"
-    with pytest.raises(InvalidParameterError, match="staged pages"):
-        kt.Exporter(print).check(staged, None)
+    odd = types.SimpleNamespace(runner=types.SimpleNamespace(kv_transfer_unsupported=lambda: "no pages here",
+                                                             replicated=dec.runner.replicated))
+    assert kt.unsupported_reason(odd) == "no pages here"
+    with pytest.raises(InvalidParameterError, match="no pages here"):
+        kt.Exporter(print).check(odd, None)
 
     # Aborted while waiting to be admitted, and after admission: nothing is held either way.
     submit_import(dec, "a", p, sp, good)
     dec.abort_request("a")
-    assert not dec.has_unfinished_requests() and not dec._pending_imports
+    assert not dec.has_unfinished_requests() and not dec.imports.pending
     submit_import(dec, "b", p, sp, good)
     dec.step()
     assert dec.block_manager.num_used_blocks == 2  # 9 tokens + the first output token, pages of 8
@@ -270,3 +265,74 @@ def test_a_payload_of_another_kv_dtype_is_refused_naming_both(quantized):
     header, body = kt.decode_payload(float_payload, KEYS, CFG, np.float32, 64)
     assert kt.to_import(header, body, CFG, np.float32).kv.kv.shape == (CFG.num_layers, 2, 3, 2, 16)
     assert fp8_dec.block_manager.num_used_blocks == 0 and not fp8_dec.has_unfinished_requests()
+
+
+# --- pipeline stages: each stage ships its own layers' pages, in the payload of an unstaged engine ------------
+
+# Four layers, two per stage: a payload in stage-local order (or with one stage's layers twice) differs from
+# the unstaged engine's.
+CFG4 = tiny_config(num_layers=4)
+# One step shape per engine (16 tokens, a 32-token context); imports write every token (no prefix cache).
+STAGED = dict(max_model_len=32, max_num_seqs=4, max_num_batched_tokens=16, min_token_bucket=16, min_context_bucket=32,
+              attention_backend="reference", enable_prefix_caching=False)
+
+
+def staged_jobs():
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    return [(f"s{i}", p, sp) for i, p in enumerate(prompts()) if len(p) in (3, 9, 17)]
+
+
+@pytest.fixture(scope="module", params=[None, "int8"], ids=["float", "int8"])
+def staged(request):
+    """(plain engine, PP=2 engine with 2 microbatches, the plain engine's own outputs of `staged_jobs`) for a
+    KV cache dtype; the two use different page sizes."""
+    host = init_params(CFG4, jax.random.key(5))
+    kw = {} if request.param is None else dict(kv_cache_dtype=request.param)
+    plain = LLM(config=CFG4, params=host, page_size=8, num_pages=24, **STAGED, **kw)
+    want = {rid: plain.generate([p], sp)[0].outputs[0].token_ids for rid, p, sp in staged_jobs()}
+    piped = LLM(config=CFG4, params=host, page_size=4, num_pages=48, pipeline_parallel_size=2, num_microbatches=2,
+                **STAGED, **kw)
+    assert piped.engine.runner.layout.pipeline_parallel_size == 2 and len(piped.engine.runner.cache.k) == 2
+    return plain.engine, piped.engine, want
+
+
+def test_pipeline_stages_export_to_and_import_from_a_plain_engine(staged):
+    plain, piped, want = staged
+    assert kt.unsupported_reason(piped) is None
+    from_piped = {rid: prefill(piped, rid, p, sp) for rid, p, sp in staged_jobs()}
+    from_plain = {rid: prefill(plain, rid, p, sp) for rid, p, sp in staged_jobs()}
+    # The same payload as the plain engine's: every layer's K/V (and scales) in global layer order.
+    for rid, p, _ in staged_jobs():
+        a = kt.to_import(*decode(plain, from_piped[rid]), CFG4, plain.runner.kv_dtype).kv
+        b = kt.to_import(*decode(plain, from_plain[rid]), CFG4, plain.runner.kv_dtype).kv
+        assert a.kv.shape == b.kv.shape == (4, 2, len(p), 2, 16)
+        if a.scale is None:
+            np.testing.assert_allclose(a.kv, b.kv, rtol=1e-5, atol=1e-5)
+        else:  # int8: the same values up to a step of the quantization
+            deq = lambda h: h.kv.astype(np.float32) * h.scale[..., None]  # noqa: E731
+            np.testing.assert_allclose(deq(a), deq(b), atol=1.01 * np.maximum(a.scale, b.scale).max())
+    for engine, payloads in ((plain, from_piped), (piped, from_plain)):
+        for rid, p, sp in staged_jobs():
+            submit_import(engine, rid, p, sp, payloads[rid])
+        got = run_to_completion(engine)
+        assert {rid: got[rid].outputs[0].token_ids for rid, _, _ in staged_jobs()} == want
+        assert engine.block_manager.num_used_blocks == 0
+
+
+def test_staged_pages_are_written_and_read_back_exactly(staged):
+    """The scatter writes each global layer into its stage's block of the page axis and the gather reads it
+    back: the shipped bits, in free pages of the staged cache."""
+    plain, piped, _ = staged
+    rid, p, sp = staged_jobs()[-1]  # 17 tokens
+    shipped = kt.to_import(*decode(piped, prefill(plain, rid, p, sp)), CFG4, piped.runner.kv_dtype).kv
+    table = [40, 41, 30, 47, 46]  # pages of 4
+    kt.write(piped.runner, kt.token_slots(table, 4, 0, 17), shipped)
+    pages, scales = kt.gather(piped.runner, table)
+    back = kt.PrefillExport(list(range(17)), 0, 0, 4, pages, None, scales=scales).host_kv()
+    np.testing.assert_array_equal(back.kv.view(np.uint8), shipped.kv.view(np.uint8))
+    if shipped.scale is not None:
+        np.testing.assert_array_equal(back.scale, shipped.scale)
+    # Each stage holds its own two layers: stage 1's block of stage-local layer 0 is global layer 2.
+    k0 = np.asarray(jax.tree.leaves(piped.runner.cache.k[0])[0])  # pages [2 * 48, 4, kv_heads, head_dim]
+    np.testing.assert_array_equal(k0[48 + 40].view(np.uint8), shipped.kv[2, 0, :4].view(np.uint8))
+    np.testing.assert_array_equal(k0[40].view(np.uint8), shipped.kv[0, 0, :4].view(np.uint8))

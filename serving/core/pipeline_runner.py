@@ -11,7 +11,12 @@ everything around it is shared as it is: sampling controls (logit bias,
 penalties, `min_tokens`, bad words: `sampling_controls`' slot state, placed
 and threaded like the feed, replicated over the mesh) and structured outputs'
 token bitmask, both applied to the logits after the stages, which every
-device holds.
+device holds; speculative decoding's verification, in the same step; a draft
+model replicated over the whole mesh (`replicated`), so its distributions feed
+the step as they are. KV transfer (`serving.disaggregation.kv_transfer`) reads
+the layout's `pipeline_parallel_size` and gathers and scatters each stage's
+layers in its own block of the page axis, the payload keeping the unstaged
+`[layers, ...]` order.
 """
 
 from __future__ import annotations
@@ -38,13 +43,6 @@ class PipelineRunner(ModelRunner):
             self.dispatch_hook("copy", src, dst)
         self.cache = _copy_staged_jit(self.cache, *self._host_inputs(src, dst), layout=self.layout)
         return self.cache
-
-    def spec_decode_unsupported(self):
-        return "speculative decoding is not supported with pipeline parallelism (pipeline_parallel_size > 1) yet"
-
-    def kv_transfer_unsupported(self):
-        return ("KV transfer is not supported with pipeline parallelism yet (each stage holds only its own "
-                "layers' pages)")
 
     @staticmethod
     def compilation_count() -> int:

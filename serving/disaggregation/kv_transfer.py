@@ -69,9 +69,15 @@ def _parts(x):
     return (x.data, x.scale) if isinstance(x, QuantizedArray) else (x, None)
 
 
-def _gather_pages(cache, pages):
+def _gather_pages(cache, pages, *, stages: int = 1):
     """(`[layers, 2, P, page_size, kv_heads, head_dim]` pages, `[layers, 2, P, page_size, kv_heads]` scales or
-    None) of the page ids `pages`, K before V."""
+    None) of the page ids `pages`, K before V, global layers in order.
+
+    `stages` > 1: a pipeline's staged cache (`sharding.pipeline`), which holds per stage-local layer j one
+    `[stages * num_pages, ...]` array whose block s is stage s's pages of global layer `s * L/stages + j`;
+    each stage reads its own block, and the layers come out in the unstaged order."""
+    if stages > 1:
+        return _gather_staged(cache, pages, stages)
     if isinstance(cache, StackedKVCache):  # layer l's page p is row l * num_pages + p
         layers = cache.num_layers
 
@@ -88,12 +94,15 @@ def _gather_pages(cache, pages):
     return data, jnp.stack([jnp.stack([a[1][pages], b[1][pages]]) for a, b in zip(k, v)])
 
 
-def _write_tokens(cache, slots, kv, scales, *, cache_shardings=None):
+def _write_tokens(cache, slots, kv, scales, *, cache_shardings=None, stages: int = 1):
     """(the cache with `kv` ([layers, 2, n, kv_heads, head_dim]) and, for a quantized cache, `scales`
     ([layers, 2, n, kv_heads]) written at token `slots`, None). `cache_shardings` (every leaf's, in
     `jax.tree.leaves` order) keeps a sharded cache where it was placed, so the next step's inputs match
-    its executable."""
-    if isinstance(cache, StackedKVCache):  # layer l's page p is row l * num_pages + p: one scatter per array
+    its executable. `stages` > 1: a pipeline's staged cache (`_gather_pages`), each stage writing its own
+    layers into its own block of the page axis."""
+    if stages > 1:
+        new = _write_staged(cache, slots, kv, scales, stages)
+    elif isinstance(cache, StackedKVCache):  # layer l's page p is row l * num_pages + p: one scatter per array
         layers, pages, page_size = cache.num_layers, cache.num_pages, cache.page_size
         page, offset = slots // page_size, slots % page_size
         rows = jnp.where(page[None, :] >= pages, layers * pages,
@@ -125,21 +134,61 @@ def _write_tokens(cache, slots, kv, scales, *, cache_shardings=None):
     return new, None
 
 
-gather_jit = jax.jit(_gather_pages)
-write_jit = jax.jit(_write_tokens, static_argnames=("cache_shardings",), donate_argnums=(0,))
+def _gather_staged(cache, pages, stages: int):
+    """`_gather_pages` of a staged cache: stage-local layer j's block s is global layer `s * L/stages + j`."""
+    def take(x):  # [stages * num_pages, ...] -> [stages, P, ...]: each stage's pages from its own block
+        return x.reshape((stages, x.shape[0] // stages) + x.shape[1:])[:, pages]
+
+    def in_layer_order(per_local):  # [L/stages, 2, stages, P, ...] -> [L, 2, P, ...]
+        x = jnp.moveaxis(per_local, 2, 0)
+        return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+
+    k, v = [_parts(x) for x in cache.k], [_parts(x) for x in cache.v]
+    data = in_layer_order(jnp.stack([jnp.stack([take(a[0]), take(b[0])]) for a, b in zip(k, v)]))
+    if k[0][1] is None:
+        return data, None
+    return data, in_layer_order(jnp.stack([jnp.stack([take(a[1]), take(b[1])]) for a, b in zip(k, v)]))
+
+
+def _write_staged(cache, slots, kv, scales, stages: int) -> KVCache:
+    """`_write_tokens` into a staged cache: global layer `s * L/stages + j` goes to block s of stage-local
+    layer j's page axis. A slot past the stage's pages (the padding) is dropped."""
+    def put(x, new):  # x [stages * num_pages, page_size, ...], new [stages, n, ...]
+        flat = x.reshape((stages, x.shape[0] * x.shape[1] // stages) + x.shape[2:])
+        return flat.at[:, slots].set(new.astype(x.dtype), mode="drop").reshape(x.shape)
+
+    def local(a, j, kv_index):  # [L, 2, n, ...] -> [stages, n, ...]: stage-local layer j's K or V, per stage
+        return a.reshape((stages, a.shape[0] // stages) + a.shape[1:])[:, j, kv_index]
+
+    def leaf(x, j, kv_index):
+        d, s = _parts(x)
+        data = put(d, local(kv, j, kv_index))
+        return data if s is None else QuantizedArray(data, put(s, local(scales, j, kv_index)))
+
+    return KVCache(k=[leaf(x, j, 0) for j, x in enumerate(cache.k)],
+                   v=[leaf(x, j, 1) for j, x in enumerate(cache.v)])
+
+
+gather_jit = jax.jit(_gather_pages, static_argnames=("stages",))
+write_jit = jax.jit(_write_tokens, static_argnames=("cache_shardings", "stages"), donate_argnums=(0,))
+
+
+def cache_stages(runner) -> int:
+    """How many pipeline stages split the runner's KV cache (its layout's `pipeline_parallel_size`; 1 without)."""
+    return getattr(getattr(runner, "layout", None), "pipeline_parallel_size", 1)
 
 
 def gather(runner, table: list[int]):
     """The pages of `table` on the device (not waited for): (pages `[layers, 2, P, page_size, kv_heads,
     head_dim]`, scales `[layers, 2, P, page_size, kv_heads]` or None), P >= len(table)."""
-    return runner.run_on_cache(gather_jit, padded_pages(table), donate=False)
+    return runner.run_on_cache(gather_jit, padded_pages(table), donate=False, stages=cache_stages(runner))
 
 
 def write(runner, slots: np.ndarray, kv: "HostKV") -> None:
     """Writes host K/V (and scales) at token `slots` of the runner's (donated) cache."""
     pad = runner.num_pages * runner.page_size
     padded_slots, padded = padded_tokens(slots, kv, pad)
-    runner.run_on_cache(write_jit, padded_slots, padded.kv, padded.scale, donate=True)
+    runner.run_on_cache(write_jit, padded_slots, padded.kv, padded.scale, donate=True, stages=cache_stages(runner))
 
 
 def padded_pages(table: list[int]) -> np.ndarray:
@@ -200,15 +249,11 @@ def token_slots(table: list[int], page_size: int, start: int, stop: int) -> np.n
 
 
 def unsupported_reason(engine) -> Optional[str]:
-    """Why `engine` cannot export or import KV, or None when it can. A runner whose cache these programs
-    cannot read says so itself (`kv_transfer_unsupported`, e.g. pipeline stages)."""
+    """Why `engine` cannot export or import KV, or None when it can (every cache form: per-layer or stacked,
+    tensor-parallel, pipeline stages, int8 / fp8, in one process or over a mesh spanning several, where the
+    runner announces each gather and scatter to the other processes and a gather comes back replicated)."""
     own = getattr(engine.runner, "kv_transfer_unsupported", None)
-    reason = own() if own is not None else None
-    if reason:
-        return reason
-    if not getattr(engine.runner.replicated, "is_fully_addressable", True):
-        return "KV transfer runs in one process only (this engine's mesh spans several)"
-    return None
+    return own() if own is not None else None
 
 
 def _check_engine(engine) -> None:
