@@ -357,3 +357,47 @@ def test_sampling_controls_and_structured_outputs_under_stages():
     want = [o.outputs[0].text for o in plain.generate(batch[:2], sp)]
     assert all(re.fullmatch("(ab|cd){1,4}x", t) for t in want), want
     assert [o.outputs[0].text for o in piped.generate(batch[:2], sp)] == want
+
+
+# --- speculative decoding through the stages ----------------------------------------------------------
+
+
+def _spec_prompts(n=4, seed=4):
+    """Ragged prompts, every other one a repeated pattern (prompt lookup finds drafts there)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        length = int(rng.integers(4, 20))
+        if i % 2:
+            body = np.tile(rng.integers(3, CFG.vocab_size, int(rng.integers(2, 5))), length)[:length]
+        else:
+            body = rng.integers(3, CFG.vocab_size, length)
+        out.append([1] + [int(t) for t in body])
+    return out
+
+
+SPEC = dict(ENGINE, max_model_len=32, num_pages=32, min_context_bucket=32)  # one step shape
+
+
+@functools.cache
+def spec_baseline():
+    return greedy(LLM(config=CFG, params=params(), **SPEC), _spec_prompts(), max_tokens=10)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_decoding_through_the_stages_gives_the_plain_greedy_tokens(method):
+    """PP=2 with 2 microbatches verifies drafts in its one step: prompt lookup, and a draft model (the
+    target's weights perturbed, so drafts are both accepted and rejected) replicated over the pipeline's
+    mesh. Greedy tokens of a mixed batch (prefill chunks beside verifying decodes) are the plain engine's."""
+    noisy = jax.tree.map(lambda w: w + 0.3 * w.std() * jax.random.normal(jax.random.key(3), w.shape, w.dtype),
+                         params())
+    llm = LLM(config=CFG, params=params(), pipeline_parallel_size=2, num_microbatches=2, speculative_method=method,
+              num_speculative_tokens=3, speculative_draft=(CFG, noisy), **SPEC)
+    assert greedy(llm, _spec_prompts(), max_tokens=10) == spec_baseline()
+    st = llm.engine.stats().spec_decode
+    assert st.num_drafts > 0 and st.num_accepted_tokens > 0
+    if method == "draft":
+        assert st.num_accepted_tokens < st.num_draft_tokens
+        draft = llm.engine.spec.proposer
+        mesh_devices = set(llm.engine.runner.layout.mesh.devices.flat)
+        assert all(a.sharding.device_set == mesh_devices for a in jax.tree.leaves((draft.params, draft.cache)))
