@@ -211,3 +211,48 @@ def test_decode_sized_steps_share_the_largest_page_bucket():
     assert all((t, s, b.step_pages(t, 3)) in shapes for t, s, _ in shapes)  # every step lands in the set
     with pytest.raises(ValueError, match="exceed"):
         b.step_pages(16, 129)
+
+
+def test_a_compile_after_warm_up_says_why(caplog):
+    """`StepPrograms.why` names the key fields in which a program differs from the closest compiled one,
+    and a compile after warm-up logs it and keeps it in `recompile_reasons`."""
+    import dataclasses
+    import types
+
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        layers: int = 2
+        vocab: int = 97
+
+    @dataclasses.dataclass(frozen=True)
+    class Shape:
+        T: int
+        P: int = 4
+        cfg: Config = Config()
+
+        @property
+        def S(self):
+            return self.T
+
+    signature = {"sig": ((4, 8), "float32")}
+    class Executable:  # a stand-in the process-wide table can hold weakly
+        pass
+
+    lowered = types.SimpleNamespace(compile=lambda **_: Executable())
+    programs = step_programs.StepPrograms(
+        lambda shape: lowered, lambda shape: ("step", shape.cfg, (shape.T, shape.P), signature["sig"]),
+        key_fields=("program", "model config", "bucket", "argument signature"))
+    shape = Shape
+    assert programs.why(programs._key(shape(8))) == "the first step program of this process"
+    programs.warm_up([shape(8), shape(16)], background=False)
+    assert programs.why(programs._key(shape(16))) == "already compiled"
+    with caplog.at_level("WARNING", logger="ridgeline.warmup"):
+        programs.get(shape(32, P=8))
+    assert programs.compiles_after_ready == 1
+    assert programs.recompile_reasons == ["bucket: element 0: 32, closest compiled 8"]
+    assert "on demand after warm-up: bucket" in caplog.text
+    assert programs.why(programs._key(shape(8, cfg=Config(vocab=128)))) == \
+        "model config: vocab=128 (closest compiled 97)"
+    signature["sig"] = ((4, 16), "float32")
+    assert programs.why(programs._key(shape(8))) == \
+        "argument signature: element 0: element 1: 16, closest compiled 8"

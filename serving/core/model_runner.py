@@ -182,6 +182,11 @@ def compilation_count() -> int:
             + compiled_total() + executable_store.functions_compiled())
 
 
+# What `ModelRunner._program_key` holds, in order: `StepPrograms.why` names a recompile's cause by these.
+PROGRAM_KEY_FIELDS = ("program", "model config", "attention backend", "layout", "bucket", "verifies drafts",
+                      "argument signature (tree, then shape, dtype and sharding of each leaf)")
+
+
 class StepResult:
     """The host copy of what one step produced."""
 
@@ -234,7 +239,8 @@ class ModelRunner:
         self.feed = self._place_feed(np.zeros(buckets.max_num_seqs, np.int32))
         self.max_copy_pairs = buckets.max_num_seqs  # copy-on-write pairs per call of the page copy (`_copy_pages`)
         self._all_allowed_masks: dict = {}  # rows -> resident all-ones token bitmask (`_all_allowed`)
-        self.programs = StepPrograms(self._lower_step, self._program_key, platform=jax.default_backend())
+        self.programs = StepPrograms(self._lower_step, self._program_key, platform=jax.default_backend(),
+                                     key_fields=PROGRAM_KEY_FIELDS)
         self.controls = None  # sampling_controls.ControlState, threaded through every step
         # The draft distributions a step without them reads (the draft model's output has this shape).
         self.no_drafts = None if draft_rows == 0 else self._place_feed(np.zeros((draft_rows, cfg.vocab_size),
@@ -378,6 +384,7 @@ class ModelRunner:
                                layout=self.layout, verify=self.verify)
 
     def _program_key(self, shape: StepShape):
+        """Everything the step program of `shape` depends on (`PROGRAM_KEY_FIELDS` names each part)."""
         params, cache, _, _, feed, controls, _, no_drafts = self._abstract_inputs(shape)
         if self._signature is None:
             leaves, treedef = jax.tree.flatten((params, cache, feed, controls, no_drafts))

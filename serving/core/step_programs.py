@@ -28,6 +28,10 @@ directly, which lets startup be split:
 * A bucket nobody compiled yet (no warm-up: scripts, tests) compiles on first
   use, as `jit` would. After a warm-up such a compile is counted
   (`stats().compiles_after_ready`): it means a shape escaped the bucket set.
+  `why(key)` is the one place that says why a program compiles: the fields
+  of its key (named by the runner's `key_fields`) in which it differs from
+  the closest executable this process holds; the warning of a compile after
+  warm-up quotes it, and `recompile_reasons` keeps the last few.
 
 Executables are found through one module-level table keyed by everything that
 determines the program (config, backend, layout, bucket, and the shapes,
@@ -66,6 +70,19 @@ _compiled_total = 0  # executables compiled by this module (every runner)
 QUICK_COMPILE_OPTIONS = {"cpu": {"xla_backend_optimization_level": 0}}
 
 
+def _first_difference(new, old) -> str:
+    """`new` against `old`: for two tuples of equal length the first element where they differ, for two
+    dataclasses of one type the fields that differ, otherwise both values."""
+    if dataclasses.is_dataclass(new) and type(new) is type(old):
+        fields = [f.name for f in dataclasses.fields(new) if getattr(new, f.name) != getattr(old, f.name)]
+        return ", ".join(f"{f}={getattr(new, f)!r} (closest compiled {getattr(old, f)!r})" for f in fields)
+    if isinstance(new, tuple) and isinstance(old, tuple) and len(new) == len(old):
+        for i, (a, b) in enumerate(zip(new, old)):
+            if a != b:
+                return f"element {i}: {_first_difference(a, b)}"
+    return f"{new!r}, closest compiled {old!r}"
+
+
 def compiled_total() -> int:
     """Executables compiled here so far (what `model_runner.compilation_count` adds to jit's caches)."""
     return _compiled_total
@@ -93,9 +110,11 @@ class StepPrograms:
     `key(shape)` the table key of its executable.
     """
 
-    def __init__(self, lower: Callable, key: Callable, platform: Optional[str] = None):
+    def __init__(self, lower: Callable, key: Callable, platform: Optional[str] = None, key_fields: tuple = ()):
+        """`key_fields`: a name for each position of the tuples `key` returns (for `why`)."""
         self._lower = lower
         self._key = key
+        self._key_fields = key_fields
         self._quick_options = QUICK_COMPILE_OPTIONS.get(platform)
         self._quick: set = set()  # buckets whose executable is a quick compile, until the background's full one
         self._own: dict = {}  # key -> executable: what keeps this runner's programs alive
@@ -109,6 +128,7 @@ class StepPrograms:
         self._stopping = False
         self.steps_in_larger_bucket = 0
         self.compiles_after_ready = 0
+        self.recompile_reasons: list[str] = []  # `why` of the last compiles after warm-up (at most 8)
 
     # --- the executables ------------------------------------------------------------------------
     def get(self, shape):
@@ -139,7 +159,10 @@ class StepPrograms:
             if exe is None:
                 if on_demand and self._warmed_up:
                     self.compiles_after_ready += 1
-                    log.warning("compiling step bucket T=%d, P=%d on demand after warm-up", shape.T, shape.P)
+                    reason = self.why(key)
+                    self.recompile_reasons = (self.recompile_reasons + [reason])[-8:]
+                    log.warning("compiling step bucket T=%d, P=%d on demand after warm-up: %s", shape.T, shape.P,
+                                reason)
                 lowered = lowered or self._lower(shape)
                 if quick and self._quick_options:
                     exe, how = lowered.compile(compiler_options=self._quick_options), "compiled quickly"
@@ -187,6 +210,27 @@ class StepPrograms:
         """The executable saved by an earlier process (`executable_store`), loaded without tracing."""
         store = executable_store.current()
         return None if store is None else store.load(key)
+
+    def why(self, key) -> str:
+        """Why `key` needs a program of its own: how it differs from the closest key whose executable
+        this process holds, field by field ("bucket: (T=64, S=8, P=4), closest compiled (T=32, S=8,
+        P=4)"; for the argument signature, the first argument leaf that differs)."""
+        with _LOCK:
+            known = [k for k in list(self._own) + list(_TABLE.keys()) if len(k) == len(key)]
+        if not known:
+            return "the first step program of this process"
+        if key in known:
+            return "already compiled"
+
+        def differing(other):
+            return [i for i, (a, b) in enumerate(zip(key, other)) if a != b]
+
+        closest = min(known, key=lambda k: len(differing(k)))
+        parts = []
+        for i in differing(closest):
+            name = self._key_fields[i] if i < len(self._key_fields) else f"key field {i}"
+            parts.append(f"{name}: {_first_difference(key[i], closest[i])}")
+        return "; ".join(parts)
 
     def is_compiled(self, shape) -> bool:
         key = self._key(shape)
