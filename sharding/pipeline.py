@@ -17,7 +17,10 @@ copied the whole KV pool in and out of the step, as layouts of two size-1
 dimensions did not match.) The paged KV cache is staged the same way: per
 stage-local layer, `[p * pages, page_size, kv_heads, head_dim]` with the page
 axis split over `pipeline`, so every stage has pages `0 .. pages-1` of its own
-layers under the same page ids (the block manager is unchanged).
+layers under the same page ids (the block manager is unchanged). KV transfer
+(`serving.disaggregation.kv_transfer`) gathers and scatters it the same way,
+each stage in its own block, global layer `l` being stage `l // (L/p)`'s
+local layer `l % (L/p)`, so a payload has the unstaged `[layers, ...]` order.
 Quantized weights and pages (`model.quant.QuantizedArray`) are staged field by
 field: data and scales each concatenated along their own first dimension (a
 page's scales `[p * pages, page_size, kv_heads]` split like its pages), so they
