@@ -10,6 +10,15 @@ model, seeded, so every process and the test's own single-process reference
 hold the same weights), runs `generate` on a mixed batch and writes the token
 ids it got back to DIR/p<process>.json. `--die_process P --die_after_steps K` makes process P
 kill itself (SIGKILL) when it reaches its K-th step, to test failure detection.
+
+`--features` (TP=4 over both processes) runs the engine's optional features
+instead: a byte-vocabulary model with a draft model (speculative decoding),
+a batch mixing sampling controls (logit bias, penalties, bad words,
+`min_tokens`), a regex-constrained request and plain ones; then process 0
+exports a prompt's KV (`kv_transfer.Exporter`), writes the signed payload to
+DIR/export.bin and imports it back into the same multi-process engine.
+`features_engine` builds the same engine in one process for the test's
+reference.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 from model.config import LlamaConfig  # noqa: E402
 from model.params import init_params  # noqa: E402
@@ -79,6 +89,140 @@ def die_at_step(llm, after: int) -> None:
 LAYOUTS = {"tp4": dict(tensor_parallel_size=4), "pp2tp2": dict(pipeline_parallel_size=2, tensor_parallel_size=2,
                                                                  num_microbatches=2)}
 
+# --- the features run: sampling controls, structured outputs, a draft model, KV transfer -----------
+# Bytes, BOS 256, EOS 257: the byte tokenizer a vocabulary of 258 or more gets (grammars, bad words).
+FCFG = CFG.replace(vocab_size=320, bos_token_id=256, eos_token_ids=(257,))
+DRAFT_LAYERS = 2  # the draft model: the target's first layers, so it agrees with it often but not always
+FEATURES_ENGINE = dict(ENGINE, max_num_seqs=6, speculative_method="draft", num_speculative_tokens=3)
+KV_KEYS = "a secret both sides share"
+
+
+def features_params():
+    return init_params(FCFG, jax.random.key(5))
+
+
+def features_draft():
+    import dataclasses
+
+    p = features_params()
+    return FCFG.replace(num_layers=DRAFT_LAYERS), dataclasses.replace(p, layers=p.layers[:DRAFT_LAYERS])
+
+
+def features_engine(**layout) -> LLM:
+    return LLM(config=FCFG, params=features_params(), speculative_draft=features_draft(), **FEATURES_ENGINE,
+               **layout)
+
+
+def features_jobs() -> list[tuple[list[int], SamplingParams]]:
+    """A mixed batch: every sampling control, a regex, plain greedy rows (some with chunked prefills)."""
+    rng = random.Random(4)
+
+    def prompt(n):
+        return [256] + [rng.randrange(32, 127) for _ in range(n)]
+
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    return [
+        (prompt(40), SamplingParams(max_tokens=14, **greedy)),
+        (prompt(6), SamplingParams(max_tokens=12, logit_bias={ord("a"): 4.0, ord("e"): -100.0},
+                                   presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3, **greedy)),
+        (prompt(12), SamplingParams(max_tokens=10, bad_words=["ab", "x"], frequency_penalty=1.5, **greedy)),
+        (prompt(9), SamplingParams(temperature=0.0, max_tokens=9, min_tokens=6, logit_bias={257: 30.0})),
+        (prompt(20), SamplingParams(temperature=0.0, max_tokens=20,
+                                    structured_outputs={"regex": r"(def|class) [a-z_]{2,8}\(self\)"})),
+        (prompt(3), SamplingParams(max_tokens=16, **greedy)),
+    ]
+
+
+def export_job() -> tuple[list[int], SamplingParams]:
+    rng = random.Random(9)
+    return [256] + [rng.randrange(32, 127) for _ in range(27)], SamplingParams(temperature=0.0, max_tokens=10,
+                                                                              ignore_eos=True)
+
+
+def _run(engine) -> dict:
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    return outs
+
+
+def export_and_import(llm: LLM) -> dict:
+    """Process 0: prefills `export_job` with a KV export, writes the payload, imports it back (same engine)."""
+    from serving.disaggregation import kv_transfer as kt
+    from serving.disaggregation import kv_wire
+
+    engine, keys = llm.engine, kv_wire.SigningKeys(KV_KEYS)
+    prompt, sp = export_job()
+    first = sp.clone()
+    first.max_tokens = 1
+    exports = []
+    req = engine.make_request("export", prompt, first)
+    req.kv_export = kt.Exporter(exports.append)
+    engine.enqueue(req)
+    _run(engine)
+    (exp,) = exports
+    payload = kt.encode_payload(exp, engine.cfg, engine.runner.kv_dtype, keys)
+    engine.reset_prefix_cache()  # the import writes every token, none comes from the export's cached pages
+    return {"payload": payload, "first_token": exp.first_token, "imported": import_payload(engine, payload)}
+
+
+def import_payload(engine, payload: bytes) -> list[int]:
+    """Resumes `export_job` on `engine` from a shipped payload (its KV scattered into the pool); its tokens."""
+    from serving.disaggregation import kv_transfer as kt
+    from serving.disaggregation import kv_wire
+
+    keys, dtype = kv_wire.SigningKeys(KV_KEYS), engine.runner.kv_dtype
+    header, body = kt.decode_payload(payload, keys, engine.cfg, dtype, engine.max_model_len)
+    imp = kt.to_import(header, body, engine.cfg, dtype)
+    prompt, sp = export_job()
+    req = engine.make_request("import", prompt, sp)
+    kt.check_import(req, imp)
+    req.kv_import = imp
+    engine.enqueue(req)
+    return list(_run(engine)["import"].outputs[0].token_ids)
+
+
+def run_features(out_dir: str) -> dict:
+    me = jax.process_index()
+    llm = features_engine(**LAYOUTS["tp4"])
+    print(f"process {me} of {jax.process_count()}: features over {jax.device_count()} devices", flush=True)
+    jobs = features_jobs()
+    outputs = llm.generate([p for p, _ in jobs], [sp for _, sp in jobs])
+    role = llm.multihost
+    if role.is_leader:
+        with role.operation():
+            try:
+                shipped = export_and_import(llm)
+            except BaseException as e:
+                role.failed("export and import", e)
+                raise
+            role.end()
+        with open(os.path.join(out_dir, "export.bin"), "wb") as f:
+            f.write(shipped.pop("payload"))
+        spec = llm.engine.spec.stats
+        shipped["spec"] = {"drafted": spec.num_draft_tokens, "accepted": spec.num_accepted_tokens}
+    else:
+        role.follow()
+        shipped = None
+    return {"tokens": token_ids(outputs), "texts": [o.outputs[0].text for o in outputs], "shipped": shipped,
+            "replayed": getattr(role, "calls_by_kind", None), "state": replicated_state(llm)}
+
+
+def replicated_state(llm: LLM) -> dict:
+    """A digest of this process's copy of the state every device holds whole: the draft model's KV cache and
+    the sampling-control slots. Equal on every process only if each ran the same calls with the same inputs."""
+    import hashlib
+
+    def digest(tree) -> str:
+        h = hashlib.sha256()
+        for x in jax.tree.leaves(tree):
+            h.update(np.asarray(x.addressable_data(0)).tobytes())
+        return h.hexdigest()
+
+    return {"draft_cache": digest(llm.engine.spec.proposer.cache), "controls": digest(llm.engine.runner.controls)}
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -87,10 +231,14 @@ def main() -> None:
     ap.add_argument("--max_tokens", type=int, default=8)
     ap.add_argument("--die_process", type=int, default=None)
     ap.add_argument("--die_after_steps", type=int, default=3)
+    ap.add_argument("--features", action="store_true", help="the features run instead of the layouts")
     args = ap.parse_args()
     distributed.initialize()  # before anything touches a device (the params below do)
     me = jax.process_index()
     result = {"process": me}
+    if args.features:
+        args.layouts = []
+        result["features"] = run_features(args.out)
     for name in args.layouts:
         llm = LLM(config=CFG, params=params(), **LAYOUTS[name], **ENGINE)
         print(f"process {me} of {jax.process_count()}: {name} over {jax.local_device_count()} local devices, "
