@@ -11,12 +11,13 @@ hold the same weights), runs `generate` on a mixed batch and writes the token
 ids it got back to DIR/p<process>.json. `--die_process P --die_after_steps K` makes process P
 kill itself (SIGKILL) when it reaches its K-th step, to test failure detection.
 
-`--features` (TP=4 over both processes) runs the engine's optional features
-instead: a byte-vocabulary model with a draft model (speculative decoding),
-a batch mixing sampling controls (logit bias, penalties, bad words,
-`min_tokens`), a regex-constrained request and plain ones; then process 0
-exports a prompt's KV (`kv_transfer.Exporter`), writes the signed payload to
-DIR/export.bin and imports it back into the same multi-process engine.
+`--features` runs, for each layout, the engine's optional features instead:
+a byte-vocabulary model with a draft model (speculative decoding), a batch
+mixing sampling controls (logit bias, penalties, bad words, `min_tokens`), a
+regex-constrained request and plain ones; then process 0 exports a prompt's
+KV (`kv_transfer.Exporter`), writes the signed payload to
+DIR/export-<layout>.bin and imports it back into the same multi-process
+engine.
 `features_engine` builds the same engine in one process for the test's
 reference.
 """
@@ -184,10 +185,11 @@ def import_payload(engine, payload: bytes) -> list[int]:
     return list(_run(engine)["import"].outputs[0].token_ids)
 
 
-def run_features(out_dir: str) -> dict:
+def run_features(out_dir: str, layout: str) -> dict:
     me = jax.process_index()
-    llm = features_engine(**LAYOUTS["tp4"])
-    print(f"process {me} of {jax.process_count()}: features over {jax.device_count()} devices", flush=True)
+    llm = features_engine(**LAYOUTS[layout])
+    print(f"process {me} of {jax.process_count()}: features at {layout} over {jax.device_count()} devices",
+          flush=True)
     jobs = features_jobs()
     outputs = llm.generate([p for p, _ in jobs], [sp for _, sp in jobs])
     role = llm.multihost
@@ -199,7 +201,7 @@ def run_features(out_dir: str) -> dict:
                 role.failed("export and import", e)
                 raise
             role.end()
-        with open(os.path.join(out_dir, "export.bin"), "wb") as f:
+        with open(os.path.join(out_dir, f"export-{layout}.bin"), "wb") as f:
             f.write(shipped.pop("payload"))
         spec = llm.engine.spec.stats
         shipped["spec"] = {"drafted": spec.num_draft_tokens, "accepted": spec.num_accepted_tokens}
@@ -237,8 +239,8 @@ def main() -> None:
     me = jax.process_index()
     result = {"process": me}
     if args.features:
+        result["features"] = {name: run_features(args.out, name) for name in args.layouts}
         args.layouts = []
-        result["features"] = run_features(args.out)
     for name in args.layouts:
         llm = LLM(config=CFG, params=params(), **LAYOUTS[name], **ENGINE)
         print(f"process {me} of {jax.process_count()}: {name} over {jax.local_device_count()} local devices, "

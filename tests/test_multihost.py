@@ -8,11 +8,12 @@
   server that process 0 runs (both started with `serving.launch`); process 1
   really replayed the steps and page copies, and got process 0's outputs back
   from its own `generate`.
-* Two processes (TP=4) run a draft model's speculative decoding, sampling
-  controls and a regex-constrained request in one batch with the greedy tokens
-  of one process; a prompt's KV exported by process 0 resumes the same tokens
-  imported into the two-process engine and into a single-process one, and
-  process 1 replayed the drafting calls, control rows, gather and scatter.
+* Two processes (TP=4 over both, and PP=2 x TP=2) run a draft model's
+  speculative decoding, sampling controls and a regex-constrained request in
+  one batch with the greedy tokens of one process; a prompt's KV exported by
+  process 0 resumes the same tokens imported into the two-process engine and
+  into a single-process one; process 1 replayed the drafting calls, control
+  rows, gather and scatter, and holds the same draft cache and control slots.
 * A process killed mid-run makes the survivor exit non-zero with a message
   within a bounded time; a process that never joins makes the other give up.
 * `serving.launch`: environment, `[pN]` prefixes, first non-zero exit code,
@@ -98,38 +99,42 @@ def test_two_processes_generate_matches_one_process(tmp_path, reference_tokens):
 
 
 def test_two_processes_run_controls_grammars_draft_model_and_kv_transfer_as_one_process(tmp_path):
-    """TP=4 over both processes with every optional feature of the step at once: a draft model
-    (speculative decoding), sampling controls, a regex; then a KV export from process 0, imported
-    back into the two-process engine and into a single-process one."""
+    """Every optional feature of the step at once, at TP=4 over both processes and at PP=2 (a stage per
+    process) x TP=2: a draft model (speculative decoding), sampling controls, a regex; then a KV export
+    from process 0, imported back into the two-process engine and into a single-process one."""
+    layouts = ["tp4", "pp2tp2"]
     rc, out = launch(["--num_processes=2", "--devices_per_process=2", "--", PY, WORKER, "--out", str(tmp_path),
-                      "--features"], env_extra=FAST_FAILURE_ENV)
+                      "--features", "--layouts", *layouts], env_extra=FAST_FAILURE_ENV)
     assert rc == 0, readable(out)
-    leader = json.loads((tmp_path / "p0.json").read_text())["features"]
-    follower = json.loads((tmp_path / "p1.json").read_text())["features"]
+    leaders = json.loads((tmp_path / "p0.json").read_text())["features"]
+    followers = json.loads((tmp_path / "p1.json").read_text())["features"]
 
     single = worker.features_engine()
     jobs = worker.features_jobs()
     want = worker.token_ids(single.generate([p for p, _ in jobs], [sp for _, sp in jobs]))
-    assert leader["tokens"] == want
-    assert follower["tokens"] == want
-    assert re.fullmatch(r"(def|class) [a-z_]{2,8}\(self\)", leader["texts"][4])  # the grammar held
-    shipped = leader["shipped"]
-    assert shipped["spec"]["drafted"] > 0 and shipped["spec"]["accepted"] > 0  # drafts were verified, some kept
-
     prompt, sp = worker.export_job()
     want_export = list(single.generate([prompt], sp)[0].outputs[0].token_ids)
-    assert shipped["first_token"] == want_export[0]
-    assert shipped["imported"] == want_export  # imported into the two-process engine
-    single.engine.reset_prefix_cache()  # the import below writes every token
-    assert worker.import_payload(single.engine, (tmp_path / "export.bin").read_bytes()) == want_export
+    for layout in layouts:
+        leader, follower = leaders[layout], followers[layout]
+        assert leader["tokens"] == want, layout
+        assert follower["tokens"] == want, layout
+        assert re.fullmatch(r"(def|class) [a-z_]{2,8}\(self\)", leader["texts"][4])  # the grammar held
+        shipped = leader["shipped"]
+        assert shipped["spec"]["drafted"] > 0 and shipped["spec"]["accepted"] > 0  # drafts verified, some kept
 
-    # Process 1 replayed the drafting calls, the control rows and the gather and scatter itself, and holds
-    # the same draft KV cache and control slots as process 0.
-    assert follower["state"] == leader["state"]
-    replayed = follower["replayed"]
-    assert replayed["draft"] >= 1 and replayed["step"] >= max(len(t[0]) for t in want) // 4
-    assert replayed["controls"] >= 3  # one row per request using a control
-    assert replayed["cache"] >= 2  # the export's gather, the import's scatter
+        assert shipped["first_token"] == want_export[0], layout
+        assert shipped["imported"] == want_export, layout  # imported into the two-process engine
+        single.engine.reset_prefix_cache()  # the import below writes every token
+        payload = (tmp_path / f"export-{layout}.bin").read_bytes()
+        assert worker.import_payload(single.engine, payload) == want_export, layout
+
+        # Process 1 replayed the drafting calls, the control rows and the gather and scatter itself, and
+        # holds the same draft KV cache and control slots as process 0.
+        assert follower["state"] == leader["state"], layout
+        replayed = follower["replayed"]
+        assert replayed["draft"] >= 1 and replayed["step"] >= max(len(t[0]) for t in want) // 4
+        assert replayed["controls"] >= 3  # one row per request using a control
+        assert replayed["cache"] >= 2  # the export's gather, the import's scatter
 
 
 # --- the HTTP server run by process 0 ---------------------------------------------------------------
