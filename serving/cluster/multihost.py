@@ -3,8 +3,11 @@
 Process 0 (the leader) owns the request queue, the scheduler and the block
 manager, exactly as in a single-process run. Its `ModelRunner` announces every
 device call through `dispatch_hook` before dispatching it (a step's packed
-`ibuf`/`fbuf` and `StepShape`, a page copy; warm-up is a run of those), and
-`Leader` sends each announcement to the other processes over the key-value
+`ibuf`/`fbuf`, token bitmask and `StepShape`; a page copy; a sampling-control
+row; a program over the KV cache such as a KV export's gather or an import's
+scatter; and calls other packages announce through `ModelRunner.announce`,
+such as a draft model's drafting; warm-up is a run of those), and `Leader`
+sends each announcement to the other processes over the key-value
 `Channel`. The other processes (followers) run `Follower.follow`, which
 replays each call on their own `ModelRunner`: the same jitted program with the
 same global inputs, so the collectives inside line up. Only process 0 reads the
