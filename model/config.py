@@ -9,8 +9,7 @@ Hugging Face `config.json` written by transformers 4 or 5 is translated by its
 family (`model.families.from_hf_config`; `model.families.config_by_name` reads
 either kind), and parameter counts and KV bytes are sums over a family's
 declarations (`model.families.num_params`, `kv_bytes_per_token`). The families
-import this module, so it imports nothing from them (`LlamaConfig.num_params`
-aside, kept for its last caller).
+import this module, so it imports nothing from them.
 """
 
 from __future__ import annotations
@@ -169,14 +168,6 @@ class LlamaConfig:
 
     def replace(self, **changes) -> "LlamaConfig":
         return dataclasses.replace(self, **changes)
-
-    # --- parameter arithmetic ---
-    def num_params(self) -> int:
-        """`model.families.num_params(self)`, for serving/core/engine.py's `describe`, its last caller.
-        The one import of the families here; it goes with that call, leaving this module a leaf."""
-        from model.families import num_params
-
-        return num_params(self)
 
     # --- serialization ---
     def to_dict(self) -> dict[str, Any]:

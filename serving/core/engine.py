@@ -24,6 +24,7 @@ from typing import Optional, Union
 import numpy as np
 
 from model.config import ModelConfig
+from model.families import num_params
 from model.generation_config import GenerationDefaults
 from model.quant import check_kv_cache_dtype, check_weight_dtype, kv_bytes_per_token, kv_cache_dtype, quantize_params
 from serving.core import compute_dtype, engine_args, sampling_controls
@@ -465,7 +466,7 @@ class Engine:
         cfg, ps = self.cfg, self.config.page_size
         kv_per_token = kv_bytes_per_token(cfg, self.cache_dtype)
         return {
-            "num_params": cfg.num_params(), "param_bytes": getattr(self.runner, "param_bytes", None),
+            "num_params": num_params(cfg), "param_bytes": getattr(self.runner, "param_bytes", None),
             "kv_bytes_per_token": kv_per_token, "kv_pages": self.num_pages, "page_size": ps,
             "kv_pool_tokens": self.num_pages * ps, "kv_pool_bytes": self.num_pages * ps * kv_per_token,
             "max_model_len": self.max_model_len, "max_num_seqs": self.config.max_num_seqs,
