@@ -43,9 +43,10 @@ import numpy as np  # noqa: E402
 
 from model import quant  # noqa: E402
 from model.cache import init_cache, pack_batch  # noqa: E402
-from model.families import config_by_name, num_params  # noqa: E402
+from model.families import config_by_name, kv_bytes_per_token, num_params  # noqa: E402
 from model.forward import forward_jit  # noqa: E402
 from model.params import init_params  # noqa: E402
+from model.quantize import quantize_params  # noqa: E402
 
 PAGE = 16
 
@@ -102,13 +103,13 @@ def main(argv=None) -> int:
         if name == "bf16":
             variants[name] = (cfg, base)
         else:
-            qcfg, qparams = quant.quantize_params(base, cfg, name)
+            qcfg, qparams = quantize_params(base, cfg, name)
             jax.block_until_ready(qparams)
             variants[name] = (qcfg, qparams)
     print(f"params built and quantized in {time.perf_counter() - t0:.1f} s", flush=True)
 
     pages, tokens, md = decode_inputs(context)
-    kv_read = context * quant.kv_bytes_per_token(cfg)
+    kv_read = context * kv_bytes_per_token(cfg)
     caches, best, logits_of, compile_s, skipped = {}, {}, {}, {}, []
     for name, (c, p) in list(variants.items()):  # compile and warm up each variant once
         if time.perf_counter() - start > args.budget_s:

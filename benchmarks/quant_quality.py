@@ -46,9 +46,10 @@ import numpy as np  # noqa: E402
 from model import quant  # noqa: E402
 from model.cache import init_cache, pack_batch  # noqa: E402
 from model.checkpoint import load_checkpoint  # noqa: E402
-from model.families import config_by_name  # noqa: E402
+from model.families import config_by_name, kv_bytes_per_token  # noqa: E402
 from model.forward import forward  # noqa: E402
 from model.params import abstract_params  # noqa: E402
+from model.quantize import quantize_params  # noqa: E402
 from model.tokenizer import ByteTokenizer  # noqa: E402
 from model.train import stdlib_files, token_stream, windows  # noqa: E402
 
@@ -81,7 +82,7 @@ def heldout_windows(cfg, n: int) -> np.ndarray:
 def variant(cfg, params, compute, weights):
     c = cfg.replace(dtype=compute)
     p = jax.tree.map(lambda x: x.astype(c.jnp_dtype), params)
-    return quant.quantize_params(p, c, weights) if weights else (c, p)
+    return quantize_params(p, c, weights) if weights else (c, p)
 
 
 def run_windows(cfg, params, data, kv_dtype, keep_cache=False):
@@ -129,7 +130,7 @@ def llama8b_bytes() -> dict:
         c = cfg.replace(dtype=compute, weight_dtype=weights)
         abstract = abstract_params(c)
         kv_dtype = quant.kv_cache_dtype(c, kv)
-        per_token = quant.kv_bytes_per_token(c, kv_dtype)
+        per_token = kv_bytes_per_token(c, kv_dtype)
         rows[name] = {"weight_bytes": quant.streamed_weight_bytes(abstract, c)
                       + int(np.prod(abstract.embed.shape)) * abstract.embed.dtype.itemsize,
                       "streamed_weight_bytes": quant.streamed_weight_bytes(abstract, c),
@@ -162,7 +163,7 @@ def main(argv=None) -> int:
         losses, preds, caches = run_windows(c, p, data, kv_dtype, keep_cache=name == "fp32")
         if name == "fp32":
             ref_preds, ref_caches, ref_losses = preds, caches, losses
-        per_token = quant.kv_bytes_per_token(c, kv_dtype)
+        per_token = kv_bytes_per_token(c, kv_dtype)
         loss = float(np.mean(losses))
         results[name] = {
             "compute_dtype": compute, "weight_dtype": weights or compute, "kv_cache_dtype": str(jnp.dtype(kv_dtype)),

@@ -14,8 +14,8 @@ _EXPORTS = {
                      "family_for_hf_config", "from_hf_config", "num_params"),
                     "model.families"),
     **dict.fromkeys(("forward", "forward_hidden", "forward_jit"), "model.forward"),
-    **dict.fromkeys(("Layer", "Weights", "abstract_params", "init_params", "logical_axes", "param_bytes"),
-                    "model.params"),
+    **dict.fromkeys(("Layer", "Weights"), "model.declarations"),
+    **dict.fromkeys(("abstract_params", "init_params", "logical_axes", "param_bytes"), "model.params"),
 }
 
 __all__ = sorted(_EXPORTS)

@@ -23,10 +23,10 @@ import jax.numpy as jnp
 
 from model.cache import BatchMetadata
 from model.config import FULL_ATTENTION, SLIDING_ATTENTION, LlamaConfig
+from model.declarations import Layer, Weights, pytree_dataclass
 from model.layers import (_constrain, apply_rope, head_projection, output_projection, paged_attention, rms_norm,
                           rope_frequencies)
-from model.params import Layer, Weights, pytree_dataclass
-from model.quant import linear
+from model.linear import linear
 
 # The window of a full-attention layer in a model that also has sliding ones: wider than any
 # context, so the mask passes every key and the kernels start at the first page.

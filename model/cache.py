@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.config import LlamaConfig
-from model.params import ArrayInfo, is_array_info, pytree_dataclass
+from model.declarations import ArrayInfo, is_array_info, pytree_dataclass
 from model.quant import SCALE_DTYPE, QuantizedArray, is_quantized_dtype, kv_cache_dtype
 
 CACHE_AXES = ("pages", "page_slot", "kv_heads", "head_dim")

@@ -8,7 +8,7 @@ A checkpoint directory holds:
   tokenizer.json       (optional) a Hugging Face tokenizer; without it the byte tokenizer
 
 The params' orbax metadata carries a format number (`FORMAT_KEY`). Format 2
-stores linear weights [out..., in...] (`model.params.linear_weight`); format 1
+stores linear weights [out..., in...] (`model.declarations.linear_weight`); format 1
 (no number: checkpoints written before it existed) stored them [in..., out...].
 A checkpoint of another format is refused with an error that says how to
 upgrade it (`python -m model.upgrade_checkpoint`), because a shape check

@@ -239,7 +239,7 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
     params = unflatten_params(cfg, flat)
     del flat
     if weight_dtype not in (None, "auto"):
-        from model.quant import quantize_params
+        from model.quantize import quantize_params
 
         cfg, params = quantize_params(params, cfg, weight_dtype)
     save_checkpoint(out_dir, params, cfg)

@@ -22,9 +22,9 @@ import jax.numpy as jnp
 from kernels_pallas import get_backend
 from model.cache import BatchMetadata, KVCache, StackedKVCache, layer_offsets
 from model.config import LlamaConfig
+from model.declarations import Weights
 from model.families import family_for_config
 from model.layer_select import layer_view, split_layers
-from model.params import Weights
 
 
 def forward_hidden(params: Weights, cache: KVCache, tokens, md: BatchMetadata, cfg: LlamaConfig,

@@ -9,7 +9,8 @@ program). Here the layers keep their own arrays and every matmul of the loop
 body is a `lax.switch` over the layer index whose branch j is that matmul on
 layer j's matrix: each branch's dot reads its weight where it lies, and the
 step still traces and optimises one layer body whatever the depth (a branch
-is a single dot).
+is a single dot). The switch itself is `model.linear` (`PerLayer`, `selected_linear`):
+`linear` dispatches on the weight's form, so the blocks call it unchanged.
 
 The rest of a layer (norm scales, biases) is small: it is stacked once per
 step, before the loop, and sliced, as in the stacked scan. A mixture of experts' layer keeps the
@@ -19,52 +20,12 @@ stacked scan (its experts feed grouped products, not `linear`).
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from model.params import Layer
-from model.quant import linear
-
-
-@dataclasses.dataclass(frozen=True)
-class PerLayer:
-    """One matrix of every layer (`arrays[j]`: layer j's, an array or a `QuantizedArray`) and the
-    traced index of the layer that reads it. `linear` on it runs the matmul on `arrays[index]`."""
-
-    arrays: tuple
-    index: Any
-
-    @property
-    def shape(self):
-        return self.arrays[0].shape
-
-    @property
-    def dtype(self):
-        return self.arrays[0].dtype
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def map(self, fn) -> "PerLayer":
-        """The same selection over `fn` of every layer's matrix (a reshape, say)."""
-        return PerLayer(tuple(fn(a) for a in self.arrays), self.index)
-
-
-jax.tree_util.register_dataclass(PerLayer, data_fields=["arrays", "index"], meta_fields=[])
-
-
-def _branch(spec, w, kwargs, x):
-    return linear(spec, x, w, **kwargs)
-
-
-def selected_linear(spec: str, x, w: PerLayer, **kwargs):
-    """`linear(spec, x, w.arrays[w.index])`, with no copy of the chosen matrix."""
-    return jax.lax.switch(w.index, [functools.partial(_branch, spec, a, kwargs) for a in w.arrays], x)
-
+from model.declarations import Layer
+from model.linear import PerLayer
 
 # The weights of a dense `Layer` that the blocks use only through `linear` (the ones a switch picks).
 MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 
 from model.cache import BatchMetadata
 from model.config import LlamaConfig
-from model.layer_select import PerLayer
-from model.params import Layer, Weights
-from model.quant import QuantizedArray, linear
+from model.declarations import Layer, Weights
+from model.linear import PerLayer, linear
+from model.quant import QuantizedArray
 
 
 def rms_norm(x, weight, eps):

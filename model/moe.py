@@ -19,7 +19,7 @@ Three pieces, each a pure function:
   CPU, where `ragged_dot` is expanded into a masked dense product; see there).
 
 Expert weights are stacked along a leading `experts` dim, each expert `[out, in]` like every
-linear weight (`model.params`): `w_gate`, `w_up` `[E, moe_ffw, embed]`, `w_down`
+linear weight (`model.declarations`): `w_gate`, `w_up` `[E, moe_ffw, embed]`, `w_down`
 `[E, embed, moe_ffw]`. Quantized ones (`QuantizedArray`) carry one scale per expert and
 output channel, `[E, out]`.
 
@@ -35,6 +35,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from model.linear import linear
 from model.quant import QuantizedArray, dequantize
 
 # lhs [rows, in] x rhs [groups, out, in] -> [rows, out]: rows are grouped, the weight is [out, in].
@@ -132,8 +133,6 @@ def touched_experts(x, ids, weights, w_gate, w_up, w_down, expert_offset=0):
     speed at decode sizes (benchmarks/results/moe_layer_cpu.json). For decode batches, where
     few experts are touched, this loop reads only those experts' weights: 1 token ran 1.4x
     faster than dense over 8 experts (top 2), 9.6x over 64 (top 8), 8 tokens over 64 1.5x."""
-    from model.quant import linear
-
     combine, used = _combine(ids, weights, w_gate.shape[0], expert_offset)
     order = jnp.argsort(~used, stable=True)  # the touched experts first
 

@@ -6,8 +6,8 @@ step reads (and doubles the tokens a KV pool holds). Compute stays in the
 model's dtype: values are widened on the fly, so nothing here needs int8 or
 fp8 matmul units.
 
-Weights (`quantize`, `linear`)
-------------------------------
+Weights (`quantize`, `model.linear.linear`)
+-------------------------------------------
 A matrix becomes a `QuantizedArray(data, scale)`: `data` in int8 or
 float8_e4m3fn with the weight's shape, `scale` fp32 with the weight's *output*
 dimensions only, which lead (weights are [out..., in...], `model.params`): one
@@ -18,7 +18,7 @@ contraction:
 
     einsum(x, data * scale) == einsum(x, data) * scale
 
-so `linear` casts `data` to the activation dtype (exact: int8 and e4m3 values
+so `model.linear.linear` casts `data` to the activation dtype (exact: int8 and e4m3 values
 are all representable in bf16), runs the same einsum as the float model and
 multiplies its *output* by the scale: no dequantized copy of the weight, and
 on GPU XLA fuses the widening convert into the matmul's operand load, so the
@@ -52,12 +52,18 @@ own range, and keep copy-on-write a plain page copy. The price is 4 bytes per
 token per head, 3% of an int8 row at head_dim 128 (6% at 64). The benchmark
 also measures the error an (ideal, offline) per-page scale would give on the
 embedded model's real K/V, which is the lower bound of what per-page could do.
+
+Whole models
+------------
+This module is a leaf the families build on. What needs a config's family (its declarations)
+sits above the registry: `model.quantize.quantize_params` (float weights -> the quantized
+weights a config declares) and `model.families.kv_bytes_per_token` (a KV pool's bytes per token,
+scales included).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
@@ -133,36 +139,11 @@ def quantize(w: jax.Array, name_or_dtype, num_out_dims: int) -> QuantizedArray:
 
 
 def dequantize(q: QuantizedArray, dtype=jnp.float32) -> jax.Array:
-    """The weight the quantized form stands for (tests, conversions; `linear` never builds it)."""
+    """The weight the quantized form stands for (tests, conversions; `model.linear` never builds it)."""
     data = q.data.astype(jnp.float32)
     scale = q.scale.astype(jnp.float32)
     scale = scale.reshape(scale.shape + (1,) * (data.ndim - scale.ndim))  # leading dims: pad on the right
     return (data * scale).astype(dtype)
-
-
-def linear(spec: str, x, w, **kwargs):
-    """`jnp.einsum(spec, x, w)` for a float or a `QuantizedArray` weight.
-
-    Quantized: the einsum runs on `data` widened to x's dtype and its output is
-    scaled per output channel: the scale holds the weight's leading (output)
-    dims, which every einsum over an [out..., in...] weight writes as the
-    output's trailing dims, in the same order, so the scale broadcasts onto
-    them. `model.forward` runs 2-D ones ("te,fe->tf", "tf,ef->te", "te,ve->tv",
-    the attention weights through 2-D views); the 3-D forms ("te,hde->thd",
-    "thd,ehd->te") work the same way. A float weight
-    takes exactly the old path, so unquantized programs are unchanged.
-    """
-    from model.layer_select import PerLayer, selected_linear  # (it builds on this module)
-
-    if isinstance(w, PerLayer):  # one matrix per layer, picked inside a scan (`model.layer_select`)
-        return selected_linear(spec, x, w, **kwargs)
-    if not isinstance(w, QuantizedArray):
-        return jnp.einsum(spec, x, w, **kwargs)
-    out = jnp.einsum(spec, x, w.data.astype(x.dtype), **kwargs)
-    if out.shape[out.ndim - w.scale.ndim:] != w.scale.shape:
-        raise ValueError(f"linear {spec!r}: the output's trailing dims {out.shape} do not match the weight's "
-                         f"output dims {w.scale.shape}; weights are [out..., in...]")
-    return (out.astype(jnp.float32) * w.scale).astype(out.dtype)
 
 
 # --------------------------------------------------------------------------- KV cache
@@ -176,14 +157,6 @@ def kv_cache_dtype(cfg, name: str | None):
     if name in ("bfloat16", "float16", "float32"):
         return jnp.dtype(name)
     raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPE_CHOICES)}, got {name!r}")
-
-
-def kv_bytes_per_token(cfg, dtype=None) -> int:
-    """Bytes one token occupies in the KV pool (all layers, K and V), scales included: the sum
-    of the cache declaration's arrays for one token (`model.families.kv_bytes_per_token`)."""
-    from model.families import kv_bytes_per_token as declared  # the families import this module
-
-    return declared(cfg, dtype)
 
 
 def _check_choice(option: str, name, choices) -> str:
@@ -201,88 +174,6 @@ def check_weight_dtype(name) -> str:
 
 def check_kv_cache_dtype(name) -> str:
     return _check_choice("kv_cache_dtype", name, KV_CACHE_DTYPE_CHOICES)
-
-
-# --------------------------------------------------------------------------- whole models
-
-def quantize_params(params, cfg, weight_dtype: str, shardings=None):
-    """Float `Weights` -> the quantized `Weights` that `cfg.replace(weight_dtype=...)` declares.
-
-    Returns (quantized config, params). Which weights are quantized and along
-    which dims comes from the declarations (`model.params`), never from names
-    here. Sharded inputs stay sharded (pass the quantized config's `shardings`
-    to place the result). The weights are converted by one jitted program per
-    set of devices holding them: under pipeline parallelism every stage's layers
-    live on that stage's devices only, and one program cannot take arguments
-    committed to different device sets. So a pipeline of `p` stages compiles
-    `p + 1` small programs (each stage's layers, and the replicated rest), and
-    an unsharded or tensor-parallel model one, as before.
-    """
-    from model.params import declare_weights, is_array_info
-
-    weight_dtype = check_weight_dtype(weight_dtype)
-    if weight_dtype == "auto":
-        return cfg, params
-    if cfg.weight_dtype == weight_dtype:
-        return cfg, params
-    if cfg.weight_dtype is not None:
-        raise ValueError(f"the weights are already quantized to {cfg.weight_dtype}; cannot convert them to "
-                         f"{weight_dtype} (load the float checkpoint instead)")
-    qcfg = cfg.replace(weight_dtype=weight_dtype)
-    decl = declare_weights(qcfg)
-    is_decl_leaf = lambda x: is_array_info(x) or is_quantized(x)  # noqa: E731
-    decl_leaves, treedef = jax.tree_util.tree_flatten(decl, is_leaf=is_decl_leaf)
-    leaves = treedef.flatten_up_to(params)
-    targets = [None] * len(leaves) if shardings is None else treedef.flatten_up_to(shardings)
-
-    groups: dict[Any, list[int]] = {}  # device set -> leaf indices
-    for i, (d, t) in enumerate(zip(decl_leaves, targets)):
-        if t is not None:  # the float weight goes where its quantized data goes (same shape and axes)
-            leaves[i] = jax.device_put(leaves[i], t.data if is_quantized(d) else t)
-        groups.setdefault(_device_set(leaves[i]), []).append(i)
-
-    out = [None] * len(leaves)
-    for idx in groups.values():
-        kinds = tuple(_ConvertKind.of(decl_leaves[i]) for i in idx)
-        outs = None if shardings is None else tuple(targets[i] for i in idx)
-        for i, w in zip(idx, _convert_group([leaves[i] for i in idx], kinds=kinds, out_shardings=outs)):
-            out[i] = w
-    return qcfg, jax.tree_util.tree_unflatten(treedef, out)
-
-
-@dataclasses.dataclass(frozen=True)
-class _ConvertKind:
-    """What one declared weight becomes: quantized to `dtype` with one scale per entry of its
-    first `num_out_dims` dims, or (`num_out_dims` None) cast to `dtype`. Hashable: a static
-    jit argument."""
-
-    dtype: Any
-    num_out_dims: int | None
-
-    @classmethod
-    def of(cls, decl) -> "_ConvertKind":
-        if is_quantized(decl):
-            return cls(jnp.dtype(decl.data.dtype), len(decl.scale.shape))
-        return cls(jnp.dtype(decl.dtype), None)
-
-
-def _device_set(x):
-    """The devices a committed array lives on (None for host, uncommitted or traced arrays: any
-    program takes them; a trace, e.g. `init_params` under `eval_shape`, is one program already)."""
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed:
-        return frozenset(x.sharding.device_set)
-    return None
-
-
-@functools.partial(jax.jit, static_argnames=("kinds", "out_shardings"))
-def _convert_group(leaves, kinds, out_shardings=None):
-    """Converts arrays that live on one set of devices; `kinds` and `out_shardings` are static,
-    so every call with the same weight shapes, kinds and placement reuses one compilation."""
-    out = [w.astype(k.dtype) if k.num_out_dims is None else quantize(w, k.dtype, k.num_out_dims)
-           for w, k in zip(leaves, kinds)]
-    if out_shardings is not None:
-        out = [jax.lax.with_sharding_constraint(w, s) for w, s in zip(out, out_shardings)]
-    return out
 
 
 def streamed_weight_bytes(params, cfg) -> int:

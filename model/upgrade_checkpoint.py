@@ -4,7 +4,7 @@
 
 Format 1 stored every linear weight input dims first (wq [embed, heads,
 head_dim], w_gate [embed, ffw], lm_head [embed, vocab], ...); format 2 stores
-them output dims first, the PyTorch / Hugging Face layout (`model.params`).
+them output dims first, the PyTorch / Hugging Face layout (`model.declarations`).
 The upgrade reads each stored array in its stored dtype, permutes its dims,
 checks the result against the config's declaration and writes the checkpoint
 again with `model.checkpoint.save_checkpoint` (which records format 2). A

@@ -174,7 +174,7 @@ def _streamed_weight_bytes(runner, cfg) -> float | None:
 
 
 def _kv_bytes_per_token(engine) -> float | None:
-    from model.quant import kv_bytes_per_token
+    from model.families import kv_bytes_per_token
 
     dtype = getattr(engine, "cache_dtype", None)
     return float(kv_bytes_per_token(engine.cfg, dtype)) if dtype is not None else None

@@ -17,7 +17,7 @@ from model.checkpoint import (CONFIG_FILE, FORMAT_KEY, FORMAT_VERSION, PARAMS_DI
                               load_checkpoint, save_checkpoint)
 from model.forward import forward
 from model.params import abstract_params, flatten_params, init_params
-from model.quant import quantize_params
+from model.quantize import quantize_params
 from model.upgrade_checkpoint import main as upgrade_main
 from model.upgrade_checkpoint import upgrade
 

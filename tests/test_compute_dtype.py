@@ -9,8 +9,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from conftest import tiny_config
-from model import quant
 from model.params import Weights, flatten_params, is_array_info
+from model.quantize import quantize_params
 from serving.core import compute_dtype
 from serving.core.engine import Engine, EngineConfig
 
@@ -58,7 +58,7 @@ def test_cast_is_exact_and_keeps_everything_else():
 
 def test_quantized_weights_keep_their_data_and_scales():
     params = random_params(BF16)
-    qcfg, qparams = quant.quantize_params(params, BF16, "int8")
+    qcfg, qparams = quantize_params(params, BF16, "int8")
     cfg, cast = compute_dtype.apply(qcfg, qparams, "float32", platform="cpu")
     before, after = flatten_params(qparams), flatten_params(cast)
     changed = {k for k in after if after[k].dtype != before[k].dtype}

@@ -18,7 +18,7 @@ from conftest import run_to_completion, tiny_config
 from model.params import init_params
 from serving import LLM, SamplingParams
 from model.cache import StackedKVCache
-from model.quant import kv_bytes_per_token
+from model.families import kv_bytes_per_token
 from serving.disaggregation import kv_transfer as kt
 from serving.disaggregation import kv_wire
 from sharding.hlo import collectives

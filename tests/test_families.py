@@ -140,7 +140,7 @@ def test_kv_bytes_per_token_equals_initialised_cache(name, kv_dtype):
     cache = init_cache(cfg, num_pages, page_size, kv_dtype)
     per_token = cache_bytes(cache) / (num_pages * page_size)
     assert kv_bytes_per_token(cfg, kv_dtype) == per_token
-    assert quant.kv_bytes_per_token(cfg, quant.kv_cache_dtype(cfg, kv_dtype)) == per_token  # the engine's call
+    assert kv_bytes_per_token(cfg, quant.kv_cache_dtype(cfg, kv_dtype)) == per_token  # the engine's call
 
 
 def test_kv_bytes_per_token_layout():

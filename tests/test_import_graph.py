@@ -7,33 +7,11 @@ import functools
 import os
 import sys
 
-import pytest
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # `tools` is not installed; it runs from the checkout
     sys.path.insert(0, ROOT)
 
 from tools import import_graph  # noqa: E402
-
-# What the repository still has, to be removed (`python -m tools.import_graph --check` shows each with
-# its lines); a problem not listed here fails test_no_problem_beyond_the_known_ones at once.
-KNOWN_CYCLES = [
-    # model/: params (declare_weights) and quant (kv_bytes_per_token) look a config's family up in
-    # the registry, model.families, whose families are built from those very modules; so does
-    # LlamaConfig.num_params, until serving/core/engine.py's describe() calls
-    # model.families.num_params. Inside it quant <-> params, layer_select: quant's linear and
-    # quantize_params reach up into modules that import quant. Breaking it means splitting the
-    # family-generic entry points (declare_weights, init_params, abstract_params, logical_axes,
-    # unflatten_params, quantize_params, kv_bytes_per_token) from the pieces the families are built
-    # of, as model.forward (the driver) and model.layers (the pieces) are split; serving/core/engine.py
-    # and serving/disaggregation/kv_transfer.py import quant.kv_bytes_per_token / quantize_params.
-    frozenset({"model.blocks", "model.cache", "model.config", "model.families", "model.families.decoder",
-               "model.families.gemma", "model.families.llama", "model.families.mistral", "model.families.mixtral",
-               "model.families.moe_layers", "model.families.phi3", "model.families.qwen", "model.families.qwen2_moe",
-               "model.families.qwen3_moe", "model.layer_select", "model.layers", "model.moe", "model.params",
-               "model.quant"}),
-]
-KNOWN_LAYERING: set[tuple[str, str]] = set()  # (importer, imported)
 
 
 @functools.lru_cache(maxsize=1)
@@ -41,24 +19,9 @@ def _repo_report() -> import_graph.Report:
     return import_graph.check(ROOT)
 
 
-def _known_text() -> str:
-    return "; ".join([f"cycle of {len(c)} modules including {min(c)}" for c in KNOWN_CYCLES]
-                     + [f"{a} -> {b}" for a, b in sorted(KNOWN_LAYERING)])
-
-
-# Strict: once the known problems are gone this passes, fails as XPASS, and the marker goes.
-@pytest.mark.xfail(strict=True, reason="known import problems, being removed: " + _known_text())
 def test_the_repository_has_no_import_cycle_and_keeps_its_layering():
     report = _repo_report()
     assert report.ok, import_graph.format_problems(report)
-
-
-def test_no_problem_beyond_the_known_ones():
-    report = _repo_report()
-    new_cycles = [c for c in report.cycles if not any(set(c) <= known for known in KNOWN_CYCLES)]
-    new_violations = [str(v) for v in report.violations if (v.importer, v.imp.target) not in KNOWN_LAYERING]
-    assert not new_cycles, [import_graph.cycle_path(report.graph, c) for c in new_cycles]
-    assert not new_violations, new_violations
 
 
 def test_the_graph_reads_every_package():

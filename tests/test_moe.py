@@ -25,7 +25,8 @@ from model.families.qwen2_moe import QWEN2_MOE
 from model.families.qwen3_moe import QWEN3_MOE
 from model.forward import forward
 from model.params import abstract_params, flatten_params
-from model.quant import dequantize, quantize, quantize_params
+from model.quant import dequantize, quantize
+from model.quantize import quantize_params
 
 CFG = tiny_config(vocab_size=128, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=16,
                   architecture="Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_router="softmax_topk",

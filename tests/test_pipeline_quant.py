@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from model import quant
+from model import quant, quantize
 from model.params import Weights, is_array_info, ones_init
+from model.quantize import quantize_params
 from serving import LLM, SamplingParams
 from sharding.pipeline import copy_staged_pages, make_pipeline_layout
 
@@ -68,7 +69,7 @@ def test_quantized_greedy_tokens_identical_to_single_device(weight_dtype, kv_dty
     layout, staged, cache = runner.layout, runner.params, runner.cache
     stage_of = {d: s for s in range(pp) for d in layout.mesh.devices[:, s, :].flat}
     # Weights: staged data in the storage dtype and fp32 scales, every shard on its own stage.
-    host_cfg, host = quant.quantize_params(params(), CFG, weight_dtype)
+    host_cfg, host = quantize_params(params(), CFG, weight_dtype)
     per_stage = CFG.num_layers // pp
     for j, layer in enumerate(staged.stages):
         for name in ("wq", "w_down"):
@@ -118,11 +119,11 @@ def test_copy_on_write_copies_quantized_pages_and_scales_on_every_stage():
 def test_quantize_params_on_stage_devices_compiles_once_per_device_set():
     layout = make_pipeline_layout(2, 2)
     placed = jax.device_put(params(), layout.param_shardings(CFG))
-    _, want = quant.quantize_params(params(), CFG, "int8")
-    before = quant._convert_group._cache_size()
-    qcfg, got = quant.quantize_params(placed, CFG, "int8")
+    _, want = quantize_params(params(), CFG, "int8")
+    before = quantize._convert_group._cache_size()
+    qcfg, got = quantize_params(placed, CFG, "int8")
     # Stage 0's layers, stage 1's layers, and the replicated embedding / norm / head.
-    assert quant._convert_group._cache_size() - before == 3
+    assert quantize._convert_group._cache_size() - before == 3
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
     for i, layer in enumerate(got.layers):
@@ -130,7 +131,7 @@ def test_quantize_params_on_stage_devices_compiles_once_per_device_set():
         assert all(a.sharding.device_set == stage_devices for a in jax.tree.leaves(layer))
     # Into explicit target shardings (the quantized config's): each leaf lands exactly there.
     targets = layout.param_shardings(qcfg)
-    _, placed_q = quant.quantize_params(params(), CFG, "int8", targets)
+    _, placed_q = quantize_params(params(), CFG, "int8", targets)
     for a, sh in zip(jax.tree.leaves(placed_q), jax.tree.leaves(targets), strict=True):
         assert a.sharding.is_equivalent_to(sh, a.ndim)
     # Staging the quantized weights keeps the converted arrays (no conversion on the way).
@@ -155,7 +156,7 @@ def test_quantized_mixture_of_experts_stages_with_its_expert_scales():
     rng = np.random.default_rng(2)
     host = jax.tree.map(lambda a: (rng.standard_normal(a.shape) / np.sqrt(a.shape[-1])).astype(np.float32)
                         if a.ndim > 1 else np.ones(a.shape, np.float32), abstract_params(moe))
-    cfg, host = quant.quantize_params(host, moe, "int8")
+    cfg, host = quantize_params(host, moe, "int8")
     layout = make_pipeline_layout(2, 2, 2)
     staged = layout.stage_params(cfg, host)
     assert staged.stages[0].w_gate.scale.shape == (2 * moe.num_experts, moe.moe_intermediate_size)

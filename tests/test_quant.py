@@ -22,9 +22,12 @@ from conftest import tiny_config
 from model import quant
 from model.cache import KVCache, init_cache, pack_batch
 from model.checkpoint import load_checkpoint, save_checkpoint
+from model.families import kv_bytes_per_token
 from model.forward import forward
+from model.linear import linear
 from model.params import Weights, abstract_params, flatten_params, init_params, is_array_info
 from model.quant import QuantizedArray
+from model.quantize import quantize_params
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINEAR = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -79,15 +82,15 @@ def test_linear_with_quantized_weight_is_the_einsum_of_its_dequantized_form():
         w = spread_weight(rng, shape, num_out)
         for name in ("int8", "fp8"):
             q = quant.quantize(w, name, num_out)
-            got = quant.linear(spec, xin, q)
+            got = linear(spec, xin, q)
             want = jnp.einsum(spec, xin, quant.dequantize(q), precision="highest")
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(
                 np.abs(want).max()))
-    assert quant.linear("te,fe->tf", x, w := jnp.ones((3, 64))).shape == (5, 3)  # float weights pass through
-    np.testing.assert_array_equal(quant.linear("te,fe->tf", x, w), jnp.einsum("te,fe->tf", x, w))
+    assert linear("te,fe->tf", x, w := jnp.ones((3, 64))).shape == (5, 3)  # float weights pass through
+    np.testing.assert_array_equal(linear("te,fe->tf", x, w), jnp.einsum("te,fe->tf", x, w))
     # A spec whose output does not end in the weight's output dims is refused, not mis-scaled.
     with pytest.raises(ValueError, match="output dims"):
-        quant.linear("te,hde->dht", x, quant.quantize(spread_weight(rng, (4, 16, 64), 2), "int8", 2))
+        linear("te,hde->dht", x, quant.quantize(spread_weight(rng, (4, 16, 64), 2), "int8", 2))
 
 
 def test_quantized_declarations_shard_scales_with_their_columns():
@@ -121,7 +124,7 @@ def test_quantized_declarations_shard_scales_with_their_columns():
 def test_orbax_round_trip_stores_the_quantized_form(tmp_path):
     cfg = tiny_config()
     params = init_params(cfg, jax.random.key(1))
-    qcfg, qparams = quant.quantize_params(params, cfg, "fp8")
+    qcfg, qparams = quantize_params(params, cfg, "fp8")
     save_checkpoint(str(tmp_path / "q"), qparams, qcfg, storage_dtype=jnp.bfloat16)
     with open(tmp_path / "q" / "model_config.json") as f:
         assert json.load(f)["weight_dtype"] == "fp8"
@@ -140,7 +143,7 @@ def test_orbax_round_trip_stores_the_quantized_form(tmp_path):
     on_disk = sum(os.path.getsize(os.path.join(r, n)) for r, _, fs in os.walk(tmp_path / "q" / "params") for n in fs)
     assert on_disk < 0.5 * sum(x.nbytes for x in jax.tree.leaves(params))  # about a quarter of fp32
     with pytest.raises(ValueError, match="already quantized"):
-        quant.quantize_params(qparams, qcfg, "int8")
+        quantize_params(qparams, qcfg, "int8")
 
 
 def _hf_dir(tmp_path, cfg, params):
@@ -182,7 +185,7 @@ def test_convert_hf_weight_dtype_writes_a_quantized_checkpoint(tmp_path):
     out = convert(hf_dir, str(tmp_path / "out"), progress=False, weight_dtype="int8")
     assert out.weight_dtype == "int8"
     _, loaded = load_checkpoint(str(tmp_path / "out"))
-    _, want = quant.quantize_params(params, cfg, "int8")
+    _, want = quantize_params(params, cfg, "int8")
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(loaded), strict=True):
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
     # Restored straight into tensor-parallel shardings: each device reads its columns and their scales.
@@ -257,7 +260,7 @@ def test_quantized_forward_matches_full_precision_on_the_embedded_model(embedded
     cfg, params = embedded
     ref = _logits(cfg, params, heldout_batch)
     for (wd, kvd), limits in THRESHOLDS.items():
-        qcfg, qparams = quant.quantize_params(params, cfg, wd) if wd else (cfg, params)
+        qcfg, qparams = quantize_params(params, cfg, wd) if wd else (cfg, params)
         q = _quality(_logits(qcfg, qparams, heldout_batch, kvd), ref)
         assert _passes(q, limits), f"weights {wd}, kv {kvd}: (agreement, rms, kl) = {q}, limits {limits}"
 
@@ -339,7 +342,7 @@ def test_kv_pool_sizing_uses_real_bytes_per_token():
     config = EngineConfig(page_size=16, host_kv_cache_bytes=2**20, max_num_seqs=1000)
     for dtype, per_token in ((None, 2 * 2 * 2 * 16 * 4), (jnp.int8, 2 * 2 * 2 * (16 + 4)),
                              (jnp.float8_e4m3fn, 2 * 2 * 2 * (16 + 4))):
-        assert quant.kv_bytes_per_token(cfg, dtype) == per_token
+        assert kv_bytes_per_token(cfg, dtype) == per_token
         assert default_num_pages(cfg, config, 1024, dtype) == 2**20 // (per_token * 16)
         cache = init_cache(cfg, 8, 16, dtype)
         assert sum(x.nbytes for x in jax.tree.leaves(cache)) == 8 * 16 * per_token

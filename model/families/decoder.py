@@ -17,9 +17,9 @@ from typing import Any, Callable
 from model import blocks
 from model.cache import KVCache
 from model.config import LlamaConfig, UnsupportedModelError
+from model.declarations import Weights
 from model.families.base import ForwardBlocks, ModelFamily, TensorPlan
 from model.layers import rms_norm, rope_frequencies
-from model.params import Weights
 
 
 def _identity(w):
@@ -45,7 +45,7 @@ def _bias_heads(n: int, d: int):
 
 
 def attention_extra_tensors(cfg: LlamaConfig, ours: str, attn: str) -> list[TensorPlan]:
-    """The HF tensors of `model.params.attention_extras`: q/k/v biases and q/k norms of the layer
+    """The HF tensors of `model.declarations.attention_extras`: q/k/v biases and q/k norms of the layer
     whose weights are named `ours` + ... and whose HF attention module is `attn` (`...self_attn.`)."""
     nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     plan = []
@@ -59,7 +59,7 @@ def attention_extra_tensors(cfg: LlamaConfig, ours: str, attn: str) -> list[Tens
 
 
 def checkpoint_tensors(cfg: LlamaConfig, *, fused: bool = False) -> list[TensorPlan]:
-    """Every HF tensor of a checkpoint of `cfg`, in our declaration order (`model.params.Layer`).
+    """Every HF tensor of a checkpoint of `cfg`, in our declaration order (`model.declarations.Layer`).
 
     `fused`: Phi-3's `qkv_proj` ([q rows; k rows; v rows]) and `gate_up_proj` ([gate; up])."""
     h, f, v, d = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim

@@ -3,7 +3,7 @@
 What is Llama-specific and lives here: reading a Hugging Face `config.json`
 into a `LlamaConfig`, refusing the variants whose weights would load but
 compute something else, and the names and layouts of the HF checkpoint's
-tensors. The weight and cache declarations (`model.params`, `model.cache`)
+tensors. The weight and cache declarations (`model.declarations`, `model.cache`)
 and the forward (`model.forward`) are Llama's too; the entry at the bottom
 points at them rather than moving them, because the rest of the stack
 imports them by those paths.
@@ -15,10 +15,10 @@ from typing import Any
 
 from model.cache import KVCache
 from model.config import COMPUTE_DTYPES, LlamaConfig, RopeScaling, UnsupportedModelError
+from model.declarations import Weights
 from model.families.base import ForwardBlocks, ModelFamily, TensorPlan
 from model.layers import (attention_block, embed_tokens, layer_rope, mlp_block, output_logits, rms_norm,
                           rope_frequencies)
-from model.params import Weights
 
 _HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 

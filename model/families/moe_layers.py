@@ -23,14 +23,14 @@ import jax.numpy as jnp
 from model import blocks
 from model.cache import KVCache
 from model.config import LlamaConfig, UnsupportedModelError
+from model.declarations import ArrayInfo, Weights, attention_extras, linear_weight, normal_init, ones_init, pytree_dataclass
 from model.families.base import ForwardBlocks, ModelFamily, TensorPlan
 from model.families.decoder import attention_extra_tensors
 from model.families.llama import _identity
 from model.families.llama import checkpoint_tensors as llama_tensors
 from model.layers import _constrain, embed_tokens, output_logits, rms_norm, rope_frequencies
+from model.linear import linear
 from model.moe import moe_mlp
-from model.params import ArrayInfo, Weights, attention_extras, linear_weight, normal_init, ones_init, pytree_dataclass
-from model.quant import linear
 
 # The logical axes the expert weights add (configs/rules_*.json map them): `experts` splits
 # whole experts over devices (expert parallelism); `moe_ffw` an expert's hidden dim (tensor

@@ -24,9 +24,10 @@ from typing import Optional, Union
 import numpy as np
 
 from model.config import ModelConfig
-from model.families import num_params
+from model.families import kv_bytes_per_token, num_params
 from model.generation_config import GenerationDefaults
-from model.quant import check_kv_cache_dtype, check_weight_dtype, kv_bytes_per_token, kv_cache_dtype, quantize_params
+from model.quant import check_kv_cache_dtype, check_weight_dtype, kv_cache_dtype
+from model.quantize import quantize_params
 from serving.core import compute_dtype, engine_args, sampling_controls
 from serving.core.block_manager import BlockManager, is_cache_salt, releasing_window
 from serving.core.input_batch import Buckets, pack_step, sampling_row

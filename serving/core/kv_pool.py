@@ -13,7 +13,7 @@ from typing import Optional
 
 import jax
 
-from model.quant import kv_bytes_per_token
+from model.families import kv_bytes_per_token
 
 
 def device_memory_stats(device) -> Optional[dict]:

@@ -49,7 +49,8 @@ import numpy as np
 
 from kernels_pallas.pow2 import next_pow2, powers_of_two
 from model.cache import KVCache, StackedKVCache
-from model.quant import SCALE_DTYPE, QuantizedArray, is_quantized_dtype, kv_bytes_per_token
+from model.families import kv_bytes_per_token
+from model.quant import SCALE_DTYPE, QuantizedArray, is_quantized_dtype
 from serving.core.block_manager import is_cache_salt
 from serving.disaggregation import kv_wire
 
