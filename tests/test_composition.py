@@ -25,6 +25,7 @@ same matrix). Two processes, the remaining feature of the matrix, runs in tests/
 from __future__ import annotations
 
 import itertools
+import os
 import re
 
 import jax
@@ -110,6 +111,14 @@ def test_the_configurations_cover_every_allowed_pair_and_no_excluded_one():
     allowed = {frozenset(p) for p in itertools.combinations(ENGINE_FEATURES, 2)} - set(EXCLUDED)
     assert pairs == allowed
     assert len(CONFIGS) < len(allowed) // 3  # a covering design, not one engine per pair
+
+
+def test_the_architecture_docs_show_each_excluded_pair_and_its_reason():
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                           "architecture.md")) as f:
+        doc = " ".join(f.read().split())
+    for pair, reason in EXCLUDED.items():
+        assert reason in doc, sorted(pair)
 
 
 # --- the workload --------------------------------------------------------------------------------------
