@@ -356,12 +356,9 @@ class ModelRunner:
         mask = self._all_allowed(shape.S) if token_mask is None else self._place_mask(token_mask)
         args = (self.params, self.cache, ibuf, fbuf, self.feed, self.controls, mask,
                 self.no_drafts if draft_probs is None else draft_probs)
-        if self._spans_processes():  # every process compiles in step with the others, through jit
-            outs = _step_jit(*args, cfg=self.cfg, backend=self.backend, shape=shape, layout=self.layout,
-                             verify=self.verify)
-        else:
-            outs = self.programs.get(shape)(*args)
-        self.cache, ids, lp, self.feed, self.controls = outs
+        # One compile path: a mesh spanning processes compiles here too, every process in the order of
+        # the steps it runs (no background thread there, and no executables stored: `warm_up`).
+        self.cache, ids, lp, self.feed, self.controls = self.programs.get(shape)(*args)
         return ids, lp
 
     def _abstract_inputs(self, shape: StepShape):
