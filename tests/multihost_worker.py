@@ -131,7 +131,23 @@ def features_jobs() -> list[tuple[list[int], SamplingParams]]:
         (prompt(20), SamplingParams(temperature=0.0, max_tokens=20,
                                     structured_outputs={"regex": r"(def|class) [a-z_]{2,8}\(self\)"})),
         (prompt(3), SamplingParams(max_tokens=16, **greedy)),
+        (prompt(10), SamplingParams(max_tokens=8, n=2, **greedy)),
+        (prompt(15), SamplingParams(max_tokens=8, logprobs=2, **greedy)),
     ]
+
+
+def features_second_wave() -> tuple[list[dict], SamplingParams]:
+    """The first job's prompt again: once under no salt (its pages are cached by then), once under a
+    tenant's salt (nothing of the first run may be reused)."""
+    first = features_jobs()[0][0]
+    return ([{"prompt_token_ids": first}, {"prompt_token_ids": first, "cache_salt": "tenant-b"}],
+            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+
+
+def chosen_logprobs(output) -> list[float]:
+    """Sample 0's logprob of each of its tokens."""
+    c = output.outputs[0]
+    return [entry[t].logprob for t, entry in zip(c.token_ids, c.logprobs)]
 
 
 def export_job() -> tuple[list[int], SamplingParams]:
@@ -192,6 +208,7 @@ def run_features(out_dir: str, layout: str) -> dict:
           flush=True)
     jobs = features_jobs()
     outputs = llm.generate([p for p, _ in jobs], [sp for _, sp in jobs])
+    again = llm.generate(*features_second_wave())
     role = llm.multihost
     if role.is_leader:
         with role.operation():
@@ -209,6 +226,8 @@ def run_features(out_dir: str, layout: str) -> dict:
         role.follow()
         shipped = None
     return {"tokens": token_ids(outputs), "texts": [o.outputs[0].text for o in outputs], "shipped": shipped,
+            "logprobs": chosen_logprobs(outputs[-1]), "again": token_ids(again),
+            "cached": [o.num_cached_tokens for o in again],
             "replayed": getattr(role, "calls_by_kind", None), "state": replicated_state(llm)}
 
 

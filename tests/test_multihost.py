@@ -100,8 +100,9 @@ def test_two_processes_generate_matches_one_process(tmp_path, reference_tokens):
 
 def test_two_processes_run_controls_grammars_draft_model_and_kv_transfer_as_one_process(tmp_path):
     """Every optional feature of the step at once, at TP=4 over both processes and at PP=2 (a stage per
-    process) x TP=2: a draft model (speculative decoding), sampling controls, a regex; then a KV export
-    from process 0, imported back into the two-process engine and into a single-process one."""
+    process) x TP=2: a draft model (speculative decoding), sampling controls, a regex, n = 2, logprobs,
+    then a prefix-cache hit and a salted request kept apart from it; then a KV export from process 0,
+    imported back into the two-process engine and into a single-process one."""
     layouts = ["tp4", "pp2tp2"]
     rc, out = launch(["--num_processes=2", "--devices_per_process=2", "--", PY, WORKER, "--out", str(tmp_path),
                       "--features", "--layouts", *layouts], env_extra=FAST_FAILURE_ENV)
@@ -111,7 +112,9 @@ def test_two_processes_run_controls_grammars_draft_model_and_kv_transfer_as_one_
 
     single = worker.features_engine()
     jobs = worker.features_jobs()
-    want = worker.token_ids(single.generate([p for p, _ in jobs], [sp for _, sp in jobs]))
+    outputs = single.generate([p for p, _ in jobs], [sp for _, sp in jobs])
+    want, want_logprobs = worker.token_ids(outputs), worker.chosen_logprobs(outputs[-1])
+    want_again = worker.token_ids(single.generate(*worker.features_second_wave()))
     prompt, sp = worker.export_job()
     want_export = list(single.generate([prompt], sp)[0].outputs[0].token_ids)
     for layout in layouts:
@@ -119,6 +122,11 @@ def test_two_processes_run_controls_grammars_draft_model_and_kv_transfer_as_one_
         assert leader["tokens"] == want, layout
         assert follower["tokens"] == want, layout
         assert re.fullmatch(r"(def|class) [a-z_]{2,8}\(self\)", leader["texts"][4])  # the grammar held
+        assert len(leader["tokens"][6]) == 2  # n = 2
+        assert len(leader["logprobs"]) == 8
+        assert max(abs(a - b) for a, b in zip(leader["logprobs"], want_logprobs)) < 1e-4, layout
+        assert leader["again"] == want_again and follower["again"] == want_again, layout
+        assert leader["cached"][0] > 0 and leader["cached"][1] == 0, layout  # a prefix hit; the salt kept apart
         shipped = leader["shipped"]
         assert shipped["spec"]["drafted"] > 0 and shipped["spec"]["accepted"] > 0  # drafts verified, some kept
 
