@@ -12,6 +12,7 @@ sequence alone, without a cache, in fp32: max |logit diff| must stay < 1e-4.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -90,12 +91,19 @@ def scale_weights_(model, *, norm_center: float = 1.0, bias_std=None, embed_std:
                 p.normal_(0.0, 1.5 / math.sqrt(p.shape[-1]))
 
 
-def save_and_convert(model, tmp_path_factory, name: str):
+def save_and_convert(model, tmp_path_factory, name: str, edit_config=None):
     """(HF directory, converted directory, config, params): `model` saved by transformers, converted
-    in fp32 and loaded back."""
+    in fp32 and loaded back. `edit_config`, when given, rewrites the saved `config.json` dict before
+    conversion (e.g. to drop a field older exports do not write)."""
     hf_dir = str(tmp_path_factory.mktemp(f"hf_{name}"))
     out_dir = str(tmp_path_factory.mktemp(f"ours_{name}"))
     model.save_pretrained(hf_dir)
+    if edit_config is not None:
+        path = os.path.join(hf_dir, "config.json")
+        with open(path) as f:
+            hf = json.load(f)
+        with open(path, "w") as f:
+            json.dump(edit_config(hf), f)
     convert(hf_dir, out_dir, dtype="float32", progress=False)
     cfg, params = load_checkpoint(out_dir)
     return hf_dir, out_dir, cfg, params
