@@ -1,7 +1,8 @@
 """The decoder layer the mixture-of-experts families share (Mixtral, Qwen2-MoE, Qwen3-MoE).
 
 Attention is the dense families' block (`model.blocks.attention_block`: Qwen2's q/k/v
-biases with `cfg.attention_bias`, Qwen3's per-head q/k RMSNorm with `cfg.qk_norm`); the
+biases with `cfg.attention_bias`, Qwen3's per-head q/k RMSNorm with `cfg.qk_norm`, each
+layer's sliding window from `model.blocks.layer_inputs`); the
 MLP is `model.moe`'s router and experts, plus Qwen2-MoE's gated shared expert when
 `cfg.shared_expert_intermediate_size` is set. Every layer declares the same pytree (the
 optional weights are None in every layer or in none), so the layers can be stacked and
