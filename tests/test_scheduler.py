@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from conftest import run_to_completion, tiny_config
 from serving.core.engine import Engine, EngineConfig
-from serving.core.model_runner import StepResult
+from serving.core.model_runner import PendingStep, StepResult
 from serving.core.sampling_params import SamplingParams
 from serving.core.scheduler import Scheduler, SchedulerConfig
 from serving.core.block_manager import BlockManager
@@ -64,8 +64,8 @@ class FakeRunner:
     def warmup_stats(self):
         return None
 
-    def dispatch(self, batch) -> StepResult:  # runs at once: the engine takes a result as its own handle
-        return self.execute(batch)
+    def dispatch(self, batch) -> PendingStep:  # runs at once; the handle only hands the ids over
+        return PendingStep(self.execute(batch).ids)
 
     def execute(self, batch) -> StepResult:
         self.steps += 1
