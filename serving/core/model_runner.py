@@ -450,10 +450,6 @@ class ModelRunner:
         return self.layout is not None and not self.layout.replicated.is_fully_addressable
 
     # --- execution ---------------------------------------------------------------------------
-    def execute(self, batch: StepBatch) -> StepResult:
-        """Runs one step; blocks only on copying the sampled ids (and logprobs) back."""
-        return self.dispatch(batch).result()
-
     def dispatch(self, batch: StepBatch) -> "PendingStep":
         """Starts one step and returns at once (JAX dispatches asynchronously); the host
         may do other work until it calls `result()`, the one synchronisation point."""

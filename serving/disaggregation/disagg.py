@@ -226,11 +226,8 @@ def _route_handler(app: FastAPI, endpoint: str):
 
 
 def _transfer_engine(ctx, kt):
-    """(the engine, its KV dtype), or a 400 saying why this worker cannot ship or receive KV."""
+    """(the engine, its KV dtype): every runner ships and receives KV (any cache form, layout or mesh)."""
     engine = ctx.engine.engine
-    reason = kt.unsupported_reason(engine)
-    if reason:
-        raise P.APIError(reason, param="endpoint", code="kv_transfer_unsupported")
     return engine, engine.runner.kv_dtype
 
 

@@ -249,22 +249,6 @@ def token_slots(table: list[int], page_size: int, start: int, stop: int) -> np.n
     return np.asarray(table, np.int64)[pos // page_size] * page_size + pos % page_size
 
 
-def unsupported_reason(engine) -> Optional[str]:
-    """Why `engine` cannot export or import KV, or None when it can (every cache form: per-layer or stacked,
-    tensor-parallel, pipeline stages, int8 / fp8, in one process or over a mesh spanning several, where the
-    runner announces each gather and scatter to the other processes and a gather comes back replicated)."""
-    own = getattr(engine.runner, "kv_transfer_unsupported", None)
-    return own() if own is not None else None
-
-
-def _check_engine(engine) -> None:
-    from serving.core.sampling_params import InvalidParameterError
-
-    reason = unsupported_reason(engine)
-    if reason:
-        raise InvalidParameterError("prompt", f"prompt: {reason}")
-
-
 # --- what crosses between the engine and its callers ---------------------------------------------
 
 @dataclasses.dataclass
@@ -346,8 +330,8 @@ class Exporter:
         self.callback = callback
 
     def check(self, engine, req) -> None:
-        """Raises InvalidParameterError unless `engine` can export KV."""
-        _check_engine(engine)
+        """Every engine exports KV (any cache form, layout or mesh), and any request may be exported: nothing
+        to refuse. (The hooks' interface: `KVImport.check` does refuse an import that cannot resume its request.)"""
 
     def export(self, runner, req, table: list[int], first_token: int, result, row: int) -> None:
         """`table`: the pages of the prompt; `result`, `row`: the step's output and the first token's row."""
@@ -385,8 +369,7 @@ class KVImport:
             np.asarray(lp["top_logprobs"], np.float32)[None]))
 
     def check(self, engine, req) -> None:
-        """Raises InvalidParameterError unless `engine` can import KV and this import can resume `req`."""
-        _check_engine(engine)
+        """Raises InvalidParameterError unless this import can resume `req` (every engine imports KV)."""
         check_import(req, self)
 
     def write(self, runner, table: list[int], start: int, stop: int) -> None:
