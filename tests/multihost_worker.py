@@ -90,6 +90,19 @@ def die_at_step(llm, after: int) -> None:
 LAYOUTS = {"tp4": dict(tensor_parallel_size=4), "pp2tp2": dict(pipeline_parallel_size=2, tensor_parallel_size=2,
                                                                  num_microbatches=2)}
 
+# The variant run: the engine features of the composition matrix that change the model or its step, over
+# both processes at once: a mixture of experts whose every layer slides (Qwen3-MoE), int8 weights, an fp8
+# KV cache and prompt-lookup speculation, at TP=4 (experts split over the tensor devices).
+VCFG = CFG.replace(architecture="Qwen3MoeForCausalLM", qk_norm=True, num_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=32, moe_router="softmax_topk", norm_topk_prob=True, sliding_window=8)
+VARIANT_ENGINE = dict(ENGINE, weight_dtype="int8", kv_cache_dtype="fp8", speculative_method="ngram",
+                      num_speculative_tokens=3)
+
+
+def variant_engine(**layout) -> LLM:
+    return LLM(config=VCFG, params=init_params(VCFG, jax.random.key(12)), **VARIANT_ENGINE, **layout)
+
+
 # --- the features run: sampling controls, structured outputs, a draft model, KV transfer -----------
 # Bytes, BOS 256, EOS 257: the byte tokenizer a vocabulary of 258 or more gets (grammars, bad words).
 FCFG = CFG.replace(vocab_size=320, bos_token_id=256, eos_token_ids=(257,))
@@ -253,6 +266,7 @@ def main() -> None:
     ap.add_argument("--die_process", type=int, default=None)
     ap.add_argument("--die_after_steps", type=int, default=3)
     ap.add_argument("--features", action="store_true", help="the features run instead of the layouts")
+    ap.add_argument("--variant", action="store_true", help="after the layouts, the variant run at TP=4")
     args = ap.parse_args()
     distributed.initialize()  # before anything touches a device (the params below do)
     me = jax.process_index()
@@ -269,6 +283,12 @@ def main() -> None:
         outputs = llm.generate(prompts(), sampling(args.max_tokens))
         replayed = getattr(llm.multihost, "calls_by_kind", None)  # a follower's count of replayed calls
         result[name] = {"tokens": token_ids(outputs), "replayed": replayed}
+    if args.variant:
+        llm = variant_engine(**LAYOUTS["tp4"])
+        outputs = llm.generate(prompts(), sampling(args.max_tokens))
+        spec = llm.engine.spec.stats
+        result["variant"] = {"tokens": token_ids(outputs), "drafted": spec.num_draft_tokens,
+                             "replayed": getattr(llm.multihost, "calls_by_kind", None)}
     with open(os.path.join(args.out, f"p{me}.json"), "w") as f:
         json.dump(result, f)
     print(f"process {me} done", flush=True)

@@ -80,9 +80,11 @@ def reference_tokens():
 
 
 def test_two_processes_generate_matches_one_process(tmp_path, reference_tokens):
-    """TP=4 over both processes, then PP=2 (one stage per process) x TP=2 inside each, in one launch."""
+    """TP=4 over both processes, then PP=2 (one stage per process) x TP=2 inside each, with overlapped
+    scheduling; then a sliding-window mixture of experts with int8 weights, an fp8 KV cache and
+    prompt-lookup speculation at TP=4 (`worker.variant_engine`); all in one launch."""
     rc, out = launch(["--num_processes=2", "--devices_per_process=2", "--", PY, WORKER, "--out", str(tmp_path),
-                      "--layouts", "tp4", "pp2tp2"], env_extra=FAST_FAILURE_ENV)
+                      "--layouts", "tp4", "pp2tp2", "--variant"], env_extra=FAST_FAILURE_ENV)
     assert rc == 0, readable(out)
     for i in range(2):
         assert f"[p{i}] process {i} of 2: pp2tp2 over 2 local devices, 4 in all" in out
@@ -96,6 +98,10 @@ def test_two_processes_generate_matches_one_process(tmp_path, reference_tokens):
         replayed = follower[layout]["replayed"]
         assert replayed["step"] >= max(len(t[0]) for t in reference_tokens), layout
         assert replayed["copy"] >= 1, layout
+    single = worker.variant_engine()
+    want = worker.token_ids(single.generate(worker.prompts(), worker.sampling()))
+    assert leader["variant"]["tokens"] == want and follower["variant"]["tokens"] == want
+    assert leader["variant"]["drafted"] > 0 and follower["variant"]["replayed"]["step"] >= 1
 
 
 def test_two_processes_run_controls_grammars_draft_model_and_kv_transfer_as_one_process(tmp_path):
