@@ -224,25 +224,32 @@ class Drafts(NamedTuple):
     group_start: jax.Array  # [R] i32: the first row of the row's sequence (a row on its own: itself)
 
 
-def _row_context(state: ControlState, idx, drafts: Optional[Drafts]):
-    """Per row: its slot's output-token counts and last tokens, with the drafts before the row added."""
-    counts, recent = state.counts[idx], state.recent[idx]
+def _row_counts(state: ControlState, idx, drafts: Optional[Drafts]):
+    """Per row: its slot's output-token counts, plus one for each draft before the row in its group."""
+    counts = state.counts[idx]
     if drafts is None:
-        return counts, recent
-    R, L = recent.shape
+        return counts
+    R = counts.shape[0]
     rows = jnp.arange(R, dtype=jnp.int32)
-    before = rows - drafts.group_start  # drafts of the row's group that precede it
-    # counts: one per (row, earlier row of its group), every earlier row of a group carrying a draft
+    # one per (row, earlier row of its group), every earlier row of a group carrying a draft
     earlier = (rows[None, :] >= drafts.group_start[:, None]) & (rows[None, :] < rows[:, None])
     r_idx = jnp.broadcast_to(rows[:, None], (R, R))
     tok = jnp.broadcast_to(jnp.maximum(drafts.token, 0)[None, :], (R, R))
-    counts = counts.at[r_idx, tok].add(earlier.astype(counts.dtype))
-    # recent: the last L of (slot's recent tokens ++ the drafts before the row)
+    return counts.at[r_idx, tok].add(earlier.astype(counts.dtype))
+
+
+def _row_recent(state: ControlState, idx, drafts: Optional[Drafts]):
+    """Per row: the last output tokens of its slot followed by the drafts before the row (the last L)."""
+    recent = state.recent[idx]
+    if drafts is None:
+        return recent
+    R, L = recent.shape
+    rows = jnp.arange(R, dtype=jnp.int32)
     p = jnp.arange(L, dtype=jnp.int32)[None, :]
-    src = before[:, None] + p
+    src = (rows - drafts.group_start)[:, None] + p  # past the slot's L tokens: the drafts before the row
     from_recent = jnp.take_along_axis(recent, jnp.clip(src, 0, L - 1), axis=1)
     from_drafts = drafts.token[jnp.clip(rows[:, None] - L + p, 0, R - 1)]
-    return counts, jnp.where(src < L, from_recent, from_drafts)
+    return jnp.where(src < L, from_recent, from_drafts)
 
 
 def _bad_word_mask(state: ControlState, idx, recent, vocab: int):
@@ -259,7 +266,7 @@ def _apply_rows(logits, state: ControlState, slot, token_index, s, drafts):
     has = slot >= 0
     idx = jnp.maximum(slot, 0)
     vocab = logits.shape[-1]
-    counts, recent = _row_context(state, idx, drafts)
+    counts, recent = _row_counts(state, idx, drafts), _row_recent(state, idx, drafts)
     x = logits + state.bias[idx]
     x = jnp.where(_bad_word_mask(state, idx, recent, vocab), -jnp.inf, x)
     hold = (token_index < s.min_tokens)[:, None] & state.stop_mask[idx]
@@ -285,12 +292,12 @@ def record(state: ControlState, slot, ids, drafts: Optional[Drafts] = None) -> C
 
     A verifying sequence emits the accepted drafts and one more token; its rows hold them in order,
     so the counts take every emitted row, and the recent tokens are those its last emitted row saw
-    (`_row_context`: the slot's, then the accepted drafts) followed by that row's token."""
+    (`_row_recent`: the slot's, then the accepted drafts) followed by that row's token."""
     n = state.counts.shape[0]
     emitted = (slot >= 0) & (ids >= 0)
     tok = jnp.maximum(ids, 0)
     counts = state.counts.at[jnp.where(emitted, slot, n), tok].add(1, mode="drop")
-    _, recent = _row_context(state, jnp.maximum(slot, 0), drafts)
+    recent = _row_recent(state, jnp.maximum(slot, 0), drafts)
     last = emitted
     if drafts is not None:  # the last emitted row of its group writes the group's recent tokens
         nxt = jnp.concatenate([drafts.group_start[1:] == drafts.group_start[:-1], jnp.zeros((1,), bool)])
