@@ -2,7 +2,7 @@
 
 Per engine step, with speculation on:
 
-1. `propose()` (before scheduling) asks the proposer for up to k drafts for
+1. `propose()` (before scheduling, `before_schedule`) asks the proposer for up to k drafts for
    every running sequence that decodes next; they go to `scheduler.drafts`.
    A sequence is never given more drafts than its `max_tokens` and the
    context window leave room for.
@@ -10,13 +10,13 @@ Per engine step, with speculation on:
    off first: they could never be accepted.
 2. The scheduler gives such a decode 1 + k query tokens (the last token and
    the drafts) under the one token budget, and KV slots for all of them;
-   `pack_step` gives it k + 1 logit rows, with the drafts and (for a draft
-   model) where their distributions are (`draft_distributions()`).
+   `pack_step` gives it k + 1 logit rows with the drafts, and `pack` adds
+   where a draft model's distributions of them are.
 3. The engine's one step program (`serving.core.model_runner._step`) runs
    the target's forward over the whole ragged batch and verifies on device,
    row j's grammar mask and sampling controls seeing drafts 0..j-1; only the
    emitted ids come back.
-4. `verified_tokens()` rolls each verified sequence back to what was
+4. `new_tokens()` rolls each verified sequence back to what was
    accepted (`num_computed_tokens`, pages past it released) and yields the
    accepted tokens one at a time, so a stop condition met mid-way ends the
    sequence there and drops the rest.
@@ -144,10 +144,7 @@ class SpecDecoder(StepPart):
                 q_index[first:first + len(drafts)] = np.arange(base, base + len(drafts))
 
     # --- 4. keep what was accepted -----------------------------------------------------------
-    def new_tokens(self, out, sampled):
-        return self.verified_tokens(out, sampled)
-
-    def verified_tokens(self, out, ids):
+    def new_tokens(self, out, ids):
         """Yields (sequence, token, row) for verified sequences, appending each token just before."""
         st = self.stats
         row = 0
