@@ -37,8 +37,7 @@ from conftest import run_to_completion, tiny_config
 from model.params import init_params
 from model.tokenizer import ByteTokenizer
 from serving import LLM, SamplingParams
-from serving.disaggregation import kv_transfer as kt
-from serving.disaggregation import kv_wire
+from test_disagg_engine import prefill, submit_import
 
 V = 300  # a byte tokenizer's vocabulary fits (structured outputs need a tokenizer)
 BASE = tiny_config(vocab_size=V, max_position_embeddings=128)
@@ -127,7 +126,6 @@ def test_the_architecture_docs_show_each_excluded_pair_and_its_reason():
 TOKENIZER = ByteTokenizer(V)
 ALLOWED = sorted(set(TOKENIZER.encode("abcdefgh.", add_special_tokens=False)))
 GRAMMAR = r"[a-h]{3,6}\."
-KEYS = kv_wire.SigningKeys("composition")
 
 
 def job_params(features) -> SamplingParams:
@@ -175,30 +173,17 @@ def run_jobs(engine, jobs, wave: int) -> dict:
     return {rid.split("#")[0]: out for rid, out in run_to_completion(engine).items()}
 
 
-def export_prefill(engine, name, features, prompt) -> bytes:
-    """The job's prefill on `engine`, shipped as a signed payload."""
-    first = job_params(features).clone()
-    first.max_tokens, first.n, first.min_tokens = 1, 1, min(first.min_tokens, 1)  # the same first draw
-    exports = []
-    req = engine.make_request(f"{name}#export", prompt, first, cache_salt=salt_of(features, 1))
-    req.kv_export = kt.Exporter(exports.append)
-    engine.enqueue(req)
-    run_to_completion(engine)
-    (exp,) = exports
-    return kt.encode_payload(exp, engine.cfg, engine.runner.kv_dtype, KEYS)
-
-
 def import_and_decode(engine, name, features, prompt, payload: bytes):
-    header, body = kt.decode_payload(payload, KEYS, engine.cfg, engine.runner.kv_dtype, engine.max_model_len)
-    imp = kt.to_import(header, body, engine.cfg, engine.runner.kv_dtype)
+    """The job resumed on `engine` from a shipped prefill (one sample: a prefill continues one)."""
     params = job_params(features)
-    params.n = 1  # a shipped prefill continues one sample
-    req = engine.make_request(f"{name}#import", prompt, params, cache_salt=salt_of(features, 1))
-    kt.check_import(req, imp)
-    req.kv_import = imp
-    engine.enqueue(req)
+    params.n = 1
+    submit_import(engine, f"{name}#import", prompt, params, payload, cache_salt=salt_of(features, 1))
     (out,) = run_to_completion(engine).values()
     return out
+
+
+def export_prefill(engine, name, features, prompt) -> bytes:
+    return prefill(engine, f"{name}#export", prompt, job_params(features), cache_salt=salt_of(features, 1))
 
 
 # --- engines ---------------------------------------------------------------------------------------------
