@@ -54,8 +54,8 @@ async def _worker_counters(client, workers) -> dict[str, tuple[float, float]]:
     out = {}
     for w in workers:
         text = (await client.get(w.url + "/metrics")).text
-        out[w.url] = (_sum_metric(text, "ridgeline:prefix_cache_hits_total"),
-                      _sum_metric(text, "ridgeline:prefix_cache_queries_total"))
+        out[w.url] = (_sum_metric(text, "vllm:prefix_cache_hits_total"),
+                      _sum_metric(text, "vllm:prefix_cache_queries_total"))
     return out
 
 

@@ -152,7 +152,7 @@ def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window
                                  kv_bytes_per_token=_kv_bytes_per_token(engine))
     async_engine = AsyncEngine(engine)
     metrics = ServerMetrics(async_engine, model_name, cost, peak, metrics_window_s,
-                            engine.config.max_num_batched_tokens).attach()
+                            max_model_len=engine.max_model_len).attach()
     fastapi_app = create_app(async_engine, llm.tokenizer, model_name, engine.max_model_len, metrics,
                              vocab_size=llm.config.vocab_size, profile_dir=profile_dir, api_keys=api_keys,
                              kv_transfer_secret=kv_transfer_secret, tool_call_parser=tool_call_parser)

@@ -46,7 +46,10 @@ def workers(tmp_path_factory):
 
 
 def _metric(url, name):
-    return metric_value(httpx.get(url + "/metrics", timeout=30).text, f"ridgeline:{name}", require=True)
+    from serving.api.http_metrics import BY_NAME
+
+    full = f"vllm:{name}" if f"vllm:{name}" in BY_NAME else f"ridgeline:{name}"
+    return metric_value(httpx.get(url + "/metrics", timeout=30).text, full, require=True)
 
 
 def _sse_text(lines, chat):

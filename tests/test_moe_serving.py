@@ -58,7 +58,7 @@ def test_the_server_serves_a_moe_model_and_counts_active_parameters(params):
         cost = thread.metrics.window.cost
     finally:
         thread.stop()
-    assert metric_value(text, "ridgeline:generation_tokens", require=True) >= 40
+    assert metric_value(text, "vllm:generation_tokens", require=True) >= 40
     # MFU prices a token at its active weights: the routed experts it uses and the shared one, not all four.
     untied, norms = CFG.vocab_size * CFG.hidden_size, CFG.hidden_size * (2 * CFG.num_layers + 1)
     assert cost.flops_per_token == 2.0 * (active_params(CFG) - untied - norms)

@@ -23,7 +23,7 @@ WORKER_FLAGS = ["--max_num_seqs=4", "--max_num_batched_tokens=16", "--min_token_
 
 
 def _hits(worker) -> float:
-    return metric_value(httpx.get(worker.url + "/metrics", timeout=30).text, "ridgeline:prefix_cache_hits_total")
+    return metric_value(httpx.get(worker.url + "/metrics", timeout=30).text, "vllm:prefix_cache_hits_total")
 
 
 def _routed(router) -> dict[str, float]:
@@ -83,7 +83,7 @@ def test_a_client_disconnect_aborts_the_request_on_the_worker(fleet):
     router = fleet.start_router(["--policy=round_robin", "--page_size=16", "--check_interval_s=0.5"])
 
     def aborted():
-        return sum(metric_value(httpx.get(w.url + "/metrics", timeout=30).text, "ridgeline:request_success_total",
+        return sum(metric_value(httpx.get(w.url + "/metrics", timeout=30).text, "vllm:request_success_total",
                             finished_reason="abort") for w in fleet.workers)
 
     try:

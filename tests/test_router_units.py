@@ -157,9 +157,9 @@ def test_unknown_policy_is_a_clear_error():
 
 
 def test_worker_metrics_are_parsed():
-    text = ('# TYPE ridgeline:num_requests_running gauge\nridgeline:num_requests_running{model_name="m"} 2.0\n'
-            '# TYPE ridgeline:num_requests_waiting gauge\nridgeline:num_requests_waiting{model_name="m"} 5.0\n'
-            '# TYPE ridgeline:kv_cache_usage_perc gauge\nridgeline:kv_cache_usage_perc{model_name="m"} 0.25\n'
+    text = ('# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m",engine="0"} 2.0\n'
+            '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name="m",engine="0"} 5.0\n'
+            '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{model_name="m",engine="0"} 0.25\n'
             '# TYPE ridgeline:kv_cache_pages_total gauge\nridgeline:kv_cache_pages_total{model_name="m"} 64.0\n'
             '# TYPE ridgeline:kv_cache_page_size gauge\nridgeline:kv_cache_page_size{model_name="m"} 8.0\n')
     assert parse_worker_metrics(text) == {"running": 2, "waiting": 5, "kv_usage": 0.25, "pages_total": 64,

@@ -55,7 +55,8 @@ class Server:
         out = {}
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
-                out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))] = s.value
+                labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "engine")))
+                out[(s.name, labels)] = s.value
         return out
 
     def wait_idle(self, timeout=60.0) -> dict:
@@ -63,8 +64,8 @@ class Server:
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            idle = (m[("ridgeline:num_requests_running", ())] == 0 and m[("ridgeline:num_requests_waiting", ())] == 0
-                    and m[("ridgeline:kv_cache_usage_perc", ())] == 0)
+            idle = (m[("vllm:num_requests_running", ())] == 0 and m[("vllm:num_requests_waiting", ())] == 0
+                    and m[("vllm:kv_cache_usage_perc", ())] == 0)
             if idle or time.monotonic() > deadline:
                 return m
             time.sleep(0.05)
@@ -271,7 +272,7 @@ def test_bad_inputs_get_400_and_the_server_keeps_serving(server, stream):
     r = server.client.completions.create(model=MODEL, prompt="x = 1", max_tokens=3, temperature=0)
     assert r.usage.completion_tokens == 3
     m = server.wait_idle()
-    assert m[("ridgeline:kv_cache_usage_perc", ())] == 0
+    assert m[("vllm:kv_cache_usage_perc", ())] == 0
 
 
 def test_internal_kv_routes_do_not_exist_without_a_secret(server):
@@ -294,7 +295,7 @@ def test_internal_kv_routes_do_not_exist_without_a_secret(server):
 
 def test_client_disconnect_aborts_and_frees_kv(server):
     before = server.metrics()
-    aborted = ("ridgeline:request_success_total", (("finished_reason", "abort"),))
+    aborted = ("vllm:request_success_total", (("finished_reason", "abort"),))
     streams = [server.client.completions.create(model=MODEL, prompt=p, max_tokens=MAX_LEN - 32, temperature=0,
                                                 stream=True, extra_body={"ignore_eos": True})
                for p in REF_PROMPTS]
@@ -303,14 +304,14 @@ def test_client_disconnect_aborts_and_frees_kv(server):
         next(it)
         next(it)
     mid = server.metrics()
-    assert mid[("ridgeline:num_requests_running", ())] + mid[("ridgeline:num_requests_waiting", ())] == 3
-    assert mid[("ridgeline:kv_cache_usage_perc", ())] > 0
+    assert mid[("vllm:num_requests_running", ())] + mid[("vllm:num_requests_waiting", ())] == 3
+    assert mid[("vllm:kv_cache_usage_perc", ())] > 0
     for s in streams:
         s.close()
     m = server.wait_idle()
-    assert m[("ridgeline:num_requests_running", ())] == 0
-    assert m[("ridgeline:num_requests_waiting", ())] == 0
-    assert m[("ridgeline:kv_cache_usage_perc", ())] == 0
+    assert m[("vllm:num_requests_running", ())] == 0
+    assert m[("vllm:num_requests_waiting", ())] == 0
+    assert m[("vllm:kv_cache_usage_perc", ())] == 0
     # The aborts are counted once the engine steps again.
     server.client.completions.create(model=MODEL, prompt="a", max_tokens=1)
     assert server.metrics()[aborted] - before[aborted] == 3
@@ -341,39 +342,63 @@ def test_load_64_concurrent_streams(server):
     assert not errors, errors[:3]
     assert results == [("length", 4)] * 64
     m = server.wait_idle()
-    assert m[("ridgeline:num_requests_running", ())] == 0
-    assert m[("ridgeline:num_requests_waiting", ())] == 0
-    assert m[("ridgeline:kv_cache_usage_perc", ())] == 0
-    assert m[("ridgeline:generation_tokens_total", ())] - before[("ridgeline:generation_tokens_total", ())] == 256
-    ok = ("ridgeline:request_success_total", (("finished_reason", "length"),))
+    assert m[("vllm:num_requests_running", ())] == 0
+    assert m[("vllm:num_requests_waiting", ())] == 0
+    assert m[("vllm:kv_cache_usage_perc", ())] == 0
+    assert m[("vllm:generation_tokens_total", ())] - before[("vllm:generation_tokens_total", ())] == 256
+    ok = ("vllm:request_success_total", (("finished_reason", "length"),))
     assert m[ok] - before[ok] == 64
 
 
 # --- metrics -------------------------------------------------------------------------------------
 
 
-def test_metrics_follow_the_requests(server):
+def test_metrics_follow_the_requests_as_vllm_defines_them(server):
+    """A short workload (one request, one with n=2), then /metrics parsed with the Prometheus client's parser:
+    vLLM's metrics moved by what vLLM's definitions say."""
     before = server.metrics()
-    r = server.client.completions.create(model=MODEL, prompt="for i in range(10):", max_tokens=7, temperature=0,
+    shared = "for i in range(10):\n    print(i * i)\n"  # two pages: the second request hits the prefix cache
+    r = server.client.completions.create(model=MODEL, prompt=shared, max_tokens=7, temperature=0,
                                          extra_body={"ignore_eos": True})
+    r2 = server.client.completions.create(model=MODEL, prompt=shared + "while True:", max_tokens=5, n=2,
+                                          temperature=0.8, seed=3, extra_body={"ignore_eos": True})
     m = server.wait_idle()
     delta = lambda key: m[key] - before.get(key, 0)  # noqa: E731
-    assert delta(("ridgeline:generation_tokens_total", ())) == 7
-    assert delta(("ridgeline:prompt_tokens_total", ())) == r.usage.prompt_tokens
-    assert delta(("ridgeline:time_to_first_token_seconds_count", ())) == 1
-    assert delta(("ridgeline:inter_token_latency_seconds_count", ())) == 6
-    assert delta(("ridgeline:e2e_request_latency_seconds_count", ())) == 1
-    assert delta(("ridgeline:request_queue_time_seconds_count", ())) == 1
-    assert delta(("ridgeline:iteration_tokens_total_sum", ())) >= r.usage.prompt_tokens + 6
-    assert delta(("ridgeline:prefix_cache_queries_total", ())) >= delta(("ridgeline:prefix_cache_hits_total", ()))
-    for name in ("ridgeline:num_preemptions_total", "ridgeline:kv_cache_usage_perc",
+    hist = lambda name, suffix="count": delta((f"vllm:{name}_{suffix}", ()))  # noqa: E731
+    assert delta(("vllm:generation_tokens_total", ())) == 7 + 2 * 5
+    assert delta(("vllm:prompt_tokens_total", ())) == r.usage.prompt_tokens + r2.usage.prompt_tokens
+    assert delta(("vllm:request_success_total", (("finished_reason", "length"),))) == 2
+    assert hist("time_to_first_token_seconds") == 2  # one per request
+    assert hist("inter_token_latency_seconds") == 6 + 2 * 4  # one per token after a sequence's first
+    for name in ("e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds", "request_prompt_tokens",
+                 "request_generation_tokens", "request_params_n", "request_params_max_tokens",
+                 "request_max_num_generation_tokens", "request_time_per_output_token_seconds"):
+        assert hist(name) == 2, name
+    # The phases add up: prefill (scheduled -> first token) + decode (first -> last token) = inference, and
+    # queue + inference fit inside end-to-end.
+    assert hist("request_prefill_time_seconds", "sum") + hist("request_decode_time_seconds", "sum") == \
+        pytest.approx(hist("request_inference_time_seconds", "sum"))
+    assert hist("request_queue_time_seconds", "sum") + hist("request_inference_time_seconds", "sum") <= \
+        hist("e2e_request_latency_seconds", "sum") + 1e-6
+    assert hist("request_generation_tokens", "sum") == 7 + 2 * 5
+    assert hist("request_params_max_tokens", "sum") == 7 + 5
+    assert hist("request_params_n", "sum") == 3 and delta(("vllm:request_params_n_bucket", (("le", "1.0"),))) == 1
+    assert hist("iteration_tokens_total", "sum") >= r.usage.prompt_tokens + 6
+    assert delta(("vllm:prefix_cache_queries_total", ())) >= delta(("vllm:prefix_cache_hits_total", ())) > 0
+    for name in ("vllm:num_preemptions_total", "vllm:kv_cache_usage_perc",
                  "ridgeline:model_bandwidth_utilization", "ridgeline:model_flops_utilization"):
         assert (name, ()) in m, name
     assert m[("ridgeline:kv_cache_page_size", ())] == ENGINE["page_size"]  # what a router hashes blocks by
     assert 0 < m[("ridgeline:model_bandwidth_utilization", ())]
     assert 0 < m[("ridgeline:model_flops_utilization", ())]
-    text = httpx.get(server.url + "/metrics").text
-    assert 'model_name="%s"' % MODEL in text and "vllm:" not in text
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
+    assert families["vllm:num_requests_running"].type == "gauge"
+    assert families["vllm:prefix_cache_hits"].type == "counter"
+    assert families["vllm:time_to_first_token_seconds"].type == "histogram"
+    assert families["vllm:num_requests_waiting"].samples[0].labels == {"model_name": MODEL, "engine": "0"}
+    assert families["ridgeline:kv_cache_pages_total"].samples[0].labels == {"model_name": MODEL}
+    assert "ridgeline:num_requests_running" not in families  # each metric under one name only
 
 
 def test_serve_bench_against_the_server(server, tmp_path):

@@ -51,7 +51,7 @@ def test_the_binary_starts_logs_its_setup_serves_and_stops(tmp_path):
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
         assert httpx.get(url + "/health", timeout=30).json()["status"] in ("warming", "ready")
         metrics = httpx.get(url + "/metrics", timeout=30).text
-        assert 'ridgeline:generation_tokens_total{model_name="tiny-server"} 5.0' in metrics
+        assert 'vllm:generation_tokens_total{engine="0",model_name="tiny-server"} 5.0' in metrics
         assert "ridgeline:model_bandwidth_utilization" in metrics  # peaks came from the flags
     finally:
         proc.send_signal(signal.SIGINT)

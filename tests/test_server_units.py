@@ -118,46 +118,78 @@ def _samples(metrics: ServerMetrics) -> dict:
     for fam in text_string_to_metric_families(body.decode()):
         for s in fam.samples:
             assert s.labels["model_name"] == "m"
-            out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))] = s.value
+            assert s.labels.get("engine") == ("0" if s.name.startswith("vllm:") else None)
+            out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "engine"))))] = \
+                s.value
     return out
 
 
-def test_metrics_export_uses_vllm_names_with_the_ridgeline_prefix():
+def test_metrics_export_uses_vllm_names_types_and_buckets():
     engine = _FakeEngine()
     cost = ModelCost(weight_bytes=1e6, kv_bytes_per_token=10.0, flops_per_token=2e6)
-    metrics = ServerMetrics(engine, "m", cost, DevicePeak("x", 1e9, 1e12), window_s=5.0,
-                            max_num_batched_tokens=64).attach()
+    metrics = ServerMetrics(engine, "m", cost, DevicePeak("x", 1e9, 1e12), window_s=5.0, max_model_len=300).attach()
     (listener,) = engine.listeners
     listener(IterationStats(step=0, num_tokens=40, num_seqs=3, num_prompt_tokens=38, num_generation_tokens=2,
                             kv_tokens_read=100, host_seconds=0.001, device_seconds=0.01, num_preemptions=0,
                             time_to_first_tokens=[0.02, 0.3], inter_token_latencies=[0.01],
-                            finished=[FinishedRequestStats("a", "stop", 1.5, 0.25, 30, 2)]))
+                            finished=[FinishedRequestStats("a", "stop", 1.5, 0.25, 30, 3, prefill_time=0.75,
+                                                           decode_time=0.5, inference_time=1.25, n=2,
+                                                           max_tokens=16)]))
     s = _samples(metrics)
-    assert s[("ridgeline:num_requests_running", ())] == 2
-    assert s[("ridgeline:num_requests_waiting", ())] == 5
-    assert s[("ridgeline:kv_cache_usage_perc", ())] == 0.25
-    assert s[("ridgeline:num_preemptions_total", ())] == 3
-    assert s[("ridgeline:prefix_cache_queries_total", ())] == 400
-    assert s[("ridgeline:prefix_cache_hits_total", ())] == 160
-    assert s[("ridgeline:prompt_tokens_total", ())] == 900
-    assert s[("ridgeline:generation_tokens_total", ())] == 77
-    assert s[("ridgeline:request_success_total", (("finished_reason", "stop"),))] == 4
-    assert s[("ridgeline:request_success_total", (("finished_reason", "abort"),))] == 1
-    assert s[("ridgeline:request_success_total", (("finished_reason", "length"),))] == 0
-    assert s[("ridgeline:time_to_first_token_seconds_count", ())] == 2
-    assert s[("ridgeline:time_to_first_token_seconds_bucket", (("le", "0.025"),))] == 1
-    assert s[("ridgeline:time_to_first_token_seconds_sum", ())] == pytest.approx(0.32)
-    assert s[("ridgeline:inter_token_latency_seconds_count", ())] == 1
-    assert s[("ridgeline:e2e_request_latency_seconds_sum", ())] == 1.5
-    assert s[("ridgeline:request_queue_time_seconds_sum", ())] == 0.25
-    assert s[("ridgeline:iteration_tokens_total_bucket", (("le", "32.0"),))] == 0
-    assert s[("ridgeline:iteration_tokens_total_bucket", (("le", "64.0"),))] == 1
-    assert s[("ridgeline:request_prompt_tokens_sum", ())] == 30
+    assert s[("vllm:num_requests_running", ())] == 2
+    assert s[("vllm:num_requests_waiting", ())] == 5
+    assert s[("vllm:kv_cache_usage_perc", ())] == 0.25
+    assert s[("vllm:num_preemptions_total", ())] == 3
+    assert s[("vllm:prefix_cache_queries_total", ())] == 400
+    assert s[("vllm:prefix_cache_hits_total", ())] == 160
+    assert s[("vllm:prompt_tokens_total", ())] == 900
+    assert s[("vllm:generation_tokens_total", ())] == 77
+    assert s[("vllm:request_success_total", (("finished_reason", "stop"),))] == 4
+    assert s[("vllm:request_success_total", (("finished_reason", "abort"),))] == 1
+    assert s[("vllm:request_success_total", (("finished_reason", "length"),))] == 0
+    assert s[("vllm:time_to_first_token_seconds_count", ())] == 2
+    assert s[("vllm:time_to_first_token_seconds_bucket", (("le", "0.02"),))] == 1  # vLLM's bucket bounds
+    assert s[("vllm:time_to_first_token_seconds_bucket", (("le", "2560.0"),))] == 2
+    assert s[("vllm:time_to_first_token_seconds_sum", ())] == pytest.approx(0.32)
+    assert s[("vllm:inter_token_latency_seconds_count", ())] == 1
+    assert s[("vllm:e2e_request_latency_seconds_sum", ())] == 1.5
+    assert s[("vllm:e2e_request_latency_seconds_bucket", (("le", "7680.0"),))] == 1
+    assert s[("vllm:request_queue_time_seconds_sum", ())] == 0.25
+    assert s[("vllm:request_prefill_time_seconds_sum", ())] == 0.75
+    assert s[("vllm:request_decode_time_seconds_sum", ())] == 0.5
+    assert s[("vllm:request_inference_time_seconds_sum", ())] == 1.25
+    assert s[("vllm:request_time_per_output_token_seconds_sum", ())] == 0.25  # 0.5 s over 2 gaps
+    assert s[("vllm:request_params_n_bucket", (("le", "1.0"),))] == 0
+    assert s[("vllm:request_params_n_bucket", (("le", "2.0"),))] == 1
+    assert s[("vllm:request_params_max_tokens_sum", ())] == 16
+    assert s[("vllm:iteration_tokens_total_bucket", (("le", "32.0"),))] == 0
+    assert s[("vllm:iteration_tokens_total_bucket", (("le", "64.0"),))] == 1
+    assert s[("vllm:iteration_tokens_total_bucket", (("le", "16384.0"),))] == 1
+    assert s[("vllm:request_prompt_tokens_sum", ())] == 30
+    # 1-2-5 buckets up to the context length (300): ..., 100, 200, then +Inf.
+    bounds = [dict(k[1])["le"] for k in s if k[0] == "vllm:request_prompt_tokens_bucket"]
+    assert bounds == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "200.0", "+Inf"]
+    assert s[("ridgeline:kv_cache_pages_total", ())] == 120
+    assert s[("ridgeline:num_steps_total", ())] == 12
     assert s[("ridgeline:model_bandwidth_utilization", ())] > 0
     assert s[("ridgeline:model_flops_utilization", ())] > 0
     assert not any(name.endswith("_created") for name, _ in s)
     # Without peak figures the two gauges are absent, not zero.
     assert ("ridgeline:model_bandwidth_utilization", ()) not in _samples(ServerMetrics(_FakeEngine(), "m", cost))
+
+
+def test_metric_table_declares_each_name_once_and_types_match_the_scrape():
+    from serving.api.http_metrics import METRICS
+
+    names = [m.name for m in METRICS]
+    assert len(names) == len(set(names))
+    assert all(m.name.startswith(("vllm:", "ridgeline:")) for m in METRICS)
+    engine = _FakeEngine()
+    body, _ = ServerMetrics(engine, "m", ModelCost(1e6, 10.0, 2e6), DevicePeak("x", 1e9, 1e12)).render()
+    types = {f.name: f.type for f in text_string_to_metric_families(body.decode())}
+    for m in METRICS:
+        if m.name in types:
+            assert types[m.name] == m.kind, m.name
 
 
 # --- chat templates ----------------------------------------------------------------------------

@@ -232,12 +232,12 @@ def test_spec_metrics_in_stats_and_prometheus(params):
     fake = _FakeEngine()
     fake.snapshot.spec_decode = st
     s = _samples(ServerMetrics(fake, "m"))
-    assert s[("ridgeline:spec_decode_num_drafts_total", ())] == st.num_drafts
-    assert s[("ridgeline:spec_decode_num_draft_tokens_total", ())] == st.num_draft_tokens
-    assert s[("ridgeline:spec_decode_num_accepted_tokens_total", ())] == st.num_accepted_tokens
+    assert s[("vllm:spec_decode_num_drafts_total", ())] == st.num_drafts
+    assert s[("vllm:spec_decode_num_draft_tokens_total", ())] == st.num_draft_tokens
+    assert s[("vllm:spec_decode_num_accepted_tokens_total", ())] == st.num_accepted_tokens
     assert s[("ridgeline:spec_decode_draft_acceptance_rate", ())] == pytest.approx(st.acceptance_rate)
     assert s[("ridgeline:spec_decode_mean_tokens_per_pass", ())] == pytest.approx(st.mean_tokens_per_pass)
-    assert s[("ridgeline:spec_decode_num_accepted_tokens_per_pos_total", (("position", "0"),))] == \
+    assert s[("vllm:spec_decode_num_accepted_tokens_per_pos_total", (("position", "0"),))] == \
         st.accepted_per_position[0]
     fake.snapshot.spec_decode = None  # speculation off: no spec series
     assert not [k for k in _samples(ServerMetrics(fake, "m")) if "spec_decode" in k[0]]

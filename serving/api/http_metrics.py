@@ -1,9 +1,14 @@
-"""Prometheus metrics for the server, named as vLLM names them with `ridgeline:` in place of `vllm:`.
+"""The /metrics registry: vLLM's metrics under vLLM's exact names, and what vLLM lacks under `ridgeline:`.
 
-Dashboards and alerts written for vLLM can be re-pointed by replacing the
-prefix. Every series carries a `model_name` label, as vLLM's do.
+Every exported metric is one row of `METRICS`. Dashboards, alerts and
+endpoint pickers built on vLLM's names (`vllm:num_requests_waiting`,
+`vllm:kv_cache_usage_perc`, ...) read this server unchanged: same names,
+types, help, `model_name` and `engine` labels, and histogram buckets as
+vLLM's V1 engine (vllm/v1/metrics/loggers.py).
 
-Besides vLLM's set, two gauges no other engine exports:
+Besides vLLM's set, the `ridgeline:` metrics: KV pool size in pages and page
+size (what the router needs), step and warm-up compile counts, the
+speculative-decoding ratios, and two gauges no other engine exports:
 
   ridgeline:model_bandwidth_utilization   MBU over the last window: bytes the
       forward passes had to read (the weights once per step, plus every live
@@ -26,9 +31,7 @@ import collections
 import dataclasses
 import threading
 import time
-from typing import Optional
-
-from kernels_pallas.pow2 import powers_of_two
+from typing import Callable, Optional
 
 # --- device peaks ----------------------------------------------------------------------------
 
@@ -190,34 +193,192 @@ class UtilizationWindow:
 
 
 # --- the Prometheus side ---------------------------------------------------------------------
+#
+# Every exported metric is one row of METRICS: its full name, type, help, where its values come
+# from, and (histograms) its buckets. Those vLLM exports are under vLLM's exact names, types,
+# labels (`model_name`, `engine`) and buckets (vllm/v1/metrics/loggers.py), so dashboards, alerts
+# and endpoint pickers written for vLLM read this server unchanged; what vLLM does not export is
+# under `ridgeline:` (labelled `model_name` only).
 
+VLLM = "vllm:"
 PREFIX = "ridgeline:"
-
-# Log-spaced latency buckets (seconds): fine where interactive serving lives, coarse in the tail.
-_TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 25.0,
-                 50.0, 100.0, 250.0, 1000.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
-                25.0, 100.0)
-_REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 3600.0)
-_QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1200.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
+# vLLM's buckets.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
 
-def _token_buckets(max_tokens: int) -> tuple[float, ...]:
-    return tuple(float(b) for b in powers_of_two(max_tokens))
+
+def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's buckets of per-request token counts)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
+@dataclasses.dataclass(frozen=True)
+class Metric:
+    """One exported metric.
+
+    `value`: a gauge's or counter's value from an `EngineStats` snapshot (a number, or a dict
+    {label values: number} for metrics with `labels`; None leaves the metric out of the scrape);
+    a histogram's observations from one step's `IterationStats` (an iterable of numbers).
+    `buckets`: a histogram's upper bounds, or a function of the model's context length.
+    """
+
+    name: str  # as exported (a counter gets `_total` appended by the client library)
+    kind: str  # "gauge" | "counter" | "histogram"
+    doc: str
+    value: Callable
+    buckets: object = None
+    labels: tuple = ()  # labels beyond the standard ones
+
+    @property
+    def is_vllm(self) -> bool:
+        return self.name.startswith(VLLM)
+
+    @property
+    def standard_labels(self) -> tuple[str, ...]:
+        return ("model_name", "engine") if self.is_vllm else ("model_name",)
+
+
+def _finished(field: str):
+    return lambda it: [getattr(f, field) for f in it.finished if getattr(f, field) is not None]
+
+
+def _per_output_token(it):
+    return [f.decode_time / (f.generation_tokens - 1) for f in it.finished
+            if f.decode_time is not None and f.generation_tokens > 1]
+
+
+def _spec(attr: str):
+    return lambda s: None if getattr(s, "spec_decode", None) is None else getattr(s.spec_decode, attr)
+
+
+def _warmup(attr: str):
+    return lambda s: None if getattr(s, "warmup", None) is None else getattr(s.warmup, attr)
+
+
+def _finished_by_reason(s) -> dict:
+    reasons = dict.fromkeys(FINISH_REASONS, 0)
+    reasons.update(s.finished_by_reason)
+    return {(str(r),): n for r, n in sorted(reasons.items())}
+
+
+def _accepted_per_position(s):
+    sd = getattr(s, "spec_decode", None)
+    return None if sd is None else {(str(j),): n for j, n in enumerate(sd.accepted_per_position)}
+
+
+METRICS: tuple[Metric, ...] = (
+    # --- vLLM's, read from the engine at scrape time
+    Metric(VLLM + "num_requests_running", "gauge", "Number of requests in model execution batches.",
+           lambda s: s.num_running),
+    Metric(VLLM + "num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
+           lambda s: s.num_waiting),
+    Metric(VLLM + "kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
+           lambda s: s.kv_cache_usage),
+    Metric(VLLM + "prefix_cache_queries", "counter", "Prefix cache queries, in terms of number of queried tokens.",
+           lambda s: s.prefix_cache_queried_tokens),
+    Metric(VLLM + "prefix_cache_hits", "counter", "Prefix cache hits, in terms of number of cached tokens.",
+           lambda s: s.prefix_cache_hit_tokens),
+    Metric(VLLM + "num_preemptions", "counter", "Cumulative number of preemption from the engine.",
+           lambda s: s.num_preemptions),
+    Metric(VLLM + "prompt_tokens", "counter", "Number of prefill tokens processed.", lambda s: s.prompt_tokens),
+    Metric(VLLM + "generation_tokens", "counter", "Number of generation tokens processed.",
+           lambda s: s.generation_tokens),
+    Metric(VLLM + "request_success", "counter", "Count of successfully processed requests.", _finished_by_reason,
+           labels=("finished_reason",)),
+    Metric(VLLM + "spec_decode_num_drafts", "counter", "Number of spec decoding drafts.", _spec("num_drafts")),
+    Metric(VLLM + "spec_decode_num_draft_tokens", "counter", "Number of draft tokens.", _spec("num_draft_tokens")),
+    Metric(VLLM + "spec_decode_num_accepted_tokens", "counter", "Number of accepted tokens.",
+           _spec("num_accepted_tokens")),
+    Metric(VLLM + "spec_decode_num_accepted_tokens_per_pos", "counter", "Accepted tokens per draft position.",
+           _accepted_per_position, labels=("position",)),
+    # --- vLLM's, fed after every step
+    Metric(VLLM + "time_to_first_token_seconds", "histogram", "Histogram of time to first token in seconds.",
+           lambda it: it.time_to_first_tokens, TTFT_BUCKETS),
+    Metric(VLLM + "inter_token_latency_seconds", "histogram", "Histogram of inter-token latency in seconds.",
+           lambda it: it.inter_token_latencies, ITL_BUCKETS),
+    Metric(VLLM + "request_time_per_output_token_seconds", "histogram",
+           "Histogram of time_per_output_token_seconds per request.", _per_output_token, ITL_BUCKETS),
+    Metric(VLLM + "e2e_request_latency_seconds", "histogram", "Histogram of e2e request latency in seconds.",
+           _finished("e2e_latency"), REQUEST_LATENCY_BUCKETS),
+    Metric(VLLM + "request_queue_time_seconds", "histogram", "Histogram of time spent in WAITING phase for request.",
+           _finished("queue_time"), REQUEST_LATENCY_BUCKETS),
+    Metric(VLLM + "request_inference_time_seconds", "histogram",
+           "Histogram of time spent in RUNNING phase for request.", _finished("inference_time"),
+           REQUEST_LATENCY_BUCKETS),
+    Metric(VLLM + "request_prefill_time_seconds", "histogram",
+           "Histogram of time spent in PREFILL phase for request.", _finished("prefill_time"),
+           REQUEST_LATENCY_BUCKETS),
+    Metric(VLLM + "request_decode_time_seconds", "histogram", "Histogram of time spent in DECODE phase for request.",
+           _finished("decode_time"), REQUEST_LATENCY_BUCKETS),
+    Metric(VLLM + "request_prompt_tokens", "histogram", "Number of prefill tokens processed.",
+           _finished("prompt_tokens"), buckets_1_2_5),
+    Metric(VLLM + "request_generation_tokens", "histogram", "Number of generation tokens processed.",
+           _finished("generation_tokens"), buckets_1_2_5),
+    Metric(VLLM + "request_max_num_generation_tokens", "histogram",
+           "Histogram of maximum number of requested generation tokens.", _finished("max_tokens"), buckets_1_2_5),
+    Metric(VLLM + "request_params_n", "histogram", "Histogram of the n request parameter.", _finished("n"),
+           N_BUCKETS),
+    Metric(VLLM + "request_params_max_tokens", "histogram", "Histogram of the max_tokens request parameter.",
+           _finished("max_tokens"), buckets_1_2_5),
+    Metric(VLLM + "iteration_tokens_total", "histogram", "Histogram of number of tokens per engine_step.",
+           lambda it: [it.num_tokens] if it.num_tokens else [], ITERATION_TOKEN_BUCKETS),
+    # --- what vLLM does not export
+    Metric(PREFIX + "kv_cache_pages_used", "gauge", "KV-cache pages in use.", lambda s: s.kv_pages_used),
+    Metric(PREFIX + "kv_cache_pages_total", "gauge", "KV-cache pages in the pool.", lambda s: s.kv_pages_total),
+    Metric(PREFIX + "kv_cache_page_size", "gauge", "Tokens per KV-cache page (the block size of prefix caching).",
+           lambda s: s.page_size),
+    Metric(PREFIX + "num_steps", "counter", "Engine steps run.", lambda s: s.num_steps),
+    Metric(PREFIX + "warmup_step_executables", "gauge", "Step buckets the warm-up compiles.", _warmup("total")),
+    Metric(PREFIX + "warmup_step_executables_compiled", "gauge", "Of those, compiled so far (the rest compile in "
+           "the background while the server serves).", _warmup("compiled")),
+    Metric(PREFIX + "warmup_step_executables_quick", "gauge", "Of those, compiled quickly (slower steps) and "
+           "waiting for their full compile in the background.", _warmup("quick")),
+    Metric(PREFIX + "steps_in_larger_bucket", "counter", "Steps run in a larger bucket than their own because "
+           "their own was not compiled yet.", _warmup("steps_in_larger_bucket")),
+    Metric(PREFIX + "compiles_after_ready", "counter", "Step buckets compiled on demand after warm-up (0 unless a "
+           "shape escaped the bucket set).", _warmup("compiles_after_ready")),
+    Metric(PREFIX + "spec_decode_num_emitted_tokens", "counter", "Tokens produced by verifying passes (accepted "
+           "drafts plus one per pass).", _spec("num_emitted_tokens")),
+    Metric(PREFIX + "spec_decode_draft_acceptance_rate", "gauge", "Accepted / drafted tokens since start.",
+           _spec("acceptance_rate")),
+    Metric(PREFIX + "spec_decode_mean_tokens_per_pass", "gauge", "Tokens per target pass of a verifying sequence.",
+           _spec("mean_tokens_per_pass")),
+    Metric(PREFIX + "model_bandwidth_utilization", "gauge", "MBU over the last window: (weights per step + live KV) "
+           "bytes read per second / peak device bandwidth.", lambda s: s.utilization and s.utilization[0]),
+    Metric(PREFIX + "model_flops_utilization", "gauge", "MFU over the last window: model FLOPs per second / peak "
+           "dense bf16 FLOP/s.", lambda s: s.utilization and s.utilization[1]),
+)
+
+BY_NAME = {m.name: m for m in METRICS}
 
 
 class ServerMetrics:
-    """The /metrics registry of one server over one `AsyncEngine`.
+    """The /metrics registry of one server over one `AsyncEngine`, built from `METRICS`.
 
     Gauges and counters are read from `engine.stats()` when Prometheus
     scrapes, so they can never drift from the engine's own bookkeeping.
-    Latency histograms are fed by a stats listener on the engine thread
-    (`attach`), which only does a few bisects per step.
+    Histograms are fed by a stats listener on the engine thread (`attach`),
+    which only does a few bisects per step.
     """
 
+    ENGINE_INDEX = "0"  # vLLM's `engine` label: this server runs one engine core
+
     def __init__(self, engine, model_name: str, cost: ModelCost | None = None, peak: DevicePeak | None = None,
-                 window_s: float = 10.0, max_num_batched_tokens: int = 8192):
+                 window_s: float = 10.0, max_model_len: int = 8192):
         import prometheus_client
         from prometheus_client import CollectorRegistry, Histogram
 
@@ -228,40 +389,24 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.window = UtilizationWindow(cost, peak, window_s) if cost is not None else None
         self._cum = [0, 0, 0]  # steps, tokens, kv tokens read (cumulative, engine thread only)
-        labels = ["model_name"]
-
-        def hist(name, doc, buckets):
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
-
-        max_tokens = max_num_batched_tokens
-        self.ttft = hist("time_to_first_token_seconds", "Time to first token, from arrival.", _TTFT_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Time between consecutive tokens of a sequence.",
-                        _ITL_BUCKETS)
-        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency, arrival to finish.",
-                        _REQUEST_BUCKETS)
-        self.queue = hist("request_queue_time_seconds", "Time a request waited before it was first scheduled.",
-                          _QUEUE_BUCKETS)
-        self.iteration_tokens = hist("iteration_tokens_total", "Tokens computed per engine step.",
-                                     _token_buckets(max_tokens))
-        self.prompt_tokens_hist = hist("request_prompt_tokens", "Prompt tokens per finished request.",
-                                       _token_buckets(1 << 17))
-        self.generation_tokens_hist = hist("request_generation_tokens", "Generated tokens per finished request.",
-                                           _token_buckets(1 << 17))
+        self.histograms = []  # (Metric, labelled child)
+        for m in METRICS:
+            if m.kind != "histogram":
+                continue
+            buckets = m.buckets(max_model_len) if callable(m.buckets) else m.buckets
+            h = Histogram(m.name, m.doc, list(m.standard_labels), buckets=[float(b) for b in buckets],
+                          registry=self.registry)
+            self.histograms.append((m, h.labels(*self.label_values(m))))
         self.registry.register(_SnapshotCollector(self))
+
+    def label_values(self, m: Metric) -> list[str]:
+        return [self.model_name, self.ENGINE_INDEX] if m.is_vllm else [self.model_name]
 
     # Called on the engine thread after every step.
     def on_iteration(self, it) -> None:
-        self.iteration_tokens.observe(it.num_tokens)
-        for x in it.time_to_first_tokens:
-            self.ttft.observe(x)
-        for x in it.inter_token_latencies:
-            self.itl.observe(x)
-        for f in it.finished:
-            self.e2e.observe(f.e2e_latency)
-            if f.queue_time is not None:
-                self.queue.observe(f.queue_time)
-            self.prompt_tokens_hist.observe(f.prompt_tokens)
-            self.generation_tokens_hist.observe(f.generation_tokens)
+        for m, h in self.histograms:
+            for x in m.value(it):
+                h.observe(x)
         if self.window is not None and it.num_tokens:
             c = self._cum
             c[0] += 1
@@ -280,8 +425,19 @@ class ServerMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
+class _Snapshot:
+    """An `EngineStats` plus the MBU/MFU of the window, what the gauge and counter rows read."""
+
+    def __init__(self, stats, utilization):
+        self._stats = stats
+        self.utilization = utilization
+
+    def __getattr__(self, name):
+        return getattr(self._stats, name)
+
+
 class _SnapshotCollector:
-    """Gauges and counters straight from `engine.stats()` at scrape time."""
+    """Gauges and counters of `METRICS`, straight from `engine.stats()` at scrape time."""
 
     def __init__(self, metrics: ServerMetrics):
         self.m = metrics
@@ -292,75 +448,17 @@ class _SnapshotCollector:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        s = self.m.engine.stats()
-        name = self.m.model_name
-
-        def gauge(metric, doc, value):
-            g = GaugeMetricFamily(PREFIX + metric, doc, labels=["model_name"])
-            g.add_metric([name], value)
-            return g
-
-        def counter(metric, doc, value):
-            c = CounterMetricFamily(PREFIX + metric, doc, labels=["model_name"])
-            c.add_metric([name], value)
-            return c
-
-        yield gauge("num_requests_running", "Requests with sequences in the running batch.", s.num_running)
-        yield gauge("num_requests_waiting", "Requests queued and not yet admitted.", s.num_waiting)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV-cache pages in use (1 = full).", s.kv_cache_usage)
-        yield gauge("kv_cache_pages_used", "KV-cache pages in use.", s.kv_pages_used)
-        yield gauge("kv_cache_pages_total", "KV-cache pages in the pool.", s.kv_pages_total)
-        yield gauge("kv_cache_page_size", "Tokens per KV-cache page (the block size of prefix caching).",
-                    s.page_size)
-        yield counter("num_preemptions", "Sequences preempted (their pages freed, to be recomputed).",
-                      s.num_preemptions)
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      s.prefix_cache_queried_tokens)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hit_tokens)
-        yield counter("prompt_tokens", "Prompt tokens of requests that started generating.", s.prompt_tokens)
-        yield counter("generation_tokens", "Generated tokens.", s.generation_tokens)
-        yield counter("num_steps", "Engine steps run.", s.num_steps)
-        w = getattr(s, "warmup", None)
-        if w is not None:
-            yield gauge("warmup_step_executables", "Step buckets the warm-up compiles.", w.total)
-            yield gauge("warmup_step_executables_compiled", "Of those, compiled so far (the rest compile in the "
-                        "background while the server serves).", w.compiled)
-            yield gauge("warmup_step_executables_quick", "Of those, compiled quickly (slower steps) and waiting "
-                        "for their full compile in the background.", w.quick)
-            yield counter("steps_in_larger_bucket", "Steps run in a larger bucket than their own because their "
-                          "own was not compiled yet.", w.steps_in_larger_bucket)
-            yield counter("compiles_after_ready", "Step buckets compiled on demand after warm-up (0 unless a "
-                          "shape escaped the bucket set).", w.compiles_after_ready)
-        sd = getattr(s, "spec_decode", None)
-        if sd is not None:  # speculative decoding (vLLM's names)
-            yield counter("spec_decode_num_drafts", "Sequence-steps that verified drafted tokens.", sd.num_drafts)
-            yield counter("spec_decode_num_draft_tokens", "Drafted tokens verified by the target.",
-                          sd.num_draft_tokens)
-            yield counter("spec_decode_num_accepted_tokens", "Drafted tokens the target accepted.",
-                          sd.num_accepted_tokens)
-            yield counter("spec_decode_num_emitted_tokens", "Tokens produced by verifying passes "
-                          "(accepted drafts plus one per pass).", sd.num_emitted_tokens)
-            yield gauge("spec_decode_draft_acceptance_rate", "Accepted / drafted tokens since start.",
-                        sd.acceptance_rate)
-            yield gauge("spec_decode_mean_tokens_per_pass", "Tokens per target pass of a verifying sequence.",
-                        sd.mean_tokens_per_pass)
-            per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-                                          "Drafted tokens accepted, by draft position.",
-                                          labels=["model_name", "position"])
-            for j, count in enumerate(sd.accepted_per_position):
-                per_pos.add_metric([name, str(j)], count)
-            yield per_pos
-        success = CounterMetricFamily(PREFIX + "request_success", "Finished requests by finish reason.",
-                                      labels=["model_name", "finished_reason"])
-        reasons = dict.fromkeys(FINISH_REASONS, 0)
-        reasons.update(s.finished_by_reason)
-        for reason, count in sorted(reasons.items()):
-            success.add_metric([name, str(reason)], count)
-        yield success
         util = self.m.window.utilization() if self.m.window is not None else None
-        if util is not None:
-            yield gauge("model_bandwidth_utilization",
-                        "MBU over the last window: (weights per step + live KV) bytes read per second / peak "
-                        "device bandwidth.", util[0])
-            yield gauge("model_flops_utilization",
-                        "MFU over the last window: model FLOPs per second / peak dense bf16 FLOP/s.", util[1])
+        s = _Snapshot(self.m.engine.stats(), util)
+        for m in METRICS:
+            if m.kind == "histogram":
+                continue
+            value = m.value(s)
+            if value is None:
+                continue
+            family = (GaugeMetricFamily if m.kind == "gauge" else CounterMetricFamily)(
+                m.name, m.doc, labels=list(m.standard_labels + m.labels))
+            base = self.m.label_values(m)
+            for extra, v in (value.items() if isinstance(value, dict) else [((), value)]):
+                family.add_metric(base + list(extra), v)
+            yield family

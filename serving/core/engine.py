@@ -406,9 +406,14 @@ class Engine:
 
     def _finished_stats(self, req: Request, reason: str, now: float) -> FinishedRequestStats:
         m = req.metrics
-        queue = None if m.first_scheduled_time is None else m.first_scheduled_time - m.arrival_time
-        return FinishedRequestStats(req.request_id, reason, now - m.arrival_time, queue, len(req.prompt_token_ids),
-                                    sum(s.num_output_tokens for s in req.seqs))
+        scheduled, first, last = m.first_scheduled_time, m.first_token_time, m.last_token_time
+        return FinishedRequestStats(
+            req.request_id, reason, now - m.arrival_time, None if scheduled is None else scheduled - m.arrival_time,
+            len(req.prompt_token_ids), sum(s.num_output_tokens for s in req.seqs),
+            prefill_time=None if scheduled is None or first is None else first - scheduled,
+            decode_time=None if first is None or last is None else last - first,
+            inference_time=None if scheduled is None or last is None else last - scheduled,
+            n=req.params.n, max_tokens=req.params.max_tokens)
 
     def _on_token(self, seq: Sequence, tok: int, row: int, result, now: float, it: IterationStats) -> None:
         req = seq.request

@@ -32,6 +32,13 @@ class FinishedRequestStats:
     queue_time: Optional[float]
     prompt_tokens: int
     generation_tokens: int
+    # The phases of vLLM's request metrics (None where the request never reached the phase):
+    # first scheduled -> first token (prefill), first -> last token (decode), first scheduled -> last token.
+    prefill_time: Optional[float] = None
+    decode_time: Optional[float] = None
+    inference_time: Optional[float] = None
+    n: Optional[int] = None  # the request's parameters
+    max_tokens: Optional[int] = None
 
 
 @dataclasses.dataclass

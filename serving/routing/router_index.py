@@ -163,9 +163,9 @@ class WorkerLoad:
     url: str
     healthy: bool = True
     in_flight: int = 0
-    running: int = 0  # scraped ridgeline:num_requests_running
-    waiting: int = 0  # scraped ridgeline:num_requests_waiting
-    kv_usage: float = 0.0  # scraped ridgeline:kv_cache_usage_perc
+    running: int = 0  # scraped vllm:num_requests_running
+    waiting: int = 0  # scraped vllm:num_requests_waiting
+    kv_usage: float = 0.0  # scraped vllm:kv_cache_usage_perc
     page_size: int = 0  # scraped ridgeline:kv_cache_page_size (0: not reported yet)
 
     def load(self) -> int:

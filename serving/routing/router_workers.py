@@ -21,9 +21,9 @@ from serving.routing.router_index import PrefixIndex, WorkerLoad
 log = logging.getLogger("ridgeline.router")
 
 _GAUGES = {
-    "ridgeline:num_requests_running": "running",
-    "ridgeline:num_requests_waiting": "waiting",
-    "ridgeline:kv_cache_usage_perc": "kv_usage",
+    "vllm:num_requests_running": "running",  # vLLM's names, so a vLLM worker is read the same way
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
 }
 
 
