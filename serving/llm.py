@@ -181,12 +181,14 @@ class LLM:
         return self.engine.default_sampling_params.clone()
 
     def generate(self, prompts: Union[str, list, dict, Sequence],
-                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None) -> list[RequestOutput]:
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *,
+                 priority: Union[int, Sequence[int], None] = None) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in prompt order.
 
         A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."};
         a dict prompt may carry "cache_salt" (requests share cached prefix pages only with
-        requests of the same salt).
+        requests of the same salt). `priority` (one per prompt, or one for all; lower runs first) orders
+        the requests under `scheduling_policy="priority"`, as vLLM's `LLM.generate` does.
         Every request is validated before any is queued, so one bad prompt or
         parameter raises (`InvalidParameterError`) without running the others.
 
@@ -197,12 +199,12 @@ class LLM:
         """
         role = self.multihost
         if role is None:
-            return self._generate(prompts, sampling_params)
+            return self._generate(prompts, sampling_params, priority)
         if not role.is_leader:
             return role.follow()  # process 0's outputs, once its generate is done
         with role.operation():
             try:
-                outputs = self._generate(prompts, sampling_params)
+                outputs = self._generate(prompts, sampling_params, priority)
             except BaseException as e:
                 role.failed("generate", e)
                 raise
@@ -231,7 +233,7 @@ class LLM:
         if self.multihost is not None and self.multihost.is_leader:
             self.multihost.shutdown()
 
-    def _generate(self, prompts, sampling_params) -> list[RequestOutput]:
+    def _generate(self, prompts, sampling_params, priority=None) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                  and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -240,8 +242,13 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         elif len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        if priority is None or isinstance(priority, int):
+            priority = [priority or 0] * len(prompts)
+        elif len(priority) != len(prompts):
+            raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
         engine = self.engine
-        reqs = [engine.make_request(f"llm-{next(self._ids)}", p, sp) for p, sp in zip(prompts, sampling_params)]
+        reqs = [engine.make_request(f"llm-{next(self._ids)}", p, sp, priority=pr)
+                for p, sp, pr in zip(prompts, sampling_params, priority)]
         for r in reqs:
             engine.enqueue(r)
         done: dict[str, RequestOutput] = {}

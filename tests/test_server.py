@@ -228,6 +228,7 @@ BAD_COMPLETIONS = [
     ({"prompt": ""}, "prompt", None),
     ({"n": 1000}, "n", None),
     ({"max_tokens": MAX_LEN}, "max_tokens", "context_length_exceeded"),
+    ({"extra_body": {"priority": 1}}, "priority", None),  # the server schedules fcfs: a priority is refused
 ]
 
 
@@ -268,8 +269,9 @@ def test_bad_inputs_get_400_and_the_server_keeps_serving(server, stream):
         assert r.status_code == 400
         assert r.json()["error"]["param"] == param
         assert r.json()["error"]["type"] == "invalid_request_error"
-    # ...and a good request still succeeds.
-    r = server.client.completions.create(model=MODEL, prompt="x = 1", max_tokens=3, temperature=0)
+    # ...and a good request still succeeds (priority 0 is every request's under fcfs).
+    r = server.client.completions.create(model=MODEL, prompt="x = 1", max_tokens=3, temperature=0,
+                                         extra_body={"priority": 0})
     assert r.usage.completion_tokens == 3
     m = server.wait_idle()
     assert m[("vllm:kv_cache_usage_perc", ())] == 0

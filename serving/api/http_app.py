@@ -163,6 +163,7 @@ class ServingContext:
         async def pump(i: int):
             try:
                 async for out in self.engine.generate(prompts[i], params, ids[i], cache_salt=cache_salt,
+                                                      priority=getattr(req, "priority", 0),
                                                       **kv_transfer.engine_kwargs()):
                     queue.put_nowait((i, out))
             except InvalidParameterError as e:

@@ -108,6 +108,8 @@ class _SamplingFields(_Request):
     bad_words: Optional[list[str]] = None
     allowed_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: bool = False
+    # vLLM's: lower runs first when the server schedules by priority (--scheduling_policy=priority).
+    priority: int = 0
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

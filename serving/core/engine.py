@@ -53,6 +53,9 @@ def scans_layers(layer_loop: str) -> bool:
     return layer_loop in ("auto", "scan")
 
 
+PRIORITY_LIMIT = 2**31 - 1  # a request's priority is a 32-bit signed integer (a bound for hostile input)
+
+
 class ContextLengthError(InvalidParameterError):
     """The prompt plus the requested tokens do not fit the context window."""
 
@@ -112,7 +115,7 @@ class Engine:
         self.block_manager = BlockManager(num_pages, ps, config.enable_prefix_caching,
                                           window=None if config.speculative_method else releasing_window(cfg))
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, model_len,
-                                                   rows), self.block_manager)
+                                                   rows, config.scheduling_policy), self.block_manager)
         self.spec = None  # the speculative-decoding part
         if config.speculative_method is not None:
             if speculator is None:
@@ -149,14 +152,17 @@ class Engine:
 
     # --- requests ------------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
-                     arrival_time: Optional[float] = None, cache_salt: Optional[str] = None) -> Request:
+                     arrival_time: Optional[float] = None, cache_salt: Optional[str] = None,
+                     priority: int = 0) -> Request:
         """Validates and tokenizes a request without queueing it (thread-safe).
 
         `cache_salt` (or a dict prompt's "cache_salt", as vLLM's prompts carry it) isolates the
-        request's prefix-cache pages: only requests with the same salt share them.
+        request's prefix-cache pages: only requests with the same salt share them. `priority`: lower
+        runs first under `scheduling_policy="priority"`; under "fcfs" only 0 is accepted.
         """
         params = (params or self.default_sampling_params).clone()
         params.validate(self.cfg.vocab_size)
+        self._check_priority(priority)
         if isinstance(prompt, dict) and "cache_salt" in prompt:
             if cache_salt is not None and cache_salt != prompt["cache_salt"]:
                 raise InvalidParameterError("cache_salt", "cache_salt: given both in the prompt and as an argument, "
@@ -181,12 +187,22 @@ class Engine:
         with self._lock:
             seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
         req = Request(request_id, text, ids, params, seed, arrival_time or time.monotonic(), self.eos_token_ids,
-                      cache_salt)
+                      cache_salt, priority)
         req.sampling_row = sampling_row(req)
         req.structured = self._grammar(params)
         if sampling_controls.used_fields(params):
             req.control_rows = self._control_rows(req)
         return req
+
+    def _check_priority(self, priority) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)) \
+                or not -PRIORITY_LIMIT <= priority <= PRIORITY_LIMIT:
+            raise InvalidParameterError("priority", f"priority: must be an integer in [-{PRIORITY_LIMIT}, "
+                                                    f"{PRIORITY_LIMIT}], got {priority!r}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise InvalidParameterError("priority", f"priority: {priority} given, but the server schedules "
+                                                    f"'{self.config.scheduling_policy}' (start it with "
+                                                    "scheduling_policy=priority to honour priorities)")
 
     def _grammar(self, params: SamplingParams):
         """The request's compiled grammar (structured outputs), or None; a 400 when it cannot be used."""
@@ -246,8 +262,8 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
                     arrival_time: Optional[float] = None, stream: bool = False,
-                    cache_salt: Optional[str] = None) -> Request:
-        req = self.make_request(request_id, prompt, params, arrival_time, cache_salt)
+                    cache_salt: Optional[str] = None, priority: int = 0) -> Request:
+        req = self.make_request(request_id, prompt, params, arrival_time, cache_salt, priority)
         req.stream = stream
         self.enqueue(req)
         return req

@@ -55,6 +55,11 @@ OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("num_pages", Optional[int], None, "KV pool size in pages; default: sized from device memory."),
     EngineOption("max_model_len", Optional[int], None, "Context window; default: the model's, capped by the pool."),
     EngineOption("enable_prefix_caching", bool, True, "Reuse cached KV pages of shared prompt prefixes."),
+    EngineOption("scheduling_policy", str, "fcfs",
+                 "Order of admission. fcfs: arrival order; priority: by the request's priority (lower first, "
+                 "vLLM's convention), then arrival, and a running request of lower priority is preempted for a "
+                 "waiting one of higher priority when seats or KV pages run out. Under fcfs a request with a "
+                 "priority other than 0 is refused.", choices=("fcfs", "priority")),
     EngineOption("layer_loop", str, "auto",
                  "How a step runs the layers: scan (one lax.scan over the layers: the step compiles one layer "
                  "body whatever the depth; stacked weights on GPUs, matrices picked per layer by lax.switch on "

@@ -12,6 +12,13 @@ admitted sequence is preempted: its pages are freed and it goes back to the
 front of the queue, to be recomputed later (its tokens are kept, only their
 K/V is dropped). No admission happens in a step that preempted.
 
+Under the `priority` policy (vLLM's: a lower `Request.priority` runs first)
+the waiting queue is kept ordered by (priority, arrival) and the running batch
+is served in that order, so the sequence preempted for a page is the one of
+lowest priority; and when the request at the head of the queue finds no seat
+or too few pages for its first chunk, running sequences of strictly lower
+priority are preempted for it before the step is planned. With every priority equal this is FCFS.
+
 Logit rows are a second, smaller budget (`max_logit_rows`): a sequence that
 completes its tokens this step needs one row per sample it draws (n at the
 end of a prompt with `n > 1`), and a prompt that asked for `prompt_logprobs`
@@ -33,17 +40,29 @@ from serving.core.block_manager import BlockManager
 from serving.core.sequence import Sequence, SequenceStatus
 
 
+POLICIES = ("fcfs", "priority")
+
+
+def priority_order(seq: Sequence) -> tuple:
+    """The order of the `priority` policy: lower priority value first, then earlier arrival (then
+    creation, which keeps a request's samples together and in order)."""
+    return seq.request.priority, seq.request.metrics.arrival_time, seq.seq_id
+
+
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
     max_logit_rows: int | None = None  # defaults to max_num_seqs
+    policy: str = "fcfs"  # one of POLICIES
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {POLICIES}, got {self.policy!r}")
 
     @property
     def logit_rows(self) -> int:
@@ -100,7 +119,21 @@ class Scheduler:
     # --- queue management ----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self._enqueue(seq, front=False)
+
+    @property
+    def by_priority(self) -> bool:
+        return self.config.policy == "priority"
+
+    def _enqueue(self, seq: Sequence, front: bool) -> None:
+        """FCFS: at the back (new) or the front (preempted). Priority: at its place in `priority_order`."""
+        if not self.by_priority:
+            self.waiting.appendleft(seq) if front else self.waiting.append(seq)
+            return
+        key, i = priority_order(seq), len(self.waiting)
+        while i > 0 and priority_order(self.waiting[i - 1]) > key:
+            i -= 1
+        self.waiting.insert(i, seq)
 
     def admit_imported(self, seq: Sequence) -> Optional[tuple[list[int], int]]:
         """Admits a sequence whose prompt K/V arrives from elsewhere (a shipped prefill) straight
@@ -217,8 +250,38 @@ class Scheduler:
         self.bm.free_seq(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
         self.num_preemptions += 1
+
+    def _make_room_for_priority(self) -> list[Sequence]:
+        """Priority policy, before a step is planned: while the head of the queue would find no seat or
+        too few free pages for its first chunk, preempts the running sequence of lowest priority among
+        those of strictly lower priority than the head. Returns the sequences preempted."""
+        displaced: list[Sequence] = []
+        if not self.by_priority or not self.waiting or self.waiting[0].num_in_flight:
+            return displaced
+        head = self.waiting[0]
+        while True:
+            lower = [r for r in self.running if r.request.priority > head.request.priority]
+            if not lower or self._fits(head):
+                return displaced
+            victim = max(lower, key=priority_order)
+            self.running.remove(victim)
+            self._preempt(victim)
+            displaced.append(victim)
+
+    def _fits(self, seq: Sequence) -> bool:
+        """Whether a waiting sequence has a seat and the free pages for its first chunk now."""
+        if self.num_seats_running + seq.num_seats > self.config.max_num_seqs:
+            return False
+        hits = [] if seq.wants_prompt_logprobs else self.bm.lookup_prefix(seq)
+        start = len(hits) * self.bm.page_size
+        item = self._plan(seq, start, self.config.max_num_batched_tokens, self.config.logit_rows)
+        if item is None:
+            return True  # nothing to allocate for
+        need = self.bm.blocks_needed(start + item.num_new_tokens) - len(hits)
+        reclaimed = sum(1 for b in hits if self.bm.ref[b] == 0)  # hits sitting in the free queue
+        return need <= self.bm.num_free_blocks - reclaimed
 
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
@@ -228,6 +291,9 @@ class Scheduler:
         copies: list[tuple[int, int]] = []
         preempted: list[Sequence] = []
         errored: list[Sequence] = []
+        displaced = self._make_room_for_priority()  # preempted for a waiting request of higher priority
+        if self.by_priority:  # served, and preempted from the back, in priority order
+            self.running.sort(key=priority_order)
 
         i = 0
         while i < len(self.running) and budget > 0 and rows_left > 0:
@@ -288,7 +354,8 @@ class Scheduler:
             budget -= item.num_new_tokens
             rows_left -= item.num_rows
 
-        return SchedulerOutput(scheduled, copies, cfg.max_num_batched_tokens - budget, preempted, errored)
+        return SchedulerOutput(scheduled, copies, cfg.max_num_batched_tokens - budget, preempted + displaced,
+                               errored)
 
     @staticmethod
     def _dispatch(item: ScheduledSeq) -> None:

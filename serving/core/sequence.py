@@ -131,8 +131,9 @@ class Request:
 
     def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
                  params: SamplingParams, seed: int, arrival_time: float, eos_token_ids: tuple[int, ...] = (),
-                 cache_salt: Optional[str] = None):
+                 cache_salt: Optional[str] = None, priority: int = 0):
         self.request_id = request_id
+        self.priority = priority  # lower runs first under the `priority` scheduling policy
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params

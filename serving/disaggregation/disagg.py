@@ -284,6 +284,7 @@ def add_kv_transfer_routes(app: FastAPI, ctx, secret: str, dependencies=()) -> N
         exports = []
         try:
             async for _ in ctx.engine.generate(ids, params, f"prefill-{uuid.uuid4().hex}", cache_salt=salt,
+                                               priority=getattr(req, "priority", 0),
                                                kv_export=kt.Exporter(exports.append)):
                 pass
         except InvalidParameterError as e:
