@@ -56,6 +56,7 @@ def define_flags(flag_values: Optional[flags.FlagValues] = None) -> None:
 
     The engine options (--max_num_seqs, --min_token_bucket, ...) come from `serving.core.engine_args`, with the
     defaults `LLM` has; the flags below are the server's own."""
+    from serving.api.request_limits import DEFAULT_MAX_BODY_BYTES
     from serving.api.tool_parsers import PARSERS as PARSER_NAMES
     from serving.core import engine_args
 
@@ -87,6 +88,12 @@ def define_flags(flag_values: Optional[flags.FlagValues] = None) -> None:
                          "so clients with different keys never share cached KV pages (needs --api_key).")
     flags.DEFINE_enum("tool_call_parser", None, sorted(PARSER_NAMES), "How tool calls are read from the output "
                       "when tool_choice is \"auto\": the model's format (unset: \"auto\" is refused).")
+    flags.DEFINE_integer("max_request_body_bytes", DEFAULT_MAX_BODY_BYTES, "Largest request body accepted on any "
+                         "route but the KV routes (which bound their own): a larger declared or streamed body is a "
+                         "413 before it is buffered (0: no limit).")
+    flags.DEFINE_integer("max_concurrent_requests_per_key", 0, "Most generating requests (POST /v1/*) one API key "
+                         "(on an open server: one client address) may have in flight; one more is a 429 with "
+                         "Retry-After (0: no limit).")
     flags.DEFINE_enum("log_level", "info", ["debug", "info", "warning", "error"], "Log level of the server.")
     flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0's coordination service "
                                                      "(default: $RIDGELINE_COORDINATOR_ADDRESS, else detected).")
@@ -131,14 +138,17 @@ def default_model_name(llm) -> str:
 
 def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window_s: float = 10.0,
                 num_devices: int = 1, profile_dir: str | None = None, api_keys=None,
-                kv_transfer_secret: str | None = None, tool_call_parser: str | None = None):
+                kv_transfer_secret: str | None = None, tool_call_parser: str | None = None, limits=None):
     """(FastAPI app, AsyncEngine, ServerMetrics) over an `LLM` whose engine is not yet running.
 
     The engine thread starts here; stop it with `async_engine.shutdown()`. `profile_dir` enables
     `/start_profile` and `/stop_profile` (traces land there); `api_keys` (`http_auth.APIKeys`)
     guards the API; `kv_transfer_secret` mounts the signed KV routes of disaggregated serving;
-    `tool_call_parser` reads the calls of `tool_choice="auto"` (`serving.api.tool_parsers`).
+    `tool_call_parser` reads the calls of `tool_choice="auto"` (`serving.api.tool_parsers`);
+    `limits` (`request_limits.RequestLimits`, default: its defaults) bounds bodies and per-key concurrency.
     """
+    from serving.api.request_limits import RequestLimits, add_request_limits
+
     from serving.core.async_engine import AsyncEngine
     from serving.api.http_app import create_app
     from serving.api.http_metrics import ModelCost, ServerMetrics
@@ -156,6 +166,7 @@ def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window
     fastapi_app = create_app(async_engine, llm.tokenizer, model_name, engine.max_model_len, metrics,
                              vocab_size=llm.config.vocab_size, profile_dir=profile_dir, api_keys=api_keys,
                              kv_transfer_secret=kv_transfer_secret, tool_call_parser=tool_call_parser)
+    add_request_limits(fastapi_app, limits or RequestLimits())
     return fastapi_app, async_engine, metrics
 
 
@@ -238,13 +249,13 @@ class ServerThread:
 
     def __init__(self, llm, model_name: str | None = None, host: str = "127.0.0.1", port: int | None = None,
                  peak=None, log_level: str = "warning", profile_dir: str | None = None, api_keys=None,
-                 kv_transfer_secret: str | None = None, tool_call_parser: str | None = None):
+                 kv_transfer_secret: str | None = None, tool_call_parser: str | None = None, limits=None):
         import uvicorn
 
         self.app, self.async_engine, self.metrics = build_stack(llm, model_name, peak=peak,
                                                                 profile_dir=profile_dir, api_keys=api_keys,
                                                                 kv_transfer_secret=kv_transfer_secret,
-                                                                tool_call_parser=tool_call_parser)
+                                                                tool_call_parser=tool_call_parser, limits=limits)
         self.model_name = model_name or default_model_name(llm)
         self.host, self.port = host, port or free_port(host)
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level=log_level,
@@ -312,6 +323,13 @@ def _peak_from_flags():
     return peak
 
 
+def _limits_from_flags():
+    from serving.api.request_limits import RequestLimits
+
+    return RequestLimits(max_body_bytes=FLAGS.max_request_body_bytes,
+                         max_concurrent_per_key=FLAGS.max_concurrent_requests_per_key)
+
+
 def main(argv) -> None:
     del argv
     import uvicorn
@@ -361,7 +379,8 @@ def main(argv) -> None:
                                                metrics_window_s=FLAGS.metrics_window_s,
                                                num_devices=FLAGS.tensor_parallel_size * FLAGS.pipeline_parallel_size,
                                                profile_dir=FLAGS.profile_dir, api_keys=api_keys,
-                                               kv_transfer_secret=secret, tool_call_parser=FLAGS.tool_call_parser)
+                                               kv_transfer_secret=secret, tool_call_parser=FLAGS.tool_call_parser,
+                                               limits=_limits_from_flags())
     if FLAGS.profile_dir:
         log.info("profiling: POST /start_profile and /stop_profile write traces under %s", FLAGS.profile_dir)
     if llm.multihost is not None:

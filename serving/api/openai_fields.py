@@ -42,7 +42,11 @@ _HINTS = {"safety_identifier", "prompt_cache_key", "parallel_tool_calls"}
 
 def check_fields(req, kind: str) -> None:
     """Raises a 400 for an OpenAI field of `req` (a `kind` request: "completions" or "chat") that
-    is not implemented; logs fields that are not OpenAI's."""
+    is not implemented, or for a list longer than its cap (`request_limits.CAPS`); logs fields that
+    are not OpenAI's."""
+    from serving.api.request_limits import check_caps
+
+    check_caps(req)
     extras: dict[str, Any] = req.model_extra or {}
     for name, value in extras.items():
         if name not in OPENAI_FIELDS[kind]:
