@@ -94,6 +94,9 @@ def define_flags(flag_values: Optional[flags.FlagValues] = None) -> None:
     flags.DEFINE_integer("max_concurrent_requests_per_key", 0, "Most generating requests (POST /v1/*) one API key "
                          "(on an open server: one client address) may have in flight; one more is a 429 with "
                          "Retry-After (0: no limit).")
+    flags.DEFINE_float("shutdown_timeout_s", 30.0, "On SIGTERM the server refuses new requests (503, /health "
+                       "too) and gives those in flight this long to finish; the rest then end with an in-band "
+                       "error and the process exits 0. A second SIGTERM stops at once.")
     flags.DEFINE_enum("log_level", "info", ["debug", "info", "warning", "error"], "Log level of the server.")
     flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0's coordination service "
                                                      "(default: $RIDGELINE_COORDINATOR_ADDRESS, else detected).")
@@ -138,15 +141,19 @@ def default_model_name(llm) -> str:
 
 def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window_s: float = 10.0,
                 num_devices: int = 1, profile_dir: str | None = None, api_keys=None,
-                kv_transfer_secret: str | None = None, tool_call_parser: str | None = None, limits=None):
+                kv_transfer_secret: str | None = None, tool_call_parser: str | None = None, limits=None,
+                shutdown_timeout_s: float = 30.0):
     """(FastAPI app, AsyncEngine, ServerMetrics) over an `LLM` whose engine is not yet running.
 
     The engine thread starts here; stop it with `async_engine.shutdown()`. `profile_dir` enables
     `/start_profile` and `/stop_profile` (traces land there); `api_keys` (`http_auth.APIKeys`)
     guards the API; `kv_transfer_secret` mounts the signed KV routes of disaggregated serving;
     `tool_call_parser` reads the calls of `tool_choice="auto"` (`serving.api.tool_parsers`);
-    `limits` (`request_limits.RequestLimits`, default: its defaults) bounds bodies and per-key concurrency.
+    `limits` (`request_limits.RequestLimits`, default: its defaults) bounds bodies and per-key concurrency;
+    `app.state.drain` (`serving.api.drain.Drain`) drains the server, in-flight requests getting up to
+    `shutdown_timeout_s`.
     """
+    from serving.api.drain import Drain, DrainGate
     from serving.api.request_limits import RequestLimits, add_request_limits
 
     from serving.core.async_engine import AsyncEngine
@@ -167,6 +174,8 @@ def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window
                              vocab_size=llm.config.vocab_size, profile_dir=profile_dir, api_keys=api_keys,
                              kv_transfer_secret=kv_transfer_secret, tool_call_parser=tool_call_parser)
     add_request_limits(fastapi_app, limits or RequestLimits())
+    drain = fastapi_app.state.drain = Drain(async_engine, shutdown_timeout_s)
+    fastapi_app.add_middleware(DrainGate, drain=drain)  # outermost: a draining server reads no body
     return fastapi_app, async_engine, metrics
 
 
@@ -260,7 +269,9 @@ class ServerThread:
         self.host, self.port = host, port or free_port(host)
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level=log_level,
                                 timeout_keep_alive=30, lifespan="off")
-        self._server = uvicorn.Server(config)
+        from serving.api.drain import DrainingServer
+
+        self._server = DrainingServer(config, self.app.state.drain)
         self._thread = threading.Thread(target=self._server.run, name="ridgeline-http", daemon=True)
 
     @property
@@ -380,16 +391,23 @@ def main(argv) -> None:
                                                num_devices=FLAGS.tensor_parallel_size * FLAGS.pipeline_parallel_size,
                                                profile_dir=FLAGS.profile_dir, api_keys=api_keys,
                                                kv_transfer_secret=secret, tool_call_parser=FLAGS.tool_call_parser,
-                                               limits=_limits_from_flags())
+                                               limits=_limits_from_flags(),
+                                               shutdown_timeout_s=FLAGS.shutdown_timeout_s)
     if FLAGS.profile_dir:
         log.info("profiling: POST /start_profile and /stop_profile write traces under %s", FLAGS.profile_dir)
     if llm.multihost is not None:
         llm.multihost.watch(async_engine)  # a failed engine loop ends every process, not just HTTP
     name = FLAGS.served_model_name or default_model_name(llm)
     log.info("serving %r on http://%s:%d (OpenAI API under /v1, metrics at /metrics)", name, FLAGS.host, FLAGS.port)
+    from serving.api.drain import DrainingServer
+
     try:
-        uvicorn.run(fastapi_app, host=FLAGS.host, port=FLAGS.port, log_level=FLAGS.log_level, lifespan="off",
-                    timeout_keep_alive=30)
+        config = uvicorn.Config(fastapi_app, host=FLAGS.host, port=FLAGS.port, log_level=FLAGS.log_level,
+                                lifespan="off", timeout_keep_alive=30)
+        try:
+            DrainingServer(config, fastapi_app.state.drain).run()  # the first SIGTERM drains (serving.api.drain)
+        except KeyboardInterrupt:  # SIGINT, re-raised by uvicorn once it has shut down (as uvicorn.run does)
+            pass
     finally:
         fastapi_app.state.profiler.stop_if_running()
         async_engine.shutdown()

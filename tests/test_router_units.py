@@ -197,6 +197,7 @@ class FakeWorker:
 
     def __init__(self, name):
         self.name, self.mode, self.healthy = name, "ok", True
+        self.draining = False  # as a real server drains: /health and new requests 503, /metrics open
         self.requests: list[dict] = []
         self.release = threading.Event()  # a held stream sends its rest once set
         self.stream_closed = threading.Event()  # the stream generator ended (finished or cancelled)
@@ -205,7 +206,7 @@ class FakeWorker:
 
         @app.get("/health")
         async def health():
-            return Response(status_code=200 if self.healthy else 503)
+            return Response(status_code=200 if self.healthy and not self.draining else 503)
 
         @app.get("/metrics")
         async def metrics():
@@ -221,6 +222,9 @@ class FakeWorker:
         async def answer(request: Request, kind: str):
             body = await request.json()
             self.requests.append(body)
+            if self.draining:
+                return JSONResponse({"error": {"message": "shutting down", "type": "server_error",
+                                               "code": "server_shutting_down"}}, status_code=503)
             if self.mode == "500":
                 return JSONResponse({"error": {"message": "boom", "type": "server_error"}}, status_code=500)
             if self.mode == "400":
@@ -348,6 +352,27 @@ def test_a_failing_worker_is_retried_around_taken_out_and_probed_back(fleet):
         time.sleep(0.05)
     assert {httpx.post(url + "/v1/completions", json={"prompt": "p"}, timeout=10).json()["worker"]
             for _ in range(4)} == {"a", "b"}
+
+
+def test_a_draining_worker_leaves_rotation_and_its_requests_are_retried_elsewhere(fleet):
+    workers, make = fleet
+    # The prober reads /health, not only /metrics (which a draining worker still answers).
+    service, _ = make("round_robin")
+    workers[0].draining = True
+    deadline = time.monotonic() + 10
+    while service.pool.workers[workers[0].url].healthy:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert workers[0].requests == []  # taken out before any request reached it
+    workers[0].draining = False
+    # A request that reaches a draining worker before any probe (none for a minute here) gets its 503, and the
+    # router sends it to the other worker instead: the client never sees the drain.
+    service, url = make("round_robin", check_interval_s=60)
+    workers[1].draining = True
+    answers = [httpx.post(url + "/v1/completions", json={"prompt": f"p{i}"}, timeout=10) for i in range(4)]
+    assert [(r.status_code, r.json()["worker"]) for r in answers] == [(200, "a")] * 4
+    assert workers[1].requests  # it was tried, and refused
+    assert "ridgeline:router_retries_total 1.0" in httpx.get(url + "/metrics").text
 
 
 def test_a_dead_worker_is_routed_around_and_no_worker_is_a_clean_503(fleet):

@@ -121,6 +121,16 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    def fail_all(self, error: BaseException) -> int:
+        """Ends every request in flight: its `generate` raises `error`, and the engine aborts it (freeing
+        its pages). Returns how many there were. (A graceful drain's last word, `serving.api.drain`.)"""
+        with self._lock:
+            streams = list(self._streams.items())
+        for request_id, (loop, queue) in streams:
+            loop.call_soon_threadsafe(queue.put_nowait, error)
+            self.abort(request_id)
+        return len(streams)
+
     def abort(self, request_id: str) -> None:
         """Aborts a request (no-op if unknown or done); its pages are freed before the next step."""
         with self._lock:

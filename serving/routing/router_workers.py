@@ -93,13 +93,12 @@ class WorkerPool:
                 self.on_page_size(url, size)
 
     async def check(self, client: httpx.AsyncClient, url: str, timeout_s: float = 5.0) -> bool:
-        """Scrapes one worker (a down one must also pass /health); updates its state."""
-        w = self.workers[url]
+        """Probes /health (a draining worker answers 503 there, while /metrics stays open) and scrapes
+        /metrics of one worker; updates its state."""
         try:
-            if not w.healthy:
-                r = await client.get(url + "/health", timeout=timeout_s)
-                if r.status_code != 200:
-                    raise RuntimeError(f"/health answered {r.status_code}")
+            r = await client.get(url + "/health", timeout=timeout_s)
+            if r.status_code != 200:
+                raise RuntimeError(f"/health answered {r.status_code}")
             r = await client.get(url + "/metrics", timeout=timeout_s)
             if r.status_code != 200:
                 raise RuntimeError(f"/metrics answered {r.status_code}")
