@@ -195,3 +195,101 @@ def test_huge_numbers_are_400s(server):
         r = httpx.post(server.url + "/v1/completions", json=completion(**change), headers=headers(), timeout=60)
         assert_envelope(r, 400, param=param)
     still_serves(server)
+
+
+# --- fuzzing from the server's own OpenAPI schema ----------------------------------------------
+
+FUZZ_EXAMPLES = 25  # per route and generation mode: bounded, so CI time is too
+FUZZED = [("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/tokenize", "POST"),
+          ("/detokenize", "POST"), ("/v1/models", "GET")]
+
+
+def _bounded(case):
+    """Keeps a generated request cheap to serve on CPU: a few tokens, two samples at most (huge values are
+    the hand-written cases' job, below); and names the served model and a known chat role, so that cases
+    get past those checks to the fields behind them."""
+    if isinstance(case.body, dict):
+        if "model" in case.body:
+            case.body["model"] = "hardened"
+        for m in case.body.get("messages") or [] if isinstance(case.body.get("messages"), list) else []:
+            if isinstance(m, dict) and m.get("role") not in ("system", "user", "assistant"):
+                m["role"] = "user"
+        for field in ("max_tokens", "max_completion_tokens"):
+            if isinstance(case.body.get(field), int) and not isinstance(case.body.get(field), bool):
+                case.body[field] = max(-1, min(case.body[field], 4))
+        if isinstance(case.body.get("n"), int) and not isinstance(case.body.get("n"), bool):
+            case.body["n"] = max(-1, min(case.body["n"], 2))
+    return case
+
+
+FUZZ_CASES = [(p, m, mode) for p, m in FUZZED for mode in ("positive", "negative") if m == "POST" or mode == "positive"]
+
+
+@pytest.mark.parametrize("path,method,mode", FUZZ_CASES, ids=[f"{p}-{mode}" for p, _, mode in FUZZ_CASES])
+def test_fuzzed_requests_never_get_a_5xx_and_errors_keep_the_envelope(server, path, method, mode):
+    import requests
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+
+    schema = schemathesis.openapi.from_dict(httpx.get(server.url + "/openapi.json", timeout=30).json())
+    strategy = schema[path][method].as_strategy(schemathesis.GenerationMode(mode)).map(_bounded)
+    session = requests.Session()
+    statuses = []
+
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def fuzz(case):
+        r = case.call(base_url=server.url, session=session, headers={"authorization": "Bearer key-a"}, timeout=120)
+        statuses.append(r.status_code)
+        assert r.status_code < 500, (r.status_code, r.text[:500], case.body)
+        if r.status_code >= 400:
+            err = r.json()["error"]
+            assert set(err) >= {"message", "type", "param", "code"} and err["message"], r.text[:500]
+
+    fuzz()
+    # The cases ran (a body's schema yields many; GET /v1/models has exactly one request to make), and the
+    # valid ones reached the engine.
+    assert len(statuses) >= (FUZZ_EXAMPLES // 2 if method == "POST" else 1), statuses
+    assert mode == "negative" or 200 in statuses, statuses
+    assert_idle(server)
+    still_serves(server)
+
+
+# --- hand-written hostile bodies ---------------------------------------------------------------
+
+
+def _post(server, path, content, content_type="application/json"):
+    return httpx.post(server.url + path, content=content, headers=headers(**{"content-type": content_type}),
+                      timeout=60)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_hostile_bodies_are_4xx_in_the_envelope(server, path):
+    deep = b"[" * 100_000 + b"]" * 100_000  # 200 KB of nesting: within the body limit
+    deep_object = b'{"prompt": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5000 + b"}"
+    cases = [
+        (deep, "application/json"),
+        (deep_object, "application/json"),
+        (b'{"model": "hardened", "prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}", "application/json"),
+        (b'{"model": "hardened", "prompt": "x", "max_tokens": 1e400}', "application/json"),
+        (b'{"model": "hardened", "prompt": "x", "temperature": NaN}', "application/json"),
+        (b'{"model": "hardened", "prompt": "x", "temperature": Infinity}', "application/json"),
+        (b'{"model": "hardened", "prompt": "x", "top_p": -Infinity}', "application/json"),
+        (b'{"model": "hardened", "prompt": "\xff\xfe\xfa", "max_tokens": 2}', "application/json"),
+        (b'{"model": "hardened", "prompt": "\\ud800", "max_tokens": 2}', "application/json"),
+        (b'{"model": "hardened", "prompt": "x", "prompt": [1, 2], "max_tokens": 2, "max_tokens": -5}',
+         "application/json"),
+        (b'{"model": "hardened", "prompt": "x"}', "text/plain"),
+        (b"model=hardened&prompt=x", "application/x-www-form-urlencoded"),
+        (b"", "application/json"),
+        (b"null", "application/json"),
+        (b'"just a string"', "application/json"),
+        (b'{"messages": "not a list", "prompt": {"nested": [null]}, "n": "2", "stop": [1, 2]}', "application/json"),
+    ]
+    for body, content_type in cases:
+        r = _post(server, path, body, content_type)
+        assert 400 <= r.status_code < 500, (body[:80], r.status_code, r.text[:300])
+        err = r.json()["error"]
+        assert set(err) >= {"message", "type", "param", "code"} and err["message"], (body[:80], r.text[:300])
+    still_serves(server)
