@@ -20,7 +20,8 @@ import httpx
 
 from serving.server import free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The repository root (this file is serving/cluster/local_fleet.py): the processes run the code beside it.
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class Process:
