@@ -7,6 +7,7 @@ requests and `/health` get a 503 in the error envelope, and the process exits 0.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -93,4 +94,6 @@ def test_sigterm_during_8_streams_drains_and_exits_0(tmp_path):
             finished += 1
     assert finished >= 4 and finished + errored == 8, (finished, errored)
     assert errored > 0  # the long ones were cut off by the timeout, not waited for
-    assert "draining: 8 request(s) in flight" in log and "drain timeout" in log
+    # At the signal the four long streams were in flight (a short one may have just finished).
+    in_flight = re.search(r"draining: (\d+) request\(s\) in flight", log)
+    assert in_flight and int(in_flight.group(1)) >= 4 and "drain timeout" in log, log[-3000:]
