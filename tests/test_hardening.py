@@ -1,8 +1,9 @@
 """Hostile and careless clients against a live server: bounded bodies, per-key concurrency, caps.
 
-One server per module with `--max_request_body_bytes=256 KiB` and
-`--max_concurrent_requests_per_key=2`, over a tiny random model with one
-token bucket. Every attack must get a 4xx in OpenAI's error envelope, and the
+One server per module with `--max_request_body_bytes=256 KiB`,
+`--max_concurrent_requests_per_key=2` and `--scheduling_policy=priority` (so
+the fuzzer's priorities are served, not refused), over a tiny random model
+with one token bucket. Every attack must get a 4xx in OpenAI's error envelope, and the
 server must go on serving with nothing left running, waiting or holding pages.
 """
 
@@ -32,7 +33,8 @@ def server():
 
     cfg = tiny_config(vocab_size=300)
     llm = LLM(config=cfg, params=init_params(cfg, jax.random.key(0)), max_num_seqs=8, max_num_batched_tokens=32,
-              min_token_bucket=32, page_size=16, max_model_len=256, attention_backend="reference", warmup=True)
+              min_token_bucket=32, page_size=16, max_model_len=256, attention_backend="reference", warmup=True,
+              scheduling_policy="priority")
     thread = ServerThread(llm, model_name="hardened", api_keys=APIKeys(KEYS),
                           limits=RequestLimits(max_body_bytes=BODY_LIMIT, max_concurrent_per_key=PER_KEY)).start()
     try:
@@ -73,7 +75,7 @@ def assert_idle(server, timeout=30.0):
 
 
 def still_serves(server):
-    r = httpx.post(server.url + "/v1/completions", json=completion(), headers=headers(), timeout=60)
+    r = httpx.post(server.url + "/v1/completions", json=completion(priority=-3), headers=headers(), timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
     assert_idle(server)
 
