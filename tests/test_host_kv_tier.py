@@ -345,3 +345,55 @@ def test_nothing_compiles_after_warm_up(params):
     assert llm.engine.stats().host_kv.pages_restored > 0
     assert (compilation_count(), kv_pages.compilation_count()) == before
 
+
+
+# --- visible: /metrics and the plan's memory table ---------------------------------------------------------
+
+def test_metrics_show_the_host_tier(params):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from serving.api.http_metrics import ServerMetrics
+
+    llm = build(params, 16, kv_offload_bytes=2**20, preemption_mode="swap")
+    run(llm, [LONG], SHORT, prefix="a")
+    _evict_everything(llm)
+    run(llm, [LONG], SHORT, prefix="b")
+
+    class _Engine:  # what ServerMetrics reads of the async engine
+        def stats(self):
+            return llm.engine.stats()
+
+        def add_stats_listener(self, fn):
+            pass
+
+    body, _ = ServerMetrics(_Engine(), "m", max_num_batched_tokens=32).attach().render()
+    samples = {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+               for fam in text_string_to_metric_families(body.decode()) for s in fam.samples}
+    st = llm.engine.stats().host_kv
+    assert samples[("ridgeline:host_kv_cache_pages_total", ())] == st.capacity_pages == 2**20 // st.page_bytes
+    assert samples[("ridgeline:host_kv_cache_pages_used", ())] == st.used_pages > 0
+    assert samples[("ridgeline:host_kv_pages_restored_total", ())] == st.pages_restored == 8
+    assert samples[("ridgeline:host_kv_restore_hit_tokens_total", ())] == 32
+    assert samples[("ridgeline:host_kv_bytes_moved_total", (("direction", "to_device"),))] == 8 * st.page_bytes
+    assert samples[("ridgeline:host_kv_bytes_moved_total", (("direction", "to_host"),))] == st.bytes_to_host > 0
+    assert samples[("ridgeline:num_preemptions_by_mode_total", (("mode", "swap"),))] == st.preemptions_swap
+    assert samples[("ridgeline:host_kv_restore_latency_seconds_count", ())] >= 1
+    assert samples[("ridgeline:host_kv_restore_latency_seconds_bucket", (("le", "+Inf"),))] == \
+        samples[("ridgeline:host_kv_restore_latency_seconds_count", ())]
+
+
+def test_the_plan_memory_table_shows_the_host_tier(capsys):
+    from model.families import config_by_name
+    from sharding.estimate import PlanInputs, plan
+    from sharding.hardware import get_gpu
+    from sharding.plan import main
+
+    gpu = get_gpu("h100-sxm")
+    mem = plan(PlanInputs(config_by_name("llama3-8b"), gpu, context_len=8192, kv_offload_bytes=100e9))["memory"]
+    per_token = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads, dim 128, bf16
+    assert mem["host_tier_tokens"] == int(100e9 // per_token)
+    assert mem["host_tier_sequences"] == int(100e9 // (per_token * 8192))
+    assert mem["host_tier_restore_s_per_sequence"] == pytest.approx(per_token * 8192 / gpu.pcie_bandwidth)
+    assert "host_tier_bytes" not in plan(PlanInputs(config_by_name("llama3-8b"), gpu))["memory"]
+    assert main(["--model", "llama3-8b", "--kv_offload_gb", "100"]) == 0
+    assert "host KV tier (per host)    100.00 GB: 762,939 tokens, 93 sequences" in capsys.readouterr().out

@@ -29,6 +29,7 @@ import time
 from typing import Optional
 
 from kernels_pallas.pow2 import powers_of_two
+from serving.api import host_kv_metrics
 
 # --- device peaks ----------------------------------------------------------------------------
 
@@ -350,6 +351,9 @@ class _SnapshotCollector:
             for j, count in enumerate(sd.accepted_per_position):
                 per_pos.add_metric([name, str(j)], count)
             yield per_pos
+        host_kv = getattr(s, "host_kv", None)
+        if host_kv is not None:  # the host KV tier (--kv_offload_bytes)
+            yield from host_kv_metrics.families(host_kv, PREFIX, name)
         success = CounterMetricFamily(PREFIX + "request_success", "Finished requests by finish reason.",
                                       labels=["model_name", "finished_reason"])
         reasons = dict.fromkeys(FINISH_REASONS, 0)
