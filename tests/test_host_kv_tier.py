@@ -189,9 +189,12 @@ def _preempted_requests(llm) -> set:
     return seen
 
 
-@pytest.mark.parametrize("mode", ["off", "recompute", "swap", "auto"])
+@pytest.mark.parametrize("mode", ["off", "recompute", "swap", "auto", "swap+overlap"])
 def test_greedy_tokens_are_the_same_with_the_tier_off_and_on_under_every_preemption_mode(params, reference, mode):
-    options = {} if mode == "off" else dict(kv_offload_bytes=2**20, preemption_mode=mode)
+    """"+overlap": overlapped scheduling, so pages are swapped out while the step that writes them runs."""
+    overlap = mode.endswith("+overlap")
+    mode = mode.removesuffix("+overlap")
+    options = {} if mode == "off" else dict(kv_offload_bytes=2**20, preemption_mode=mode, async_scheduling=overlap)
     llm = build(params, **options)
     preempted = _preempted_requests(llm)
     assert tokens(run(llm, PROMPTS)) == reference
