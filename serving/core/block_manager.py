@@ -151,6 +151,10 @@ class BlockManager:
             hashes.append(block_digest(hashes[-1] if hashes else seq.hash_root, toks[i * ps:(i + 1) * ps]))
         return hashes
 
+    def block_digests(self, seq, num_blocks: int) -> list[bytes]:
+        """The digests of `seq`'s first `num_blocks` full blocks (whether cached or not)."""
+        return self._hashes_upto(seq, num_blocks)[:num_blocks]
+
     def lookup_prefix(self, seq) -> list:
         """Cached pages holding the longest prefix of `seq`'s tokens; no side effects. With a host
         tier, a block only it holds is a `HostHit` in its place.

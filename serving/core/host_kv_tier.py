@@ -249,24 +249,24 @@ class HostKVTier(StepPart):
     # --- swap preemption (the scheduler's on_preempt) -----------------------------------------------
     def on_preempt(self, seq) -> None:
         """Swaps `seq`'s full pages out (or lets them be recomputed), before the scheduler frees them."""
-        self.bm.register_full_blocks(seq)  # so the pages are found again by digest
         table = self.bm.table(seq)
         full = min(min(seq.num_computed_tokens, seq.num_tokens) // self.page_size, len(table))
-        digests = seq.block_hashes[:full] if self.bm.enable_prefix_caching else []
+        digests = self.bm.block_digests(seq, full) if self.bm.enable_prefix_caching else []
         to_copy = [d for d in digests if d not in self.pool.index]
         if not digests or not self._swap_is_cheaper(len(to_copy), len(digests)):
             self.stats.preemptions_recompute += 1
             return
         self.stats.preemptions_swap += 1
-        written = []
+        self.bm.register_full_blocks(seq)  # so the pages are found again by digest
+        previous = self._swapped.pop(seq.seq_id, None)  # (preempted again before its last swap was released)
+        written = [] if previous is None else list(previous[2])
         for d in digests:
             self.pool.pin(d)
             page = self.bm.cached.get(d)
             if d not in self.pool.index and d not in self._to_host and page is not None and page != NO_PAGE:
                 self._to_host[d] = page
                 written.append(d)
-        previous = self._swapped.pop(seq.seq_id, None)
-        if previous is not None:
+        if previous is not None:  # after the new pins: nothing it shares is unpinned in between
             self._release_swap(previous, free=False)
         self._swapped[seq.seq_id] = (seq, digests, written)
 
@@ -435,6 +435,7 @@ def _host_memory_kind() -> Optional[str]:
 def _step_rate(runner) -> Optional[float]:
     """Tokens per second of the runner's largest step shape, timed on an empty batch (None if it cannot run
     one here, e.g. a pipeline's staged runner)."""
+    feed = runner.feed  # the ids of a step still in flight, which the next step may read: kept
     try:
         shape = runner.warm_up_order()[-1]
         ibuf, fbuf, _ = shape.empty(runner.num_pages * runner.page_size)
@@ -444,4 +445,6 @@ def _step_rate(runner) -> Optional[float]:
         return shape.T / (time.perf_counter() - t0)
     except Exception:
         return None
+    finally:
+        runner.feed = feed
 
