@@ -281,5 +281,10 @@ def test_every_pair_gives_the_plain_engines_tokens(weights, config):
     if engine.spec is not None:
         st = engine.stats().spec_decode
         assert st.num_accepted_tokens > 0, st
+    if engine.host_tier is not None:  # the tier was used: pages restored, each preemption counted by mode
+        st = engine.stats().host_kv
+        assert st.pages_restored > 0, st
+        assert st.preemptions_swap + st.preemptions_recompute == engine.scheduler.num_preemptions, st
+        engine.host_tier.check_invariants()
     engine.block_manager.check_invariants(live_seq_ids=())
     ref_llm.engine.block_manager.check_invariants(live_seq_ids=())
