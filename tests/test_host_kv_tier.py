@@ -132,6 +132,9 @@ class _Host:
     def restoring(self, digest, page):
         self.restored.append((digest, page))
 
+    def check_invariants(self):  # called by the block manager's own check
+        assert {d for d, _ in self.restored} <= self.digests, "restored a block the host never held"
+
 
 def test_the_block_manager_reports_evictions_and_restores_host_hits_into_free_pages():
     bm = BlockManager(num_pages=4, page_size=4)

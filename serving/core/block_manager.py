@@ -356,7 +356,8 @@ class BlockManager:
 
         Every page is either free (count 0, in the free queue exactly once) or
         held, and its count equals the number of tables holding it; no table
-        holds a page twice; the cache map and the per-page digests agree.
+        holds a page twice; the cache map and the per-page digests agree; and
+        the host tier's own (`host.check_invariants`), when there is one.
         """
         counts = [0] * self.num_pages
         for sid, table in self.tables.items():
@@ -375,3 +376,5 @@ class BlockManager:
         if live_seq_ids is not None:
             live = set(live_seq_ids)
             assert set(self.tables) <= live, f"tables of dead sequences: {set(self.tables) - live}"
+        if self.host is not None:  # and the host tier's own bookkeeping
+            self.host.check_invariants()

@@ -186,6 +186,8 @@ class HostPagePool:
             self.free.append(self.index.pop(digest))
 
     def check_invariants(self) -> None:
+        """Raises AssertionError when the bookkeeping is inconsistent: every page is either free or holds
+        exactly one digest, pending digests have pages, and the arrays stay within the budget's pages."""
         pages = list(self.index.values())
         assert len(set(pages)) == len(pages), "two digests share a host page"
         assert not set(pages) & set(self.free), "a host page is both used and free"
@@ -417,8 +419,12 @@ class HostKVTier(StepPart):
         return dataclasses.replace(self.stats, restore_latency_counts=list(self.stats.restore_latency_counts))
 
     def check_invariants(self) -> None:
-        """The pool's bookkeeping, and that no pinned digest belongs to a sequence no longer swapped out."""
+        """The pool's bookkeeping (`HostPagePool.check_invariants`); every pending page belongs to a copy
+        under way; every page of a swapped-out sequence is pinned. Call between steps."""
         self.pool.check_invariants()
+        on_the_way = {d for off in self._in_flight for d, p in zip(off.digests, off.pages) if p is not None}
+        assert self.pool.pending == on_the_way, "a pending host page with no copy under way (or the reverse)"
+        assert not self._restores, "restores left undone after the step"
         for _, digests, _ in self._swapped.values():
             assert all(self.pool.pins[d] > 0 for d in digests), "a swapped-out sequence's page is not pinned"
 
