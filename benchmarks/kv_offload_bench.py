@@ -25,6 +25,13 @@ the cost per page of the two ways back, measured in the same run: restoring
 `--probe_pages` pages from the host pool (read, scatter, wait) and recomputing
 them (a fresh prompt of that many pages, prefilled and its first token drawn).
 
+Last, preemption (`--preempt_requests` requests of `--preempt_prompt` prompt
+and `--preempt_tokens` greedy tokens at once, in a pool of `--preempt_pages`
+pages that holds a few of them: sequences are preempted again and again),
+served with `preemption_mode` recompute (no tier), swap and auto (with the
+tier), alternating over `--rounds`: wall time, throughput, preemptions by mode,
+pages restored, and whether the tokens agree.
+
 CPU numbers on a shared machine are noisy: the JSON records the load average.
 """
 
@@ -142,6 +149,52 @@ def restore_vs_recompute(plain, tiered, args) -> dict:
     return {"pages": n, "restore_s_per_page": r / n, "recompute_s_per_page": c / n, "recompute_over_restore": c / r}
 
 
+def preemption(params, args) -> dict:
+    """The preemption workload under recompute / swap / auto; best round of each, and whether tokens agree."""
+    rng = random.Random(2)
+    prompts = [[1] + [rng.randrange(3, CFG.vocab_size) for _ in range(args.preempt_prompt - 1)]
+               for _ in range(args.preempt_requests)]
+    sp = SamplingParams(temperature=0.0, max_tokens=args.preempt_tokens, ignore_eos=True)
+    modes = {"recompute": dict(kv_offload_bytes=0), "swap": dict(kv_offload_bytes=args.host_bytes,
+                                                                   preemption_mode="swap"),
+             "auto": dict(kv_offload_bytes=args.host_bytes, preemption_mode="auto")}
+    engines = {}
+    for mode, extra in modes.items():
+        engines[mode] = LLM(config=CFG, params=params, page_size=16, num_pages=args.preempt_pages,
+                            max_model_len=args.max_model_len, max_num_seqs=args.preempt_requests,
+                            max_num_batched_tokens=args.budget, min_token_bucket=16, **extra)
+        engines[mode].engine.warm_up()
+    runs, outputs = {m: [] for m in modes}, {}
+    for _ in range(args.rounds):
+        for mode, llm in engines.items():
+            e = llm.engine
+            e.reset_prefix_cache()
+            st0 = e.stats()
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, sp)
+            seconds = time.perf_counter() - t0
+            st1 = e.stats()
+            outputs[mode] = [list(o.outputs[0].token_ids) for o in outs]
+            r = {"seconds": seconds, "output_tok_per_s": len(prompts) * args.preempt_tokens / seconds,
+                 "preemptions": st1.num_preemptions - st0.num_preemptions}
+            if st1.host_kv is not None:
+                r.update(swapped=st1.host_kv.preemptions_swap - st0.host_kv.preemptions_swap,
+                         recomputed=st1.host_kv.preemptions_recompute - st0.host_kv.preemptions_recompute,
+                         pages_restored=st1.host_kv.pages_restored - st0.host_kv.pages_restored,
+                         measured_copy_bytes_per_s=st1.host_kv.bandwidth_bytes_per_s,
+                         measured_recompute_tokens_per_s=st1.host_kv.recompute_tokens_per_s)
+            runs[mode].append(r)
+    best = {m: min(r, key=lambda x: x["seconds"]) for m, r in runs.items()}
+    return {"workload": {k: getattr(args, k) for k in ("preempt_requests", "preempt_prompt", "preempt_tokens",
+                                                        "preempt_pages")},
+            **best, "all_rounds": runs,
+            "tokens_agree": all(outputs[m] == outputs["recompute"] for m in modes),
+            "throughput_swap_over_recompute": best["swap"]["output_tok_per_s"]
+            / best["recompute"]["output_tok_per_s"],
+            "throughput_auto_over_recompute": best["auto"]["output_tok_per_s"]
+            / best["recompute"]["output_tok_per_s"]}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "kv_offload_cpu.json"))
@@ -157,6 +210,10 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--probe_pages", type=int, default=16)
     p.add_argument("--probe_repeats", type=int, default=3)
+    p.add_argument("--preempt_requests", type=int, default=8)
+    p.add_argument("--preempt_prompt", type=int, default=32)
+    p.add_argument("--preempt_tokens", type=int, default=224)
+    p.add_argument("--preempt_pages", type=int, default=48, help="device pool of the preemption workload")
     p.add_argument("--quick", action="store_true", help="3 turns, 1 round (a smoke run)")
     args = p.parse_args(argv)
     if args.quick:
@@ -177,6 +234,8 @@ def main(argv=None) -> int:
     best = {name: min(r, key=lambda x: x["seconds"]) for name, r in runs.items()}
     plain, tier = best["plain"], best["host_tier"]
     probe = restore_vs_recompute(engines["plain"], engines["host_tier"], args)
+    del engines
+    preempt = preemption(params, args)
     pool_tokens = args.num_pages * 16
     result = {
         "benchmark": "kv_offload_bench", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -195,6 +254,7 @@ def main(argv=None) -> int:
                    "ttft_p90_plain_over_tier": plain["ttft_p90_s"] / tier["ttft_p90_s"],
                    "throughput_tier_over_plain": tier["total_tok_per_s"] / plain["total_tok_per_s"]},
         "restore_vs_recompute": probe,
+        "preemption": preempt,
     }
     print(f"working set {result['working_set_tokens']} tokens = {result['working_set_over_pool']:.1f}x the device "
           f"pool of {pool_tokens}")
@@ -205,6 +265,8 @@ def main(argv=None) -> int:
     print("ratios:", {k: round(v, 2) for k, v in result["ratios"].items()})
     print(f"per page: restore {probe['restore_s_per_page'] * 1e3:.3f} ms, recompute "
           f"{probe['recompute_s_per_page'] * 1e3:.3f} ms ({probe['recompute_over_restore']:.1f}x)")
+    print("preemption:", {m: (round(preempt[m]["output_tok_per_s"], 1), preempt[m]["preemptions"])
+                          for m in ("recompute", "swap", "auto")}, "tokens agree:", preempt["tokens_agree"])
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
