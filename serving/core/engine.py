@@ -165,6 +165,9 @@ class Engine:
         if not config.enable_prefix_caching:
             raise ValueError("kv_offload_bytes: the host tier extends the prefix cache; it needs "
                              "enable_prefix_caching")
+        if getattr(self.runner, "_spans_processes", lambda: False)():
+            raise ValueError("kv_offload_bytes: the host tier is not supported on a mesh spanning processes yet "
+                             "(its copies to host memory are read on process 0 alone)")
         return HostKVTier(self.block_manager, self.scheduler, self.runner, self.cfg, self.cache_dtype, capacity,
                           config.preemption_mode)
 
