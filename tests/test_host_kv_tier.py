@@ -167,13 +167,16 @@ def test_the_offload_options():
         offload_bytes(1000, 1.0)
 
 
-def test_an_engine_refuses_swap_without_a_tier_and_a_tier_without_prefix_caching(params):
+def test_an_engine_refuses_swap_without_a_tier_and_a_tier_without_prefix_caching_and_takes_gib(params):
     with pytest.raises(ValueError, match="kv_offload_bytes"):
         build(params, preemption_mode="swap")
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         build(params, kv_offload_bytes=2**20, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="holds no KV page"):
         build(params, kv_offload_bytes=100)
+    gib = build(params, kv_offloading_size=0.001).engine  # vLLM's spelling, in GiB
+    assert gib.host_tier.pool.nbytes <= 0.001 * 2**30 < gib.host_tier.pool.nbytes + gib.host_tier.pool.page_bytes
+    assert gib.describe()["kv_offload_bytes"] == gib.host_tier.pool.nbytes
 
 
 # --- engines: equivalence ---------------------------------------------------------------------------------
