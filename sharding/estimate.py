@@ -74,6 +74,7 @@ class PlanInputs:
     interconnect: str | None = None  # "nvlink" or "pcie"; default NVLink when the GPU has it
     rules: str = "megatron"
     model_name: str = ""
+    kv_offload_bytes: float = 0  # the host tier of the prefix cache (serving's --kv_offload_bytes), per host
 
     @property
     def w_dtype(self) -> str:
@@ -127,6 +128,20 @@ def _collective(payload_bytes: float, tp: int, bandwidth: float, latency: float)
     if tp == 1:
         return 0.0
     return latency + 2 * (tp - 1) / tp * payload_bytes / bandwidth
+
+
+def _host_tier(inp: PlanInputs, kv_token_total: float, flops_per_token: float) -> dict:
+    """The host tier's row of the memory table: what it holds (whole pages of every layer and KV head) and
+    what restoring one sequence's KV from it takes over PCIe, against recomputing its prefill (at `mfu`)."""
+    if not inp.kv_offload_bytes:
+        return {}
+    seq_bytes = kv_token_total * inp.context_len
+    flops = flops_per_token * inp.context_len
+    return {"host_tier_bytes": inp.kv_offload_bytes,
+            "host_tier_tokens": int(inp.kv_offload_bytes // kv_token_total),
+            "host_tier_sequences": int(inp.kv_offload_bytes // seq_bytes),
+            "host_tier_restore_s_per_sequence": seq_bytes / inp.gpu.pcie_bandwidth,
+            "host_tier_recompute_s_per_sequence": flops / (inp.gpu.bf16_flops * inp.tp * inp.mfu)}
 
 
 def plan(inp: PlanInputs) -> dict:
@@ -296,6 +311,7 @@ def plan(inp: PlanInputs) -> dict:
             "kv_bytes_per_sequence": kv_token_total * inp.context_len,
             "kv_bytes_per_sequence_per_device": max(seq_dev),
             "kv_free_bytes_per_device": min(free), "max_concurrent_sequences": max_seqs,
+            **_host_tier(inp, kv_token_total, 2 * (active_params - (0 if tied else embed_params))),
         },
         "roofline": {"peak_flops": gpu.bf16_flops, "hbm_bandwidth": gpu.hbm_bandwidth,
                      "ridge_point": gpu.ridge_point},

@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv_dtype", "--kv-dtype", choices=sorted(DTYPE_BYTES), default=None)
     p.add_argument("--reserve_gb", "--reserve-gb", type=float, default=4.0,
                    help="per-device runtime/activation reserve in GB (1e9 B)")
+    p.add_argument("--kv_offload_gb", "--kv-offload-gb", type=float, default=0.0,
+                   help="host tier of the prefix cache in GB (1e9 B; serving's --kv_offload_bytes): adds its "
+                        "capacity and restore vs recompute time to the memory table")
     p.add_argument("--mfu", type=float, default=0.5, help="fraction of peak FLOP/s prefill reaches")
     p.add_argument("--interconnect", choices=["nvlink", "pcie"], default=None,
                    help="link TP collectives use in the step times (default: NVLink when present)")
@@ -60,7 +63,7 @@ def inputs_from_args(args) -> PlanInputs:
         microbatches=args.microbatches, context_len=args.context_len, batch=args.batch,
         prompt_len=args.prompt_len, weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype,
         reserve_bytes=args.reserve_gb * 1e9, mfu=args.mfu, interconnect=args.interconnect, rules=args.rules,
-        model_name=args.model)
+        model_name=args.model, kv_offload_bytes=args.kv_offload_gb * 1e9)
 
 
 def main(argv=None) -> int:
@@ -156,7 +159,12 @@ def format_table(r: dict) -> str:
         ("HBM / reserve", f"{_b(mem['hbm_bytes'])} / {_b(mem['reserve_bytes'])}"),
         ("free for KV", _b(mem["kv_free_bytes_per_device"])),
         ("max concurrent sequences", f"{mem['max_concurrent_sequences']:,}"),
-    ])
+    ] + ([
+        ("host KV tier (per host)", f"{_b(mem['host_tier_bytes'])}: {mem['host_tier_tokens']:,} tokens, "
+                                    f"{mem['host_tier_sequences']:,} sequences"),
+        ("restore / recompute a seq", f"{_t(mem['host_tier_restore_s_per_sequence'])} over PCIe / "
+                                      f"{_t(mem['host_tier_recompute_s_per_sequence'])} prefill"),
+    ] if "host_tier_bytes" in mem else []))
     roof = r["roofline"]
     section("decode step (memory roof: weights + live KV)", [
         ("batch / microbatch", f"{dec['batch']} / {dec['microbatch']}"),

@@ -4,8 +4,9 @@ Features are of two kinds:
 
 * engine features, how an engine is built: 2-way tensor parallelism, 2 pipeline stages,
   prompt-lookup (ngram) or draft-model speculation, int8 weights, an int8 or fp8 KV cache,
-  overlapped scheduling, a sliding-window family (Mistral) and a mixture of experts (Qwen3-MoE; a
-  sliding-window Qwen3-MoE where both meet);
+  overlapped scheduling, a sliding-window family (Mistral), a mixture of experts (Qwen3-MoE; a
+  sliding-window Qwen3-MoE where both meet) and the host KV tier with swap preemption in a pool
+  the workload overflows;
 * request features, what a request asks for: structured outputs, sampling controls, logprobs,
   n = 2, prefix-cache hits, a cache_salt, and KV export / import (disaggregated prefill).
 
@@ -64,6 +65,9 @@ ENGINE_FEATURES = {
     "overlap": dict(async_scheduling=True),
     "sliding": {},  # the family: FAMILIES["sliding"]
     "moe": {},  # the family: FAMILIES["moe"]
+    # The host KV tier with swap preemption, in a pool the workload overflows: sequences are swapped out and
+    # back, and the second run of a prompt finds its pages on the host.
+    "offload": dict(kv_offload_bytes=2**22, preemption_mode="swap", num_pages=24),
 }
 # Features that change the model's numbers: the plain engine a configuration is compared with has them too.
 MODEL_FEATURES = ("int8_weights", "int8_kv", "fp8_kv", "sliding", "moe")
@@ -277,5 +281,10 @@ def test_every_pair_gives_the_plain_engines_tokens(weights, config):
     if engine.spec is not None:
         st = engine.stats().spec_decode
         assert st.num_accepted_tokens > 0, st
+    if engine.host_tier is not None:  # the tier was used: pages restored, each preemption counted by mode
+        st = engine.stats().host_kv
+        assert st.pages_restored > 0, st
+        assert st.preemptions_swap + st.preemptions_recompute == engine.scheduler.num_preemptions, st
+        engine.host_tier.check_invariants()
     engine.block_manager.check_invariants(live_seq_ids=())
     ref_llm.engine.block_manager.check_invariants(live_seq_ids=())

@@ -232,12 +232,14 @@ class Metric:
 
     `value`: a gauge's or counter's value from an `EngineStats` snapshot (a number, or a dict
     {label values: number} for metrics with `labels`; None leaves the metric out of the scrape);
-    a histogram's observations from one step's `IterationStats` (an iterable of numbers).
+    a histogram's observations from one step's `IterationStats` (an iterable of numbers); a
+    histogram kept by the engine itself ("histogram_snapshot"): (its bucket bounds, counts per
+    bucket with the +Inf one last, and their sum) from the snapshot.
     `buckets`: a histogram's upper bounds, or a function of the model's context length.
     """
 
     name: str  # as exported (a counter gets `_total` appended by the client library)
-    kind: str  # "gauge" | "counter" | "histogram"
+    kind: str  # "gauge" | "counter" | "histogram" | "histogram_snapshot"
     doc: str
     value: Callable
     buckets: object = None
@@ -278,6 +280,13 @@ def _finished_by_reason(s) -> dict:
 def _accepted_per_position(s):
     sd = getattr(s, "spec_decode", None)
     return None if sd is None else {(str(j),): n for j, n in enumerate(sd.accepted_per_position)}
+
+
+def _host_kv(field):
+    """A host-tier row's value: `field` of `EngineStats.host_kv` (a name, or a function of it); None
+    (the row left out) when the engine runs no tier."""
+    read = field if callable(field) else (lambda h: getattr(h, field))
+    return lambda s: None if getattr(s, "host_kv", None) is None else read(s.host_kv)
 
 
 METRICS: tuple[Metric, ...] = (
@@ -361,6 +370,38 @@ METRICS: tuple[Metric, ...] = (
            "bytes read per second / peak device bandwidth.", lambda s: s.utilization and s.utilization[0]),
     Metric(PREFIX + "model_flops_utilization", "gauge", "MFU over the last window: model FLOPs per second / peak "
            "dense bf16 FLOP/s.", lambda s: s.utilization and s.utilization[1]),
+    # --- the host KV tier (--kv_offload_bytes): present only when the engine runs one
+    Metric(PREFIX + "host_kv_cache_pages_used", "gauge", "Pages held by the host KV tier.", _host_kv("used_pages")),
+    Metric(PREFIX + "host_kv_cache_pages_total", "gauge", "Pages the host KV tier holds at most.",
+           _host_kv("capacity_pages")),
+    Metric(PREFIX + "host_kv_cache_bytes_used", "gauge", "Bytes of KV held by the host KV tier.",
+           _host_kv("used_bytes")),
+    Metric(PREFIX + "host_kv_cache_bytes_total", "gauge", "Bytes of the host KV tier's page pool.",
+           _host_kv("capacity_bytes")),
+    Metric(PREFIX + "host_kv_cache_usage_perc", "gauge", "Fraction of the host KV tier's pages in use (1 = full).",
+           _host_kv(lambda h: h.used_pages / h.capacity_pages if h.capacity_pages else 0.0)),
+    Metric(PREFIX + "host_kv_pages_offloaded", "counter", "KV pages copied from the device pool into the host tier.",
+           _host_kv("pages_offloaded")),
+    Metric(PREFIX + "host_kv_pages_dropped", "counter", "KV pages that found no room in the host tier (all pinned).",
+           _host_kv("pages_dropped")),
+    Metric(PREFIX + "host_kv_pages_restored", "counter", "KV pages written back from the host tier into the device "
+           "pool.", _host_kv("pages_restored")),
+    Metric(PREFIX + "host_kv_restore_hit_tokens", "counter", "Tokens whose K/V was restored from the host tier "
+           "instead of recomputed (also counted in vllm:prefix_cache_hits).", _host_kv("restore_hit_tokens")),
+    Metric(PREFIX + "host_kv_bytes_moved", "counter", "Bytes copied between the device pool and the host tier, by "
+           "direction.", _host_kv(lambda h: {("to_host",): h.bytes_to_host, ("to_device",): h.bytes_to_device}),
+           labels=("direction",)),
+    Metric(PREFIX + "num_preemptions_by_mode", "counter", "Preempted sequences by what became of their KV: swapped "
+           "to the host tier or left to be recomputed.",
+           _host_kv(lambda h: {("swap",): h.preemptions_swap, ("recompute",): h.preemptions_recompute}),
+           labels=("mode",)),
+    Metric(PREFIX + "host_kv_copy_bandwidth_bytes_per_s", "gauge", "Measured host<->device copy rate (auto "
+           "preemption's cost model).", _host_kv(lambda h: h.bandwidth_bytes_per_s or None)),
+    Metric(PREFIX + "host_kv_recompute_tokens_per_s", "gauge", "Measured step rate in tokens per second (auto "
+           "preemption's cost model).", _host_kv(lambda h: h.recompute_tokens_per_s or None)),
+    Metric(PREFIX + "host_kv_restore_latency_seconds", "histogram_snapshot", "Host seconds to read one step's "
+           "restored pages from the host tier and dispatch their scatter.",
+           _host_kv(lambda h: (h.restore_latency_bounds, h.restore_latency_counts, h.restore_latency_sum))),
 )
 
 BY_NAME = {m.name: m for m in METRICS}
@@ -446,7 +487,7 @@ class _SnapshotCollector:
         return []
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
         util = self.m.window.utilization() if self.m.window is not None else None
         s = _Snapshot(self.m.engine.stats(), util)
@@ -456,9 +497,23 @@ class _SnapshotCollector:
             value = m.value(s)
             if value is None:
                 continue
+            if m.kind == "histogram_snapshot":
+                yield _histogram_family(HistogramMetricFamily(m.name, m.doc, labels=list(m.standard_labels)),
+                                        self.m.label_values(m), *value)
+                continue
             family = (GaugeMetricFamily if m.kind == "gauge" else CounterMetricFamily)(
                 m.name, m.doc, labels=list(m.standard_labels + m.labels))
             base = self.m.label_values(m)
             for extra, v in (value.items() if isinstance(value, dict) else [((), value)]):
                 family.add_metric(base + list(extra), v)
             yield family
+
+
+def _histogram_family(family, labels: list, bounds, counts, total: float):
+    """`family` with one sample: per-bucket `counts` (the +Inf bucket last) made cumulative."""
+    cumulative, buckets = 0, []
+    for bound, count in zip(list(bounds) + [float("inf")], counts):
+        cumulative += count
+        buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
+    family.add_metric(labels, buckets, total)
+    return family

@@ -33,6 +33,15 @@ before the window of a sequence's next token are read by no later step; each
 generation holds about `window / page_size` pages instead of its whole
 context. A released page keeps its prefix-cache entry like any freed page.
 Sequences whose prompt K/V is exported (`seq.keeps_all_pages`) keep theirs.
+
+A host tier (`host`, e.g. `serving.core.host_kv_tier.HostKVTier`) extends the
+prefix cache beyond the pool: every eviction of a cached page is reported to
+it (`host.evicting(page, digest)`, before the page can be written again), and a
+prefix block it holds (`host.holds(digest)`) is a hit too: `lookup_prefix`
+returns it as a `HostHit`, and `allocate` gives it a free page, registers the
+page under the block's digest and reports the page to restore
+(`host.restoring(digest, page)`). The page is fresh from the free queue, so no
+sequence holds it: nothing is restored into a page a running sequence owns.
 """
 
 from __future__ import annotations
@@ -71,6 +80,19 @@ def salt_digest(cache_salt: Optional[str]) -> Optional[bytes]:
 NO_PAGE = -1  # a block-table entry whose page was released (before the sliding window)
 
 
+class HostHit:
+    """A prefix block found in the host tier (`BlockManager.host`), not in a device page: `allocate`
+    restores it into a free page."""
+
+    __slots__ = ("digest",)
+
+    def __init__(self, digest: bytes):
+        self.digest = digest
+
+    def __repr__(self):
+        return f"HostHit({self.digest.hex()[:8]})"
+
+
 def releasing_window(cfg) -> Optional[int]:
     """The window before which a sequence's pages may be released: the widest of the model's
     sliding windows when every layer has one; None when some layer attends to the whole context."""
@@ -100,6 +122,7 @@ class BlockManager:
         self.window = window
         self._released: dict[int, int] = {}  # seq_id -> leading blocks released (before the window)
         self.num_released_pages = 0  # pages released before a window (cumulative)
+        self.host = None  # the host tier of the prefix cache, if any (see the module docstring)
 
     # --- queries -------------------------------------------------------------------------
     @property
@@ -128,8 +151,13 @@ class BlockManager:
             hashes.append(block_digest(hashes[-1] if hashes else seq.hash_root, toks[i * ps:(i + 1) * ps]))
         return hashes
 
-    def lookup_prefix(self, seq) -> list[int]:
-        """Cached pages holding the longest prefix of `seq`'s tokens; no side effects.
+    def block_digests(self, seq, num_blocks: int) -> list[bytes]:
+        """The digests of `seq`'s first `num_blocks` full blocks (whether cached or not)."""
+        return self._hashes_upto(seq, num_blocks)[:num_blocks]
+
+    def lookup_prefix(self, seq) -> list:
+        """Cached pages holding the longest prefix of `seq`'s tokens; no side effects. With a host
+        tier, a block only it holds is a `HostHit` in its place.
 
         At most `(num_tokens - 1) // page_size` blocks: the last token is always
         computed again so the step has logits to sample from.
@@ -141,7 +169,9 @@ class BlockManager:
         for h in self._hashes_upto(seq, limit):
             b = self.cached.get(h)
             if b is None:
-                break
+                if self.host is None or not self.host.holds(h):
+                    break
+                b = HostHit(h)
             hits.append(b)
         return hits
 
@@ -153,6 +183,8 @@ class BlockManager:
         Returns the copy-on-write (src, dst) page pairs to perform before the
         step, or None when the free pool cannot cover it, in which case nothing
         changed but the release of pages before the sliding window (always valid).
+        A `HostHit` among `computed_blocks` takes a free page, into which the host
+        tier restores it.
         """
         if self.window is not None:
             self._release_before_window(seq)
@@ -170,13 +202,18 @@ class BlockManager:
         need = max(0, self.blocks_needed(start + num_new_tokens) - len(table) - len(computed_blocks))
         write_block = start // ps
         cow = num_new_tokens > 0 and write_block < len(table) and self.ref[table[write_block]] > 1
-        reclaimed = sum(1 for b in computed_blocks if self.ref[b] == 0)  # hits now sitting in the free queue
-        if need + cow > len(self.free) - reclaimed:
+        restores = sum(1 for b in computed_blocks if isinstance(b, HostHit))
+        reclaimed = sum(1 for b in computed_blocks
+                        if not isinstance(b, HostHit) and self.ref[b] == 0)  # hits now sitting in the free queue
+        if need + cow + restores > len(self.free) - reclaimed:
             return None
         for b in computed_blocks:
-            if self.ref[b] == 0:
-                del self.free[b]
-            self.ref[b] += 1
+            if not isinstance(b, HostHit):
+                if self.ref[b] == 0:
+                    del self.free[b]
+                self.ref[b] += 1
+        if restores:  # after the device hits left the free queue, so none of them is popped
+            computed_blocks = [self._restore(b.digest) if isinstance(b, HostHit) else b for b in computed_blocks]
         table.extend(computed_blocks)
         self.tables[seq.seq_id] = table
         if computed_blocks:
@@ -216,8 +253,18 @@ class BlockManager:
         if h is not None:  # eviction from the prefix cache
             if self.cached.get(h) == b:
                 del self.cached[h]
+                if self.host is not None:
+                    self.host.evicting(b, h)
             self.block_hash[b] = None
         self.ref[b] = 1
+        return b
+
+    def _restore(self, digest: bytes) -> int:
+        """A free page for the host tier to restore the block `digest` into, registered under it."""
+        b = self._pop_free()
+        self.cached[digest] = b
+        self.block_hash[b] = digest
+        self.host.restoring(digest, b)
         return b
 
     def fork(self, parent, child) -> None:
@@ -309,7 +356,8 @@ class BlockManager:
 
         Every page is either free (count 0, in the free queue exactly once) or
         held, and its count equals the number of tables holding it; no table
-        holds a page twice; the cache map and the per-page digests agree.
+        holds a page twice; the cache map and the per-page digests agree; and
+        the host tier's own (`host.check_invariants`), when there is one.
         """
         counts = [0] * self.num_pages
         for sid, table in self.tables.items():
@@ -328,3 +376,5 @@ class BlockManager:
         if live_seq_ids is not None:
             live = set(live_seq_ids)
             assert set(self.tables) <= live, f"tables of dead sequences: {set(self.tables) - live}"
+        if self.host is not None:  # and the host tier's own bookkeeping
+            self.host.check_invariants()

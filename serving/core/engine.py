@@ -39,6 +39,7 @@ from serving.core.sampling_params import InvalidParameterError, SamplingParams, 
 from serving.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from serving.core.sequence import Request, Sequence, SequenceStatus
 from serving.core.kv_imports import KVImports
+from serving.core.host_kv_tier import HostKVTier, offload_bytes
 from serving.core.spec_options import check_options as check_spec_options, logit_rows as spec_logit_rows
 from serving.core import structured_output
 from serving.core.stats import EngineStats, FinishedRequestStats, IterationStats, StatsLog
@@ -143,12 +144,35 @@ class Engine:
         self._step_count = 0
         # Requests resuming a shipped prefill (their `kv_import`, see `export_prompt_kv`).
         self.imports = KVImports(self.scheduler, self.runner, self._on_token)
+        self.host_tier = self._host_tier()  # KV pages beyond the device pool (host_kv_tier), or None
+        if self.host_tier is not None:  # an import's write must not land on a page before it is copied out
+            self.imports.before_write = self.host_tier.flush
         # The features that act inside a step, called in this order in each phase (`step_parts`).
-        self.parts = [self.imports] + ([self.spec] if self.spec is not None else [])
+        self.parts = ([self.host_tier] if self.host_tier is not None else []) + [self.imports] + (
+            [self.spec] if self.spec is not None else [])
         # Overlapped scheduling needs a runner that dispatches without waiting; speculative
         # steps choose the next step's drafts from this step's tokens, so they run one at a time.
         self.overlap = config.async_scheduling and self.spec is None
         self._in_flight: Optional[_StepInFlight] = None  # dispatched, not yet processed
+
+    def _host_tier(self) -> Optional[HostKVTier]:
+        """The host tier of the prefix cache and swap preemption, when `kv_offload_bytes` (or
+        `kv_offloading_size`) asks for one."""
+        config = self.config
+        capacity = offload_bytes(config.kv_offload_bytes, config.kv_offloading_size)
+        if capacity == 0:
+            if config.preemption_mode != "recompute":
+                raise ValueError(f"preemption_mode={config.preemption_mode!r} swaps pages to the host tier: "
+                                 "set kv_offload_bytes (or kv_offloading_size)")
+            return None
+        if not config.enable_prefix_caching:
+            raise ValueError("kv_offload_bytes: the host tier extends the prefix cache; it needs "
+                             "enable_prefix_caching")
+        if getattr(self.runner, "_spans_processes", lambda: False)():
+            raise ValueError("kv_offload_bytes: the host tier is not supported on a mesh spanning processes yet "
+                             "(its copies to host memory are read on process 0 alone)")
+        return HostKVTier(self.block_manager, self.scheduler, self.runner, self.cfg, self.cache_dtype, capacity,
+                          config.preemption_mode)
 
     # --- requests ------------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
@@ -307,6 +331,8 @@ class Engine:
             part.before_schedule(touched, it)
         waited = self._process_grammar_step(it, touched)
         out = self._schedule(it, touched)
+        for part in self.parts:
+            part.after_schedule(out)
         launched = None if out.is_empty else self._run(self._pack(out, it))
         done = launched
         if self.overlap:
@@ -465,7 +491,8 @@ class Engine:
             finished_by_reason=dict(log_.finished_by_reason), num_steps=log_.num_steps,
             page_size=self.config.page_size, warmup=self.runner.warmup_stats(),
             spec_decode=None if self.spec is None else dataclasses.replace(
-                self.spec.stats, accepted_per_position=list(self.spec.stats.accepted_per_position)))
+                self.spec.stats, accepted_per_position=list(self.spec.stats.accepted_per_position)),
+            host_kv=None if self.host_tier is None else self.host_tier.snapshot())
 
     def warm_up(self, background: bool = False) -> dict:
         """Compiles every step shape, so serving never compiles; returns seconds and counts. With
@@ -498,9 +525,16 @@ class Engine:
             "weight_dtype": cfg.weight_dtype or cfg.dtype, "kv_cache_dtype": str(np.dtype(self.cache_dtype)),
             "speculative_method": self.config.speculative_method,
             "num_speculative_tokens": self.config.num_speculative_tokens if self.spec is not None else 0,
+            "kv_offload_pages": 0 if self.host_tier is None else self.host_tier.pool.num_pages,
+            "kv_offload_bytes": 0 if self.host_tier is None else self.host_tier.pool.nbytes,
+            "preemption_mode": self.config.preemption_mode,
         }
 
     def reset_prefix_cache(self) -> int:
+        """Forgets the cached pages no sequence holds, on the device and in the host tier; returns how
+        many device pages."""
+        if self.host_tier is not None:
+            self.host_tier.reset()
         return self.block_manager.reset_prefix_cache()
 
 

@@ -26,6 +26,7 @@ from absl import flags
 
 from model.quant import KV_CACHE_DTYPE_CHOICES, WEIGHT_DTYPE_CHOICES
 from serving.core.compute_dtype import CHOICES as COMPUTE_DTYPE_CHOICES
+from serving.core.host_kv_tier import PREEMPTION_MODES
 from serving.core.spec_options import METHODS as SPECULATIVE_METHODS
 
 # The flags `define_flags` defines belong to its caller (absl lists a program's own flags under --help).
@@ -81,6 +82,17 @@ OPTIONS: tuple[EngineOption, ...] = (
                  "Share of device memory the KV pool may take, on devices that report their memory."),
     EngineOption("host_kv_cache_bytes", int, 256 * 2**20,
                  "KV pool budget in bytes where the device reports no memory (CPU)."),
+    EngineOption("kv_offload_bytes", int, 0,
+                 "Host-memory tier of the prefix cache, in bytes (0: off): KV pages evicted from the device pool "
+                 "are copied to a host page pool (LRU, pinned host memory where the backend has it) and restored "
+                 "on a later prefix hit instead of recomputed. Needs enable_prefix_caching."),
+    EngineOption("kv_offloading_size", Optional[float], None,
+                 "The host tier's size in GiB (vLLM's spelling of kv_offload_bytes; give one of the two)."),
+    EngineOption("preemption_mode", str, "recompute",
+                 "What a preempted sequence's KV becomes: recomputed when it resumes (recompute), copied to the "
+                 "host tier and restored (swap), or per sequence whichever the measured copy bandwidth and step "
+                 "rate say is cheaper (auto). swap and auto need the host tier (kv_offload_bytes).",
+                 choices=PREEMPTION_MODES),
     EngineOption("min_token_bucket", int, 1,
                  "Smallest padded token count of a step (raising it compiles fewer shapes, but pads every small "
                  "step up to it). Measured: batch-1 greedy decode of the embedded model through LLM.generate "

@@ -23,6 +23,7 @@ class KVImports(StepPart):
         """`take_token(seq, token, row, result, now, it)`: the engine's handling of a sampled token."""
         self.scheduler, self.runner, self.take_token = scheduler, runner, take_token
         self.pending: list = []  # requests in arrival order
+        self.before_write = None  # called before an import writes the cache (the host tier copies evicted pages out)
 
     def add(self, req) -> None:
         self.pending.append(req)
@@ -61,6 +62,8 @@ class KVImports(StepPart):
             table, start = admitted
             n = seq.num_prompt_tokens
             if start < n:
+                if self.before_write is not None:
+                    self.before_write()
                 imp.write(self.runner, table, start, n)
             req.kv_import = None  # the host copy is no longer needed
             self.pending.pop(0)

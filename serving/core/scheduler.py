@@ -115,6 +115,9 @@ class Scheduler:
         # Speculative drafts for the next step, {seq_id: token ids}; a decode
         # runs them after its last token (see serving/spec_decode).
         self.drafts: dict[int, list[int]] = {}
+        # Called with a sequence about to be preempted, before its pages are freed (the host KV tier
+        # swaps them out: serving.core.host_kv_tier).
+        self.on_preempt = None
 
     # --- queue management ----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -247,6 +250,8 @@ class Scheduler:
             and seq.num_tokens_with_pending < self.config.max_model_len)
 
     def _preempt(self, seq: Sequence) -> None:
+        if self.on_preempt is not None:
+            self.on_preempt(seq)
         self.bm.free_seq(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING

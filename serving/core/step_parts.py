@@ -3,7 +3,8 @@
 `Engine.step` is four phases: schedule, pack, run, process. The plain engine
 needs nothing else; a feature that must act inside a step (speculative
 decoding proposes drafts before scheduling and takes the verified tokens
-after; shipped prefills are admitted before scheduling) is a part: an object
+after; shipped prefills are admitted before scheduling; the host KV tier
+copies pages out and back in once the step is scheduled) is a part: an object
 with these hooks, which the engine calls in order for every part it holds.
 A part changes only its own state and what it is handed (the step's packed
 batch, the requests it touched), so adding a feature adds a part, not a
@@ -26,6 +27,10 @@ class StepPart:
     def before_schedule(self, touched: dict, it) -> None:
         """Runs before the scheduler: requests that produced output go into `touched` ({request id:
         request}), their first tokens' statistics into `it` (the step's `IterationStats`)."""
+
+    def after_schedule(self, out) -> None:
+        """Runs once the step is scheduled (`out`: its `SchedulerOutput`), before anything of it (page
+        copies, the step itself) is dispatched: the last moment to read pages the step will overwrite."""
 
     def pack(self, batch) -> None:
         """Adds the part's inputs to the packed step (`input_batch.StepBatch`) before it is dispatched."""
