@@ -28,6 +28,10 @@ THINK_TEMPLATE = (
 )
 ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 VOCAB = 448  # the model's vocabulary: the tokenizer's 420 and the added tokens, padded
+# The engine every test of these checkpoints uses: one token bucket and one context bucket, the same in
+# every module, so the step programs compile once per run (the compilation cache has them after).
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, min_token_bucket=64, num_pages=160, page_size=8,
+              max_model_len=640, min_context_bucket=640)
 
 
 def save_reasoning_checkpoint(hf_dir: str, out_dir: str, added_tags: bool, seed: int = 7) -> str:

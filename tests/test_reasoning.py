@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from reasoning_checkpoints import save_reasoning_checkpoint  # noqa: E402
+from reasoning_checkpoints import ENGINE, save_reasoning_checkpoint  # noqa: E402
 from serving import LLM, SamplingParams  # noqa: E402
 from serving.api import reasoning as R  # noqa: E402
 from serving.api.chat_template import encode_chat  # noqa: E402
@@ -24,7 +24,6 @@ from serving.core.reasoning_phase import ReasoningParams  # noqa: E402
 from serving.core.structured_output import StructuredOutputsParams  # noqa: E402
 from serving.server import ServerThread  # noqa: E402
 
-ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, num_pages=48, page_size=8, max_model_len=128)
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 POINT = {"type": "object", "additionalProperties": False, "required": ["x", "y"],
          "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},

@@ -495,6 +495,10 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
 
     add_utility_routes(app, ctx, keyed)  # /tokenize, /detokenize, /version, /v1/models/{id}
 
+    from serving.api.responses_api import add_responses_routes
+
+    add_responses_routes(app, ctx, keyed)  # /v1/responses (OpenAI's Responses API)
+
     if kv_transfer_secret:
         from serving.disaggregation.disagg import add_kv_transfer_routes
 

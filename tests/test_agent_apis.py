@@ -1,0 +1,204 @@
+"""The agent APIs with their official clients: OpenAI's Responses API (`openai`, and the OpenAI Agents
+SDK's Runner on top of it) and Anthropic's Messages API (`anthropic`), against one server over the
+tiny Qwen3-style reasoning checkpoint (tests/reasoning_checkpoints.py), with `--reasoning_parser
+qwen3` and `--tool_call_parser hermes`. Nothing reaches the network: every client points at the
+test server.
+
+The random model never ends its thinking on its own, so requests give a thinking budget; where an
+answer must end by itself (the Agents SDK treats a length stop as a failure) a bounded JSON schema
+ends it.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from typing import Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+pytest.importorskip("transformers")
+
+from reasoning_checkpoints import ENGINE, save_reasoning_checkpoint  # noqa: E402
+from serving import LLM  # noqa: E402
+from serving.api.http_auth import APIKeys  # noqa: E402
+from serving.api.responses_store import ResponseStore  # noqa: E402
+from serving.server import ServerThread  # noqa: E402
+
+MODEL = "tiny-thinker"
+KEY, OTHER_KEY = "key-a", "key-b"
+CITY = {"type": "object", "additionalProperties": False, "required": ["city"],
+        "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}}
+WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+                "parameters": CITY}
+POINT = {"type": "object", "additionalProperties": False, "required": ["x"],
+         "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}}}
+THINK = {"thinking_token_budget": 4}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("agent_apis")
+    path = save_reasoning_checkpoint(str(root / "hf"), str(root / "ours"), added_tags=True)
+    llm = LLM(path, **ENGINE)
+    store = ResponseStore(max_entries=8, ttl_s=600)
+    thread = ServerThread(llm, model_name=MODEL, reasoning_parser="qwen3", tool_call_parser="hermes",
+                          api_keys=APIKeys([KEY, OTHER_KEY]), responses_store=store).start()
+    try:
+        yield types.SimpleNamespace(
+            url=thread.url, store=store,
+            client=openai.OpenAI(base_url=thread.url + "/v1", api_key=KEY, max_retries=0, timeout=120),
+            other=openai.OpenAI(base_url=thread.url + "/v1", api_key=OTHER_KEY, max_retries=0, timeout=120))
+    finally:
+        thread.stop()
+
+
+def _respond(client, **kw):
+    kw = {"model": MODEL, "input": "What is the weather in Paris?", "max_output_tokens": 24,
+          "extra_body": {**THINK, "ignore_eos": True}, **kw}
+    return client.responses.create(**kw)
+
+
+# --- /v1/responses through `openai` ---------------------------------------------------------------
+
+def test_create_gives_reasoning_and_message_items(server):
+    r = _respond(server.client, instructions="Answer briefly.", metadata={"run": "1"})
+    kinds = [item.type for item in r.output]
+    assert kinds == ["reasoning", "message"]
+    assert r.output[0].content[0].text and r.output_text == r.output[1].content[0].text
+    assert "</think>" not in r.output_text
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 24 and 0 < r.usage.output_tokens_details.reasoning_tokens < 24
+    assert r.metadata == {"run": "1"} and r.instructions == "Answer briefly."
+
+
+def test_stream_events_are_numbered_and_add_up_to_the_response(server):
+    with server.client.responses.stream(model=MODEL, input="Hello", max_output_tokens=20,
+                                        extra_body={**THINK, "ignore_eos": True}) as stream:
+        events = list(stream)
+    kinds = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-1] == "response.incomplete" and "response.output_text.delta" in kinds
+    assert "response.reasoning_text.delta" in kinds
+    final = events[-1].response
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert text == final.output_text and reasoning == final.output[0].content[0].text
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 2
+
+
+def test_function_tool_round_trip_with_function_call_output(server):
+    first = _respond(server.client, tools=[WEATHER_TOOL], tool_choice={"type": "function", "name": "get_weather"},
+                     max_output_tokens=40, extra_body=THINK)
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert first.status == "completed" and len(calls) == 1 and calls[0].name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].arguments), CITY)
+    follow_up = [{"role": "user", "content": "What is the weather in Paris?"},
+                 {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather",
+                  "arguments": calls[0].arguments},
+                 {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Sunny, 21 C"}]
+    second = _respond(server.client, input=follow_up, tools=[WEATHER_TOOL], tool_choice="none")
+    assert second.output_text and not [i for i in second.output if i.type == "function_call"]
+
+
+def test_streamed_function_call_arguments(server):
+    with server.client.responses.stream(model=MODEL, input="Weather?", tools=[WEATHER_TOOL], tool_choice="required",
+                                        max_output_tokens=60, extra_body=THINK) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    call = [i for i in final.output if i.type == "function_call"][0]
+    assert args == call.arguments
+    jsonschema.validate(json.loads(args), CITY)
+
+
+def test_json_schema_text_format_is_valid_after_thinking(server):
+    r = _respond(server.client, max_output_tokens=48, extra_body=THINK,
+                 text={"format": {"type": "json_schema", "name": "point", "schema": POINT, "strict": True}})
+    assert r.status == "completed" and r.output[0].type == "reasoning"
+    jsonschema.validate(json.loads(r.output_text), POINT)
+
+
+def test_previous_response_id_continues_and_the_store_is_per_key(server):
+    first = _respond(server.client, input="My name is Ada.")
+    second = _respond(server.client, input="What is my name?", previous_response_id=first.id)
+    assert second.previous_response_id == first.id
+    # The stored conversation is in the prompt: it is longer than the question alone.
+    alone = _respond(server.client, input="What is my name?")
+    assert second.usage.input_tokens > alone.usage.input_tokens + 5
+    assert server.client.responses.retrieve(first.id).id == first.id
+    for call in (lambda: server.other.responses.retrieve(first.id),
+                 lambda: _respond(server.other, previous_response_id=first.id)):
+        with pytest.raises(openai.NotFoundError):  # another key sees nothing
+            call()
+    server.client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError) as e:
+        server.client.responses.retrieve(first.id)
+    assert e.value.body["code"] == "not_found"
+
+
+def test_the_store_is_capped(server):
+    ids = [_respond(server.client, max_output_tokens=2).id for _ in range(server.store.max_entries + 2)]
+    assert len(server.store) <= server.store.max_entries
+    with pytest.raises(openai.NotFoundError):
+        server.client.responses.retrieve(ids[0])
+    assert server.client.responses.retrieve(ids[-1]).id == ids[-1]
+
+
+@pytest.mark.parametrize("kw,param", [
+    ({"background": True}, "background"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
+    ({"reasoning": {"effort": "low", "summary": "auto"}}, "reasoning.summary"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object", "properties": {
+        "a": {"type": "strin"}}}}}}, "text.format"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+])
+def test_what_is_not_supported_is_a_400_naming_it(server, kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        _respond(server.client, **kw)
+    assert e.value.body["param"] == param
+
+
+def test_a_disconnected_stream_frees_its_request(server):
+    with httpx.stream("POST", server.url + "/v1/responses", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": MODEL, "input": "Hi", "stream": True, "max_output_tokens": 400,
+                            "ignore_eos": True}, timeout=60) as resp:
+        for line in resp.iter_lines():
+            if "output_text.delta" in line or "reasoning_text.delta" in line:
+                break
+    r = _respond(server.client, max_output_tokens=4)  # the server still serves
+    assert r.usage.output_tokens == 4
+
+
+# --- the OpenAI Agents SDK ----------------------------------------------------------------------------
+
+class Answer(BaseModel):
+    x: int = Field(ge=0, le=9)
+
+
+def test_agents_sdk_runs_a_function_tool_to_a_final_answer(server):
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    seen = []
+
+    @agents.function_tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
+        """The weather in a city."""
+        seen.append(city)
+        return f"Sunny in {city}"
+
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    agent = agents.Agent(
+        name="weather", instructions="Use the tool, then answer.", tools=[get_weather], output_type=Answer,
+        model=agents.OpenAIResponsesModel(model=MODEL, openai_client=client),
+        model_settings=agents.ModelSettings(tool_choice="get_weather", max_tokens=48, extra_body=THINK))
+    result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
+    assert seen and seen[0] in ("Paris", "Rome")
+    assert isinstance(result.final_output, Answer) and 0 <= result.final_output.x <= 9
