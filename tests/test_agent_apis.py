@@ -202,3 +202,89 @@ def test_agents_sdk_runs_a_function_tool_to_a_final_answer(server):
     result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
     assert seen and seen[0] in ("Paris", "Rome")
     assert isinstance(result.final_output, Answer) and 0 <= result.final_output.x <= 9
+
+
+# --- /v1/messages through `anthropic` -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def claude(server):
+    anthropic = pytest.importorskip("anthropic")
+    return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
+
+
+def _message(claude, **kw):
+    kw = {"model": MODEL, "max_tokens": 24, "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+          "thinking": {"type": "enabled", "budget_tokens": 4}, **kw}
+    # temperature is the older schema's field (this client no longer has it): sent as an extra.
+    kw["extra_body"] = {"temperature": 0.0, "ignore_eos": True, **kw.get("extra_body", {})}
+    return claude.messages.create(**kw)
+
+
+def test_messages_create_gives_a_thinking_block_then_text(claude):
+    m = _message(claude, system="Answer briefly.")
+    assert [b.type for b in m.content] == ["thinking", "text"]
+    assert m.content[0].thinking and m.content[1].text and "</think>" not in m.content[1].text
+    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 24 and m.role == "assistant"
+    off = _message(claude, thinking={"type": "disabled"})  # the template closes the block: no thinking
+    assert [b.type for b in off.content] == ["text"]
+    hidden = _message(claude, system="Answer briefly.",
+                      thinking={"type": "enabled", "budget_tokens": 4, "display": "omitted"})
+    assert [b.type for b in hidden.content] == ["text"] and hidden.content[0].text == m.content[1].text
+
+
+def test_messages_stream_adds_up_to_the_message(claude):
+    with claude.messages.stream(model=MODEL, max_tokens=24, extra_body={"temperature": 0.0, "ignore_eos": True},
+                                messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+                                thinking={"type": "enabled", "budget_tokens": 4}) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_message()
+    whole = _message(claude)
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "message_delta" in kinds
+    assert kinds.count("content_block_start") == kinds.count("content_block_stop") == 2
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
+    assert final.stop_reason == "max_tokens"
+
+
+def test_messages_tool_use_round_trip(claude):
+    tools = [{"name": "get_weather", "description": "The weather in a city.", "input_schema": CITY}]
+    m = _message(claude, tools=tools, tool_choice={"type": "tool", "name": "get_weather"}, max_tokens=40,
+                 extra_body={"ignore_eos": False})
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and len(uses) == 1 and uses[0].id.startswith("toolu_")
+    jsonschema.validate(uses[0].input, CITY)
+    with claude.messages.stream(model=MODEL, max_tokens=80, extra_body={"temperature": 0.0}, tools=tools,
+                                tool_choice={"type": "any"}, thinking={"type": "enabled", "budget_tokens": 4},
+                                messages=[{"role": "user", "content": "Weather?"}]) as stream:
+        streamed = stream.get_final_message()
+    assert [b.type for b in streamed.content][-1] == "tool_use", streamed
+    assert streamed.stop_reason == "tool_use", streamed
+    jsonschema.validate(streamed.content[-1].input, CITY)
+    history = [{"role": "user", "content": "What is the weather in Paris?"},
+               {"role": "assistant", "content": [b.model_dump() for b in m.content]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
+                                             "content": "Sunny, 21 C"}]}]
+    answer = _message(claude, tools=tools, messages=history)
+    assert answer.content[-1].type == "text" and answer.content[-1].text
+
+
+def test_messages_errors_are_anthropics_envelope_and_x_api_key_is_accepted(server, claude):
+    anthropic = pytest.importorskip("anthropic")
+    with pytest.raises(anthropic.BadRequestError) as e:
+        _message(claude, extra_body={"frobnicate": True})
+    assert e.value.body == {"type": "error", "error": {"type": "invalid_request_error",
+                                                       "message": "frobnicate: is not a field of this API"}}
+    for bad in ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+                {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+                {"thinking": {"type": "enabled", "budget_tokens": -3}}):
+        with pytest.raises(anthropic.BadRequestError):
+            _message(claude, **bad)
+    wrong = anthropic.Anthropic(base_url=server.url, api_key="nope", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        _message(wrong)
+    assert e.value.body["error"]["type"] == "authentication_error"
+    # The anthropic client sends x-api-key; a Bearer header works too.
+    bearer = httpx.post(server.url + "/v1/messages", headers={"Authorization": f"Bearer {KEY}"},
+                        json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    assert bearer.status_code == 200 and bearer.json()["type"] == "message"
+    count = claude.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert count.input_tokens > 0

@@ -499,6 +499,10 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
 
     add_responses_routes(app, ctx, keyed)  # /v1/responses (OpenAI's Responses API)
 
+    from serving.api.messages_api import add_messages_routes
+
+    add_messages_routes(app, ctx)  # /v1/messages (Anthropic's Messages API; its own key check and envelope)
+
     if kv_transfer_secret:
         from serving.disaggregation.disagg import add_kv_transfer_routes
 
