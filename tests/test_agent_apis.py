@@ -27,6 +27,7 @@ from reasoning_checkpoints import ENGINE, save_reasoning_checkpoint  # noqa: E40
 from serving import LLM  # noqa: E402
 from serving.api.http_auth import APIKeys  # noqa: E402
 from serving.api.responses_store import ResponseStore  # noqa: E402
+from serving.core.model_runner import compilation_count  # noqa: E402
 from serving.server import ServerThread  # noqa: E402
 
 MODEL = "tiny-thinker"
@@ -44,7 +45,8 @@ THINK = {"thinking_token_budget": 4}
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("agent_apis")
     path = save_reasoning_checkpoint(str(root / "hf"), str(root / "ours"), added_tags=True)
-    llm = LLM(path, **ENGINE)
+    llm = LLM(path, warmup=True, **ENGINE)
+    compiled = compilation_count()
     store = ResponseStore(max_entries=8, ttl_s=600)
     thread = ServerThread(llm, model_name=MODEL, reasoning_parser="qwen3", tool_call_parser="hermes",
                           api_keys=APIKeys([KEY, OTHER_KEY]), responses_store=store).start()
@@ -55,6 +57,10 @@ def server(tmp_path_factory):
             other=openai.OpenAI(base_url=thread.url + "/v1", api_key=OTHER_KEY, max_retries=0, timeout=120))
     finally:
         thread.stop()
+    # Thinking phases, grammars after thinking and aborted streams compile nothing and leak no page.
+    assert compilation_count() == compiled, "a request compiled a new step"
+    assert not llm.engine.requests
+    llm.engine.block_manager.check_invariants(live_seq_ids=())
 
 
 def _respond(client, **kw):

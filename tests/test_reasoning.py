@@ -242,3 +242,12 @@ def test_bad_reasoning_fields_are_400s(servers):
     with pytest.raises(openai.BadRequestError) as e:
         _chat(client, "qwen3", reasoning_effort="extreme")
     assert e.value.body["param"] == "reasoning_effort"
+
+
+def test_allowed_token_ids_must_allow_the_forced_tags(llms):
+    llm = llms["qwen3"]
+    start, end = _tags(llm.tokenizer)
+    params = SamplingParams(max_tokens=4, allowed_token_ids=[5, 6],
+                            reasoning=ReasoningParams(start, end, "thinking", 2))
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        llm.engine.make_request("x", [5, 6, 7], params)

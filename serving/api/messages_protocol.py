@@ -198,8 +198,8 @@ def chat_request(req: MessagesRequest) -> tuple[P.ChatCompletionRequest, bool]:
     try:
         chat = P.ChatCompletionRequest(
             model=req.model, messages=chat_messages(req), max_tokens=req.max_tokens, temperature=req.temperature,
-            top_p=req.top_p, top_k=req.top_k, stop=req.stop_sequences, seed=req.seed, ignore_eos=req.ignore_eos, tools=tools, tool_choice=choice,
-            parallel_tool_calls=parallel, response_format=response_format, thinking_token_budget=budget,
+            top_p=req.top_p, top_k=req.top_k, stop=req.stop_sequences, seed=req.seed, ignore_eos=req.ignore_eos,
+            tools=tools, tool_choice=choice, parallel_tool_calls=parallel, response_format=response_format, thinking_token_budget=budget,
             reasoning_effort=(req.output_config or {}).get("effort") if budget is None else None,
             chat_template_kwargs=template_kwargs)
     except ValueError as e:

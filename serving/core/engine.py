@@ -206,6 +206,11 @@ class Engine:
             if bad:
                 raise InvalidParameterError("reasoning", f"reasoning: think-tag token ids {bad} are not in the "
                                                          f"vocabulary [0, {self.cfg.vocab_size})")
+            forced = set(reasoning.end_ids) | (set(reasoning.start_ids) if reasoning.starts == "undecided" else set())
+            if params.allowed_token_ids is not None and not forced <= set(params.allowed_token_ids):
+                raise InvalidParameterError("allowed_token_ids", "allowed_token_ids: must allow the think tags' "
+                                                                 f"tokens {sorted(forced)}, which the reasoning "
+                                                                 "phase may force")
             return PhasedGrammar(reasoning, grammar, params.n, self.structured.width)
         return grammar
 

@@ -124,7 +124,8 @@ class PhasedGrammar:
             matched = phase.matched + 1 if token == p.start_ids[phase.matched] else 0
             if matched == 0:  # cannot happen under the forcing mask; treat the block as open
                 return _Phase("thinking", thought=1), [token], False
-            return (_Phase("thinking") if matched == len(p.start_ids) else _Phase("opening", matched=matched)), [], False
+            opened = matched == len(p.start_ids)
+            return (_Phase("thinking") if opened else _Phase("opening", matched=matched)), [], False
         recent = (recent + [token])[-len(p.end_ids):]
         matched = _end_match(recent, p.end_ids)
         if matched == len(p.end_ids):
