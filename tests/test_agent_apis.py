@@ -11,6 +11,7 @@ ends it.
 
 from __future__ import annotations
 
+import base64
 import json
 import types
 from typing import Literal
@@ -80,6 +81,16 @@ def test_create_gives_reasoning_and_message_items(server):
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 24 and 0 < r.usage.output_tokens_details.reasoning_tokens < 24
     assert r.metadata == {"run": "1"} and r.instructions == "Answer briefly."
+    # A stateless client asks for the reasoning as an opaque string and sends the item back.
+    stateless = _respond(server.client, include=["reasoning.encrypted_content"], store=False)
+    item = stateless.output[0]
+    assert base64.b64decode(item.encrypted_content).decode() == item.content[0].text
+    again = _respond(server.client, store=False, input=[
+        {"role": "user", "content": "What is the weather in Paris?"}, item.model_dump(exclude_none=True),
+        {"role": "assistant", "content": stateless.output_text}, {"role": "user", "content": "And Rome?"}])
+    assert again.output_text
+    with pytest.raises(openai.NotFoundError):  # store: false kept nothing
+        server.client.responses.retrieve(stateless.id)
 
 
 def test_stream_events_are_numbered_and_add_up_to_the_response(server):
@@ -159,7 +170,7 @@ def test_the_store_is_capped(server):
 @pytest.mark.parametrize("kw,param", [
     ({"background": True}, "background"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
-    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
     ({"reasoning": {"effort": "low", "summary": "auto"}}, "reasoning.summary"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object", "properties": {

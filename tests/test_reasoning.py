@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import numpy as np
 import openai
 import pytest
 
@@ -20,7 +21,7 @@ from reasoning_checkpoints import ENGINE, save_reasoning_checkpoint  # noqa: E40
 from serving import LLM, SamplingParams  # noqa: E402
 from serving.api import reasoning as R  # noqa: E402
 from serving.api.chat_template import encode_chat  # noqa: E402
-from serving.core.reasoning_phase import ReasoningParams  # noqa: E402
+from serving.core.reasoning_phase import PhasedGrammar, ReasoningParams  # noqa: E402
 from serving.core.structured_output import StructuredOutputsParams  # noqa: E402
 from serving.server import ServerThread  # noqa: E402
 
@@ -72,6 +73,31 @@ def test_effort_budgets_leave_the_answer_its_share():
     assert R.thinking_budget(Req, FMT, 100) == 7
     with pytest.raises(Exception, match="--reasoning_parser"):
         R.thinking_budget(Req, None, 100)
+
+
+# --- the phase machine ----------------------------------------------------------------------------
+
+def _allowed(mask_row) -> list[int]:
+    bits = np.unpackbits(np.ascontiguousarray(mask_row).view(np.uint8), bitorder="little")
+    return [] if bits.all() else [int(i) for i in np.flatnonzero(bits)]
+
+
+def test_phase_forces_the_rest_of_the_end_tag_and_frees_overlap_while_thinking():
+    g = PhasedGrammar(ReasoningParams([7], [9, 10], "thinking", 3), None, n=1, width=1)
+    assert _allowed(g.masks[0]) == [] and not g.constrains(0)  # thinking freely: nothing barred
+    assert not g.needs_pending(0, 2) and g.needs_pending(0, 3)  # 3 draws in flight could spend the budget
+    for tok in (5, 6, 9):  # the model begins the end tag as the budget runs out
+        assert not g.accept(0, tok)
+    assert _allowed(g.masks[0]) == [10] and g.constrains(0)  # its rest is forced, not the whole tag again
+    g.accept(0, 10)
+    assert g.in_answer(0) and not g.constrains(0) and not g.needs_pending(0, 4)
+    # Drafts: the forced token must come where it is due; the answer is free without a grammar.
+    h = PhasedGrammar(ReasoningParams([7], [9, 10], "thinking", 1), None, n=1, width=1)
+    assert h.valid_drafts(0, [5, 9, 10, 3]) == [5, 9, 10, 3]
+    assert h.valid_drafts(0, [5, 4, 10]) == [5]
+    out = np.zeros((4, 1), np.int32)
+    h.fill_draft_masks(0, [5, 9, 10], out, 0)
+    assert [_allowed(r) for r in out] == [[], [9], [10], []]
 
 
 # --- the engine: budget and grammar after thinking ---------------------------------------------------

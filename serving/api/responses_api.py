@@ -24,6 +24,7 @@ request that makes it.
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 import uuid
@@ -96,6 +97,15 @@ def _reasoning_item(text: str, status: str = "completed") -> dict:
             "content": [{"type": "reasoning_text", "text": text}], "status": status}
 
 
+def _with_encrypted_content(turn: "_Turn", item: dict) -> dict:
+    """A reasoning item with `encrypted_content` when the request included it (an opaque copy of the
+    text for a client that keeps no store; reasoning items sent back are left out of the prompt)."""
+    if item["type"] == "reasoning" and "reasoning.encrypted_content" in (turn.req.include or []):
+        text = item["content"][0]["text"] if item["content"] else ""
+        item["encrypted_content"] = base64.b64encode(text.encode("utf-8")).decode("ascii")
+    return item
+
+
 def _message_item(text: str, status: str = "completed") -> dict:
     return {"type": "message", "id": _new_id("msg"), "role": "assistant", "status": status,
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
@@ -113,7 +123,7 @@ def output_items(turn: _Turn, text: str, incomplete: bool) -> tuple[list[dict], 
     status = "incomplete" if incomplete else "completed"
     items = []
     if thinking is not None:
-        items.append(_reasoning_item(thinking, status))
+        items.append(_with_encrypted_content(turn, _reasoning_item(thinking, status)))
     if content:
         items.append(_message_item(content, status))
     for call in T.tool_calls_of(calls):
@@ -204,8 +214,9 @@ class _Events:
 class _StreamedItems:
     """The output items of a streamed response as they open, grow and close, with their events."""
 
-    def __init__(self, events: _Events):
+    def __init__(self, events: _Events, turn: _Turn):
         self.ev = events
+        self.turn = turn
         self.items: list[dict] = []
         self.open: Optional[dict] = None
 
@@ -258,6 +269,7 @@ class _StreamedItems:
         text = item.pop("_text", "")
         if item["type"] == "reasoning":
             item["content"] = [{"type": "reasoning_text", "text": text}]
+            _with_encrypted_content(self.turn, item)
             out.append(self.ev("response.reasoning_text.done", item_id=item["id"], output_index=index,
                                content_index=0, text=text))
         elif item["type"] == "message":
@@ -277,7 +289,7 @@ class _StreamedItems:
 async def _stream(turn: _Turn, ids, params, salt, store, owner: str):
     ctx = turn.ctx
     ev = _Events()
-    items = _StreamedItems(ev)
+    items = _StreamedItems(ev, turn)
     splitter = R.ReasoningStream(ctx.reasoning, turn.starts) if turn.starts is not None else None
     tools = T.ToolStream(turn.plan) if turn.plan.mode != "none" else None
     sent, started, final = 0, False, None

@@ -25,12 +25,13 @@ from serving.api import http_protocol as P
 
 # OpenAI's fields this server does not implement, and the values of them that ask for nothing.
 _REFUSED_UNLESS = {
-    "background": (None, False), "include": (None, []), "max_tool_calls": (None,), "conversation": (None,),
+    "background": (None, False), "max_tool_calls": (None,), "conversation": (None,),
     "prompt": (None,), "top_logprobs": (None, 0), "context_management": (None, []), "moderation": (None,),
     "image": (None,), "access_programs": (None,), "background_options": (None,), "prompt_cache_options": (None,),
     "prompt_cache_retention": (None,), "truncation": (None, "disabled"), "service_tier": (None, "auto", "default"),
     "stream_options": (None, {}, {"include_obfuscation": False}, {"include_obfuscation": True}),
 }
+INCLUDABLE = ("reasoning.encrypted_content",)
 # Hints for the provider's own bookkeeping or routing: nothing to do with them.
 _HINTS = ("user", "safety_identifier", "prompt_cache_key")
 
@@ -53,6 +54,9 @@ class ResponsesRequest(BaseModel):
     store: Optional[bool] = True
     previous_response_id: Optional[str] = None
     stream: bool = False
+    # "reasoning.encrypted_content": reasoning items carry their text as an opaque string a stateless
+    # client passes back (base64 of the text: nothing secret, the client has the text anyway).
+    include: Optional[list[str]] = None
     # Extensions (vLLM's names), for what the Responses schema has no field for:
     seed: Optional[int] = None
     top_k: Optional[int] = None
@@ -70,6 +74,10 @@ def check_fields(req: ResponsesRequest) -> None:
         if name == "background":
             why = "is not supported: this server answers every response in the request that makes it"
         raise P.APIError(f"`{name}` {why}", param=name, code="unsupported_parameter")
+    for value in req.include or []:
+        if value not in INCLUDABLE:
+            raise P.APIError(f"include: {value!r} is not supported (this server can include "
+                             f"{', '.join(INCLUDABLE)})", param="include", code="unsupported_parameter")
     if req.reasoning:
         unknown = sorted(k for k, v in req.reasoning.items() if k != "effort" and v is not None)
         if unknown:

@@ -154,6 +154,27 @@ class PhasedGrammar:
     def in_answer(self, sample_index: int) -> bool:
         return self.phases[sample_index].name == "answer"
 
+    # --- overlapped scheduling -------------------------------------------------------------------
+    def constrains(self, sample_index: int) -> bool:
+        """Whether the sample's current mask bars anything: not while it thinks freely, nor in an
+        answer without a grammar."""
+        phase = self.phases[sample_index]
+        if self._forced(phase) is not None or phase.name == "undecided":
+            return True
+        return phase.name == "answer" and self.grammar is not None
+
+    def needs_pending(self, sample_index: int, pending: int) -> bool:
+        """Whether the sample's next mask depends on its `pending` tokens still being drawn. Without a
+        grammar, a sample thinking freely whose budget those tokens cannot spend gets an all-ones mask
+        whatever they are (they either go on thinking or end it; both bar nothing), so it may run
+        ahead of its draws like a plain sequence."""
+        phase = self.phases[sample_index]
+        if self.grammar is not None or phase.name not in ("thinking", "answer"):
+            return True
+        if phase.name == "answer":
+            return False
+        return self.params.budget is not None and phase.thought + pending >= self.params.budget
+
     # --- RequestGrammar's interface --------------------------------------------------------------
     def accept(self, sample_index: int, token: int) -> bool:
         """Takes in a sample's drawn token; True when its grammar is complete (the sample may stop)."""
