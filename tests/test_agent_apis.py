@@ -13,6 +13,11 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 import types
 from typing import Literal
 
@@ -29,8 +34,9 @@ from serving import LLM  # noqa: E402
 from serving.api.http_auth import APIKeys  # noqa: E402
 from serving.api.responses_store import ResponseStore  # noqa: E402
 from serving.core.model_runner import compilation_count  # noqa: E402
-from serving.server import ServerThread  # noqa: E402
+from serving.server import ServerThread, free_port  # noqa: E402
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "tiny-thinker"
 KEY, OTHER_KEY = "key-a", "key-b"
 CITY = {"type": "object", "additionalProperties": False, "required": ["city"],
@@ -43,10 +49,14 @@ THINK = {"thinking_token_budget": 4}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("agent_apis")
-    path = save_reasoning_checkpoint(str(root / "hf"), str(root / "ours"), added_tags=True)
-    llm = LLM(path, warmup=True, **ENGINE)
+    return save_reasoning_checkpoint(str(root / "hf"), str(root / "ours"), added_tags=True)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    llm = LLM(checkpoint, warmup=True, **ENGINE)
     compiled = compilation_count()
     store = ResponseStore(max_entries=8, ttl_s=600)
     thread = ServerThread(llm, model_name=MODEL, reasoning_parser="qwen3", tool_call_parser="hermes",
@@ -305,3 +315,49 @@ def test_messages_errors_are_anthropics_envelope_and_x_api_key_is_accepted(serve
     assert bearer.status_code == 200 and bearer.json()["type"] == "message"
     count = claude.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     assert count.input_tokens > 0
+
+
+# --- `python -m serving.server` -------------------------------------------------------------------------
+
+def test_the_binary_serves_the_three_apis_and_refuses_an_unknown_parser(checkpoint, tmp_path):
+    anthropic = pytest.importorskip("anthropic")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    base = [sys.executable, "-m", "serving.server", f"--checkpoint={checkpoint}"]
+    bad = subprocess.run(base + ["--reasoning_parser=qwen4"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode != 0 and "reasoning_parser" in bad.stderr
+    port = free_port()
+    flags = [f"--port={port}", f"--served_model_name={MODEL}", "--reasoning_parser=qwen3",
+             "--tool_call_parser=hermes", "--responses_store_max_entries=4", "--responses_store_ttl_s=60",
+             "--log_level=warning"] + [f"--{k}={v}" for k, v in ENGINE.items()]
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(base + flags, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, f"server exited early:\n{log_path.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"server did not come up:\n{log_path.read_text()[-3000:]}"
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=12, temperature=0.0, reasoning_effort="low")
+        assert chat.choices[0].message.model_dump()["reasoning_content"] is not None
+        r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=12, extra_body=THINK)
+        assert r.output[0].type == "reasoning" and client.responses.retrieve(r.id).id == r.id
+        m = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=120).messages.create(
+            model=MODEL, max_tokens=12, messages=[{"role": "user", "content": "Hi"}],
+            thinking={"type": "enabled", "budget_tokens": 3})
+        assert m.content[0].type == "thinking"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
