@@ -32,7 +32,7 @@ pytest.importorskip("transformers")
 from reasoning_checkpoints import ENGINE, save_reasoning_checkpoint  # noqa: E402
 from serving import LLM  # noqa: E402
 from serving.api.http_auth import APIKeys  # noqa: E402
-from serving.api.responses_store import ResponseStore  # noqa: E402
+from serving.api.responses_store import ResponseStore, owner_of  # noqa: E402
 from serving.core.model_runner import compilation_count  # noqa: E402
 from serving.server import ServerThread, free_port  # noqa: E402
 
@@ -191,6 +191,22 @@ def test_what_is_not_supported_is_a_400_naming_it(server, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         _respond(server.client, **kw)
     assert e.value.body["param"] == param
+
+
+def test_the_store_expires_entries_and_keeps_owners_apart():
+    now = [0.0]
+    store = ResponseStore(max_entries=2, ttl_s=10, clock=lambda: now[0])
+    a, b = owner_of("key-a"), owner_of("key-b")
+    store.put(a, "r1", {"x": 1})
+    assert store.get(a, "r1") == {"x": 1} and store.get(b, "r1") is None and store.get(owner_of(None), "r1") is None
+    assert not store.delete(b, "r1") and store.get(a, "r1") is not None  # another owner cannot delete it
+    now[0] = 9.9
+    store.put(a, "r2", {"x": 2})
+    now[0] = 10.0  # r1's time is up, r2's not
+    assert store.get(a, "r1") is None and store.get(a, "r2") == {"x": 2} and len(store) == 1
+    store.put(a, "r3", {}), store.put(a, "r4", {})  # over the cap: the oldest goes
+    assert store.get(a, "r2") is None and len(store) == 2
+    assert not ResponseStore(max_entries=0).enabled
 
 
 def test_a_disconnected_stream_frees_its_request(server):

@@ -16,8 +16,7 @@ client sends may be silently dropped.
 
 from __future__ import annotations
 
-import json
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict
 
@@ -238,9 +237,3 @@ def output_messages(output: list[dict]) -> list[dict]:
 def tool_choice_out(req: ResponsesRequest):
     return req.tool_choice if req.tool_choice is not None else "auto"
 
-
-def json_dumps(obj) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-
-
-Status = Literal["completed", "incomplete", "in_progress"]
