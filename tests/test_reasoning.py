@@ -194,6 +194,15 @@ def test_unknown_parser_and_tagless_auto_are_refused(llms):
     assert (fmt.start, fmt.end, fmt.end_ids) == ("<think>", "</think>", _tags(llms["qwen3"].tokenizer)[1])
 
 
+def test_llm_chat_takes_chat_template_kwargs(llms):
+    llm = llms["qwen3"]
+    on = llm.chat(ASK, SamplingParams(temperature=0.0, max_tokens=1))[0]
+    off = llm.chat(ASK, SamplingParams(temperature=0.0, max_tokens=1),
+                   chat_template_kwargs={"enable_thinking": False})[0]
+    assert llm.tokenizer.decode(off.prompt_token_ids).endswith("<think>\n\n</think>\n\n")
+    assert not llm.tokenizer.decode(on.prompt_token_ids).endswith("</think>\n\n")
+
+
 # --- the chat route --------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
