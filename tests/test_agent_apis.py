@@ -180,6 +180,7 @@ def test_the_store_is_capped(server):
 @pytest.mark.parametrize("kw,param", [
     ({"background": True}, "background"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tools": [{**WEATHER_TOOL, "defer_loading": True}]}, "tools"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
     ({"reasoning": {"effort": "low", "summary": "auto"}}, "reasoning.summary"),

@@ -154,6 +154,11 @@ def chat_tools(req: MessagesRequest) -> tuple[Optional[list[dict]], Any, Optiona
             if t.get("type", "custom") != "custom" or not isinstance(t.get("name"), str):
                 raise _bad(f"tools[{i}]: only custom tools (name, description, input_schema) are supported, got "
                            f"type {t.get('type')!r}", "tools", "unsupported_parameter")
+            unknown = sorted(k for k in set(t) - {"type", "name", "description", "input_schema", "cache_control"}
+                             if t[k] is not None)
+            if unknown:
+                raise _bad(f"tools[{i}].{unknown[0]} is not supported (a custom tool takes name, description, "
+                           "input_schema)", "tools", "unsupported_parameter")
             tools.append({"type": "function", "function": {
                 "name": t["name"], "description": t.get("description"),
                 "parameters": t.get("input_schema") or {"type": "object"}}})

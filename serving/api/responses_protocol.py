@@ -168,6 +168,10 @@ def chat_tools(req: ResponsesRequest) -> tuple[Optional[list[dict]], Any]:
                                  "calls function tools)", param="tools", code="unsupported_parameter")
             if not isinstance(t.get("name"), str):
                 raise P.APIError(f"tools[{i}].name must be a string", param="tools", code="invalid_value")
+            unknown = sorted(set(t) - {"type", "name", "description", "parameters", "strict"})
+            if unknown:
+                raise P.APIError(f"tools[{i}].{unknown[0]} is not supported (a function tool takes name, "
+                                 "description, parameters, strict)", param="tools", code="unsupported_parameter")
             tools.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters",
                                                                               "strict") if t.get(k) is not None}})
     choice = req.tool_choice
