@@ -2,7 +2,10 @@
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`,
 `GET /health`, `GET /metrics`, and `POST /start_profile` / `POST /stop_profile`
-(a JAX profiler trace of the running server, written under `profile_dir`).
+(a JAX profiler trace of the running server, written under `profile_dir`);
+OpenAI's Responses API (`serving.api.responses_api`) and Anthropic's Messages API
+(`serving.api.messages_api`) are mounted from their own modules over the same
+`ServingContext`.
 
 The app never runs model code: the engine loop lives in its own thread, and a
 handler only tokenizes, checks the request, submits it and awaits outputs, so
@@ -36,6 +39,7 @@ from serving.api.http_auth import APIKeys
 from serving.api import openai_fields
 from serving.api import reasoning as R
 from serving.api.profiling import TraceControl
+from serving.api.responses_store import ResponseStore
 from serving.core.async_engine import EngineDeadError
 from serving.core.engine import ContextLengthError
 from serving.api.http_util import ClientGone, primed_stream, until_disconnect  # noqa: F401 (also imported from here)
@@ -342,8 +346,6 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
                          reasoning_parser)
     app = FastAPI(title="Ridgeline OpenAI-compatible API")
     app.state.ctx = ctx
-    from serving.api.responses_store import ResponseStore
-
     # /v1/responses keeps stored responses here (previous_response_id, GET / DELETE by id).
     app.state.responses_store = responses_store if responses_store is not None else ResponseStore()
     profiler = app.state.profiler = TraceControl(profile_dir)

@@ -64,21 +64,26 @@ class _Turn:
         self.id = _new_id("resp")
         self.created_at = int(time.time())
 
-    def reasoning_tokens(self, thinking: Optional[str]) -> int:
-        """The thinking's length in tokens (its text encoded again: the split is made on text)."""
-        if not thinking or self.ctx.tokenizer is None:
+    def reasoning_tokens(self, token_ids, thinking: Optional[str]) -> int:
+        """The output tokens up to and including the end tag (all of them when thinking never ended);
+        0 for an output without thinking."""
+        if thinking is None:
             return 0
-        return len(self.ctx.tokenizer.encode(thinking, add_special_tokens=False))
+        end, ids = list(self.ctx.reasoning.end_ids), list(token_ids)
+        for i in range(len(ids) - len(end) + 1):
+            if ids[i:i + len(end)] == end:
+                return i + len(end)
+        return len(ids)
 
-    def body(self, output: list[dict], status: str, output_tokens: int = 0, thinking: Optional[str] = None) -> dict:
+    def body(self, output: list[dict], status: str, token_ids=(), thinking: Optional[str] = None) -> dict:
         req = self.req
         fmt = (req.text or {}).get("format") or {"type": "text"}
         usage = None
         if status != "in_progress":
             usage = {"input_tokens": self.prompt_len, "input_tokens_details": {"cached_tokens": 0},
-                     "output_tokens": output_tokens,
-                     "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens(thinking)},
-                     "total_tokens": self.prompt_len + output_tokens}
+                     "output_tokens": len(token_ids),
+                     "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens(token_ids, thinking)},
+                     "total_tokens": self.prompt_len + len(token_ids)}
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
             "model": self.ctx.model_name, "output": output, "error": None,
@@ -175,7 +180,7 @@ def add_responses_routes(app: FastAPI, ctx, keyed: list) -> None:
         o = out.outputs[0]
         incomplete = o.finish_reason == "length"
         items, thinking = output_items(turn, o.text, incomplete)
-        body = turn.body(items, "incomplete" if incomplete else "completed", len(o.token_ids), thinking)
+        body = turn.body(items, "incomplete" if incomplete else "completed", o.token_ids, thinking)
         _save(store, owner(request), turn, body)
         return JSONResponse(body)
 
@@ -345,7 +350,7 @@ async def _stream(turn: _Turn, ids, params, salt, store, owner: str):
     for item in items.items:
         item["status"] = status
     thinking = next((i["content"][0]["text"] for i in items.items if i["type"] == "reasoning"), None)
-    body = turn.body(items.items, status, len(final.token_ids), thinking)
+    body = turn.body(items.items, status, final.token_ids, thinking)
     _save(store, owner, turn, body)
     tail.append(ev("response.incomplete" if incomplete else "response.completed", response=body))
     yield "".join(tail)
