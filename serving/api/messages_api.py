@@ -102,6 +102,10 @@ def add_messages_routes(app: FastAPI, ctx) -> None:
 
     def prepare(req: MQ.MessagesRequest, request: Request):
         chat, shown = MQ.chat_request(req)
+        if (req.thinking or {}).get("type") == "disabled" and ctx.reasoning is not None:
+            # Besides enable_thinking false for the template: a template that opens a block anyway has it
+            # closed at once, and nothing of it is shown.
+            chat.thinking_token_budget, shown = 0, False
         plan = T.plan_tools(chat, ctx.tool_call_parser)
         ids = ctx.chat_prompt(chat, plan)
         starts, reasoning = ctx.chat_reasoning(chat, plan, chat.max_tokens)
