@@ -3,8 +3,10 @@ template follow Qwen3's (think and tool-call tags as single added tokens) or Dee
 same tags as plain text, several tokens each, so every tag can be split across tokens).
 
 Both templates open the think block in the generation prompt (a random model would never write
-`<think>` itself), and close it at once when `enable_thinking` is false (Qwen3's switch); tools are
-listed Qwen-style and calls written as `<tool_call>{...}</tool_call>` (the hermes format).
+`<think>` itself), and close it at once when `enable_thinking` is false (Qwen3's switch); an
+assistant message's `reasoning_content` is rendered as a think block (as Qwen3's template renders
+the turns after the last user message); tools are listed Qwen-style and calls written as
+`<tool_call>{...}</tool_call>` (the hermes format).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ THINK_TEMPLATE = (
     "{% if tools %}<|im_start|>system\n# Tools\n<tools>\n{% for t in tools %}{{ t['function'] | tojson }}\n"
     "{% endfor %}</tools>\nCall a tool as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n"
     "{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'tool' %}<tool_response>\n"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}"
+    "{% if m['role'] == 'tool' %}<tool_response>\n"
     "{{ m['content'] }}\n</tool_response>{% else %}{{ m['content'] }}{% endif %}"
     "{% for c in m['tool_calls'] or [] %}<tool_call>\n{\"name\": \"{{ c['function']['name'] }}\", \"arguments\": "
     "{{ c['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"

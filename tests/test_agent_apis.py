@@ -96,10 +96,12 @@ def test_create_gives_reasoning_and_message_items(server):
     stateless = _respond(server.client, include=["reasoning.encrypted_content"], store=False)
     item = stateless.output[0]
     assert base64.b64decode(item.encrypted_content).decode() == item.content[0].text
-    again = _respond(server.client, store=False, input=[
-        {"role": "user", "content": "What is the weather in Paris?"}, item.model_dump(exclude_none=True),
-        {"role": "assistant", "content": stateless.output_text}, {"role": "user", "content": "And Rome?"}])
-    assert again.output_text
+    turn = [{"role": "user", "content": "What is the weather in Paris?"}, item.model_dump(exclude_none=True),
+            {"role": "assistant", "content": stateless.output_text}, {"role": "user", "content": "And Rome?"}]
+    again = _respond(server.client, store=False, input=turn)
+    # The thinking sent back reaches the template as the assistant's reasoning_content (rendered by this one).
+    without = _respond(server.client, store=False, input=turn[:1] + turn[2:])
+    assert again.output_text and again.usage.input_tokens > without.usage.input_tokens + 3
     with pytest.raises(openai.NotFoundError):  # store: false kept nothing
         server.client.responses.retrieve(stateless.id)
 
@@ -333,6 +335,18 @@ def test_messages_errors_are_anthropics_envelope_and_x_api_key_is_accepted(serve
     assert bearer.status_code == 200 and bearer.json()["type"] == "message"
     count = claude.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     assert count.input_tokens > 0
+    # A thinking block sent back reaches the template as the assistant's reasoning_content.
+    said = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "the user greets me", "signature": ""}, {"type": "text", "text": "Hello"}]},
+        {"role": "user", "content": "bye"}]
+    plain = [said[0], {"role": "assistant", "content": "Hello"}, said[2]]
+    assert (claude.messages.count_tokens(model=MODEL, messages=said).input_tokens
+            > claude.messages.count_tokens(model=MODEL, messages=plain).input_tokens + 3)
+    tokens = httpx.post(server.url + "/tokenize", headers={"Authorization": f"Bearer {KEY}"}, json={
+        "messages": [{"role": "assistant", "content": "Hello", "reasoning_content": "I thought"}]}).json()["tokens"]
+    text = httpx.post(server.url + "/detokenize", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"tokens": tokens}).json()["prompt"]
+    assert "<think>\nI thought\n</think>" in text
 
 
 # --- `python -m serving.server` -------------------------------------------------------------------------

@@ -140,6 +140,10 @@ class ChatMessage(_Request):
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None  # an assistant's calls, sent back in the history
     tool_call_id: Optional[str] = None  # a tool message: the call it answers
+    # An assistant's earlier thinking, sent back: the template receives it as `reasoning_content` and
+    # decides whether to show it (Qwen3's renders it for the turns after the last user message).
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
 
     def text(self) -> str:
         if self.content is None:

@@ -3,9 +3,8 @@
 As for the Responses API, a Messages request is a chat in another shape:
 `system` is the system message; `messages` hold content blocks (`text`;
 an assistant's `tool_use` blocks become its tool calls, a user's
-`tool_result` blocks the tool messages answering them; earlier `thinking`
-blocks are left out of the history, as chat templates leave out earlier
-reasoning); `tools` are name / description / `input_schema`; `thinking`
+`tool_result` blocks the tool messages answering them, and its earlier
+`thinking` blocks its `reasoning_content`, which the template shows or drops); `tools` are name / description / `input_schema`; `thinking`
 sets the thinking budget (`enabled` with `budget_tokens`) or switches
 thinking off in the template (`disabled`: `enable_thinking` false). So the
 route builds the equivalent `ChatCompletionRequest` and runs the chat
@@ -115,7 +114,7 @@ def chat_messages(req: MessagesRequest) -> list[dict]:
         role = m.get("role") if isinstance(m, dict) else None
         if role not in ("user", "assistant"):
             raise _bad(f"{where}.role: expected user or assistant, got {role!r}", "messages")
-        text, calls = [], []
+        text, calls, thinking = [], [], []
         for j, block in enumerate(_blocks(m.get("content", ""), where)):
             kind = block["type"]
             if kind == "text":
@@ -132,8 +131,10 @@ def chat_messages(req: MessagesRequest) -> list[dict]:
                 if block.get("is_error"):
                     result = f"Error: {result}"
                 out.append({"role": "tool", "content": result, "tool_call_id": block["tool_use_id"]})
-            elif kind in ("thinking", "redacted_thinking") and role == "assistant":
-                continue  # earlier thinking: chat templates leave it out of the history, as here
+            elif kind == "thinking" and role == "assistant":
+                thinking.append(str(block.get("thinking", "")))  # the template decides whether to show it
+            elif kind == "redacted_thinking" and role == "assistant":
+                continue  # encrypted by another server: nothing to read
             else:
                 raise _bad(f"{where}.content[{j}]: {role} blocks of type {kind!r} are not supported (text, "
                            "tool_use, tool_result, thinking)", "messages", "unsupported_parameter")
@@ -141,6 +142,8 @@ def chat_messages(req: MessagesRequest) -> list[dict]:
             message = {"role": role, "content": "".join(text)}
             if calls:
                 message["tool_calls"] = calls
+            if thinking:
+                message["reasoning_content"] = "".join(thinking)
             out.append(message)
     return out
 

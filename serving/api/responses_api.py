@@ -104,7 +104,7 @@ def _reasoning_item(text: str, status: str = "completed") -> dict:
 
 def _with_encrypted_content(turn: "_Turn", item: dict) -> dict:
     """A reasoning item with `encrypted_content` when the request included it (an opaque copy of the
-    text for a client that keeps no store; reasoning items sent back are left out of the prompt)."""
+    text for a client that keeps no store; an item sent back is read again as the thinking)."""
     if item["type"] == "reasoning" and "reasoning.encrypted_content" in (turn.req.include or []):
         text = item["content"][0]["text"] if item["content"] else ""
         item["encrypted_content"] = base64.b64encode(text.encode("utf-8")).decode("ascii")

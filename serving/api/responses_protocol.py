@@ -16,6 +16,7 @@ client sends may be silently dropped.
 
 from __future__ import annotations
 
+import base64
 from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict
@@ -115,11 +116,33 @@ def _text_of(content, where: str) -> str:
     return "".join(out)
 
 
+def _reasoning_text(item: dict) -> str:
+    """A reasoning item's thinking: its reasoning_text parts, else the opaque copy this server put in
+    `encrypted_content` (base64 of the text), else its summary."""
+    parts = [p.get("text", "") for p in item.get("content") or [] if isinstance(p, dict)]
+    if parts:
+        return "".join(parts)
+    if isinstance(item.get("encrypted_content"), str):
+        try:
+            return base64.b64decode(item["encrypted_content"], validate=True).decode("utf-8")
+        except (ValueError, UnicodeDecodeError):
+            pass  # not this server's: nothing to read
+    return "".join(p.get("text", "") for p in item.get("summary") or [] if isinstance(p, dict))
+
+
 def input_messages(items) -> list[dict]:
     """Chat messages (as `ChatMessage` takes them) of a Responses `input`."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict] = []
+    thinking: list[str] = []  # reasoning items waiting for the assistant turn they belong to
+
+    def assistant(message: dict) -> dict:
+        if thinking:
+            message["reasoning_content"] = "".join(thinking)
+            thinking.clear()
+        return message
+
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -130,7 +153,8 @@ def input_messages(items) -> list[dict]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise P.APIError(f"{where}.role: expected user, system, developer or assistant, got {role!r}",
                                  param="input", code="invalid_value")
-            messages.append({"role": role, "content": _text_of(item.get("content", ""), where)})
+            message = {"role": role, "content": _text_of(item.get("content", ""), where)}
+            messages.append(assistant(message) if role == "assistant" else message)
         elif kind == "function_call":
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(key), str):
@@ -138,10 +162,10 @@ def input_messages(items) -> list[dict]:
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":  # text and calls of one turn go together
+            if last is not None and last["role"] == "assistant" and not thinking:  # one turn's text and calls
                 last.setdefault("tool_calls", []).append(call)
             else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                messages.append(assistant({"role": "assistant", "content": "", "tool_calls": [call]}))
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise P.APIError(f"{where}.call_id must be a string", param="input", code="invalid_value")
@@ -149,7 +173,7 @@ def input_messages(items) -> list[dict]:
             text = output if isinstance(output, str) else _text_of(output, where)
             messages.append({"role": "tool", "content": text, "tool_call_id": item["call_id"]})
         elif kind == "reasoning":
-            continue  # earlier thinking: chat templates leave it out of the history, as here
+            thinking.append(_reasoning_text(item))  # goes with the assistant turn that follows
         else:
             raise P.APIError(f"{where}: items of type {kind!r} are not supported (this server takes message, "
                              "function_call, function_call_output and reasoning items)", param="input",
@@ -235,6 +259,9 @@ def output_messages(output: list[dict]) -> list[dict]:
     message: dict = {"role": "assistant", "content": text}
     if calls:
         message["tool_calls"] = calls
+    thinking = "".join(_reasoning_text(item) for item in output if item["type"] == "reasoning")
+    if thinking:
+        message["reasoning_content"] = thinking
     return [message]
 
 
