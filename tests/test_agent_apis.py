@@ -197,6 +197,43 @@ def test_what_is_not_supported_is_a_400_naming_it(server, kw, param):
     assert e.value.body["param"] == param
 
 
+MALFORMED = {
+    "/v1/responses": [
+        {"input": [["not", "an", "item"]]}, {"input": [{"type": "message", "role": "robot", "content": "x"}]},
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+        {"input": [{"type": "function_call", "call_id": 3, "name": "f", "arguments": "{}"}]},
+        {"input": [{"type": "item_reference", "id": "x"}]}, {"input": "hi", "tools": ["nope"]},
+        {"input": "hi", "tool_choice": {"type": "function"}}, {"input": "hi", "text": {"format": {"type": "xml"}}},
+        {"input": "hi", "temperature": -1}, {"input": "hi", "tools": [WEATHER_TOOL], "tool_choice": "auto",
+                                              "parallel_tool_calls": "maybe"}, {"input": ""},
+    ],
+    "/v1/messages": [
+        {"max_tokens": 4, "messages": ["hi"]}, {"max_tokens": 4, "messages": []},
+        {"messages": [{"role": "user", "content": "hi"}]},
+        {"max_tokens": 4, "messages": [{"role": "user", "content": [{"text": "no type"}]}]},
+        {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "f"}]}]},
+        {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "stop_sequences": [""]},
+        {"max_tokens": 0, "messages": [{"role": "user", "content": "hi"}]},
+        {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "tool"}},
+        {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "thinking": {"type": "sometimes"}},
+        {"max_tokens": 4, "messages": [{"role": "system", "content": "hi"}]},
+    ],
+}
+
+
+@pytest.mark.parametrize("route", sorted(MALFORMED))
+def test_malformed_bodies_are_400s_in_the_routes_envelope_and_the_server_keeps_serving(server, route):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for body in MALFORMED[route]:
+        r = httpx.post(server.url + route, headers=headers, json={"model": MODEL, **body}, timeout=60)
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert err["message"] and (r.json()["type"] == "error" if route == "/v1/messages" else "param" in err)
+    r = httpx.post(server.url + route, headers=headers, timeout=60, content=b"{not json")
+    assert r.status_code == 400
+    assert _respond(server.client, max_output_tokens=2).usage.output_tokens == 2
+
+
 def test_the_store_expires_entries_and_keeps_owners_apart():
     now = [0.0]
     store = ResponseStore(max_entries=2, ttl_s=10, clock=lambda: now[0])

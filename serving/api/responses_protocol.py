@@ -133,6 +133,8 @@ def _reasoning_text(item: dict) -> str:
 def input_messages(items) -> list[dict]:
     """Chat messages (as `ChatMessage` takes them) of a Responses `input`."""
     if isinstance(items, str):
+        if not items:
+            raise P.APIError("input must not be empty", param="input", code="invalid_value")
         return [{"role": "user", "content": items}]
     messages: list[dict] = []
     thinking: list[str] = []  # reasoning items waiting for the assistant turn they belong to
