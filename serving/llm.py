@@ -213,17 +213,19 @@ class LLM:
 
     def chat(self, messages: Union[Sequence[dict], Sequence[Sequence[dict]]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *,
-             add_generation_prompt: bool = True, tools: Optional[Sequence[dict]] = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, tools: Optional[Sequence[dict]] = None,
+             chat_template_kwargs: Optional[dict] = None) -> list[RequestOutput]:
         """Generates replies to chat conversations: one conversation (a list of {"role", "content"}
         messages) or a list of them, rendered by the model's chat template exactly as the server's
-        chat route renders them (`tools` reaches the template as `tools`), then `generate`d."""
+        chat route renders them (`tools` reaches the template as `tools`, `chat_template_kwargs` as
+        more variables, e.g. `{"enable_thinking": False}`), then `generate`d."""
         from serving.api.chat_template import encode_chat
 
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this model has none")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [encode_chat([_chat_message(m) for m in conv], self.tokenizer, add_generation_prompt, tools)
-                   for conv in conversations]
+        prompts = [encode_chat([_chat_message(m) for m in conv], self.tokenizer, add_generation_prompt, tools,
+                               chat_template_kwargs) for conv in conversations]
         return self.generate(prompts, sampling_params)
 
     def shutdown(self) -> None:

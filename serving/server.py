@@ -57,6 +57,8 @@ def define_flags(flag_values: Optional[flags.FlagValues] = None) -> None:
     The engine options (--max_num_seqs, --min_token_bucket, ...) come from `serving.core.engine_args`, with the
     defaults `LLM` has; the flags below are the server's own."""
     from serving.api.request_limits import DEFAULT_MAX_BODY_BYTES
+    from serving.api.reasoning import PARSER_NAMES as REASONING_PARSERS
+    from serving.api.responses_store import DEFAULT_MAX_ENTRIES, DEFAULT_TTL_S
     from serving.api.tool_parsers import PARSERS as PARSER_NAMES
     from serving.core import engine_args
 
@@ -97,6 +99,13 @@ def define_flags(flag_values: Optional[flags.FlagValues] = None) -> None:
     flags.DEFINE_float("shutdown_timeout_s", 30.0, "On SIGTERM the server refuses new requests (503, /health "
                        "too) and gives those in flight this long to finish; the rest then end with an in-band "
                        "error and the process exits 0. A second SIGTERM stops at once.")
+    flags.DEFINE_enum("reasoning_parser", None, list(REASONING_PARSERS), "How a reasoning model's thinking is told "
+                      "from its answer (message.reasoning_content; thinking budgets; grammars applied after thinking): "
+                      "qwen3, deepseek_r1, or auto (the think tags read from the tokenizer). Unset: outputs are not split.")
+    flags.DEFINE_integer("responses_store_max_entries", DEFAULT_MAX_ENTRIES, "The most responses /v1/responses "
+                         "keeps for previous_response_id and GET (the oldest go first); 0: store: true is refused.")
+    flags.DEFINE_float("responses_store_ttl_s", DEFAULT_TTL_S, "How long /v1/responses keeps a stored response, "
+                       "in seconds.")
     flags.DEFINE_enum("log_level", "info", ["debug", "info", "warning", "error"], "Log level of the server.")
     flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0's coordination service "
                                                      "(default: $RIDGELINE_COORDINATOR_ADDRESS, else detected).")
@@ -133,6 +142,12 @@ def _human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def responses_store_from_flags():
+    from serving.api.responses_store import ResponseStore
+
+    return ResponseStore(FLAGS.responses_store_max_entries, FLAGS.responses_store_ttl_s)
+
+
 def default_model_name(llm) -> str:
     import os
 
@@ -142,7 +157,7 @@ def default_model_name(llm) -> str:
 def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window_s: float = 10.0,
                 num_devices: int = 1, profile_dir: str | None = None, api_keys=None,
                 kv_transfer_secret: str | None = None, tool_call_parser: str | None = None, limits=None,
-                shutdown_timeout_s: float = 30.0):
+                shutdown_timeout_s: float = 30.0, reasoning_parser: str | None = None, responses_store=None):
     """(FastAPI app, AsyncEngine, ServerMetrics) over an `LLM` whose engine is not yet running.
 
     The engine thread starts here; stop it with `async_engine.shutdown()`. `profile_dir` enables
@@ -172,7 +187,8 @@ def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window
                             max_model_len=engine.max_model_len).attach()
     fastapi_app = create_app(async_engine, llm.tokenizer, model_name, engine.max_model_len, metrics,
                              vocab_size=llm.config.vocab_size, profile_dir=profile_dir, api_keys=api_keys,
-                             kv_transfer_secret=kv_transfer_secret, tool_call_parser=tool_call_parser)
+                             kv_transfer_secret=kv_transfer_secret, tool_call_parser=tool_call_parser,
+                             reasoning_parser=reasoning_parser, responses_store=responses_store)
     add_request_limits(fastapi_app, limits or RequestLimits())
     drain = fastapi_app.state.drain = Drain(async_engine, shutdown_timeout_s)
     fastapi_app.add_middleware(DrainGate, drain=drain)  # outermost: a draining server reads no body
@@ -258,13 +274,16 @@ class ServerThread:
 
     def __init__(self, llm, model_name: str | None = None, host: str = "127.0.0.1", port: int | None = None,
                  peak=None, log_level: str = "warning", profile_dir: str | None = None, api_keys=None,
-                 kv_transfer_secret: str | None = None, tool_call_parser: str | None = None, limits=None):
+                 kv_transfer_secret: str | None = None, tool_call_parser: str | None = None, limits=None,
+                 reasoning_parser: str | None = None, responses_store=None):
         import uvicorn
 
         self.app, self.async_engine, self.metrics = build_stack(llm, model_name, peak=peak,
                                                                 profile_dir=profile_dir, api_keys=api_keys,
                                                                 kv_transfer_secret=kv_transfer_secret,
-                                                                tool_call_parser=tool_call_parser, limits=limits)
+                                                                tool_call_parser=tool_call_parser, limits=limits,
+                                                                reasoning_parser=reasoning_parser,
+                                                                responses_store=responses_store)
         self.model_name = model_name or default_model_name(llm)
         self.host, self.port = host, port or free_port(host)
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level=log_level,
@@ -392,7 +411,9 @@ def main(argv) -> None:
                                                profile_dir=FLAGS.profile_dir, api_keys=api_keys,
                                                kv_transfer_secret=secret, tool_call_parser=FLAGS.tool_call_parser,
                                                limits=_limits_from_flags(),
-                                               shutdown_timeout_s=FLAGS.shutdown_timeout_s)
+                                               shutdown_timeout_s=FLAGS.shutdown_timeout_s,
+                                               reasoning_parser=FLAGS.reasoning_parser,
+                                               responses_store=responses_store_from_flags())
     if FLAGS.profile_dir:
         log.info("profiling: POST /start_profile and /stop_profile write traces under %s", FLAGS.profile_dir)
     if llm.multihost is not None:

@@ -8,7 +8,8 @@ Features are of two kinds:
   sliding-window Qwen3-MoE where both meet) and the host KV tier with swap preemption in a pool
   the workload overflows;
 * request features, what a request asks for: structured outputs, sampling controls, logprobs,
-  n = 2, prefix-cache hits, a cache_salt, and KV export / import (disaggregated prefill).
+  n = 2, prefix-cache hits, a cache_salt, KV export / import (disaggregated prefill), and a
+  reasoning phase (a thinking budget that forces the end tag; a grammar applies after it).
 
 The engine configurations are a covering design (`covering_configs`): every allowed pair of engine
 features is in at least one of them. Each configuration serves a workload with one request per
@@ -18,7 +19,8 @@ tokens equal those of the plain engine with the same model-changing settings (fa
 KV dtypes; `MODEL_FEATURES`) on one device, without speculation, one step at a time. Equality
 alone cannot see a feature whose handling both engines lost, so each request feature is also
 checked for its own effect: only allowed ids and no bad word, the grammar matched, logprobs
-reported and equal, two samples, pages hit or kept apart by the salt, the shipped prefill decoded.
+reported and equal, two samples, pages hit or kept apart by the salt, the shipped prefill decoded,
+the end tag where the budget ran out.
 
 A pair that is not run names its physical reason in `EXCLUDED` (docs/architecture.md shows the
 same matrix). Two processes, the remaining feature of the matrix, runs in tests/test_multihost.py.
@@ -38,6 +40,7 @@ from conftest import run_to_completion, tiny_config
 from model.params import init_params
 from model.tokenizer import ByteTokenizer
 from serving import LLM, SamplingParams
+from serving.core.reasoning_phase import ReasoningParams
 from test_disagg_engine import prefill, submit_import
 
 V = 300  # a byte tokenizer's vocabulary fits (structured outputs need a tokenizer)
@@ -80,7 +83,7 @@ EXCLUDED = {
     frozenset({"overlap", "ngram"}): OVERLAP_WITH_SPECULATION,
     frozenset({"overlap", "draft"}): OVERLAP_WITH_SPECULATION,
 }
-REQUEST_FEATURES = ("structured", "controls", "logprobs", "n2", "prefix", "salt", "kv_transfer")
+REQUEST_FEATURES = ("structured", "controls", "logprobs", "n2", "prefix", "salt", "kv_transfer", "thinking")
 
 
 def covering_configs(features, excluded) -> list[tuple[str, ...]]:
@@ -130,6 +133,10 @@ def test_the_architecture_docs_show_each_excluded_pair_and_its_reason():
 TOKENIZER = ByteTokenizer(V)
 ALLOWED = sorted(set(TOKENIZER.encode("abcdefgh.", add_special_tokens=False)))
 GRAMMAR = r"[a-h]{3,6}\."
+# The reasoning phase: think tags of plain bytes the sampling controls allow, and a budget of 2 tokens.
+THINK_END, THINK_BUDGET = "hh", 2
+THINKING = ReasoningParams(TOKENIZER.encode("g", add_special_tokens=False),
+                           TOKENIZER.encode(THINK_END, add_special_tokens=False), "thinking", THINK_BUDGET)
 
 
 def job_params(features) -> SamplingParams:
@@ -144,6 +151,8 @@ def job_params(features) -> SamplingParams:
         kw.update(logprobs=2)
     if "n2" in features:
         kw.update(n=2)
+    if "thinking" in features:
+        kw.update(reasoning=THINKING, max_tokens=16)
     return SamplingParams(**kw)
 
 
@@ -231,6 +240,10 @@ def check_effects(name, features, out, want, samples=None) -> None:
     assert len(out.outputs) == (samples or (2 if "n2" in features else 1)), name
     for o in out.outputs:
         text = TOKENIZER.decode(o.token_ids)
+        if "thinking" in features:  # the end tag by the budget's end; what follows is the answer
+            end = text.find(THINK_END)
+            assert 0 <= end <= THINK_BUDGET, (name, text)
+            text = text[end + len(THINK_END):]
         if "structured" in features:
             assert re.fullmatch(GRAMMAR, text), (name, text)
         if "controls" in features:

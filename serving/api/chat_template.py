@@ -61,15 +61,27 @@ def template_for(tokenizer) -> str:
     return getattr(tokenizer, "chat_template", None) or BYTE_CHAT_TEMPLATE
 
 
+# The names a template sees from the server; `chat_template_kwargs` may not replace them.
+RESERVED_NAMES = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token",
+                            "raise_exception"})
+
+
 def render_chat(messages: Sequence[dict[str, Any]], tokenizer, add_generation_prompt: bool = True,
-                tools: Sequence[dict] | None = None) -> str:
+                tools: Sequence[dict] | None = None, template_kwargs: dict | None = None) -> str:
     """The prompt text for `messages` (dicts with `role` and `content` strings, and `tool_calls` /
     `tool_call_id` where a conversation has tool calls); `tools` as transformers passes them
-    (OpenAI's `{"type": "function", "function": {...}}` entries), None without tools."""
+    (OpenAI's `{"type": "function", "function": {...}}` entries), None without tools;
+    `template_kwargs`: more variables for the template (`chat_template_kwargs`, such as
+    `enable_thinking`), as transformers' `apply_chat_template(**kwargs)` passes them."""
     import jinja2
 
+    extra = dict(template_kwargs or {})
+    clash = sorted(RESERVED_NAMES & set(extra))
+    if clash:
+        raise ChatTemplateError(f"chat_template_kwargs may not set {clash}: the server sets them")
     try:
         return _compile(template_for(tokenizer)).render(
+            **extra,
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
             tools=list(tools) if tools else None,
@@ -82,8 +94,17 @@ def render_chat(messages: Sequence[dict[str, Any]], tokenizer, add_generation_pr
         raise ChatTemplateError(f"the chat template failed: {e}") from e
 
 
+def generation_prompt(messages: Sequence[dict[str, Any]], tokenizer, tools: Sequence[dict] | None = None,
+                      template_kwargs: dict | None = None) -> str:
+    """The text the template adds after the conversation for the assistant's turn (where a
+    reasoning template opens or closes its think block); "" when it cannot be told apart."""
+    full = render_chat(messages, tokenizer, True, tools, template_kwargs)
+    bare = render_chat(messages, tokenizer, False, tools, template_kwargs)
+    return full[len(bare):] if full.startswith(bare) else ""
+
+
 def encode_chat(messages: Sequence[dict[str, Any]], tokenizer, add_generation_prompt: bool = True,
-                tools: Sequence[dict] | None = None) -> list[int]:
+                tools: Sequence[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
     """Token ids of the rendered chat.
 
     The text is encoded without the tokenizer's special tokens (a template
@@ -92,7 +113,7 @@ def encode_chat(messages: Sequence[dict[str, Any]], tokenizer, add_generation_pr
     (`adds_bos`) and the template did not already write it, so a chat prompt
     never starts with two.
     """
-    text = render_chat(messages, tokenizer, add_generation_prompt, tools)
+    text = render_chat(messages, tokenizer, add_generation_prompt, tools, template_kwargs)
     ids = tokenizer.encode(text, add_special_tokens=False)
     bos_id, bos_text = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "bos_token", None)
     wrote_bos = (ids and ids[0] == bos_id) or (bos_text and text.startswith(bos_text))

@@ -2,7 +2,10 @@
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`,
 `GET /health`, `GET /metrics`, and `POST /start_profile` / `POST /stop_profile`
-(a JAX profiler trace of the running server, written under `profile_dir`).
+(a JAX profiler trace of the running server, written under `profile_dir`);
+OpenAI's Responses API (`serving.api.responses_api`) and Anthropic's Messages API
+(`serving.api.messages_api`) are mounted from their own modules over the same
+`ServingContext`.
 
 The app never runs model code: the engine loop lives in its own thread, and a
 handler only tokenizes, checks the request, submits it and awaits outputs, so
@@ -30,11 +33,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.api import http_protocol as P
 from serving.disaggregation import kv_transfer
-from serving.api.chat_template import ChatTemplateError, encode_chat
+from serving.api.chat_template import ChatTemplateError, encode_chat, generation_prompt
 from serving.api import tool_calls as T
 from serving.api.http_auth import APIKeys
 from serving.api import openai_fields
+from serving.api import reasoning as R
 from serving.api.profiling import TraceControl
+from serving.api.responses_store import ResponseStore
 from serving.core.async_engine import EngineDeadError
 from serving.core.engine import ContextLengthError
 from serving.api.http_util import ClientGone, primed_stream, until_disconnect  # noqa: F401 (also imported from here)
@@ -47,8 +52,11 @@ class ServingContext:
     """What the routes need: the engine, the tokenizer, the name and the context window."""
 
     def __init__(self, engine, tokenizer, model_name: str, max_model_len: int, metrics=None,
-                 vocab_size: int | None = None, api_keys: APIKeys | None = None, tool_call_parser: str | None = None):
+                 vocab_size: int | None = None, api_keys: APIKeys | None = None, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None):
         self.engine = engine
+        # The think tags and where thinking starts (serving.api.reasoning); None: outputs are not split.
+        self.reasoning = R.make_format(reasoning_parser, tokenizer)
         self.tool_call_parser = tool_call_parser  # how "auto" tool calls are read (serving.api.tool_parsers)
         self.api_keys = api_keys or APIKeys()
         self.tokenizer = tokenizer
@@ -89,10 +97,41 @@ class ServingContext:
     def chat_prompt(self, req: P.ChatCompletionRequest, plan: "T.ToolPlan | None" = None) -> list[int]:
         openai_fields.check_roles(req.messages)
         messages = [T.template_message(m) for m in req.messages]
+        return self.encode_messages(messages, plan and plan.tools, req.add_generation_prompt,
+                                    req.chat_template_kwargs)
+
+    def encode_messages(self, messages: list[dict], tools, add_generation_prompt: bool = True,
+                        template_kwargs: dict | None = None) -> list[int]:
+        """Token ids of template messages (400 naming `messages`, or `chat_template_kwargs`, when the
+        template cannot render them)."""
+        if template_kwargs is not None and not isinstance(template_kwargs, dict):
+            raise P.APIError("chat_template_kwargs must be an object", param="chat_template_kwargs",
+                             code="invalid_value")
         try:
-            return encode_chat(messages, self.tokenizer, req.add_generation_prompt, plan and plan.tools)
+            return encode_chat(messages, self.tokenizer, add_generation_prompt, tools, template_kwargs)
         except ChatTemplateError as e:
-            raise P.APIError(str(e), param="messages", code="invalid_value") from e
+            param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
+            raise P.APIError(str(e), param=param, code="invalid_value") from e
+
+    def reasoning_start(self, messages: list[dict], tools, template_kwargs: dict | None = None) -> str | None:
+        """Where a chat answer starts with this server's reasoning parser ("thinking", "undecided" or
+        "answer"), judged from the template's generation prompt; None without a parser."""
+        if self.reasoning is None:
+            return None
+        try:
+            tail = generation_prompt(messages, self.tokenizer, tools, template_kwargs)
+        except ChatTemplateError:
+            tail = ""
+        return self.reasoning.starts(tail)
+
+    def chat_reasoning(self, req: P.ChatCompletionRequest, plan: "T.ToolPlan | None", max_tokens: int | None):
+        """(where the answer starts, the engine's ReasoningParams) of a chat request."""
+        budget = R.thinking_budget(req, self.reasoning, max_tokens)
+        if self.reasoning is None or not req.add_generation_prompt:
+            return None, None
+        messages = [T.template_message(m) for m in req.messages]
+        starts = self.reasoning_start(messages, plan and plan.tools, req.chat_template_kwargs)
+        return starts, self.reasoning.engine_params(starts, budget)
 
     def cache_salt(self, req: P._SamplingFields, request: Request) -> str | None:
         """The prefix-cache salt of a request: the one its shipped KV was computed under when it resumes
@@ -103,7 +142,8 @@ class ServingContext:
         return self.api_keys.cache_salt(request, req.cache_salt)
 
     def sampling_params(self, req: P._SamplingFields, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None, plan: "T.ToolPlan | None" = None) -> SamplingParams:
+                        prompt_logprobs: int | None, plan: "T.ToolPlan | None" = None,
+                        reasoning=None) -> SamplingParams:
         """The request's sampling parameters as the client wrote them; the engine validates them (and the
         prompt against the context window) when the request is made, in one place for every entry point.
         A field the client left out takes the checkpoint's generation_config.json default, if any (the engine
@@ -134,6 +174,7 @@ class ServingContext:
             logit_bias=openai_fields.logit_bias(req.logit_bias),
             allowed_token_ids=req.allowed_token_ids,
             bad_words=req.bad_words,
+            reasoning=reasoning,
         )
 
     @staticmethod
@@ -294,16 +335,20 @@ def _error_response(err: P.APIError) -> JSONResponse:
 
 def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=None,
                vocab_size: int | None = None, profile_dir: str | None = None, api_keys: APIKeys | None = None,
-               kv_transfer_secret: str | None = None, tool_call_parser: str | None = None) -> FastAPI:
+               kv_transfer_secret: str | None = None, tool_call_parser: str | None = None,
+               reasoning_parser: str | None = None, responses_store=None) -> FastAPI:
     """The FastAPI app serving `engine` (an `AsyncEngine`) under the name `model_name`.
 
     `api_keys` guards the OpenAI and profiling routes (`serving.api.http_auth`); the internal KV
     routes of disaggregated serving are mounted only with a `kv_transfer_secret`, which signs
     and verifies their payloads (`serving.disaggregation.disagg`).
     """
-    ctx = ServingContext(engine, tokenizer, model_name, max_model_len, metrics, vocab_size, api_keys, tool_call_parser)
+    ctx = ServingContext(engine, tokenizer, model_name, max_model_len, metrics, vocab_size, api_keys, tool_call_parser,
+                         reasoning_parser)
     app = FastAPI(title="Ridgeline OpenAI-compatible API")
     app.state.ctx = ctx
+    # /v1/responses keeps stored responses here (previous_response_id, GET / DELETE by id).
+    app.state.responses_store = responses_store if responses_store is not None else ResponseStore()
     profiler = app.state.profiler = TraceControl(profile_dir)
     keyed = [Depends(ctx.api_keys.require)]
 
@@ -422,12 +467,13 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
                              code="invalid_value")
         plan = T.plan_tools(req, ctx.tool_call_parser)
         ids = ctx.chat_prompt(req, plan)
+        starts, reasoning = ctx.chat_reasoning(req, plan, req.requested_max_tokens())
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = ctx.sampling_params(req, req.requested_max_tokens(), logprobs, None, plan)
+        params = ctx.sampling_params(req, req.requested_max_tokens(), logprobs, None, plan, reasoning)
         salt = ctx.cache_salt(req, request)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return await primed_stream(request, _stream_chat(ctx, req, ids, params, base_id, salt, plan))
+            return await primed_stream(request, _stream_chat(ctx, req, ids, params, base_id, salt, plan, starts))
         try:
             (out,) = await ctx.final_outputs(request, [ids], params, base_id, "chat", salt, req)
         except ClientGone:
@@ -435,8 +481,13 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
         choices = []
         for o in out.outputs:
             lps = chat_logprobs(tokenizer, o.token_ids, o.logprobs or [], logprobs) if req.logprobs else None
-            content, calls = plan.calls(o.text)
+            thinking, text = (None, o.text) if starts is None else R.split(ctx.reasoning, starts, o.text)
+            content, calls = plan.calls(text)
+            if starts is not None and content == "":
+                content = None
             message = P.ChatResponseMessage(content=content, tool_calls=T.tool_calls_of(calls) if calls else None)
+            if req.include_reasoning:
+                message.reasoning_content = message.reasoning = thinking
             choices.append(P.ChatChoice(index=o.index, message=message, logprobs=lps,
                                         finish_reason=T.finish_reason(_finish_reason(o.finish_reason), bool(calls)),
                                         stop_reason=o.stop_reason))
@@ -446,6 +497,14 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
     from serving.api.utility_routes import add_utility_routes
 
     add_utility_routes(app, ctx, keyed)  # /tokenize, /detokenize, /version, /v1/models/{id}
+
+    from serving.api.responses_api import add_responses_routes
+
+    add_responses_routes(app, ctx, keyed)  # /v1/responses (OpenAI's Responses API)
+
+    from serving.api.messages_api import add_messages_routes
+
+    add_messages_routes(app, ctx)  # /v1/messages (Anthropic's Messages API; its own key check and envelope)
 
     if kv_transfer_secret:
         from serving.disaggregation.disagg import add_kv_transfer_routes
@@ -505,8 +564,9 @@ async def _stream_completion(ctx: ServingContext, req: P.CompletionRequest, prom
 
 
 async def _stream_chat(ctx: ServingContext, req: P.ChatCompletionRequest, ids, params, base_id, cache_salt=None,
-                       plan: "T.ToolPlan | None" = None):
+                       plan: "T.ToolPlan | None" = None, starts: str | None = None):
     trackers: dict[int, _DeltaTracker] = {}
+    splits: dict[int, R.ReasoningStream] = {}  # with a reasoning parser: reasoning and content apart per choice
     tool_streams: dict[int, T.ToolStream] = {}  # with tools: content and tool-call deltas per choice
     completion_tokens: dict[int, int] = {}
     top_n = params.logprobs or 0
@@ -528,14 +588,23 @@ async def _stream_chat(ctx: ServingContext, req: P.ChatCompletionRequest, ids, p
                     lps = chat_logprobs(ctx.tokenizer, o.token_ids[t0:t1], o.logprobs[t0:t1], top_n)
                 reason = _finish_reason(o.finish_reason)
                 calls = None
+                text, thinking = o.text[:tr.sent_text], None
+                if starts is not None:
+                    rs = splits.setdefault(o.index, R.ReasoningStream(ctx.reasoning, starts))
+                    thinking, delta = rs.step(text, finished)
+                    text = rs.content
+                    thinking = thinking if req.include_reasoning else None
                 if plan is not None and plan.mode != "none":
                     ts = tool_streams.setdefault(o.index, T.ToolStream(plan))
-                    delta, calls = ts.step(o.text[:tr.sent_text], finished)
+                    delta, calls = ts.step(text, finished)
                     reason = T.finish_reason(reason, ts.has_calls)
-                    if not (first or delta or calls or finished or lps):
-                        continue  # text that is held back or already sent as a call
+                if (starts is not None or calls is not None) and not (first or delta or thinking or calls or finished
+                                                                      or lps):
+                    continue  # text that is held back or already sent as a call
                 # The first chunk of a choice carries the role, as OpenAI's do.
                 d = P.ChatDelta(role="assistant", content=delta) if first else P.ChatDelta(content=delta or None)
+                if thinking:
+                    d.reasoning_content = d.reasoning = thinking
                 d.tool_calls = calls or None
                 choices.append(P.ChatChunkChoice(index=o.index, delta=d, logprobs=lps, finish_reason=reason,
                                                  stop_reason=o.stop_reason))

@@ -52,12 +52,23 @@ class APIKeys:
             return
         auth = request.headers.get("authorization", "")
         scheme, _, given = auth.partition(" ")
+        self._check(request, given, scheme.lower() == "bearer")
+
+    async def require_anthropic(self, request: Request) -> None:
+        """`require`, with the key also taken from `x-api-key` (how Anthropic's clients send it)."""
+        request.state.api_key = None
+        if self.keys and "x-api-key" in request.headers and "authorization" not in request.headers:
+            self._check(request, request.headers["x-api-key"], True)
+        else:
+            await self.require(request)
+
+    def _check(self, request: Request, given: str, scheme_ok: bool) -> None:
         given_bytes = given.strip().encode("utf-8")
         # Compare against every key, in constant time each, so timing tells nothing about which matched.
         ok = False
         for key in self.keys:
             ok |= hmac.compare_digest(given_bytes, key)
-        if scheme.lower() != "bearer" or not ok:
+        if not scheme_ok or not ok:
             raise P.APIError("Incorrect API key provided: send one of this server's keys as "
                              "'Authorization: Bearer <key>'.", status=401, code="invalid_api_key")
         request.state.api_key = given.strip()

@@ -142,6 +142,10 @@ class ChatMessage(_Request):
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None  # an assistant's calls, sent back in the history
     tool_call_id: Optional[str] = None  # a tool message: the call it answers
+    # An assistant's earlier thinking, sent back: the template receives it as `reasoning_content` and
+    # decides whether to show it (Qwen3's renders it for the turns after the last user message).
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
 
     def text(self) -> str:
         if self.content is None:
@@ -160,6 +164,11 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[list[Tool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[bool] = None
+    # Reasoning models (serving.api.reasoning; the budget fields need --reasoning_parser):
+    reasoning_effort: Optional[str] = None  # OpenAI's: a thinking budget (reasoning.EFFORT_BUDGETS)
+    thinking_token_budget: Optional[int] = None  # vLLM's: the most thinking tokens before the end tag is forced
+    include_reasoning: bool = True  # vLLM's: False drops the reasoning from the answer
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # more variables for the chat template
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -220,6 +229,10 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    # The thinking of a reasoning model (--reasoning_parser): `reasoning_content` as DeepSeek's API and
+    # vLLM name it, and `reasoning`, vLLM's newer name; the same text.
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
 
 
@@ -243,6 +256,8 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
     tool_calls: Optional[list[DeltaToolCall]] = None
 
 
@@ -279,6 +294,7 @@ class TokenizeRequest(_Request):
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: bool = True  # the BOS of a prompt
     add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # more variables for the chat template
 
 
 class TokenizeResponse(BaseModel):

@@ -147,8 +147,12 @@ def plan_tools(req: P.ChatCompletionRequest, parser_name: Optional[str]) -> Tool
 
 def template_message(m) -> dict:
     """A history message as chat templates read it: assistant tool calls with their arguments as
-    objects (what Llama / Qwen / Mistral templates iterate over), tool results with their call id."""
+    objects (what Llama / Qwen / Mistral templates iterate over), tool results with their call id,
+    an assistant's earlier thinking as `reasoning_content` (vLLM's name, which Qwen3's template reads)."""
     out = {"role": m.role, "content": m.text()}
+    thinking = getattr(m, "reasoning_content", None) or getattr(m, "reasoning", None)
+    if thinking:
+        out["reasoning_content"] = thinking
     if m.name is not None:
         out["name"] = m.name
     if m.tool_call_id is not None:

@@ -42,6 +42,7 @@ from serving.core.kv_imports import KVImports
 from serving.core.host_kv_tier import HostKVTier, offload_bytes
 from serving.core.spec_options import check_options as check_spec_options, logit_rows as spec_logit_rows
 from serving.core import structured_output
+from serving.core.reasoning_phase import PhasedGrammar
 from serving.core.stats import EngineStats, FinishedRequestStats, IterationStats, StatsLog
 
 log = logging.getLogger(__name__)
@@ -229,13 +230,29 @@ class Engine:
                                                     "scheduling_policy=priority to honour priorities)")
 
     def _grammar(self, params: SamplingParams):
-        """The request's compiled grammar (structured outputs), or None; a 400 when it cannot be used."""
-        if params.structured_outputs is None:
-            return None
-        try:
-            return self.structured.for_request(params.structured_outputs, params.n)
-        except (TypeError, ValueError) as e:
-            raise InvalidParameterError("structured_outputs", f"structured_outputs: {e}") from None
+        """The request's compiled grammar (structured outputs), or None; a 400 when it cannot be used.
+
+        A reasoning request with a thinking budget or a grammar gets a `PhasedGrammar`: free (or
+        budgeted) thinking first, then the grammar from the end tag on."""
+        grammar = None
+        if params.structured_outputs is not None:
+            try:
+                grammar = self.structured.for_request(params.structured_outputs, params.n)
+            except (TypeError, ValueError) as e:
+                raise InvalidParameterError("structured_outputs", f"structured_outputs: {e}") from None
+        reasoning = params.reasoning
+        if reasoning is not None and (grammar is not None or reasoning.budget is not None):
+            bad = [t for t in reasoning.start_ids + reasoning.end_ids if not 0 <= t < self.cfg.vocab_size]
+            if bad:
+                raise InvalidParameterError("reasoning", f"reasoning: think-tag token ids {bad} are not in the "
+                                                         f"vocabulary [0, {self.cfg.vocab_size})")
+            forced = set(reasoning.end_ids) | (set(reasoning.start_ids) if reasoning.starts == "undecided" else set())
+            if params.allowed_token_ids is not None and not forced <= set(params.allowed_token_ids):
+                raise InvalidParameterError("allowed_token_ids", "allowed_token_ids: must allow the think tags' "
+                                                                 f"tokens {sorted(forced)}, which the reasoning "
+                                                                 "phase may force")
+            return PhasedGrammar(reasoning, grammar, params.n, self.structured.width)
+        return grammar
 
     def _control_rows(self, req: Request) -> sampling_controls.RequestRows:
         """The request's constant rows of logit bias and masks; refuses it where they cannot be applied."""

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 from typing import Optional, Union
 
+from serving.core.reasoning_phase import ReasoningParams
 from serving.core.structured_output import StructuredOutputsParams, from_request_dict
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     # Constrain the output to a JSON schema, regex, choice or grammar (serving.core.structured_output).
     structured_outputs: Optional[StructuredOutputsParams] = None
+    # A reasoning model's think tags and thinking budget (serving.core.reasoning_phase): the budget
+    # forces the end tag once spent, and structured_outputs constrain only what follows the end tag.
+    reasoning: Optional[ReasoningParams] = None
     # Applied on the device through `serving.core.sampling_controls` (vLLM's definitions):
     presence_penalty: float = 0.0  # subtracted from a token's logit once it is in the output
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
@@ -128,6 +132,14 @@ class SamplingParams:
                 self.structured_outputs.kind()
             except (TypeError, ValueError) as e:
                 bad("structured_outputs", str(e))
+        if self.reasoning is not None:
+            if not isinstance(self.reasoning, ReasoningParams):
+                bad("reasoning", f"must be a ReasoningParams, got {type(self.reasoning).__name__}")
+            try:
+                self.reasoning.validate()
+            except ValueError as e:
+                raise InvalidParameterError("thinking_token_budget" if "budget" in str(e) else "reasoning",
+                                            str(e)) from None
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not is_num(v) or not -2.0 <= v <= 2.0:

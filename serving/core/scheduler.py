@@ -243,7 +243,8 @@ class Scheduler:
             return True
         if seq.num_seats > 1 or seq.wants_prompt_logprobs:
             return False
-        if seq.num_pending and seq.request.structured is not None:
+        structured = seq.request.structured
+        if seq.num_pending and structured is not None and structured.needs_pending(seq.sample_index, seq.num_pending):
             return False  # its grammar's next mask needs the token still being drawn
         return not seq.num_pending or (
             seq.num_output_tokens + seq.num_pending < seq.params.max_tokens

@@ -234,6 +234,15 @@ class RequestGrammar:
         self._fill(m, self.masks, sample_index)
         return False
 
+    # Overlapped scheduling asks these (a `PhasedGrammar` answers them otherwise while it thinks freely):
+    def constrains(self, sample_index: int) -> bool:
+        """Whether the sample's current mask bars anything (a grammar's always may)."""
+        return True
+
+    def needs_pending(self, sample_index: int, pending: int) -> bool:
+        """Whether the sample's next mask depends on its `pending` tokens still being drawn."""
+        return True
+
     # Speculative decoding: drafts are checked against the grammar without taking them in.
     def valid_drafts(self, sample_index: int, drafts: list[int]) -> list[int]:
         """The longest prefix of `drafts` the grammar allows after what the sample has taken in (a
@@ -260,17 +269,20 @@ class RequestGrammar:
 
 def batch_mask(batch, width: int) -> Optional[np.ndarray]:
     """The step's `[S, width]` bitmask (rows in `batch.sample_rows` order; all ones where no grammar
-    applies), or None when no row of `batch` has a grammar."""
+    applies), or None when no row of `batch` has a grammar that constrains it now (a reasoning
+    phase thinking freely bars nothing, so its steps overlap as plain ones do)."""
     mask = None
     for row, (seq, sample_index) in enumerate(batch.sample_rows):
         grammar = seq.request.structured
-        if grammar is None:
+        if grammar is None or not grammar.constrains(sample_index):
             continue
         if mask is None:
             mask = np.full((batch.shape.S, width), -1, np.int32)
         mask[row] = grammar.masks[sample_index]
     for first, seq, sample_index, drafts in batch.draft_groups:
         if seq.request.structured is not None:
+            if mask is None:
+                mask = np.full((batch.shape.S, width), -1, np.int32)
             seq.request.structured.fill_draft_masks(sample_index, drafts, mask, first)
     return mask
 

@@ -206,8 +206,9 @@ def _first_token_request(ctx, kind: str, req):
             raise P.APIError("top_logprobs requires logprobs to be true", param="top_logprobs",
                              code="invalid_value")
         ids = ctx.chat_prompt(req)
+        _, reasoning = ctx.chat_reasoning(req, None, req.requested_max_tokens())  # a budget forces the end tag
         params = ctx.sampling_params(req, req.requested_max_tokens(), (req.top_logprobs or 0) if req.logprobs
-                                     else None, None)
+                                     else None, None, None, reasoning)
     try:
         ctx.engine.engine.make_request("check", ids, params)
     except InvalidParameterError as e:
