@@ -60,12 +60,13 @@ from model.config import ModelConfig, UnsupportedModelError
 from model.families import (ModelFamily, TensorPlan, family_for_config, family_for_hf_config, from_hf_config,
                             num_params)
 from model.params import unflatten_params
+from model.vision.config import PROCESSOR_FILES, with_processor_settings
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # Carried into the converted checkpoint as they are (generation_config.json: default EOS ids and sampling).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json")
+                   "generation_config.json") + PROCESSOR_FILES
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 # Buffers some exporters keep in the state dict; they are recomputed, never read.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -217,6 +218,23 @@ def copy_tokenizer(hf_dir: str, out_dir: str) -> list[str]:
     return copied
 
 
+def _with_image_processor(cfg: ModelConfig, hf_dir: str) -> ModelConfig:
+    """A vision-language config with the preprocessing settings of the checkpoint's processor file
+    (the placeholder count per image depends on them); any other config as it is."""
+    if getattr(cfg, "vision", None) is None:
+        return cfg
+    for name in PROCESSOR_FILES:
+        path = os.path.join(hf_dir, name)
+        if os.path.isfile(path):
+            try:
+                with open(path) as f:
+                    return cfg.replace(vision=with_processor_settings(cfg.vision, json.load(f)))
+            except (OSError, json.JSONDecodeError, TypeError, ValueError) as e:
+                raise ConversionError(f"cannot read {path}: {e}") from None
+    logging.warning("%s has no %s: images are preprocessed with the processor's defaults", hf_dir, PROCESSOR_FILES[0])
+    return cfg
+
+
 def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool = True,
             weight_dtype: str | None = None) -> ModelConfig:
     """Converts `hf_dir` into a ridgeline checkpoint at `out_dir`; returns its config.
@@ -229,6 +247,7 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
     if weight_dtype not in (None, "auto", "int8", "fp8"):
         raise ConversionError(f"--weight_dtype must be int8 or fp8 (or unset), got {weight_dtype!r}")
     hf, cfg = read_hf_config(hf_dir, dtype)
+    cfg = _with_image_processor(cfg, hf_dir)
     family = family_for_hf_config(hf)  # the family config.json names (read_hf_config refused any other)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ConversionError(f"--out_dir {out_dir} exists and is not a directory")
