@@ -87,6 +87,11 @@ def define_flags(flag_values: Optional[flags.FlagValues] = None) -> None:
                          "so clients with different keys never share cached KV pages (needs --api_key).")
     flags.DEFINE_enum("tool_call_parser", None, sorted(PARSER_NAMES), "How tool calls are read from the output "
                       "when tool_choice is \"auto\": the model's format (unset: \"auto\" is refused).")
+    flags.DEFINE_list("allowed_media_domains", [], "Hosts whose http(s) image URLs the server fetches for chat "
+                                                   "image parts (exact names; default none: data: URLs only).")
+    flags.DEFINE_integer("media_max_bytes", 20 << 20, "Largest encoded image a request may carry or a fetch may "
+                                                      "return, bytes.")
+    flags.DEFINE_float("media_fetch_timeout_s", 10.0, "Longest an image URL fetch may take, seconds.")
     flags.DEFINE_enum("log_level", "info", ["debug", "info", "warning", "error"], "Log level of the server.")
     flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0's coordination service "
                                                      "(default: $RIDGELINE_COORDINATOR_ADDRESS, else detected).")
@@ -131,13 +136,14 @@ def default_model_name(llm) -> str:
 
 def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window_s: float = 10.0,
                 num_devices: int = 1, profile_dir: str | None = None, api_keys=None,
-                kv_transfer_secret: str | None = None, tool_call_parser: str | None = None):
+                kv_transfer_secret: str | None = None, tool_call_parser: str | None = None, media=None):
     """(FastAPI app, AsyncEngine, ServerMetrics) over an `LLM` whose engine is not yet running.
 
     The engine thread starts here; stop it with `async_engine.shutdown()`. `profile_dir` enables
     `/start_profile` and `/stop_profile` (traces land there); `api_keys` (`http_auth.APIKeys`)
     guards the API; `kv_transfer_secret` mounts the signed KV routes of disaggregated serving;
-    `tool_call_parser` reads the calls of `tool_choice="auto"` (`serving.api.tool_parsers`).
+    `tool_call_parser` reads the calls of `tool_choice="auto"` (`serving.api.tool_parsers`); `media`
+    (`serving.api.media.MediaOptions`) says where image URLs may be fetched from and how much.
     """
     from serving.core.async_engine import AsyncEngine
     from serving.api.http_app import create_app
@@ -155,7 +161,8 @@ def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window
                             engine.config.max_num_batched_tokens).attach()
     fastapi_app = create_app(async_engine, llm.tokenizer, model_name, engine.max_model_len, metrics,
                              vocab_size=llm.config.vocab_size, profile_dir=profile_dir, api_keys=api_keys,
-                             kv_transfer_secret=kv_transfer_secret, tool_call_parser=tool_call_parser)
+                             kv_transfer_secret=kv_transfer_secret, tool_call_parser=tool_call_parser,
+                             media=media)
     return fastapi_app, async_engine, metrics
 
 
@@ -238,13 +245,13 @@ class ServerThread:
 
     def __init__(self, llm, model_name: str | None = None, host: str = "127.0.0.1", port: int | None = None,
                  peak=None, log_level: str = "warning", profile_dir: str | None = None, api_keys=None,
-                 kv_transfer_secret: str | None = None, tool_call_parser: str | None = None):
+                 kv_transfer_secret: str | None = None, tool_call_parser: str | None = None, media=None):
         import uvicorn
 
         self.app, self.async_engine, self.metrics = build_stack(llm, model_name, peak=peak,
                                                                 profile_dir=profile_dir, api_keys=api_keys,
                                                                 kv_transfer_secret=kv_transfer_secret,
-                                                                tool_call_parser=tool_call_parser)
+                                                                tool_call_parser=tool_call_parser, media=media)
         self.model_name = model_name or default_model_name(llm)
         self.host, self.port = host, port or free_port(host)
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level=log_level,
@@ -335,6 +342,7 @@ def main(argv) -> None:
     # competes with whatever the main thread still does, and these imports are a second of it.
     import serving.api.http_app  # noqa: F401
     import serving.api.http_auth  # noqa: F401
+    from serving.api.media import MediaOptions
     import serving.api.http_metrics  # noqa: F401
     import serving.core.async_engine  # noqa: F401
 
@@ -361,7 +369,11 @@ def main(argv) -> None:
                                                metrics_window_s=FLAGS.metrics_window_s,
                                                num_devices=FLAGS.tensor_parallel_size * FLAGS.pipeline_parallel_size,
                                                profile_dir=FLAGS.profile_dir, api_keys=api_keys,
-                                               kv_transfer_secret=secret, tool_call_parser=FLAGS.tool_call_parser)
+                                               kv_transfer_secret=secret, tool_call_parser=FLAGS.tool_call_parser,
+                                               media=MediaOptions(allowed_domains=tuple(
+                                                   d.strip().lower() for d in FLAGS.allowed_media_domains if d.strip()),
+                                                   max_bytes=FLAGS.media_max_bytes,
+                                                   fetch_timeout_s=FLAGS.media_fetch_timeout_s))
     if FLAGS.profile_dir:
         log.info("profiling: POST /start_profile and /stop_profile write traces under %s", FLAGS.profile_dir)
     if llm.multihost is not None:

@@ -47,6 +47,11 @@ def make_images():
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
+    return build_converted(tmp_path_factory)[:4]
+
+
+def build_converted(tmp_path_factory, name: str = "qwen2_5_vl"):
+    """(HF model, HF image processor, our config, our params, converted directory) of the tiny model."""
     torch.manual_seed(0)
     cfg = transformers.Qwen2_5_VLConfig(
         text_config=dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -65,8 +70,8 @@ def converted(tmp_path_factory):
     scale_weights_(model, bias_std=0.5)
     processor = transformers.Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 64)
     hf_dir, out_dir, ours_cfg, params = save_and_convert(
-        model, tmp_path_factory, "qwen2_5_vl", after_save=lambda d: processor.save_pretrained(d))
-    return model, processor, ours_cfg, params
+        model, tmp_path_factory, name, after_save=lambda d: processor.save_pretrained(d))
+    return model, processor, ours_cfg, params, out_dir
 
 
 def hf_pixels(processor, images):

@@ -54,8 +54,12 @@ def config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> LlamaConfig:
     fields = common_fields(text, dtype, rope={"rope_theta": theta})
     if "image_token_id" not in hf:
         raise ValueError(f"{ARCH} config has no image_token_id")
-    return LlamaConfig(**fields, architecture=ARCH, attention_bias=True,
-                       vision=vision_config_from_hf(hf["vision_config"], fields["hidden_size"]),
+    vision = vision_config_from_hf(hf["vision_config"], fields["hidden_size"])
+    if hf.get("vision_start_token_id") is not None and hf.get("vision_end_token_id") is not None:
+        vision = dataclasses.replace(vision, image_prompt_ids=(int(hf["vision_start_token_id"]),
+                                                               int(hf["image_token_id"]),
+                                                               int(hf["vision_end_token_id"])))
+    return LlamaConfig(**fields, architecture=ARCH, attention_bias=True, vision=vision,
                        image_token_id=int(hf["image_token_id"]), mrope_section=tuple(int(s) for s in section))
 
 

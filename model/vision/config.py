@@ -37,6 +37,9 @@ class VisionConfig:
     fullatt_block_indexes: tuple[int, ...] = ()  # the blocks that attend over the whole image
     rope_theta: float = 10000.0
     hidden_act: str = "silu"
+    # The ids one image occupies in a prompt before its placeholder is expanded (Qwen2.5-VL: vision
+    # start, the image pad, vision end): what a chat's image part becomes. Empty: the image token alone.
+    image_prompt_ids: tuple[int, ...] = ()
     norm_eps: float = 1e-6
     # --- preprocessing (the checkpoint processor's settings) ---
     min_pixels: int = 56 * 56
@@ -68,14 +71,14 @@ class VisionConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        for k in ("fullatt_block_indexes", "image_mean", "image_std"):
+        for k in ("fullatt_block_indexes", "image_mean", "image_std", "image_prompt_ids"):
             d[k] = list(d[k])
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "VisionConfig":
         d = dict(d)
-        for k in ("fullatt_block_indexes", "image_mean", "image_std"):
+        for k in ("fullatt_block_indexes", "image_mean", "image_std", "image_prompt_ids"):
             if k in d:
                 d[k] = tuple(d[k])
         known = {f.name for f in dataclasses.fields(cls)}
