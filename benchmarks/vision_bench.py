@@ -139,7 +139,7 @@ def main():
               "command": "python benchmarks/vision_bench.py " + " ".join(sys.argv[1:]),
               "model": {"text": "4 layers, hidden 256, 4 heads / 2 kv, head_dim 64, fp32",
                         "vision": "4 blocks (2 full-attention), hidden 128, 4 heads, fp32"},
-              "image_size": args.image_size, "image_tokens": cold["prompt_tokens"] - 9,
+              "image_size": args.image_size, "image_tokens": cold["prompt_tokens"] - len(text) - 4,
               "max_tokens": args.max_tokens, "cold": cold, "warm": warm, "text_peer": peer, "ratios": ratios}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
