@@ -1,7 +1,8 @@
 """Converts a Hugging Face checkpoint of a supported family into a ridgeline checkpoint.
 
 Families (`model.families`): Llama, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3 (text),
-Mixtral and Qwen3-MoE.
+Mixtral, Qwen3-MoE and Qwen2.5-VL (its image encoder too, and the image processor's settings from
+`preprocessor_config.json`, which is copied with the tokenizer files).
 
     python -m model.convert_hf --hf_dir=DIR --out_dir=DIR [--dtype=bfloat16] [--weight_dtype=int8|fp8]
 

@@ -79,9 +79,9 @@ def served(tmp_path_factory):
     threading.Thread(target=files.serve_forever, daemon=True).start()
     llm = LLM(out_dir, **ENGINE)
     media = MediaOptions(allowed_domains=("127.0.0.1",), max_bytes=MAX_BYTES, fetch_timeout_s=5.0)
-    with ServerThread(llm, model_name="vl", media=media) as srv:
+    with ServerThread(llm, model_name="vl", media=media, kv_transfer_secret="secret") as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
-        yield types.SimpleNamespace(model=model, processor=processor, llm=llm, client=client, a=a, png=png,
+        yield types.SimpleNamespace(model=model, processor=processor, llm=llm, client=client, a=a, png=png, url=srv.url,
                                     files=f"http://127.0.0.1:{files.server_port}",
                                     other=f"http://localhost:{files.server_port}")
     files.shutdown()
@@ -165,3 +165,30 @@ def test_text_model_refuses_image_parts():
         {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}])
     with pytest.raises(P.APIError, match=r"messages\[0\].content\[1\]: this model does not take images"):
         asyncio.run(ctx.chat_images(req))
+
+
+def test_disaggregated_prefill_refuses_images(served):
+    """The shipped payload carries no encoder output or multimodal positions: an image chat is refused
+    by the prefill worker, naming the part, rather than continued wrongly by the decode worker."""
+    import httpx
+
+    s = served
+    body = {"model": "vl", "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": data_url(s.png)}}]}]}
+    r = httpx.post(s.url + "/internal/prefill", json={"endpoint": "/v1/chat/completions", "body": body}, timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "messages[0].content[1]"
+    assert "disaggregated" in r.json()["error"]["message"]
+
+
+def test_streamed_chat_with_an_image(served):
+    """The streamed reply is the non-streamed one, and its usage counts the expanded image tokens."""
+    s = served
+    content = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": data_url(s.png)}}]
+    kwargs = dict(model="vl", messages=[{"role": "user", "content": content}], temperature=0, max_tokens=NEW_TOKENS,
+                  extra_body={"ignore_eos": True})
+    whole = s.client.chat.completions.create(**kwargs)
+    chunks = list(s.client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens > 40

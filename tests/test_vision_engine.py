@@ -160,3 +160,29 @@ def test_chat_takes_images(served):
                               mm_token_type_ids=(t == IMAGE_ID).int(), do_sample=False, max_new_tokens=NEW_TOKENS,
                               min_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
     assert list(out.outputs[0].token_ids) == want
+
+
+def test_encoder_cache_evicts_least_recent_past_its_bytes():
+    from serving.core.multimodal import Encoded, EncoderCache
+
+    entry = lambda: Encoded(np.zeros((4, 8), np.float32), (1, 4, 4))  # noqa: E731  (128 bytes)
+    cache = EncoderCache(capacity_bytes=300)
+    cache.put(b"a", entry())
+    cache.put(b"b", entry())
+    assert cache.get(b"a") is not None  # a is now the most recent
+    cache.put(b"c", entry())  # 384 bytes > 300: b, the least recent, goes
+    assert cache.get(b"b") is None and cache.get(b"a") is not None and cache.get(b"c") is not None
+    assert len(cache) == 2 and cache.hits == 3 and cache.misses == 1
+    cache.put(b"huge", Encoded(np.zeros((100, 8), np.float32), (1, 20, 20)))  # larger than the cache: not kept
+    assert cache.get(b"huge") is None and len(cache) == 2
+
+
+def test_placeholders_expand_once():
+    from serving.core.multimodal import expand_placeholders
+
+    assert expand_placeholders([5, IMAGE_ID, 6, IMAGE_ID], IMAGE_ID, [3, 2]) == (
+        [5, IMAGE_ID, IMAGE_ID, IMAGE_ID, 6, IMAGE_ID, IMAGE_ID], [1, 5])
+    # A prompt already expanded (as the HF processor leaves it) is taken as it is.
+    assert expand_placeholders([5] + [IMAGE_ID] * 3, IMAGE_ID, [3]) == ([5] + [IMAGE_ID] * 3, [1])
+    with pytest.raises(InvalidParameterError, match="expected 1 or 3"):
+        expand_placeholders([5, IMAGE_ID, IMAGE_ID], IMAGE_ID, [3])
