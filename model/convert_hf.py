@@ -45,6 +45,7 @@ server load it as it is, at half the bytes of bf16.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -143,6 +144,26 @@ def _open(path: str):
         return safe_open(path, framework="numpy")
     except (SafetensorError, OSError) as e:
         raise ConversionError(f"cannot read {path}: {e}") from None
+
+
+# Where transformers 4.52 to 4.57 saved a vision-language model's tensors: the decoder under
+# `model.language_model.`, the vision tower under `model.` (the published checkpoints, and transformers
+# 5, write `model.layers...` and `visual....`, the names the families plan).
+NESTED_PREFIXES = (("model.", "model.language_model."), ("visual.", "model.visual."))
+
+
+def stored_names(plan: list[TensorPlan], located: dict[str, str]) -> list[TensorPlan]:
+    """`plan` with each tensor named as the checkpoint stores it: its planned name, or failing that the
+    nested name of a vision-language model saved by transformers 4.52-4.57."""
+    out = []
+    for t in plan:
+        if t.hf not in located:
+            for old, new in NESTED_PREFIXES:
+                if t.hf.startswith(old) and new + t.hf[len(old):] in located:
+                    t = dataclasses.replace(t, hf=new + t.hf[len(old):])
+                    break
+        out.append(t)
+    return out
 
 
 def check_tensors(plan: list[TensorPlan], located: dict[str, str], cfg: ModelConfig,
@@ -252,8 +273,8 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
     family = family_for_hf_config(hf)  # the family config.json names (read_hf_config refused any other)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ConversionError(f"--out_dir {out_dir} exists and is not a directory")
-    plan = conversion_plan(cfg, family)
     located = weight_files(hf_dir)
+    plan = stored_names(conversion_plan(cfg, family), located)
     check_tensors(plan, located, cfg, family)
     flat = read_weights(plan, located, np.dtype(cfg.jnp_dtype), progress)
     params = unflatten_params(cfg, flat)

@@ -66,7 +66,7 @@ class _Files(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    model, processor, cfg, _, out_dir = build_converted(tmp_path_factory, "qwen2_5_vl_api")
+    model, processor, cfg, _, out_dir, _ = build_converted(tmp_path_factory, "qwen2_5_vl_api")
     a = images()[0]
     png = encoded(a, "PNG")
     _Files.routes = {

@@ -22,7 +22,7 @@ from test_vision_qwen2_5_vl import build_converted  # noqa: E402
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The checkpoint, its prompts (two images and a text-only one) and the TP=1 float engine's greedy tokens."""
-    *_, out_dir = build_converted(tmp_path_factory, "qwen2_5_vl_composition")
+    out_dir = build_converted(tmp_path_factory, "qwen2_5_vl_composition")[4]
     a, b, c = images()
     prompts = [prompt(a), prompt(c), TEXT + [9, 80, 120]]
     sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, prompt_logprobs=0)

@@ -44,7 +44,7 @@ def prompt(image):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    model, processor, cfg, _, out_dir = build_converted(tmp_path_factory, "qwen2_5_vl_engine")
+    model, processor, cfg, _, out_dir, _ = build_converted(tmp_path_factory, "qwen2_5_vl_engine")
     llm = LLM(out_dir, **ENGINE)
     return model, processor, llm
 

@@ -46,12 +46,23 @@ def make_images():
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    return build_converted(tmp_path_factory)[:4]
+def built(tmp_path_factory):
+    return build_converted(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def converted(built):
+    return built[:4]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(built):
+    return built[5]
 
 
 def build_converted(tmp_path_factory, name: str = "qwen2_5_vl"):
-    """(HF model, HF image processor, our config, our params, converted directory) of the tiny model."""
+    """(HF model, HF image processor, our config, our params, converted directory, HF directory) of the
+    tiny model."""
     torch.manual_seed(0)
     cfg = transformers.Qwen2_5_VLConfig(
         text_config=dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -71,7 +82,7 @@ def build_converted(tmp_path_factory, name: str = "qwen2_5_vl"):
     processor = transformers.Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 64)
     hf_dir, out_dir, ours_cfg, params = save_and_convert(
         model, tmp_path_factory, name, after_save=lambda d: processor.save_pretrained(d))
-    return model, processor, ours_cfg, params, out_dir
+    return model, processor, ours_cfg, params, out_dir, hf_dir
 
 
 def hf_pixels(processor, images):
@@ -226,3 +237,35 @@ def test_mrope_and_image_embeddings_are_exercised(converted):
     assert np.abs(_log_softmax(flat.step(prompt, 0)) - expected).max() > 100 * TOL
     blank = VLRunner(cfg, params, prompt, np.zeros_like(features), processed.grid)
     assert np.abs(_log_softmax(blank.step(prompt, 0)) - expected).max() > 100 * TOL
+
+
+def test_converts_the_nested_names_of_transformers_4_52(converted, hf_dir, tmp_path):
+    """transformers 4.52-4.57 saved the decoder under `model.language_model.` and the vision tower under
+    `model.visual.`: such a checkpoint converts to the same weights."""
+    import os
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from model.checkpoint import load_checkpoint
+    from model.convert_hf import convert
+    from model.params import flatten_params
+
+    nested = tmp_path / "nested"
+    nested.mkdir()
+    for name in os.listdir(hf_dir):
+        if name != "model.safetensors":
+            shutil.copy(os.path.join(hf_dir, name), nested / name)
+    tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
+    renamed = {("model.visual." + k[len("visual."):]) if k.startswith("visual.") else
+               ("model.language_model." + k[len("model."):]) if k.startswith("model.") else k: v
+               for k, v in tensors.items()}
+    assert any(k.startswith("model.language_model.layers.") for k in renamed)
+    save_file(renamed, str(nested / "model.safetensors"))
+    convert(str(nested), str(tmp_path / "out"), dtype="float32", progress=False)
+    _, params = load_checkpoint(str(tmp_path / "out"))
+    want = flatten_params(converted[3])
+    got = flatten_params(params)
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
