@@ -1,13 +1,14 @@
 """Image requests on the engine: throughput and time to first token with the encoder cache cold and
 warm, and where the time goes (preprocessing, encoding, language model).
 
-    python benchmarks/vision_bench.py                     # 16 requests, 224x224 images, ~1 min on a 2-core CPU
-    python benchmarks/vision_bench.py --requests 16 --image_size 448
+    python benchmarks/vision_bench.py                     # 16 requests, 224x224 images, ~20 s on a 2-core CPU
+    python benchmarks/vision_bench.py --requests 32 --image_size 448
 
 A random Qwen2.5-VL-shaped model (`model.params.init_params`; no download) is served by `LLM` with its
 step buckets warmed up and a first batch of other images run beforehand (the encoder compiled for the
-image size, every step shape run once), so no compile or first run lands in the numbers. Each run submits every request at once (an offline batch: all are
-made, i.e. preprocessed and encoded, then stepped to completion, as `LLM.generate` does):
+image size, every step shape run once), so no compile or first run lands in the numbers. Each run
+submits every request at once (an offline batch: all are made, i.e. preprocessed and encoded, then
+stepped to completion, as `LLM.generate` does):
 
 * `cold`: distinct images never seen (every image preprocessed and encoded);
 * `warm`: the same images again, the encoder cache holding them (only the content digest is computed),

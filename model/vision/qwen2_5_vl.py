@@ -96,7 +96,8 @@ def checkpoint_tensors(v: VisionConfig, prefix: str = "model.visual."):
     for i in range(v.depth):
         o, b = f"vision.blocks.{i}.", f"{prefix}blocks.{i}."
         out += [(o + "norm1", b + "norm1.weight", (h,), same), (o + "qkv", b + "attn.qkv.weight", (3 * h, h), same),
-                (o + "qkv_bias", b + "attn.qkv.bias", (3 * h,), same), (o + "proj", b + "attn.proj.weight", (h, h), same),
+                (o + "qkv_bias", b + "attn.qkv.bias", (3 * h,), same),
+                (o + "proj", b + "attn.proj.weight", (h, h), same),
                 (o + "proj_bias", b + "attn.proj.bias", (h,), same), (o + "norm2", b + "norm2.weight", (h,), same),
                 (o + "gate", b + "mlp.gate_proj.weight", (f, h), same),
                 (o + "gate_bias", b + "mlp.gate_proj.bias", (f,), same),

@@ -121,7 +121,8 @@ class StepShape:
     def int_fields(self):
         T, S, P = self.T, self.S, self.P
         image = (("rope_positions", 3 * T),) if self.image_hidden else ()
-        return image + (("tokens", T), ("feed_rows", T), ("positions", T), ("slots", T), ("cu_q_lens", S + 1), ("kv_lens", S),
+        return image + (
+                ("tokens", T), ("feed_rows", T), ("positions", T), ("slots", T), ("cu_q_lens", S + 1), ("kv_lens", S),
                 ("block_tables", S * P), ("num_seqs", 1), ("logits_indices", S), ("sample_index", S),
                 ("token_index", S), ("target", S), ("control_slot", S), ("draft_token", S), ("group_start", S),
                 ("q_index", S), ("flags", NUM_FLAGS)) + sampling_table.buffer_fields(np.int32, S)

@@ -72,6 +72,8 @@ def _step(params, cache, ibuf, fbuf, feed=None, controls=None, token_mask=None, 
     * `feed` (the previous step's sampled ids, [max rows]): placeholder tokens are filled from it
       (overlapped scheduling), and this step's ids come back padded the same way;
     * `token_mask` ([S, ceil(vocab / 32)] int32, structured outputs) bars the tokens whose bit is 0;
+    * a vision-language model's steps carry, in the buffers, the image placeholder rows' embeddings
+      and the multimodal RoPE positions (`StepShape.image_hidden`, `serving.core.multimodal`);
     * `controls` (a `sampling_controls.ControlState`): rows holding a slot are adjusted by it before
       sampling, and what they emit is recorded in it;
     * with `verify` (speculative decoding) a sequence's k + 1 rows check its drafts (the step's
