@@ -24,8 +24,8 @@ import jax.numpy as jnp
 from model.cache import BatchMetadata
 from model.config import FULL_ATTENTION, SLIDING_ATTENTION, LlamaConfig
 from model.declarations import Layer, Weights, pytree_dataclass
-from model.layers import (_constrain, apply_rope, head_projection, output_projection, paged_attention, rms_norm,
-                          rope_frequencies)
+from model.layers import (_constrain, apply_rope_angles, head_projection, mrope_angles, output_projection,
+                          paged_attention, rms_norm, rope_frequencies)
 from model.linear import linear
 
 # The window of a full-attention layer in a model that also has sliding ones: wider than any
@@ -78,8 +78,11 @@ def attention_block(layer: Layer, x, k_pages, v_pages, md: BatchMetadata, inputs
     v = _constrain(layout, v, ("tokens", "kv_heads", "head_dim"))
     if cfg.qk_norm:
         q, k = norm(q, layer.q_norm, cfg), norm(k, layer.k_norm, cfg)
-    q = apply_rope(q, md.positions, inputs.inv_freq)
-    k = apply_rope(k, md.positions, inputs.inv_freq)
+    if cfg.mrope_section:  # multimodal positions (`model.vision.mrope`), given per token by the batch
+        angles = mrope_angles(md.rope_positions, inputs.inv_freq, cfg.mrope_section)
+    else:
+        angles = md.positions.astype(jnp.float32)[:, None] * inputs.inv_freq[None, :]
+    q, k = apply_rope_angles(q, angles), apply_rope_angles(k, angles)
     o, k_pages, v_pages = paged_attention(backend, q, k, v, k_pages, v_pages, md, cfg, sm_scale=cfg.attention_scale,
                                           window=inputs.window, soft_cap=cfg.attn_logit_softcap)
     out = output_projection(o, layer.wo)

@@ -139,6 +139,9 @@ class BatchMetadata:
     block_tables: Any  # [S, P] int32: page ids of each sequence
     num_seqs: Any  # [] int32: live sequences
     logits_indices: Any  # [R] int32: token rows whose logits are returned
+    # [3, T] int32 multimodal RoPE positions (temporal, height, width; `model.vision.mrope`) of a
+    # config with `mrope_section`; None for every other model (RoPE turns by `positions`).
+    rope_positions: Any = None
 
 
 def pad_slot(num_pages: int, page_size: int) -> int:

@@ -21,6 +21,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from model.vision.config import VisionConfig
+
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 _DTYPES = {
@@ -103,6 +105,12 @@ class LlamaConfig:
     moe_router: str = "topk_softmax"
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 0
+    # Image inputs (`model.vision`): the encoder's shape (None: a text-only model), the token id of
+    # an image's placeholder positions, and the multimodal RoPE's split of the rotary frequencies
+    # into temporal / height / width sections (Qwen2.5-VL's `mrope_section`; None: 1-D RoPE).
+    vision: VisionConfig | None = None
+    image_token_id: int | None = None
+    mrope_section: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -138,6 +146,10 @@ class LlamaConfig:
                                  f"got {self.shared_expert_intermediate_size}")
             if self.moe_router not in MOE_ROUTERS:
                 raise ValueError(f"moe_router must be one of {MOE_ROUTERS}, got {self.moe_router!r}")
+        if self.mrope_section is not None and 2 * sum(self.mrope_section) != self.head_dim:
+            raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim / 2 ({self.head_dim // 2})")
+        if self.vision is not None and self.image_token_id is None:
+            raise ValueError("a config with a vision encoder needs image_token_id")
         if (self.num_experts > 0) != (self.architecture in MOE_ARCHITECTURES):
             # The family (and so the weights declared) follows the architecture: a mismatch would
             # declare a dense model for expert weights, or experts for a dense checkpoint.
@@ -181,6 +193,10 @@ class LlamaConfig:
                 del d[f.name]
         if d.get("layer_types") is not None:
             d["layer_types"] = list(d["layer_types"])
+        if d.get("mrope_section") is not None:
+            d["mrope_section"] = list(d["mrope_section"])
+        if self.vision is not None:
+            d["vision"] = self.vision.to_dict()
         if d.get("rope_scaling") and d["rope_scaling"]["rope_type"] == "llama3":
             del d["rope_scaling"]["rope_type"]
         return d
@@ -194,6 +210,10 @@ class LlamaConfig:
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
         if d.get("layer_types") is not None:
             d["layer_types"] = tuple(d["layer_types"])
+        if d.get("mrope_section") is not None:
+            d["mrope_section"] = tuple(d["mrope_section"])
+        if isinstance(d.get("vision"), dict):
+            d["vision"] = VisionConfig.from_dict(d["vision"])
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -214,7 +234,8 @@ HIDDEN_ACTS = ("silu", "gelu_tanh")
 _FAMILY_FIELDS = ("architecture", "attention_bias", "qk_norm", "sliding_window", "layer_types", "rope_local_theta",
                   "norm_offset", "scale_embeddings", "hidden_act", "sandwich_norms", "query_pre_attn_scalar",
                   "attn_logit_softcap", "final_logit_softcap", "num_experts", "num_experts_per_tok",
-                  "moe_intermediate_size", "moe_router", "norm_topk_prob", "shared_expert_intermediate_size")
+                  "moe_intermediate_size", "moe_router", "norm_topk_prob", "shared_expert_intermediate_size",
+                  "vision", "image_token_id", "mrope_section")
 
 # The config type of every family today. Code outside the Llama implementation (serving,
 # sharding) annotates with this name, so a family with a config class of its own changes this

@@ -1,7 +1,8 @@
 """Converts a Hugging Face checkpoint of a supported family into a ridgeline checkpoint.
 
 Families (`model.families`): Llama, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3 (text),
-Mixtral and Qwen3-MoE.
+Mixtral, Qwen3-MoE and Qwen2.5-VL (its image encoder too, and the image processor's settings from
+`preprocessor_config.json`, which is copied with the tokenizer files).
 
     python -m model.convert_hf --hf_dir=DIR --out_dir=DIR [--dtype=bfloat16] [--weight_dtype=int8|fp8]
 
@@ -44,6 +45,7 @@ server load it as it is, at half the bytes of bf16.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -60,12 +62,13 @@ from model.config import ModelConfig, UnsupportedModelError
 from model.families import (ModelFamily, TensorPlan, family_for_config, family_for_hf_config, from_hf_config,
                             num_params)
 from model.params import unflatten_params
+from model.vision.config import PROCESSOR_FILES, with_processor_settings
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # Carried into the converted checkpoint as they are (generation_config.json: default EOS ids and sampling).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json")
+                   "generation_config.json") + PROCESSOR_FILES
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 # Buffers some exporters keep in the state dict; they are recomputed, never read.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -143,6 +146,26 @@ def _open(path: str):
         raise ConversionError(f"cannot read {path}: {e}") from None
 
 
+# Where transformers 4.52 to 4.57 saved a vision-language model's tensors: the decoder under
+# `model.language_model.`, the vision tower under `model.` (the published checkpoints, and transformers
+# 5, write `model.layers...` and `visual....`, the names the families plan).
+NESTED_PREFIXES = (("model.", "model.language_model."), ("visual.", "model.visual."))
+
+
+def stored_names(plan: list[TensorPlan], located: dict[str, str]) -> list[TensorPlan]:
+    """`plan` with each tensor named as the checkpoint stores it: its planned name, or failing that the
+    nested name of a vision-language model saved by transformers 4.52-4.57."""
+    out = []
+    for t in plan:
+        if t.hf not in located:
+            for old, new in NESTED_PREFIXES:
+                if t.hf.startswith(old) and new + t.hf[len(old):] in located:
+                    t = dataclasses.replace(t, hf=new + t.hf[len(old):])
+                    break
+        out.append(t)
+    return out
+
+
 def check_tensors(plan: list[TensorPlan], located: dict[str, str], cfg: ModelConfig,
                   family: ModelFamily | None = None) -> None:
     """Validates names, shapes and dtypes from the file headers alone (no tensor data is read)."""
@@ -217,6 +240,23 @@ def copy_tokenizer(hf_dir: str, out_dir: str) -> list[str]:
     return copied
 
 
+def _with_image_processor(cfg: ModelConfig, hf_dir: str) -> ModelConfig:
+    """A vision-language config with the preprocessing settings of the checkpoint's processor file
+    (the placeholder count per image depends on them); any other config as it is."""
+    if getattr(cfg, "vision", None) is None:
+        return cfg
+    for name in PROCESSOR_FILES:
+        path = os.path.join(hf_dir, name)
+        if os.path.isfile(path):
+            try:
+                with open(path) as f:
+                    return cfg.replace(vision=with_processor_settings(cfg.vision, json.load(f)))
+            except (OSError, json.JSONDecodeError, TypeError, ValueError) as e:
+                raise ConversionError(f"cannot read {path}: {e}") from None
+    logging.warning("%s has no %s: images are preprocessed with the processor's defaults", hf_dir, PROCESSOR_FILES[0])
+    return cfg
+
+
 def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool = True,
             weight_dtype: str | None = None) -> ModelConfig:
     """Converts `hf_dir` into a ridgeline checkpoint at `out_dir`; returns its config.
@@ -229,11 +269,12 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
     if weight_dtype not in (None, "auto", "int8", "fp8"):
         raise ConversionError(f"--weight_dtype must be int8 or fp8 (or unset), got {weight_dtype!r}")
     hf, cfg = read_hf_config(hf_dir, dtype)
+    cfg = _with_image_processor(cfg, hf_dir)
     family = family_for_hf_config(hf)  # the family config.json names (read_hf_config refused any other)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ConversionError(f"--out_dir {out_dir} exists and is not a directory")
-    plan = conversion_plan(cfg, family)
     located = weight_files(hf_dir)
+    plan = stored_names(conversion_plan(cfg, family), located)
     check_tensors(plan, located, cfg, family)
     flat = read_weights(plan, located, np.dtype(cfg.jnp_dtype), progress)
     params = unflatten_params(cfg, flat)

@@ -145,6 +145,7 @@ class Weights:
     layers: list
     final_norm: Any  # [embed]
     lm_head: Any  # [vocab, embed] like `embed` (one einsum for both), or None when tied to `embed`
+    vision: Any = None  # a vision-language model's image encoder (`model.vision`); None: text only
 
     @classmethod
     def declare(cls, cfg: LlamaConfig, layer=None) -> "Weights":

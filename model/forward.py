@@ -28,7 +28,7 @@ from model.layer_select import layer_view, split_layers
 
 
 def forward_hidden(params: Weights, cache: KVCache, tokens, md: BatchMetadata, cfg: LlamaConfig,
-                   backend: str = "auto", layout=None):
+                   backend: str = "auto", layout=None, image_embeds=None):
     """Runs every layer; returns the final hidden states `[T, embed]` and the new cache. With a
     `StackedKVCache` (and `stack_layers` weights) the layers run as one `lax.scan`; with per-layer
     arrays, unrolled.
@@ -37,7 +37,11 @@ def forward_hidden(params: Weights, cache: KVCache, tokens, md: BatchMetadata, c
     families' in `model.blocks`, a mixture of experts' in `model.families.moe_layers`). What differs
     between layers of one model (RoPE frequencies, sliding windows) is per-layer data,
     `blocks.layer_inputs(cfg)` with a leading `[layers]` dim, never a branch on the layer index (so it
-    scans as it unrolls)."""
+    scans as it unrolls).
+
+    `image_embeds` `[T, embed]` (a vision-language model, `model.vision`): the rows of the tokens that
+    are image placeholders (`cfg.image_token_id`) take these embeddings instead of the token's; the
+    other rows are ignored."""
     blocks = family_for_config(cfg).blocks
     impl = get_backend(backend, head_dim=cfg.head_dim)
     if layout is not None:
@@ -45,6 +49,9 @@ def forward_hidden(params: Weights, cache: KVCache, tokens, md: BatchMetadata, c
     per_layer = blocks.layer_inputs(cfg)
     with jax.named_scope("embed"):
         x = blocks.embed(params, tokens, cfg, layout)
+        if image_embeds is not None:
+            is_image = (tokens == cfg.image_token_id)[:, None]
+            x = jnp.where(is_image, image_embeds.astype(x.dtype), x)
     if isinstance(cache, StackedKVCache):
         return _scan_layers(blocks, params, cache, x, md, per_layer, cfg, impl, layout)
     new_k, new_v = [], []
@@ -87,14 +94,14 @@ def _scan_layers(blocks, params: Weights, cache: StackedKVCache, x, md: BatchMet
 
 
 def forward(params: Weights, cache: KVCache, tokens, md: BatchMetadata, cfg: LlamaConfig,
-            backend: str = "auto", layout=None):
+            backend: str = "auto", layout=None, image_embeds=None):
     """Logits `[R, vocab]` (fp32) for rows `md.logits_indices`, and the updated cache."""
-    x, cache = forward_hidden(params, cache, tokens, md, cfg, backend, layout)
+    x, cache = forward_hidden(params, cache, tokens, md, cfg, backend, layout, image_embeds)
     with jax.named_scope("logits"):
         logits = family_for_config(cfg).blocks.logits(params, x[md.logits_indices], cfg, layout)
     return logits, cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "layout"), donate_argnames=("cache",))
-def forward_jit(params, cache, tokens, md, cfg: LlamaConfig, backend: str = "auto", layout=None):
-    return forward(params, cache, tokens, md, cfg, backend, layout)
+def forward_jit(params, cache, tokens, md, cfg: LlamaConfig, backend: str = "auto", layout=None, image_embeds=None):
+    return forward(params, cache, tokens, md, cfg, backend, layout, image_embeds)

@@ -51,7 +51,20 @@ def rope_frequencies(cfg: LlamaConfig) -> jax.Array:
 
 def apply_rope(x, positions, inv_freq):
     """HF's half-rotation convention: x = [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]."""
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, d/2]
+    return apply_rope_angles(x, positions.astype(jnp.float32)[:, None] * inv_freq[None, :])
+
+
+def mrope_angles(rope_positions, inv_freq, sections: tuple[int, ...]):
+    """Multimodal RoPE's angles `[T, d/2]`: frequency j of section s (of `sections`, which sum to
+    d/2) turns by the token's position on axis s % 3 (temporal, height, width) of
+    `rope_positions` `[3, T]` (`model.vision.mrope`)."""
+    axis = jnp.asarray([s % 3 for s, n in enumerate(sections) for _ in range(n)], jnp.int32)
+    per_freq = rope_positions.astype(jnp.float32)[axis]  # [d/2, T]
+    return per_freq.T * inv_freq[None, :]
+
+
+def apply_rope_angles(x, angles):
+    """Rotates `x` `[T, heads, d]` by `angles` `[T, d/2]` (the half-rotation convention)."""
     cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, None, :]
     sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, None, :]
     x32 = x.astype(jnp.float32)

@@ -23,7 +23,7 @@ from serving.cluster import distributed, multihost
 from serving.core import compile_cache, engine_args
 from serving.core.engine import Engine, EngineConfig
 from serving.core.outputs import RequestOutput
-from serving.core.sampling_params import SamplingParams
+from serving.core.sampling_params import InvalidParameterError, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -187,8 +187,11 @@ class LLM:
 
         A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."};
         a dict prompt may carry "cache_salt" (requests share cached prefix pages only with
-        requests of the same salt). `priority` (one per prompt, or one for all; lower runs first) orders
-        the requests under `scheduling_policy="priority"`, as vLLM's `LLM.generate` does.
+        requests of the same salt) and, for a vision-language model, "multi_modal_data": {"image":
+        a PIL image, a uint8 [H, W, C] array, or a list of them}, one per image placeholder token
+        of the prompt, in order (`serving.core.multimodal`). `priority` (one per prompt, or one for
+        all; lower runs first) orders the requests under `scheduling_policy="priority"`, as vLLM's
+        `LLM.generate` does.
         Every request is validated before any is queued, so one bad prompt or
         parameter raises (`InvalidParameterError`) without running the others.
 
@@ -218,14 +221,29 @@ class LLM:
         """Generates replies to chat conversations: one conversation (a list of {"role", "content"}
         messages) or a list of them, rendered by the model's chat template exactly as the server's
         chat route renders them (`tools` reaches the template as `tools`, `chat_template_kwargs` as
-        more variables, e.g. `{"enable_thinking": False}`), then `generate`d."""
+        more variables, e.g. `{"enable_thinking": False}`), then `generate`d.
+
+        Content may be a list of parts: {"type": "text", "text"}, and for a vision-language model
+        {"type": "image", "image": a PIL image or uint8 array} or {"type": "image_url", "image_url":
+        {"url": a data: URL}}; each image goes where its part is."""
         from serving.api.chat_template import encode_chat
 
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this model has none")
+        from serving.api.chat_template import IMAGE_SENTINEL
+
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [encode_chat([_chat_message(m) for m in conv], self.tokenizer, add_generation_prompt, tools,
-                               chat_template_kwargs) for conv in conversations]
+        vision = self.config.vision
+        image_ids = list(vision.image_prompt_ids or (self.config.image_token_id,)) if vision is not None else None
+        prompts = []
+        for conv in conversations:
+            images: list = []
+            rendered = [_chat_message(m, images, IMAGE_SENTINEL) for m in conv]
+            if images and vision is None:
+                raise InvalidParameterError("multi_modal_data", "multi_modal_data: this model does not take images")
+            ids = encode_chat(rendered, self.tokenizer, add_generation_prompt, tools, chat_template_kwargs,
+                              image_ids if images else None)
+            prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids)
         return self.generate(prompts, sampling_params)
 
     def shutdown(self) -> None:
@@ -262,9 +280,33 @@ class LLM:
         return [done[r.request_id] for r in reqs]
 
 
-def _chat_message(m: dict) -> dict:
-    """A message as the template sees it: its content as one string (text parts joined)."""
+def _chat_message(m: dict, images: list, image_text: str = "") -> dict:
+    """A message as the template sees it: its content as one string (text parts joined, each image part
+    written as `image_text`); the message's images are appended to `images`."""
     content = m.get("content")
     if isinstance(content, list):
-        content = "".join(part.get("text", "") for part in content if part.get("type", "text") == "text")
+        pieces = []
+        for part in content:
+            kind = part.get("type", "text")
+            if kind == "text":
+                pieces.append(part.get("text", ""))
+            elif kind in ("image", "image_url"):
+                images.append(_chat_image(part))
+                pieces.append(image_text)
+            else:
+                raise ValueError(f"unsupported content part type {kind!r} (text, image, image_url)")
+        content = "".join(pieces)
     return {**m, "content": content if content is not None else ""}
+
+
+def _chat_image(part: dict):
+    """The image of a chat content part: {"type": "image", "image": PIL image or uint8 array} or
+    {"type": "image_url", "image_url": {"url": data: URL}} (a local call fetches nothing)."""
+    if part["type"] == "image":
+        return part["image"]
+    from serving.api.media import MediaOptions, data_url_bytes, decode_image
+
+    url = part["image_url"]["url"] if isinstance(part["image_url"], dict) else part["image_url"]
+    if not url.startswith("data:"):
+        raise ValueError("LLM.chat takes image_url parts as data: URLs; pass other images as {'type': 'image'}")
+    return decode_image(data_url_bytes(url), MediaOptions())

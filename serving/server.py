@@ -106,6 +106,11 @@ def define_flags(flag_values: Optional[flags.FlagValues] = None) -> None:
                          "keeps for previous_response_id and GET (the oldest go first); 0: store: true is refused.")
     flags.DEFINE_float("responses_store_ttl_s", DEFAULT_TTL_S, "How long /v1/responses keeps a stored response, "
                        "in seconds.")
+    flags.DEFINE_list("allowed_media_domains", [], "Hosts whose http(s) image URLs the server fetches for chat "
+                                                   "image parts (exact names; default none: data: URLs only).")
+    flags.DEFINE_integer("media_max_bytes", 20 << 20, "Largest encoded image a request may carry or a fetch may "
+                                                      "return, bytes.")
+    flags.DEFINE_float("media_fetch_timeout_s", 10.0, "Longest an image URL fetch may take, seconds.")
     flags.DEFINE_enum("log_level", "info", ["debug", "info", "warning", "error"], "Log level of the server.")
     flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0's coordination service "
                                                      "(default: $RIDGELINE_COORDINATOR_ADDRESS, else detected).")
@@ -157,7 +162,8 @@ def default_model_name(llm) -> str:
 def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window_s: float = 10.0,
                 num_devices: int = 1, profile_dir: str | None = None, api_keys=None,
                 kv_transfer_secret: str | None = None, tool_call_parser: str | None = None, limits=None,
-                shutdown_timeout_s: float = 30.0, reasoning_parser: str | None = None, responses_store=None):
+                shutdown_timeout_s: float = 30.0, reasoning_parser: str | None = None, responses_store=None,
+                media=None):
     """(FastAPI app, AsyncEngine, ServerMetrics) over an `LLM` whose engine is not yet running.
 
     The engine thread starts here; stop it with `async_engine.shutdown()`. `profile_dir` enables
@@ -167,6 +173,7 @@ def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window
     `limits` (`request_limits.RequestLimits`, default: its defaults) bounds bodies and per-key concurrency;
     `app.state.drain` (`serving.api.drain.Drain`) drains the server, in-flight requests getting up to
     `shutdown_timeout_s`.
+    `media` (`serving.api.media.MediaOptions`) says where image URLs may be fetched from and how much.
     """
     from serving.api.drain import Drain, DrainGate
     from serving.api.request_limits import RequestLimits, add_request_limits
@@ -188,7 +195,7 @@ def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window
     fastapi_app = create_app(async_engine, llm.tokenizer, model_name, engine.max_model_len, metrics,
                              vocab_size=llm.config.vocab_size, profile_dir=profile_dir, api_keys=api_keys,
                              kv_transfer_secret=kv_transfer_secret, tool_call_parser=tool_call_parser,
-                             reasoning_parser=reasoning_parser, responses_store=responses_store)
+                             reasoning_parser=reasoning_parser, responses_store=responses_store, media=media)
     add_request_limits(fastapi_app, limits or RequestLimits())
     drain = fastapi_app.state.drain = Drain(async_engine, shutdown_timeout_s)
     fastapi_app.add_middleware(DrainGate, drain=drain)  # outermost: a draining server reads no body
@@ -275,7 +282,7 @@ class ServerThread:
     def __init__(self, llm, model_name: str | None = None, host: str = "127.0.0.1", port: int | None = None,
                  peak=None, log_level: str = "warning", profile_dir: str | None = None, api_keys=None,
                  kv_transfer_secret: str | None = None, tool_call_parser: str | None = None, limits=None,
-                 reasoning_parser: str | None = None, responses_store=None):
+                 reasoning_parser: str | None = None, responses_store=None, media=None):
         import uvicorn
 
         self.app, self.async_engine, self.metrics = build_stack(llm, model_name, peak=peak,
@@ -283,7 +290,7 @@ class ServerThread:
                                                                 kv_transfer_secret=kv_transfer_secret,
                                                                 tool_call_parser=tool_call_parser, limits=limits,
                                                                 reasoning_parser=reasoning_parser,
-                                                                responses_store=responses_store)
+                                                                responses_store=responses_store, media=media)
         self.model_name = model_name or default_model_name(llm)
         self.host, self.port = host, port or free_port(host)
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level=log_level,
@@ -383,6 +390,7 @@ def main(argv) -> None:
     # competes with whatever the main thread still does, and these imports are a second of it.
     import serving.api.http_app  # noqa: F401
     import serving.api.http_auth  # noqa: F401
+    from serving.api.media import MediaOptions
     import serving.api.http_metrics  # noqa: F401
     import serving.core.async_engine  # noqa: F401
 
@@ -413,7 +421,11 @@ def main(argv) -> None:
                                                limits=_limits_from_flags(),
                                                shutdown_timeout_s=FLAGS.shutdown_timeout_s,
                                                reasoning_parser=FLAGS.reasoning_parser,
-                                               responses_store=responses_store_from_flags())
+                                               responses_store=responses_store_from_flags(),
+                                               media=MediaOptions(allowed_domains=tuple(
+                                                   d.strip().lower() for d in FLAGS.allowed_media_domains if d.strip()),
+                                                   max_bytes=FLAGS.media_max_bytes,
+                                                   fetch_timeout_s=FLAGS.media_fetch_timeout_s))
     if FLAGS.profile_dir:
         log.info("profiling: POST /start_profile and /stop_profile write traces under %s", FLAGS.profile_dir)
     if llm.multihost is not None:

@@ -28,6 +28,7 @@ from model.families.qwen import QWEN2, QWEN3
 from model.families.mixtral import MIXTRAL
 from model.families.qwen2_moe import QWEN2_MOE
 from model.families.qwen3_moe import QWEN3_MOE
+from model.families.qwen2_5_vl import QWEN2_5_VL_FAMILY
 from model.params import abstract_params, flatten_params, init_params
 
 CONFIGS = {
@@ -47,11 +48,12 @@ CONFIGS = {
 # --- lookups ---
 
 def test_the_registered_families():
-    assert FAMILIES == (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3, MIXTRAL, QWEN2_MOE, QWEN3_MOE)
+    assert FAMILIES == (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3, MIXTRAL, QWEN2_MOE, QWEN3_MOE,
+                        QWEN2_5_VL_FAMILY)
     assert supported_architectures() == ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                          "MistralForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
                                          "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
-                                         "Qwen3MoeForCausalLM"]
+                                         "Qwen3MoeForCausalLM", "Qwen2_5_VLForConditionalGeneration"]
     for family in FAMILIES:
         assert family_for_architectures(family.architectures) is family
         assert family_for_architectures([], model_type=family.model_types[0]) is family

@@ -91,13 +91,15 @@ def scale_weights_(model, *, norm_center: float = 1.0, bias_std=None, embed_std:
                 p.normal_(0.0, 1.5 / math.sqrt(p.shape[-1]))
 
 
-def save_and_convert(model, tmp_path_factory, name: str, edit_config=None):
+def save_and_convert(model, tmp_path_factory, name: str, edit_config=None, after_save=None):
     """(HF directory, converted directory, config, params): `model` saved by transformers, converted
     in fp32 and loaded back. `edit_config`, when given, rewrites the saved `config.json` dict before
     conversion (e.g. to drop a field older exports do not write)."""
     hf_dir = str(tmp_path_factory.mktemp(f"hf_{name}"))
     out_dir = str(tmp_path_factory.mktemp(f"ours_{name}"))
     model.save_pretrained(hf_dir)
+    if after_save is not None:  # e.g. write the processor's files beside the model's
+        after_save(hf_dir)
     if edit_config is not None:
         path = os.path.join(hf_dir, "config.json")
         with open(path) as f:

@@ -18,7 +18,8 @@ allocated), so the planner can size a 405B preset on a laptop.
 Llama came first; Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2 and Gemma 3 (text)
 share its config class (with their own fields set, `model.config`) and its
 weight and cache declarations, and run the decoder blocks of `model.blocks`;
-Mixtral, Qwen2-MoE and Qwen3-MoE share it too, with a mixture-of-experts MLP (`model.moe`).
+Mixtral, Qwen2-MoE and Qwen3-MoE share it too, with a mixture-of-experts MLP (`model.moe`);
+Qwen2.5-VL shares it with an image encoder and multimodal RoPE (`model.vision`).
 A new family is a module beside `llama.py` and one entry in `FAMILIES`.
 """
 
@@ -40,6 +41,7 @@ from model.families.llama import LLAMA
 from model.families.mistral import MISTRAL
 from model.families.phi3 import PHI3
 from model.families.qwen import QWEN2, QWEN3
+from model.families.qwen2_5_vl import QWEN2_5_VL_FAMILY
 from model.families.mixtral import MIXTRAL
 from model.families.qwen2_moe import QWEN2_MOE
 from model.families.qwen3_moe import QWEN3_MOE
@@ -49,7 +51,8 @@ __all__ = ["FAMILIES", "ForwardBlocks", "ModelFamily", "TensorPlan", "config_by_
            "family_for_config", "family_for_hf_config", "from_hf_config", "kv_bytes_per_token", "num_params",
            "active_params", "expert_params", "is_expert_weight", "supported_architectures"]
 
-FAMILIES: tuple[ModelFamily, ...] = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3, MIXTRAL, QWEN2_MOE, QWEN3_MOE)
+FAMILIES: tuple[ModelFamily, ...] = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3, MIXTRAL, QWEN2_MOE, QWEN3_MOE,
+                                     QWEN2_5_VL_FAMILY)
 
 
 def supported_architectures() -> list[str]:

@@ -103,8 +103,14 @@ def generation_prompt(messages: Sequence[dict[str, Any]], tokenizer, tools: Sequ
     return full[len(bare):] if full.startswith(bare) else ""
 
 
+# Where an image goes in a rendered chat: a message's image part is this text when the template
+# renders it, and `encode_chat(..., image_ids=...)` puts the model's image prompt ids there instead.
+IMAGE_SENTINEL = "\x00<image>\x00"
+
+
 def encode_chat(messages: Sequence[dict[str, Any]], tokenizer, add_generation_prompt: bool = True,
-                tools: Sequence[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+                tools: Sequence[dict] | None = None, template_kwargs: dict | None = None,
+                image_ids: Sequence[int] | None = None) -> list[int]:
     """Token ids of the rendered chat.
 
     The text is encoded without the tokenizer's special tokens (a template
@@ -112,9 +118,19 @@ def encode_chat(messages: Sequence[dict[str, Any]], tokenizer, add_generation_pr
     EOS); BOS goes in front only when the tokenizer puts BOS before a string
     (`adds_bos`) and the template did not already write it, so a chat prompt
     never starts with two.
+
+    `image_ids`: the ids each `IMAGE_SENTINEL` in the messages becomes (a vision-language model's image
+    prompt, `VisionConfig.image_prompt_ids`); the text between images is encoded piece by piece, as
+    the special tokens around an image split it in a whole-text encoding too.
     """
     text = render_chat(messages, tokenizer, add_generation_prompt, tools, template_kwargs)
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    if image_ids is None:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        ids = []
+        for i, piece in enumerate(text.split(IMAGE_SENTINEL)):
+            ids += list(image_ids) if i else []
+            ids += tokenizer.encode(piece, add_special_tokens=False) if piece else []
     bos_id, bos_text = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "bos_token", None)
     wrote_bos = (ids and ids[0] == bos_id) or (bos_text and text.startswith(bos_text))
     if getattr(tokenizer, "adds_bos", False) and bos_id is not None and not wrote_bos:

@@ -33,7 +33,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.api import http_protocol as P
 from serving.disaggregation import kv_transfer
-from serving.api.chat_template import ChatTemplateError, encode_chat, generation_prompt
+from serving.api.chat_template import IMAGE_SENTINEL, ChatTemplateError, encode_chat, generation_prompt
+from serving.api.media import MediaLoader, MediaOptions
 from serving.api import tool_calls as T
 from serving.api.http_auth import APIKeys
 from serving.api import openai_fields
@@ -53,10 +54,11 @@ class ServingContext:
 
     def __init__(self, engine, tokenizer, model_name: str, max_model_len: int, metrics=None,
                  vocab_size: int | None = None, api_keys: APIKeys | None = None, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None):
+                 reasoning_parser: str | None = None, media: MediaOptions | None = None):
         self.engine = engine
         # The think tags and where thinking starts (serving.api.reasoning); None: outputs are not split.
         self.reasoning = R.make_format(reasoning_parser, tokenizer)
+        self.media = MediaLoader(media or MediaOptions())  # image parts, loaded off the event loop
         self.tool_call_parser = tool_call_parser  # how "auto" tool calls are read (serving.api.tool_parsers)
         self.api_keys = api_keys or APIKeys()
         self.tokenizer = tokenizer
@@ -97,18 +99,24 @@ class ServingContext:
     def chat_prompt(self, req: P.ChatCompletionRequest, plan: "T.ToolPlan | None" = None) -> list[int]:
         openai_fields.check_roles(req.messages)
         messages = [T.template_message(m) for m in req.messages]
+        image_ids = None
+        if any(m.image_urls() for m in req.messages):  # image parts: the model's image prompt goes there
+            vision = getattr(self.engine_core().cfg, "vision", None)
+            image_ids = list(vision.image_prompt_ids or (self.engine_core().cfg.image_token_id,))
+            for out, m in zip(messages, req.messages):
+                out["content"] = m.text(IMAGE_SENTINEL)
         return self.encode_messages(messages, plan and plan.tools, req.add_generation_prompt,
-                                    req.chat_template_kwargs)
+                                    req.chat_template_kwargs, image_ids)
 
     def encode_messages(self, messages: list[dict], tools, add_generation_prompt: bool = True,
-                        template_kwargs: dict | None = None) -> list[int]:
+                        template_kwargs: dict | None = None, image_ids: list[int] | None = None) -> list[int]:
         """Token ids of template messages (400 naming `messages`, or `chat_template_kwargs`, when the
-        template cannot render them)."""
+        template cannot render them); `image_ids` replace each image part (`IMAGE_SENTINEL`)."""
         if template_kwargs is not None and not isinstance(template_kwargs, dict):
             raise P.APIError("chat_template_kwargs must be an object", param="chat_template_kwargs",
                              code="invalid_value")
         try:
-            return encode_chat(messages, self.tokenizer, add_generation_prompt, tools, template_kwargs)
+            return encode_chat(messages, self.tokenizer, add_generation_prompt, tools, template_kwargs, image_ids)
         except ChatTemplateError as e:
             param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
             raise P.APIError(str(e), param=param, code="invalid_value") from e
@@ -132,6 +140,27 @@ class ServingContext:
         messages = [T.template_message(m) for m in req.messages]
         starts = self.reasoning_start(messages, plan and plan.tools, req.chat_template_kwargs)
         return starts, self.reasoning.engine_params(starts, budget)
+
+    def engine_core(self):
+        """The synchronous engine behind the async one (its config and options)."""
+        return getattr(self.engine, "engine", self.engine)
+
+    async def chat_images(self, req: P.ChatCompletionRequest) -> list:
+        """The decoded images of the request's image parts, in prompt order (none: an empty list); a 400
+        naming the part for a model without vision, too many images, or an image that cannot be used."""
+        parts = [(f"messages[{i}].content[{j}]", url) for i, m in enumerate(req.messages) for j, url in m.image_urls()]
+        if not parts:
+            return []
+        core = self.engine_core()
+        if getattr(core.cfg, "vision", None) is None:
+            raise P.APIError(f"{parts[0][0]}: this model does not take images", param=parts[0][0],
+                             code="invalid_value")
+        limit = core.config.limit_mm_per_prompt
+        if len(parts) > limit:
+            name = parts[limit][0]
+            raise P.APIError(f"{name}: {len(parts)} images exceed limit_mm_per_prompt={limit}", param=name,
+                             code="invalid_value")
+        return await self.media.load(parts)
 
     def cache_salt(self, req: P._SamplingFields, request: Request) -> str | None:
         """The prefix-cache salt of a request: the one its shipped KV was computed under when it resumes
@@ -336,7 +365,8 @@ def _error_response(err: P.APIError) -> JSONResponse:
 def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=None,
                vocab_size: int | None = None, profile_dir: str | None = None, api_keys: APIKeys | None = None,
                kv_transfer_secret: str | None = None, tool_call_parser: str | None = None,
-               reasoning_parser: str | None = None, responses_store=None) -> FastAPI:
+               reasoning_parser: str | None = None, responses_store=None,
+               media: MediaOptions | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (an `AsyncEngine`) under the name `model_name`.
 
     `api_keys` guards the OpenAI and profiling routes (`serving.api.http_auth`); the internal KV
@@ -344,7 +374,7 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
     and verifies their payloads (`serving.disaggregation.disagg`).
     """
     ctx = ServingContext(engine, tokenizer, model_name, max_model_len, metrics, vocab_size, api_keys, tool_call_parser,
-                         reasoning_parser)
+                         reasoning_parser, media)
     app = FastAPI(title="Ridgeline OpenAI-compatible API")
     app.state.ctx = ctx
     # /v1/responses keeps stored responses here (previous_response_id, GET / DELETE by id).
@@ -466,16 +496,18 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
             raise P.APIError("top_logprobs requires logprobs to be true", param="top_logprobs",
                              code="invalid_value")
         plan = T.plan_tools(req, ctx.tool_call_parser)
+        images = await ctx.chat_images(req)
         ids = ctx.chat_prompt(req, plan)
         starts, reasoning = ctx.chat_reasoning(req, plan, req.requested_max_tokens())
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = ctx.sampling_params(req, req.requested_max_tokens(), logprobs, None, plan, reasoning)
         salt = ctx.cache_salt(req, request)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
+        prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
         if req.stream:
-            return await primed_stream(request, _stream_chat(ctx, req, ids, params, base_id, salt, plan, starts))
+            return await primed_stream(request, _stream_chat(ctx, req, prompt, params, base_id, salt, plan, starts))
         try:
-            (out,) = await ctx.final_outputs(request, [ids], params, base_id, "chat", salt, req)
+            (out,) = await ctx.final_outputs(request, [prompt], params, base_id, "chat", salt, req)
         except ClientGone:
             return Response(status_code=499)
         choices = []
@@ -491,7 +523,7 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
             choices.append(P.ChatChoice(index=o.index, message=message, logprobs=lps,
                                         finish_reason=T.finish_reason(_finish_reason(o.finish_reason), bool(calls)),
                                         stop_reason=o.stop_reason))
-        usage = _usage(len(ids), sum(len(o.token_ids) for o in out.outputs))
+        usage = _usage(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs))
         return P.ChatCompletionResponse(id=base_id, model=model_name, choices=choices, usage=usage)
 
     from serving.api.utility_routes import add_utility_routes
@@ -570,6 +602,7 @@ async def _stream_chat(ctx: ServingContext, req: P.ChatCompletionRequest, ids, p
     tool_streams: dict[int, T.ToolStream] = {}  # with tools: content and tool-call deltas per choice
     completion_tokens: dict[int, int] = {}
     top_n = params.logprobs or 0
+    out = None
     try:
         async for _, out in ctx.stream_outputs([ids], params, base_id, "chat", cache_salt, req):
             choices = []
@@ -611,7 +644,10 @@ async def _stream_chat(ctx: ServingContext, req: P.ChatCompletionRequest, ids, p
             if choices:
                 yield P.sse(P.ChatCompletionChunk(id=base_id, model=ctx.model_name, choices=choices))
         if req.include_usage():
-            usage = _usage(len(ids), sum(completion_tokens.values()))
+            prompt_len = len(ids["prompt_token_ids"]) if isinstance(ids, dict) else len(ids)
+            if out is not None and getattr(out, "prompt_token_ids", None) is not None:
+                prompt_len = len(out.prompt_token_ids)  # with image placeholders expanded
+            usage = _usage(prompt_len, sum(completion_tokens.values()))
             yield P.sse(P.ChatCompletionChunk(id=base_id, model=ctx.model_name, choices=[], usage=usage))
     except Exception as e:  # noqa: BLE001
         if not trackers:

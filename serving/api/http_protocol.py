@@ -136,9 +136,22 @@ class TextPart(_Request):
     text: str
 
 
+class ImageURL(_Request):
+    url: str
+    detail: Optional[Literal["auto", "low", "high"]] = None  # accepted; images are always used whole
+
+
+class ImageURLPart(_Request):
+    """An image content part: a `data:` URL (base64 PNG / JPEG / WebP) or an http(s) URL
+    (`serving.api.media`)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(_Request):
     role: str
-    content: Optional[Union[str, list[TextPart]]] = None
+    content: Optional[Union[str, list[Union[TextPart, ImageURLPart]]]] = None
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None  # an assistant's calls, sent back in the history
     tool_call_id: Optional[str] = None  # a tool message: the call it answers
@@ -147,12 +160,19 @@ class ChatMessage(_Request):
     reasoning_content: Optional[str] = None
     reasoning: Optional[str] = None
 
-    def text(self) -> str:
+    def text(self, image_text: str = "") -> str:
+        """The content as one string, each image part written as `image_text`."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text if part.type == "text" else image_text for part in self.content)
+
+    def image_urls(self) -> list[tuple[int, str]]:
+        """(part index, URL) of the message's image parts."""
+        if not isinstance(self.content, list):
+            return []
+        return [(j, part.image_url.url) for j, part in enumerate(self.content) if part.type == "image_url"]
 
 
 class ChatCompletionRequest(_SamplingFields):

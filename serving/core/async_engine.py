@@ -10,7 +10,9 @@ each request's asyncio queue (`loop.call_soon_threadsafe`), so the HTTP side
 never blocks the loop and the loop never blocks the event loop.
 
 Validation runs in the caller (`generate` raises `InvalidParameterError` at
-once, before anything is queued). A generator that is closed or cancelled
+once, before anything is queued). A prompt carrying images is made in a
+bounded pool of worker threads instead: its preprocessing and encoding
+(`serving.core.multimodal`) would otherwise hold the event loop. A generator that is closed or cancelled
 before its request finished (a client disconnect) aborts the request, which
 frees its KV pages at the next loop iteration.
 """
@@ -18,6 +20,8 @@ frees its KV pages at the next loop iteration.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import logging
 import threading
 from typing import AsyncIterator, Optional
@@ -28,6 +32,9 @@ from serving.core.sampling_params import SamplingParams
 from serving.core.stats import EngineStats
 
 log = logging.getLogger(__name__)
+
+
+MEDIA_WORKERS = 2  # threads making image requests: the encoder runs on the device, so a few suffice
 
 
 class EngineDeadError(RuntimeError):
@@ -43,6 +50,8 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = False
         self._error: Optional[BaseException] = None
+        # Requests with images are made here (preprocessing, encoding), off the event loop.
+        self._media_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._thread = threading.Thread(target=self._loop, name="ridgeline-engine", daemon=True)
         if start:
             self._thread.start()
@@ -64,6 +73,8 @@ class AsyncEngine:
             self._thread.start()
 
     def shutdown(self, timeout: float = 30.0) -> None:
+        if self._media_pool is not None:
+            self._media_pool.shutdown(wait=False, cancel_futures=True)
         self._stop = True
         self._wake.set()
         if self._thread.is_alive():
@@ -87,7 +98,15 @@ class AsyncEngine:
         """
         if self._error is not None:
             raise EngineDeadError("the engine loop has stopped") from self._error
-        req = self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt, priority=priority)
+        make = functools.partial(self.engine.make_request, request_id, prompt, params, cache_salt=cache_salt,
+                                 priority=priority)
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            if self._media_pool is None:
+                self._media_pool = concurrent.futures.ThreadPoolExecutor(max_workers=MEDIA_WORKERS,
+                                                                         thread_name_prefix="image-encode")
+            req = await asyncio.get_running_loop().run_in_executor(self._media_pool, make)
+        else:
+            req = make()
         req.stream = True
         for hook in (kv_import, kv_export):
             if hook is not None:

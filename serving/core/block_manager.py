@@ -53,11 +53,15 @@ from typing import Iterable, Optional
 import numpy as np
 
 
-def block_digest(parent: Optional[bytes], token_ids) -> bytes:
-    """Chained digest of one full block: H(parent digest, the block's token ids)."""
+def block_digest(parent: Optional[bytes], token_ids, extra: bytes = b"") -> bytes:
+    """Chained digest of one full block: H(parent digest, the block's token ids[, extra]). `extra` is
+    what else decides the block's K/V: the content digests of the images whose placeholder tokens the
+    block holds (`serving.core.multimodal`), so prompts differing only in an image share no page."""
     h = hashlib.blake2b(digest_size=16)
     h.update(parent or b"root")
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    if extra:
+        h.update(b"extra\0" + extra)
     return h.digest()
 
 
@@ -146,9 +150,11 @@ class BlockManager:
     def _hashes_upto(self, seq, num_blocks: int) -> list[bytes]:
         """Extends `seq.block_hashes` to cover its first `num_blocks` full blocks."""
         hashes, ps, toks = seq.block_hashes, self.page_size, seq.token_ids
+        extra = getattr(seq, "block_extra", None)  # image digests of the block's tokens (a multimodal prompt)
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(block_digest(hashes[-1] if hashes else seq.hash_root, toks[i * ps:(i + 1) * ps]))
+            hashes.append(block_digest(hashes[-1] if hashes else seq.hash_root, toks[i * ps:(i + 1) * ps],
+                                       extra(i * ps, (i + 1) * ps) if extra is not None else b""))
         return hashes
 
     def block_digests(self, seq, num_blocks: int) -> list[bytes]:

@@ -32,6 +32,7 @@ from serving.core import compute_dtype, engine_args, sampling_controls
 from serving.core.block_manager import BlockManager, is_cache_salt, releasing_window
 from serving.core.input_batch import Buckets, pack_step, sampling_row
 from serving.core.model_runner import ModelRunner
+from serving.core.multimodal import Multimodal
 from serving.core.kv_pool import default_num_pages
 from serving.core.output_processor import OutputProcessor
 from serving.core.outputs import RequestOutput
@@ -99,7 +100,8 @@ class Engine:
         if config.speculative_method is not None:  # k + 1 logit rows per verifying sequence
             rows = spec_logit_rows(config.max_num_seqs, config.max_num_batched_tokens, config.num_speculative_tokens)
         self.buckets = Buckets(config.max_num_batched_tokens, rows, -(-model_len // ps),
-                               config.min_token_bucket, -(-config.min_context_bucket // ps))
+                               config.min_token_bucket, -(-config.min_context_bucket // ps),
+                               image_hidden=cfg.hidden_size if cfg.vision is not None else 0)
         runner_class = ModelRunner
         if getattr(layout, "pipeline_parallel_size", 1) > 1:  # staged params and KV cache
             from serving.core.pipeline_runner import PipelineRunner as runner_class
@@ -151,6 +153,15 @@ class Engine:
         # The features that act inside a step, called in this order in each phase (`step_parts`).
         self.parts = ([self.host_tier] if self.host_tier is not None else []) + [self.imports] + (
             [self.spec] if self.spec is not None else [])
+        # Image inputs of a vision-language model: admission-time encoding, per-step rows (`multimodal`).
+        self.multimodal = None
+        if cfg.vision is not None:
+            if getattr(layout, "pipeline_parallel_size", 1) > 1:
+                raise ValueError("a vision-language model cannot run pipeline-parallel yet: the stages' forward "
+                                 "takes no image inputs")
+            self.multimodal = Multimodal(cfg, self.runner.params.vision, cache_bytes=config.encoder_cache_mb << 20,
+                                         limit_per_prompt=config.limit_mm_per_prompt)
+            self.parts.append(self.multimodal)
         # Overlapped scheduling needs a runner that dispatches without waiting; speculative
         # steps choose the next step's drafts from this step's tokens, so they run one at a time.
         self.overlap = config.async_scheduling and self.spec is None
@@ -196,6 +207,9 @@ class Engine:
         if cache_salt is not None and not is_cache_salt(cache_salt):
             raise InvalidParameterError("cache_salt", f"cache_salt: must be a non-empty string, got {cache_salt!r}")
         text, ids = self._prompt_ids(prompt)
+        images = self._images(prompt, ids)
+        if images is not None:
+            ids, images = images
         if params.n > self.config.max_num_seqs:
             raise InvalidParameterError("n", f"n: {params.n} samples exceed max_num_seqs={self.config.max_num_seqs}")
         limit = self.max_model_len
@@ -213,6 +227,7 @@ class Engine:
             seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
         req = Request(request_id, text, ids, params, seed, arrival_time or time.monotonic(), self.eos_token_ids,
                       cache_salt, priority)
+        req.images = images
         req.sampling_row = sampling_row(req)
         req.structured = self._grammar(params)
         if sampling_controls.used_fields(params):
@@ -261,12 +276,31 @@ class Engine:
             why = "is not supported by this engine: its model runner keeps no sampling-control slots"
         return sampling_controls.request_rows(req, self.tokenizer, self.cfg.vocab_size, why)
 
+    def _images(self, prompt, ids: list[int]):
+        """(ids with image placeholders expanded, `RequestImages`) of a dict prompt carrying
+        "multi_modal_data": {"image": an image or a list of them}; None for a prompt without images."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if data is None:
+            return None
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise InvalidParameterError("multi_modal_data", "multi_modal_data: expected {'image': an image or a "
+                                                            f"list of images}}, got {type(data).__name__} "
+                                                            f"{sorted(data) if isinstance(data, dict) else ''}")
+        images = data.get("image")
+        images = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
+        if not images:
+            return None
+        if self.multimodal is None:
+            raise InvalidParameterError("multi_modal_data", "multi_modal_data: this model does not take images")
+        return self.multimodal.prepare(ids, images)
+
     def _prompt_ids(self, prompt) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):
-            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"})
+            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "cache_salt", "multi_modal_data"})
             if unknown:
                 raise InvalidParameterError("prompt", f"prompt: unknown keys {unknown} in a dict prompt (it takes "
-                                                      f"'prompt' or 'prompt_token_ids', and 'cache_salt')")
+                                                      f"'prompt' or 'prompt_token_ids', 'cache_salt' and "
+                                                      f"'multi_modal_data')")
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
             elif "prompt" in prompt:

@@ -125,6 +125,11 @@ OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("structured_outputs_whitespace", bool, False,
                  "Let JSON grammars of structured outputs put free whitespace between tokens (off: none, so a "
                  "weak model cannot loop on spaces; a request's structured_outputs.whitespace overrides it)."),
+    EngineOption("limit_mm_per_prompt", int, 4,
+                 "Most images one prompt may carry (a vision-language model); more is a 400."),
+    EngineOption("encoder_cache_mb", int, 256,
+                 "Host memory (MiB) for image encoder outputs kept by image content digest, so a repeated "
+                 "image is encoded once (a vision-language model)."),
     EngineOption("tensor_parallel_size", int, 1, "Devices to shard the model over (tensor parallelism).",
                  engine_config=False),
     EngineOption("pipeline_parallel_size", int, 1,

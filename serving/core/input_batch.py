@@ -51,6 +51,9 @@ class Buckets:
     max_pages_per_seq: int
     min_tokens: int = 1
     min_pages: int = 1
+    # A vision-language model's hidden size: every step then carries image embeddings and multimodal
+    # RoPE positions (`StepShape.image_hidden`, `serving.core.multimodal`); 0 for a text model.
+    image_hidden: int = 0
 
     def __post_init__(self):
         if self.max_num_seqs > self.max_num_batched_tokens:
@@ -110,18 +113,24 @@ class StepShape:
     T: int
     S: int
     P: int
+    # > 0 (a vision-language model's hidden size): the step also carries "rope_positions" [3, T] (int)
+    # and "image_embeds" [T, image_hidden] (float), filled by `serving.core.multimodal.Multimodal.pack`.
+    image_hidden: int = 0
 
     @property
     def int_fields(self):
         T, S, P = self.T, self.S, self.P
-        return (("tokens", T), ("feed_rows", T), ("positions", T), ("slots", T), ("cu_q_lens", S + 1), ("kv_lens", S),
+        image = (("rope_positions", 3 * T),) if self.image_hidden else ()
+        return image + (
+                ("tokens", T), ("feed_rows", T), ("positions", T), ("slots", T), ("cu_q_lens", S + 1), ("kv_lens", S),
                 ("block_tables", S * P), ("num_seqs", 1), ("logits_indices", S), ("sample_index", S),
                 ("token_index", S), ("target", S), ("control_slot", S), ("draft_token", S), ("group_start", S),
                 ("q_index", S), ("flags", NUM_FLAGS)) + sampling_table.buffer_fields(np.int32, S)
 
     @property
     def float_fields(self):
-        return sampling_table.buffer_fields(np.float32, self.S)
+        image = (("image_embeds", self.T * self.image_hidden),) if self.image_hidden else ()
+        return sampling_table.buffer_fields(np.float32, self.S) + image
 
     @staticmethod
     def offsets(fields):
@@ -142,6 +151,9 @@ class StepShape:
             for name, (o, n) in offs.items():
                 views[name] = buf[o:o + n]
         views["block_tables"] = views["block_tables"].reshape(self.S, self.P)
+        if self.image_hidden:
+            views["rope_positions"] = views["rope_positions"].reshape(3, self.T)
+            views["image_embeds"] = views["image_embeds"].reshape(self.T, self.image_hidden)
         sampling_table.shaped(views, self.S)
         return views
 
@@ -182,6 +194,8 @@ class StepBatch:
     draft_groups: list = dataclasses.field(default_factory=list)
     # The draft model's distributions of those drafts, on device (None: drafts are point masses).
     draft_probs: Optional[object] = None
+    # (Sequence, first token row, first position, token count) of each scheduled sequence, in row order.
+    token_spans: list = dataclasses.field(default_factory=list)
 
 
 def sampling_row(request) -> dict:
@@ -210,7 +224,7 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
     S = buckets.seqs_for(T)
     seq_tables = [tables[it.seq.seq_id] for it in items]
     P = buckets.step_pages(T, max((len(t) for t in seq_tables), default=1))
-    shape = StepShape(T, S, P)
+    shape = StepShape(T, S, P, buckets.image_hidden)
     if shape_for is not None:
         shape = shape_for(shape)
     ibuf, fbuf, v = shape.empty(num_pages * page_size)
@@ -283,5 +297,6 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
             prompt_rows.append((it.seq, row, it.prompt_logprob_start, it.prompt_logprob_end))
             row += cnt
     v["flags"][:] = (any_random, any_filter, want_logprobs)
+    spans = [(it.seq, int(first[i]), int(starts[i]), int(n_new[i])) for i, it in enumerate(items)]
     return StepBatch(shape, ibuf, fbuf, total, n, sample_rows, prompt_rows, want_logprobs, int(kv_lens.sum()),
-                     draw_rows, draft_groups=draft_groups)
+                     draw_rows, draft_groups=draft_groups, token_spans=spans)

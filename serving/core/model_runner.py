@@ -44,7 +44,7 @@ def unpack_step(v: dict) -> tuple[BatchMetadata, SamplingInputs]:
     """The batch metadata and sampling inputs inside a step's split buffers (`StepShape.split`)."""
     md = BatchMetadata(positions=v["positions"], slot_mapping=v["slots"], cu_q_lens=v["cu_q_lens"],
                        kv_lens=v["kv_lens"], block_tables=v["block_tables"], num_seqs=v["num_seqs"][0],
-                       logits_indices=v["logits_indices"])
+                       logits_indices=v["logits_indices"], rope_positions=v.get("rope_positions"))
     flags = v["flags"]
     params = {p.name: v[p.name] if p.device_dtype is None else jax.lax.bitcast_convert_type(v[p.name], p.device_dtype)
               for p in ROW_PARAMS}
@@ -72,6 +72,8 @@ def _step(params, cache, ibuf, fbuf, feed=None, controls=None, token_mask=None, 
     * `feed` (the previous step's sampled ids, [max rows]): placeholder tokens are filled from it
       (overlapped scheduling), and this step's ids come back padded the same way;
     * `token_mask` ([S, ceil(vocab / 32)] int32, structured outputs) bars the tokens whose bit is 0;
+    * a vision-language model's steps carry, in the buffers, the image placeholder rows' embeddings
+      and the multimodal RoPE positions (`StepShape.image_hidden`, `serving.core.multimodal`);
     * `controls` (a `sampling_controls.ControlState`): rows holding a slot are adjusted by it before
       sampling, and what they emit is recorded in it;
     * with `verify` (speculative decoding) a sequence's k + 1 rows check its drafts (the step's
@@ -85,8 +87,8 @@ def _step(params, cache, ibuf, fbuf, feed=None, controls=None, token_mask=None, 
     tokens = v["tokens"] if feed is None else feed_tokens(v["tokens"], v["feed_rows"], feed)
     if hasattr(layout, "forward"):  # a layout with a forward of its own (pipeline stages)
         logits, cache = layout.forward(params, cache, tokens, md, cfg, backend)
-    else:
-        logits, cache = forward(params, cache, tokens, md, cfg, backend, layout)
+    else:  # a vision-language model's steps carry the embeddings of image placeholder rows
+        logits, cache = forward(params, cache, tokens, md, cfg, backend, layout, v.get("image_embeds"))
     raw = logits  # logprobs report the model's own distribution, as vLLM's do
     if token_mask is not None:
         logits = apply_token_bitmask(logits, token_mask)
@@ -550,7 +552,8 @@ class ModelRunner:
     def warm_up_order(self) -> list[StepShape]:
         """Every bucket, smallest first: the batch-1 decode first and the bucket that holds every step
         last (the two a background warm-up compiles before serving), decode-sized buckets early."""
-        return sorted((StepShape(T, S, P) for T, S, P in self.buckets.all_shapes()), key=lambda s: (s.T, s.P))
+        return sorted((StepShape(T, S, P, self.buckets.image_hidden) for T, S, P in self.buckets.all_shapes()),
+                      key=lambda s: (s.T, s.P))
 
     def _warm_up_shapes(self, run_step) -> int:
         """Runs `run_step(ibuf, fbuf, shape)` once per bucket on an empty batch, and the small programs;
@@ -558,7 +561,7 @@ class ModelRunner:
         pad = self.num_pages * self.page_size
         shapes = self.buckets.all_shapes()
         for T, S, P in shapes:
-            shape = StepShape(T, S, P)
+            shape = StepShape(T, S, P, self.buckets.image_hidden)
             ibuf, fbuf, _ = shape.empty(pad)
             run_step(ibuf, fbuf, shape)
         self._warm_up_small_programs()

@@ -80,6 +80,12 @@ class Sequence:
         those a sliding window has passed (`BlockManager`)."""
         return self.request.kv_export is not None
 
+    def block_extra(self, start: int, end: int) -> bytes:
+        """What besides its tokens decides the K/V of positions start..end (`block_digest`): the content
+        digests of the request's images placed there; b"" for a text prompt."""
+        images = self.request.images
+        return b"" if images is None else images.digests_between(start, end)
+
     @property
     def hash_root(self) -> Optional[bytes]:
         """The parent digest of this sequence's first block (its request's cache salt, or None)."""
@@ -156,6 +162,9 @@ class Request:
         # token exists; set by the caller that asked for them (the engine calls their methods, never imports them).
         self.kv_import = None
         self.kv_export = None
+        # Image inputs (`serving.core.multimodal.RequestImages`): where each image's placeholder tokens
+        # are, its digest and encoder output, the prompt's multimodal positions; None for a text prompt.
+        self.images = None
 
     @property
     def is_finished(self) -> bool:

@@ -182,6 +182,14 @@ def _parse(endpoint, body):
     openai_fields.check_fields(req, kind)
     if req.n != 1:
         raise P.APIError("a disaggregated request must have n=1", param="n", code="invalid_value")
+    if kind == "chat":
+        # The payload carries token ids and K/V, not the images' encoder output or the decoder's
+        # multimodal positions, so the decode worker could not continue an image prompt correctly.
+        for i, m in enumerate(req.messages):
+            if m.image_urls():
+                name = f"messages[{i}].content[{m.image_urls()[0][0]}]"
+                raise P.APIError(f"{name}: image inputs cannot be served disaggregated yet; send the request to "
+                                 "a worker directly", param=name, code="invalid_value")
     if kind == "completions":
         if isinstance(req.prompt, list) and req.prompt and not all(isinstance(t, int) for t in req.prompt) \
                 and len(req.prompt) != 1:

@@ -1,0 +1,152 @@
+"""Image requests on the engine: throughput and time to first token with the encoder cache cold and
+warm, and where the time goes (preprocessing, encoding, language model).
+
+    python benchmarks/vision_bench.py                     # 16 requests, 224x224 images, ~20 s on a 2-core CPU
+    python benchmarks/vision_bench.py --requests 32 --image_size 448
+
+A random Qwen2.5-VL-shaped model (`model.params.init_params`; no download) is served by `LLM` with its
+step buckets warmed up and a first batch of other images run beforehand (the encoder compiled for the
+image size, every step shape run once), so no compile or first run lands in the numbers. Each run
+submits every request at once (an offline batch: all are made, i.e. preprocessed and encoded, then
+stepped to completion, as `LLM.generate` does):
+
+* `cold`: distinct images never seen (every image preprocessed and encoded);
+* `warm`: the same images again, the encoder cache holding them (only the content digest is computed),
+  the prefix cache reset first, so the language model does the same prefill work as in `cold`;
+* `text` (the peer): prompts of the same token count with no image, for the language model alone.
+
+Each kind runs `--repeats` times (new images for each cold run) and the fastest is recorded.
+Recorded per run: requests/s and output tokens/s, TTFT p50 / max (submission to first token, the
+encoding included), and the seconds in preprocessing, encoding and the language model (the rest of
+the wall time), with their shares; and the same-run ratios warm / cold and cold / text.
+
+Writes benchmarks/results/vision_bench_cpu.json (or `--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from model.config import LlamaConfig  # noqa: E402
+from model.params import init_params  # noqa: E402
+from model.vision.config import QWEN2_5_VL, VisionConfig  # noqa: E402
+from serving import LLM, SamplingParams  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+IMAGE, START, END = 1000, 1001, 1002
+
+
+def model_config() -> LlamaConfig:
+    vision = VisionConfig(kind=QWEN2_5_VL, depth=4, hidden_size=128, intermediate_size=256, num_heads=4,
+                          out_hidden_size=256, fullatt_block_indexes=(1, 3), image_prompt_ids=(START, IMAGE, END))
+    return LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=4,
+                       num_kv_heads=2, head_dim=64, rope_theta=1e6, dtype="float32", max_position_embeddings=2048,
+                       architecture="Qwen2_5_VLForConditionalGeneration", attention_bias=True, vision=vision,
+                       image_token_id=IMAGE, mrope_section=(8, 12, 12))
+
+
+def make_images(n: int, size: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (size, size, 3), dtype=np.uint8) for _ in range(n)]
+
+
+def run(llm, prompts, sp, label: str) -> dict:
+    engine = llm.engine
+    mm = engine.multimodal
+    before = dict(mm.seconds)
+    t0 = time.monotonic()
+    reqs = [engine.make_request(f"{label}-{i}", p, sp, arrival_time=t0) for i, p in enumerate(prompts)]
+    for r in reqs:
+        engine.enqueue(r)
+    done = {}
+    while len(done) < len(reqs):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    wall = time.monotonic() - t0
+    ttft = np.array([r.metrics.first_token_time - t0 for r in reqs])
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in done.values())
+    pre = mm.seconds["preprocess"] - before["preprocess"]
+    enc = mm.seconds["encode"] - before["encode"]
+    lm = wall - pre - enc
+    return {"requests": len(reqs), "prompt_tokens": len(reqs[0].prompt_token_ids), "wall_seconds": wall,
+            "requests_per_s": len(reqs) / wall, "output_tokens_per_s": out_tokens / wall,
+            "ttft_p50_s": float(np.median(ttft)), "ttft_max_s": float(ttft.max()),
+            "seconds": {"preprocess": pre, "encode": enc, "language_model": lm},
+            "shares": {"preprocess": pre / wall, "encode": enc / wall, "language_model": lm / wall},
+            "encoder_cache": {"hits": mm.cache.hits, "misses": mm.cache.misses}}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--image_size", type=int, default=224)
+    ap.add_argument("--max_tokens", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each kind; the fastest is recorded")
+    ap.add_argument("--out", default=os.path.join(RESULTS, "vision_bench_cpu.json"))
+    args = ap.parse_args()
+
+    cfg = model_config()
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    llm = LLM(config=cfg, params=params, max_num_seqs=16, max_num_batched_tokens=256, page_size=16,
+              num_pages=512, max_model_len=512, min_token_bucket=16, warmup=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    text = [7, 8, 9, 10]
+
+    def image_prompt(image):
+        return {"prompt_token_ids": text + [START, IMAGE, END, 11, 12], "multi_modal_data": {"image": image}}
+
+    # A first batch of other images compiles the encoder for this size and runs every step shape once.
+
+    run(llm, [image_prompt(im) for im in make_images(args.requests, args.image_size, 98)], sp, "settle")
+    n = run(llm, [image_prompt(im) for im in make_images(1, args.image_size, 97)], sp, "len")["prompt_tokens"]
+    rng = np.random.default_rng(1)
+    cold = warm = peer = None
+    best = lambda a, b: b if a is None or b["requests_per_s"] > a["requests_per_s"] else a  # noqa: E731
+    for rep in range(args.repeats):  # best of: the machine is shared, the slow runs are the others' load
+        images = make_images(args.requests, args.image_size, rep)
+        llm.engine.multimodal.cache = type(llm.engine.multimodal.cache)(llm.engine.multimodal.cache.capacity_bytes)
+        llm.engine.reset_prefix_cache()
+        cold = best(cold, run(llm, [image_prompt(im) for im in images], sp, f"cold{rep}"))
+        llm.engine.reset_prefix_cache()
+        warm = best(warm, run(llm, [image_prompt(im) for im in images], sp, f"warm{rep}"))
+        llm.engine.reset_prefix_cache()
+        peer = best(peer, run(llm, [rng.integers(20, 900, n).tolist() for _ in range(args.requests)], sp,
+                              f"text{rep}"))
+    ratios = {"warm_over_cold_requests_per_s": warm["requests_per_s"] / cold["requests_per_s"],
+              "cold_ttft_p50_over_warm": cold["ttft_p50_s"] / warm["ttft_p50_s"],
+              "cold_over_text_requests_per_s": cold["requests_per_s"] / peer["requests_per_s"],
+              "warm_over_text_requests_per_s": warm["requests_per_s"] / peer["requests_per_s"]}
+    for name, r in (("cold", cold), ("warm", warm), ("text", peer)):
+        s = r["shares"]
+        print(f"{name:5s} {r['requests_per_s']:6.2f} req/s {r['output_tokens_per_s']:7.1f} tok/s  "
+              f"TTFT p50 {r['ttft_p50_s']:.3f} s max {r['ttft_max_s']:.3f} s  "
+              f"preprocess {s['preprocess']:.0%} encode {s['encode']:.0%} LM {s['language_model']:.0%}")
+    print("ratios:", {k: round(v, 2) for k, v in ratios.items()})
+    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "host": platform.node(), "backend": jax.default_backend(), "cpu_count": os.cpu_count(),
+              "command": "python benchmarks/vision_bench.py " + " ".join(sys.argv[1:]),
+              "model": {"text": "4 layers, hidden 256, 4 heads / 2 kv, head_dim 64, fp32",
+                        "vision": "4 blocks (2 full-attention), hidden 128, 4 heads, fp32"},
+              "image_size": args.image_size, "image_tokens": cold["prompt_tokens"] - len(text) - 4,
+              "max_tokens": args.max_tokens, "cold": cold, "warm": warm, "text_peer": peer, "ratios": ratios}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=2)
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""Image inputs in the engine: from the images a prompt carries to the step's inputs.
+
+At admission (`Multimodal.prepare`, on the caller's thread) each image is converted to RGB and named by
+a digest of its pixels; the encoder's output for that digest comes from `EncoderCache` or is computed
+(preprocessing on the host, the encoder on the device, `model.vision.encoder`) and cached, so a repeated
+image is encoded once. Each image placeholder token of the prompt is expanded into the image's number of
+placeholder tokens (a prompt already expanded, as the HF processor leaves it, is taken as it is), and a
+decoder with multimodal RoPE gets the prompt's (temporal, height, width) positions. All of it is the
+request's `RequestImages`.
+
+In every step (`Multimodal.pack`, a `StepPart`) each scheduled sequence writes its rows of the step's
+"rope_positions" and "image_embeds" fields (`input_batch.StepShape`): a prefill chunk takes the slice of
+its images' embeddings that falls inside the chunk, wherever the chunk boundaries cut, and a decode
+continues the positions past the prompt. Preemption, prefix hits and recompute need nothing more: the
+rows follow from (request, first position, count) alone.
+
+The image digests also enter the prefix cache's digest chain (`Sequence.block_extra`,
+`block_manager.block_digest`): a block holding any of an image's placeholder tokens is named by the
+image's content too, so two prompts differing only in an image never share a page.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import threading
+import time
+from typing import Optional
+
+import numpy as np
+
+from model.vision import encoder
+from model.vision.qwen2_5_vl_processor import to_rgb
+from serving.core.sampling_params import InvalidParameterError
+from serving.core.step_parts import StepPart
+
+FIELD = "multi_modal_data"
+
+
+def image_digest(rgb) -> bytes:
+    """16-byte content digest of an RGB PIL image: its size and pixels."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{rgb.width}x{rgb.height}:".encode())
+    h.update(rgb.tobytes())
+    return h.digest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    """An image's encoder output and what the prompt needs of its preprocessing."""
+
+    embeds: np.ndarray  # [num_tokens, hidden] float32
+    grid: tuple  # the processor's (t, h, w) patch grid
+
+    @property
+    def num_tokens(self) -> int:
+        return self.embeds.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.embeds.nbytes
+
+
+class EncoderCache:
+    """Encoder outputs by image digest, least recently used dropped past `capacity_bytes` (thread-safe)."""
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity_bytes = capacity_bytes
+        self._entries: collections.OrderedDict[bytes, Encoded] = collections.OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def get(self, digest: bytes) -> Optional[Encoded]:
+        with self._lock:
+            entry = self._entries.get(digest)
+            if entry is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(digest)
+            self.hits += 1
+            return entry
+
+    def put(self, digest: bytes, entry: Encoded) -> None:
+        with self._lock:
+            if digest in self._entries or entry.nbytes > self.capacity_bytes:
+                return
+            self._entries[digest] = entry
+            self._bytes += entry.nbytes
+            while self._bytes > self.capacity_bytes:
+                _, old = self._entries.popitem(last=False)
+                self._bytes -= old.nbytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+@dataclasses.dataclass
+class PlacedImage:
+    digest: bytes
+    start: int  # first placeholder position in the prompt
+    encoded: Encoded
+
+
+@dataclasses.dataclass
+class RequestImages:
+    """A request's images, placed in its prompt, and the prompt's multimodal positions."""
+
+    images: list  # [PlacedImage], in prompt order
+    rope_positions: Optional[np.ndarray]  # [3, prompt len] (multimodal RoPE), or None
+    delta: int  # positions past the prompt are (index + delta) on every axis
+
+    def digests_between(self, start: int, end: int) -> bytes:
+        return b"".join(im.digest for im in self.images
+                        if im.start < end and start < im.start + im.encoded.num_tokens)
+
+    def fill(self, rope_rows, embed_rows, start: int, count: int) -> None:
+        """Writes the rows of positions start..start+count: their multimodal positions and the slice of
+        each image's embeddings that falls among them."""
+        if self.rope_positions is not None:
+            idx = np.arange(start, start + count)
+            inside = idx < self.rope_positions.shape[1]
+            rope_rows[:] = idx + self.delta
+            rope_rows[:, inside] = self.rope_positions[:, idx[inside]]
+        for im in self.images:
+            lo, hi = max(start, im.start), min(start + count, im.start + im.encoded.num_tokens)
+            if lo < hi:
+                embed_rows[lo - start:hi - start] = im.encoded.embeds[lo - im.start:hi - im.start]
+
+
+class Multimodal(StepPart):
+    """The engine's image inputs (a `StepPart`): admission-time encoding and the per-step rows."""
+
+    def __init__(self, cfg, vision_weights, *, cache_bytes: int, limit_per_prompt: int):
+        self.cfg = cfg
+        self.vision_weights = vision_weights  # placed on the device by the runner
+        self.cache = EncoderCache(cache_bytes)
+        self.limit_per_prompt = limit_per_prompt
+        self.seconds = {"preprocess": 0.0, "encode": 0.0}  # time spent, for benchmarks and stats
+        self._time_lock = threading.Lock()
+
+    def encoded(self, image, what: str) -> tuple[bytes, Encoded]:
+        """(digest, encoder output) of one image; `what` names it in errors ("multi_modal_data.image[1]")."""
+        t0 = time.perf_counter()
+        try:
+            rgb = to_rgb(image)
+            digest = image_digest(rgb)
+        except (TypeError, ValueError, OSError) as e:
+            raise InvalidParameterError(FIELD, f"{what}: not an image: {e}") from None
+        hit = self.cache.get(digest)
+        if hit is not None:
+            self._add("preprocess", time.perf_counter() - t0)
+            return digest, hit
+        try:
+            processed = encoder.preprocess(rgb, self.cfg.vision)
+        except ValueError as e:
+            raise InvalidParameterError(FIELD, f"{what}: {e}") from None
+        t1 = time.perf_counter()
+        embeds = encoder.encode(self.vision_weights, processed, self.cfg.vision)
+        t2 = time.perf_counter()
+        self._add("preprocess", t1 - t0)
+        self._add("encode", t2 - t1)
+        entry = Encoded(embeds, processed.grid)
+        self.cache.put(digest, entry)
+        return digest, entry
+
+    def _add(self, key: str, seconds: float) -> None:
+        with self._time_lock:
+            self.seconds[key] += seconds
+
+    def prepare(self, token_ids: list[int], images: list) -> tuple[list[int], RequestImages]:
+        """(the prompt with each image's placeholders expanded, its `RequestImages`)."""
+        if len(images) > self.limit_per_prompt:
+            raise InvalidParameterError(FIELD, f"{FIELD}: {len(images)} images exceed limit_mm_per_prompt="
+                                               f"{self.limit_per_prompt}")
+        encoded = [self.encoded(im, f"{FIELD}.image[{i}]") for i, im in enumerate(images)]
+        ids, starts = expand_placeholders(token_ids, self.cfg.image_token_id, [e.num_tokens for _, e in encoded])
+        rope, delta = encoder.prompt_positions(self.cfg, ids, [e for _, e in encoded])
+        placed = [PlacedImage(d, s, e) for (d, e), s in zip(encoded, starts)]
+        return ids, RequestImages(placed, rope, delta)
+
+    def pack(self, batch) -> None:
+        if not batch.shape.image_hidden:
+            return
+        v = batch.shape.split(batch.ibuf, batch.fbuf)
+        rope, embeds = v["rope_positions"], v["image_embeds"]
+        rope[:] = v["positions"][None, :]  # text: the three axes are the token's position
+        for seq, row, start, count in batch.token_spans:
+            images = seq.request.images
+            if images is not None:
+                images.fill(rope[:, row:row + count], embeds[row:row + count], start, count)
+
+
+def expand_placeholders(token_ids: list[int], image_token_id: int, counts: list[int]) -> tuple[list[int], list[int]]:
+    """(ids, start of each image's placeholders): each run of `image_token_id` is one image's; a run of
+    one token becomes `counts[i]` tokens, a run of exactly `counts[i]` stays (a prompt already expanded)."""
+    runs, i, n = [], 0, len(token_ids)
+    while i < n:
+        if token_ids[i] == image_token_id:
+            j = i
+            while j < n and token_ids[j] == image_token_id:
+                j += 1
+            runs.append((i, j))
+            i = j
+        else:
+            i += 1
+    if len(runs) != len(counts):
+        raise InvalidParameterError(FIELD, f"{FIELD}: {len(counts)} images given but the prompt has "
+                                           f"{len(runs)} image placeholders")
+    out, starts, prev = [], [], 0
+    for k, ((a, b), count) in enumerate(zip(runs, counts)):
+        if b - a not in (1, count):
+            raise InvalidParameterError(FIELD, f"{FIELD}: image {k}'s placeholder run has {b - a} tokens; "
+                                               f"expected 1 or {count}")
+        out += token_ids[prev:a]
+        starts.append(len(out))
+        out += [image_token_id] * count
+        prev = b
+    out += token_ids[prev:]
+    return out, starts
