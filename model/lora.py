@@ -53,6 +53,10 @@ class LoraError(ValueError):
     """An adapter that cannot be served with this base model; the message says why."""
 
 
+class LoraNotFoundError(LoraError):
+    """The adapter's path does not exist."""
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraAdapter:
     """One adapter read from disk, on the host: per (layer, target weight) its `A` `[r, in]` and its
@@ -75,7 +79,7 @@ class LoraAdapter:
 
 def _read_config(path: str) -> dict:
     if not os.path.isdir(path):
-        raise LoraError(f"LoRA adapter path {path!r} does not exist or is not a directory")
+        raise LoraNotFoundError(f"LoRA adapter path {path!r} does not exist or is not a directory")
     cfg_path = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(cfg_path):
         raise LoraError(f"LoRA adapter {path!r}: no {CONFIG_FILE}")
@@ -244,9 +248,10 @@ def slot_arrays(adapter: Optional[LoraAdapter], cfg, rank: int, dtype) -> dict:
     return out
 
 
-def write_slot(slots: dict, slot, contents: dict, rank: int) -> dict:
-    """`slots` with slot `slot` (traced) replaced by `contents` (`slot_arrays`' layout)."""
-    start = slot * rank
+def write_slot(slots: dict, slot, contents: dict) -> dict:
+    """`slots` with slot `slot` (traced) replaced by `contents` (`slot_arrays`' layout, whose A's second
+    dim is the slot rank)."""
+    start = slot * next(iter(contents.values()))[0].shape[1]
     return {name: (jax.lax.dynamic_update_slice_in_dim(a, contents[name][0].astype(a.dtype), start, axis=1),
                    jax.lax.dynamic_update_slice_in_dim(b, contents[name][1].astype(b.dtype), start, axis=2))
             for name, (a, b) in slots.items()}

@@ -83,6 +83,9 @@ def define_flags(flag_values: Optional[flags.FlagValues] = None) -> None:
                         f"Default: ${SECRET_ENV} (prefer it: flags show in the process list).")
     flags.DEFINE_string("api_key", None, "Comma-separated API keys; when set, the /v1 routes, /internal/prefill and "
                         f"the profiling routes need 'Authorization: Bearer <key>'. Default: ${API_KEY_ENV}.")
+    flags.DEFINE_boolean("allow_runtime_lora_updating", False, "Mount POST /v1/load_lora_adapter and "
+                         "/v1/unload_lora_adapter (behind --api_key when set), which load and unload LoRA adapters "
+                         "while serving (needs --enable_lora).")
     flags.DEFINE_boolean("cache_salt_per_api_key", False, "Bind every request's prefix-cache salt to its API key, "
                          "so clients with different keys never share cached KV pages (needs --api_key).")
     flags.DEFINE_enum("tool_call_parser", None, sorted(PARSER_NAMES), "How tool calls are read from the output "
@@ -131,13 +134,15 @@ def default_model_name(llm) -> str:
 
 def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window_s: float = 10.0,
                 num_devices: int = 1, profile_dir: str | None = None, api_keys=None,
-                kv_transfer_secret: str | None = None, tool_call_parser: str | None = None):
+                kv_transfer_secret: str | None = None, tool_call_parser: str | None = None,
+                allow_lora_updates: bool = False):
     """(FastAPI app, AsyncEngine, ServerMetrics) over an `LLM` whose engine is not yet running.
 
     The engine thread starts here; stop it with `async_engine.shutdown()`. `profile_dir` enables
     `/start_profile` and `/stop_profile` (traces land there); `api_keys` (`http_auth.APIKeys`)
     guards the API; `kv_transfer_secret` mounts the signed KV routes of disaggregated serving;
-    `tool_call_parser` reads the calls of `tool_choice="auto"` (`serving.api.tool_parsers`).
+    `tool_call_parser` reads the calls of `tool_choice="auto"` (`serving.api.tool_parsers`);
+    `allow_lora_updates` mounts the LoRA load / unload routes (`serving.api.lora_routes`).
     """
     from serving.core.async_engine import AsyncEngine
     from serving.api.http_app import create_app
@@ -155,7 +160,8 @@ def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window
                             engine.config.max_num_batched_tokens).attach()
     fastapi_app = create_app(async_engine, llm.tokenizer, model_name, engine.max_model_len, metrics,
                              vocab_size=llm.config.vocab_size, profile_dir=profile_dir, api_keys=api_keys,
-                             kv_transfer_secret=kv_transfer_secret, tool_call_parser=tool_call_parser)
+                             kv_transfer_secret=kv_transfer_secret, tool_call_parser=tool_call_parser,
+                             allow_lora_updates=allow_lora_updates)
     return fastapi_app, async_engine, metrics
 
 
@@ -238,13 +244,15 @@ class ServerThread:
 
     def __init__(self, llm, model_name: str | None = None, host: str = "127.0.0.1", port: int | None = None,
                  peak=None, log_level: str = "warning", profile_dir: str | None = None, api_keys=None,
-                 kv_transfer_secret: str | None = None, tool_call_parser: str | None = None):
+                 kv_transfer_secret: str | None = None, tool_call_parser: str | None = None,
+                 allow_lora_updates: bool = False):
         import uvicorn
 
         self.app, self.async_engine, self.metrics = build_stack(llm, model_name, peak=peak,
                                                                 profile_dir=profile_dir, api_keys=api_keys,
                                                                 kv_transfer_secret=kv_transfer_secret,
-                                                                tool_call_parser=tool_call_parser)
+                                                                tool_call_parser=tool_call_parser,
+                                                                allow_lora_updates=allow_lora_updates)
         self.model_name = model_name or default_model_name(llm)
         self.host, self.port = host, port or free_port(host)
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level=log_level,
@@ -361,7 +369,8 @@ def main(argv) -> None:
                                                metrics_window_s=FLAGS.metrics_window_s,
                                                num_devices=FLAGS.tensor_parallel_size * FLAGS.pipeline_parallel_size,
                                                profile_dir=FLAGS.profile_dir, api_keys=api_keys,
-                                               kv_transfer_secret=secret, tool_call_parser=FLAGS.tool_call_parser)
+                                               kv_transfer_secret=secret, tool_call_parser=FLAGS.tool_call_parser,
+                                               allow_lora_updates=FLAGS.allow_runtime_lora_updating)
     if FLAGS.profile_dir:
         log.info("profiling: POST /start_profile and /stop_profile write traces under %s", FLAGS.profile_dir)
     if llm.multihost is not None:

@@ -74,7 +74,7 @@ _forward = jax.jit(forward, static_argnames=("cfg", "backend"))
 
 @jax.jit
 def _write(slots, slot, contents):
-    return lora.write_slot(slots, slot, contents, RANK)
+    return lora.write_slot(slots, slot, contents)
 
 
 @jax.jit

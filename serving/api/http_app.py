@@ -33,7 +33,7 @@ from serving.disaggregation import kv_transfer
 from serving.api.chat_template import ChatTemplateError, encode_chat
 from serving.api import tool_calls as T
 from serving.api.http_auth import APIKeys
-from serving.api import openai_fields
+from serving.api import lora_routes, openai_fields
 from serving.api.profiling import TraceControl
 from serving.core.async_engine import EngineDeadError
 from serving.core.engine import ContextLengthError
@@ -61,7 +61,9 @@ class ServingContext:
     # --- request checks --------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        """The request's `model` must be the base model or a loaded LoRA adapter, which the request then
+        runs with (`serving.api.lora_routes`)."""
+        if not lora_routes.resolve_model(self.engine, self.model_name, model):
             raise P.APIError(f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                              param="model", code="model_not_found")
 
@@ -163,7 +165,7 @@ class ServingContext:
         async def pump(i: int):
             try:
                 async for out in self.engine.generate(prompts[i], params, ids[i], cache_salt=cache_salt,
-                                                      **kv_transfer.engine_kwargs()):
+                                                      **kv_transfer.engine_kwargs(), **lora_routes.engine_kwargs()):
                     queue.put_nowait((i, out))
             except InvalidParameterError as e:
                 queue.put_nowait((i, self.api_error(e, kind, req)))
@@ -293,12 +295,14 @@ def _error_response(err: P.APIError) -> JSONResponse:
 
 def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=None,
                vocab_size: int | None = None, profile_dir: str | None = None, api_keys: APIKeys | None = None,
-               kv_transfer_secret: str | None = None, tool_call_parser: str | None = None) -> FastAPI:
+               kv_transfer_secret: str | None = None, tool_call_parser: str | None = None,
+               allow_lora_updates: bool = False) -> FastAPI:
     """The FastAPI app serving `engine` (an `AsyncEngine`) under the name `model_name`.
 
     `api_keys` guards the OpenAI and profiling routes (`serving.api.http_auth`); the internal KV
     routes of disaggregated serving are mounted only with a `kv_transfer_secret`, which signs
-    and verifies their payloads (`serving.disaggregation.disagg`).
+    and verifies their payloads (`serving.disaggregation.disagg`). `allow_lora_updates` mounts
+    `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (`serving.api.lora_routes`).
     """
     ctx = ServingContext(engine, tokenizer, model_name, max_model_len, metrics, vocab_size, api_keys, tool_call_parser)
     app = FastAPI(title="Ridgeline OpenAI-compatible API")
@@ -356,7 +360,8 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
 
     @app.get("/v1/models", dependencies=keyed)
     async def models():
-        return P.ModelList(data=[P.ModelCard(id=model_name, max_model_len=max_model_len)])
+        return P.ModelList(data=[P.ModelCard(id=model_name, max_model_len=max_model_len)]
+                           + lora_routes.adapter_cards(engine, model_name, max_model_len))
 
     @app.get("/metrics")
     async def metrics_route():
@@ -445,6 +450,8 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
     from serving.api.utility_routes import add_utility_routes
 
     add_utility_routes(app, ctx, keyed)  # /tokenize, /detokenize, /version, /v1/models/{id}
+    if allow_lora_updates:
+        lora_routes.add_lora_routes(app, ctx, keyed)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
 
     if kv_transfer_secret:
         from serving.disaggregation.disagg import add_kv_transfer_routes

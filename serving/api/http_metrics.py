@@ -357,6 +357,8 @@ class _SnapshotCollector:
         for reason, count in sorted(reasons.items()):
             success.add_metric([name, str(reason)], count)
         yield success
+        if getattr(s, "lora", None) is not None:
+            yield from _lora_metrics(name, s.lora)
         util = self.m.window.utilization() if self.m.window is not None else None
         if util is not None:
             yield gauge("model_bandwidth_utilization",
@@ -364,3 +366,21 @@ class _SnapshotCollector:
                         "device bandwidth.", util[0])
             yield gauge("model_flops_utilization",
                         "MFU over the last window: model FLOPs per second / peak dense bf16 FLOP/s.", util[1])
+
+
+def _lora_metrics(model_name: str, info: dict):
+    """LoRA adapters: vLLM's `lora_requests_info` gauge, which routers (the Gateway API inference extension,
+    llm-d, Dynamo) read to send an adapter's requests where it is loaded: its labels name the adapters of
+    running and of waiting requests (comma-separated) and `max_lora`, and its value is the time they were
+    read, as vLLM sets it; and the requests admitted per adapter."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    labels = ["running_lora_adapters", "waiting_lora_adapters", "max_lora"]
+    g = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running and waiting LoRA adapters.", labels=labels)
+    g.add_metric([info[k] for k in labels], time.time())
+    yield g
+    c = CounterMetricFamily(PREFIX + "lora_requests", "Requests admitted per LoRA adapter.",
+                            labels=["model_name", "lora_name"])
+    for lora_name, count in sorted(info["requests_total"].items()):
+        c.add_metric([model_name, lora_name], count)
+    yield c

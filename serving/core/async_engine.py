@@ -72,10 +72,11 @@ class AsyncEngine:
     # --- the caller side -------------------------------------------------------------------------
     async def generate(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                        request_id: str = "", *, cache_salt: Optional[str] = None, kv_import=None,
-                       kv_export=None) -> AsyncIterator[RequestOutput]:
+                       kv_export=None, lora_name: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """Yields cumulative outputs of one request until it finishes.
 
-        `cache_salt` isolates the request's prefix-cache pages (`Engine.make_request`).
+        `cache_salt` isolates the request's prefix-cache pages (`Engine.make_request`); `lora_name` runs it with
+        that LoRA adapter.
         `kv_import` (a `kv_transfer.KVImport`) resumes the request from a shipped prefill instead of
         computing its prompt; `kv_export` (a `kv_transfer.Exporter`) gathers its prompt's K/V on the engine
         thread when its first token is sampled (see `serving.disaggregation.kv_transfer`). Each hook's
@@ -86,11 +87,15 @@ class AsyncEngine:
         """
         if self._error is not None:
             raise EngineDeadError("the engine loop has stopped") from self._error
-        req = self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt)
+        req = self.engine.make_request(request_id, prompt, params, cache_salt=cache_salt, lora_name=lora_name)
         req.stream = True
-        for hook in (kv_import, kv_export):
-            if hook is not None:
-                hook.check(self.engine, req)
+        try:
+            for hook in (kv_import, kv_export):
+                if hook is not None:
+                    hook.check(self.engine, req)
+        except BaseException:
+            self.engine.release_lora(req)  # never queued: it lets go of its LoRA adapter
+            raise
         req.kv_import, req.kv_export = kv_import, kv_export
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()

@@ -155,6 +155,10 @@ class Request:
         # token exists; set by the caller that asked for them (the engine calls their methods, never imports them).
         self.kv_import = None
         self.kv_export = None
+        # The LoRA adapter the request runs with (its name; None: the base model). Its pages are keyed by
+        # the adapter too (`hash_root`, set by the engine with it).
+        self.lora_name: Optional[str] = None
+        self.lora_digest: Optional[bytes] = None  # the digest of that adapter's weights
 
     @property
     def is_finished(self) -> bool:

@@ -66,6 +66,7 @@ class EngineStats:
     spec_decode: Optional[object] = None  # spec_decode.SpecStats when speculation is on
     page_size: int = 0  # tokens per KV page (what a router needs to name this engine's cached blocks)
     warmup: Optional[object] = None  # step_programs.WarmupStats: compiled buckets, larger-bucket steps
+    lora: Optional[dict] = None  # LoRA adapters in use and requests per adapter (`LoraManager.info`), when served
 
     @property
     def kv_cache_usage(self) -> float:
