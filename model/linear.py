@@ -141,7 +141,9 @@ def lora_delta(x, w: LoraWeight):
 
 def lora_linear(spec: str, x, w: LoraWeight, **kwargs):
     """`linear(spec, x, w.base)` plus the adapter delta of each token (tokens are x's leading dim; the
-    delta's flat output dims reshape to the product's trailing ones)."""
+    delta's flat output dims reshape to the product's trailing ones). A step whose tokens all run the
+    base model skips the adapter products (a `lax.cond`), so enabling LoRA costs base-only traffic
+    almost nothing."""
     out = linear(spec, x, w.base, **kwargs)
-    delta = lora_delta(x, w)
-    return out + delta.reshape(out.shape).astype(out.dtype)
+    return jax.lax.cond(jnp.any(w.token_slot >= 0),
+                        lambda: out + lora_delta(x, w).reshape(out.shape).astype(out.dtype), lambda: out)

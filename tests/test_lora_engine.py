@@ -191,3 +191,40 @@ def test_kv_export_import_carries_the_adapter(llm):
     req.kv_import = imp
     engine.enqueue(req)
     assert list(run_to_completion(engine)["resume"].outputs[0].token_ids) == want
+
+
+def test_tensor_parallel_slots(tmp_path_factory):
+    """Under 2-way tensor parallelism the slots are split like their base weights (B of wq by q heads, A of
+    wo and w_down by their input) and a batch mixing the base and two adapters gives PEFT's tokens (a base
+    whose vocabulary splits over two devices)."""
+    model_cls, config_cls, kwargs = BASES["llama"]
+    torch.manual_seed(12)
+    hf = model_cls(config_cls(**{**kwargs, "vocab_size": 128})).eval()
+    scale_weights_(hf)
+    hf_dir, _, cfg, params = save_and_convert(hf, tmp_path_factory, "lora_tp")
+    paths, models = {}, {None: hf}
+    for i, name in enumerate(("a", "b")):
+        paths[name] = str(tmp_path_factory.mktemp(f"tp_adapter_{name}"))
+        models[name] = make_adapter(hf_dir, paths[name], ["q_proj", "v_proj", "o_proj", "down_proj"], 8, False,
+                                    seed=60 + i)
+    modules = ",".join(f"{n}={p}" for n, p in paths.items())
+    batch = prompts(3, seed=8)
+    loras = [None, "a", "b"]
+    want = [hf_greedy(models[lora], p, MAX_TOKENS) for p, lora in zip(batch, loras)]  # PEFT's, on one device
+    tp = LLM(config=cfg, params=params, lora_modules=modules, tensor_parallel_size=2, **ENGINE)
+    slots = tp.engine.runner.lora
+    assert slots["wq"][1].sharding.spec[1] is not None and slots["wq"][0].sharding.spec[2] is None
+    assert slots["wo"][0].sharding.spec[2] is not None and slots["w_down"][0].sharding.spec[2] is not None
+    assert greedy(tp, batch, loras) == want
+
+
+def test_int8_base(setup, llm):
+    """Over int8 base weights a mixed batch gives each request its tokens alone, the adapters changing them."""
+    cfg, params, _, paths, _ = setup
+    modules = ",".join(f"{n}={paths[n]}" for n in ("sql", "chat", "code"))
+    batch = prompts(4, seed=8)
+    loras = [None, "sql", "chat", "code"]
+    q = LLM(config=cfg, params=params, lora_modules=modules, weight_dtype="int8", **ENGINE)
+    mixed = greedy(q, batch, loras)
+    assert mixed == [greedy(q, [p], lora)[0] for p, lora in zip(batch, loras)]
+    assert mixed[1:] != [greedy(q, [p], None)[0] for p in batch[1:]]
