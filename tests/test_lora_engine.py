@@ -228,3 +228,33 @@ def test_int8_base(setup, llm):
     mixed = greedy(q, batch, loras)
     assert mixed == [greedy(q, [p], lora)[0] for p, lora in zip(batch, loras)]
     assert mixed[1:] != [greedy(q, [p], None)[0] for p in batch[1:]]
+
+
+@pytest.mark.parametrize("options", [
+    dict(speculative_method="ngram", num_speculative_tokens=3),
+    dict(num_pages=12, async_scheduling=False, enable_prefix_caching=False),
+], ids=["ngram_speculation", "preemption"])
+def test_mixed_batch_with_speculation_and_preemption(setup, llm, options):
+    """Prompt-lookup speculation (each verified draft row runs its sequence's adapter) and a pool so small
+    that sequences are preempted and recomputed, with chunked prefills (the budget is 32 tokens): each
+    request of a base + three adapters batch gets its tokens alone (from the plain LoRA engine)."""
+    cfg, params, _, paths, _ = setup
+    modules = ",".join(f"{n}={paths[n]}" for n in ("sql", "chat", "code"))
+    rng = np.random.default_rng(9)
+    # Repeats (drafts to find); 16 tokens = 2 full pages, so every decode needs a third page.
+    batch = [(rng.integers(3, 97, 3).tolist() * 6)[:16] for _ in range(8)]
+    loras = [None, "sql", "chat", "code"] * 2
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)  # 5 pages a sequence: 40 for 8
+
+    def run(engine_llm, prompts_, loras_):
+        return [list(o.outputs[0].token_ids) for o in engine_llm.generate(prompts_, sp, lora_request=loras_)]
+
+    alone = [run(llm, [p], lora)[0] for p, lora in zip(batch, loras)]
+    other = LLM(config=cfg, params=params, lora_modules=modules, **{**ENGINE, **options})
+    assert run(other, batch, loras) == alone
+    engine = other.engine
+    if engine.spec is not None:
+        assert engine.stats().spec_decode.num_accepted_tokens > 0
+    else:
+        assert engine.scheduler.num_preemptions > 0
+    engine.block_manager.check_invariants(live_seq_ids=())
