@@ -210,13 +210,13 @@ def load_adapter(path: str, cfg, max_rank: int, name: Optional[str] = None, dtyp
 
 def target_shapes(cfg) -> dict[str, tuple[int, int]]:
     """Our target weights in `cfg`'s layers -> (flat output, flat input) sizes."""
-    from model.families import family_for_config
+    from model.families import family_for_config, is_expert_weight
 
     layer = family_for_config(cfg).declare_weights(cfg).layers[0]
     shapes = {}
     for name, n_out in TARGETS.items():
         info = getattr(layer, name, None)
-        if info is None:
+        if info is None or is_expert_weight(info):  # a mixture's experts (same names): no adapter slots
             continue
         shape = tuple(getattr(info, "data", info).shape)
         shapes[name] = (math.prod(shape[:n_out]), math.prod(shape[n_out:]))

@@ -108,18 +108,23 @@ def empty_slots(cfg):
     return lora.zeros_like_tree(decl, None)
 
 
+@pytest.fixture(scope="module")
+def neighbour(base, tmp_path_factory):
+    """Slots with another adapter in slot 0 (the adapter under test goes into slot 2)."""
+    _, hf_dir, cfg, _ = base
+    other = str(tmp_path_factory.mktemp("neighbour"))
+    make_adapter(hf_dir, other, ["q_proj", "down_proj"], 8, False, seed=99)
+    return _write(empty_slots(cfg), 0, lora.slot_arrays(lora.load_adapter(other, cfg, RANK), cfg, RANK, np.float32))
+
+
 @pytest.mark.parametrize("rank,rslora", RANKS)
 @pytest.mark.parametrize("targets", sorted(TARGET_SETS))
-def test_logits_match_peft(base, targets, rank, rslora, tmp_path):
+def test_logits_match_peft(base, neighbour, targets, rank, rslora, tmp_path):
     family, hf_dir, cfg, params = base
     pm = make_adapter(hf_dir, str(tmp_path / "a"), TARGET_SETS[targets], rank, rslora, seed=rank)
-    other = str(tmp_path / "b")
-    make_adapter(hf_dir, other, ["q_proj", "down_proj"], 8, False, seed=99)
     adapter = lora.load_adapter(str(tmp_path / "a"), cfg, max_rank=RANK, name="a")
     assert adapter.rank == rank and adapter.target_modules == tuple(sorted(TARGET_SETS[targets]))
-    slots = empty_slots(cfg)
-    slots = _write(slots, 0, lora.slot_arrays(lora.load_adapter(other, cfg, RANK), cfg, RANK, np.float32))
-    slots = _write(slots, 2, lora.slot_arrays(adapter, cfg, RANK, np.float32))
+    slots = _write(neighbour, 2, lora.slot_arrays(adapter, cfg, RANK, np.float32))
     rng = np.random.default_rng(rank)
     prompts = [rng.integers(0, cfg.vocab_size, 13).tolist(), rng.integers(0, cfg.vocab_size, 9).tolist()]
     got = run(cfg, params, slots, prompts, [2, -1])
@@ -215,6 +220,7 @@ def test_rank_above_max_is_refused(base, good_adapter):
         lora.load_adapter(good_adapter, cfg, max_rank=4)
 
 
+@pytest.mark.parametrize("base", ["llama"], indirect=True)
 def test_scanned_layers_and_quantized_base(base, good_adapter):
     """The scanned forward (per-layer matrices picked by switch, as on XLA CPU, and stacked weights, as on
     GPUs) gives the unrolled logits; an int8 base adds the same delta on its dequantized product."""
@@ -247,3 +253,33 @@ def test_scanned_layers_and_quantized_base(base, good_adapter):
     np.testing.assert_allclose(got[11:18], np.asarray(plain)[11:18], atol=TOL)  # base rows untouched
     # int8 noise aside, the quantized model with the adapter tracks the float one with it
     assert np.abs(got[:11] - unrolled[:11]).max() < 0.5
+
+
+def test_mixture_of_experts_attention_adapter_and_expert_weights_refused(tmp_path, tmp_path_factory):
+    """A Qwen3-MoE base: an adapter on its attention projections matches PEFT, its experts (named w_gate /
+    w_up / w_down like a dense MLP) left alone; adapters on the experts' or the router's weights are
+    refused, the reason named."""
+    from safetensors.numpy import load_file
+
+    from tests.test_moe_hf import make_hf_moe
+
+    hf = make_hf_moe("qwen3_moe", seed=4)
+    hf_dir, _, cfg, params = save_and_convert(hf, tmp_path_factory, "lora_moe")
+    path = str(tmp_path / "attn")
+    pm = make_adapter(hf_dir, path, ["q_proj", "k_proj", "v_proj", "o_proj"], 8, False, seed=3)
+    adapter = lora.load_adapter(path, cfg, max_rank=RANK)
+    assert sorted({t for _, t in adapter.weights}) == ["wk", "wo", "wq", "wv"]
+    slots = _write(empty_slots(cfg), 0, lora.slot_arrays(adapter, cfg, RANK, np.float32))
+    prompt = np.random.default_rng(1).integers(3, cfg.vocab_size, 12).tolist()
+    got = run(cfg, params, slots, [prompt], [0])[0]
+    with torch.no_grad():
+        want = pm(torch.tensor([prompt])).logits[0].numpy()
+    assert np.abs(got - want).max() < TOL
+    tensors = load_file(os.path.join(path, lora.WEIGHTS_FILE))
+    for module, shape in (("mlp.experts.0.gate_proj", (24, 32)), ("mlp.gate", (6, 32))):
+        bad = str(tmp_path / module.replace(".", "_"))
+        _copy_with(path, bad, tensors_edit=lambda t: {
+            **t, f"base_model.model.model.layers.0.{module}.lora_A.weight": np.zeros((8, shape[1]), np.float32),
+            f"base_model.model.model.layers.0.{module}.lora_B.weight": np.zeros((shape[0], 8), np.float32)})
+        with pytest.raises(lora.LoraError, match=f"{module} is not (a module of this model|a linear layer)"):
+            lora.load_adapter(bad, cfg, max_rank=RANK)
