@@ -160,8 +160,9 @@ def _stacked(layer):
 
 
 _copy_jit = jax.jit(_copy_pages, donate_argnums=(0,))
-# Writes one LoRA slot (a traced index, so any slot, any adapter: one program).
-_write_lora_jit = jax.jit(lora_model.write_slot, donate_argnums=(0,))
+# Writes one LoRA slot (a traced index, so any slot, any adapter: one program). Not donated: with overlapped
+# scheduling the step still in flight may read the slot being replaced, and keeps the arrays it was given.
+_write_lora_jit = jax.jit(lora_model.write_slot)
 
 
 @functools.cache
