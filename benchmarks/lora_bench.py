@@ -1,6 +1,7 @@
 """Offline throughput of one workload with LoRA adapters: what the adapter path costs, in one run.
 
     python benchmarks/lora_bench.py [--out benchmarks/results/lora_bench_cpu.json] [--requests 32]
+    python benchmarks/lora_bench.py --model llama3-1b --out benchmarks/results/lora_bench_gpu.json  # random weights
 
 The same greedy workload (every request the same prompt length and `--new_tokens`) runs through
 `LLM.generate` on the embedded model five ways, rounds interleaved so that machine noise hits all
@@ -76,15 +77,28 @@ def main() -> None:
     ap.add_argument("--max_loras", type=int, default=4)
     ap.add_argument("--rank", type=int, default=8, help="adapter rank = max_lora_rank (8: PEFT's default r)")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--model", default=None, help="a configs/ preset with random weights (default: the embedded "
+                                                  "model)")
+    ap.add_argument("--max_num_seqs", type=int, default=16)
     args = ap.parse_args()
-    engine = dict(max_num_seqs=16, max_num_batched_tokens=256, page_size=16, min_token_bucket=16,
-                  min_context_bucket=128, max_model_len=128, enable_prefix_caching=False)
-    plain = LLM(**engine, warmup=True)
+    engine = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max(256, args.max_num_seqs),
+                  page_size=16, min_token_bucket=16, min_context_bucket=128, max_model_len=128,
+                  enable_prefix_caching=False)
+    model = {}
+    if args.model is not None:
+        import jax
+
+        from model.families import config_by_name
+        from model.params import init_params
+
+        cfg = config_by_name(args.model)
+        model = dict(config=cfg, params=init_params(cfg, jax.random.key(0)))
+    plain = LLM(**engine, **model, warmup=True)
     with tempfile.TemporaryDirectory() as tmp:
         names = [f"adapter{i}" for i in range(args.max_loras)]
         modules = ",".join(f"{n}={write_adapter(plain.config, os.path.join(tmp, n), args.rank, i)}"
                            for i, n in enumerate(names))
-        lora = LLM(**engine, warmup=True, enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.rank,
+        lora = LLM(**engine, **model, warmup=True, enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.rank,
                    lora_modules=modules)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(32, 127, args.prompt_len).tolist() for _ in range(args.requests)]
@@ -114,7 +128,7 @@ def main() -> None:
               flush=True)
     result = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "platform": __import__("jax").default_backend(), "load_avg_before": os.getloadavg(),
-              "model": "embedded default (configs/tiny.json)", "engine": engine, "requests": args.requests,
+              "model": args.model or "embedded default (configs/tiny.json)", "engine": engine, "requests": args.requests,
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "max_loras": args.max_loras,
               "rank": args.rank, "target_modules": list(MODULES), "rows": rows,
               "command": "python " + " ".join(sys.argv)}
