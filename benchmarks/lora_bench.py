@@ -81,6 +81,7 @@ def main() -> None:
                                                   "model)")
     ap.add_argument("--max_num_seqs", type=int, default=16)
     args = ap.parse_args()
+    load_before = os.getloadavg()
     engine = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max(256, args.max_num_seqs),
                   page_size=16, min_token_bucket=16, min_context_bucket=128, max_model_len=128,
                   enable_prefix_caching=False)
@@ -127,7 +128,7 @@ def main() -> None:
         print(f"{name:28s} {best:9.1f} tok/s {best / peer:6.3f}x plain | {cpu:9.1f} tok/CPU-s {cpu / peer_cpu:6.3f}x plain",
               flush=True)
     result = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "platform": __import__("jax").default_backend(), "load_avg_before": os.getloadavg(),
+              "platform": __import__("jax").default_backend(), "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
               "model": args.model or "embedded default (configs/tiny.json)", "engine": engine, "requests": args.requests,
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "max_loras": args.max_loras,
               "rank": args.rank, "target_modules": list(MODULES), "rows": rows,
