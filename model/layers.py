@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from model.cache import BatchMetadata
 from model.config import LlamaConfig
 from model.declarations import Layer, Weights
-from model.linear import PerLayer, linear
+from model.linear import LoraWeight, PerLayer, linear
 from model.quant import QuantizedArray
 
 
@@ -111,7 +111,7 @@ def _merge_heads(w, first: int):
     non-contracting] and, with [out, in] weights, does so by transposing the whole weight on every
     call (measured on XLA CPU: batch-1 decode of a 125M model 3x slower). A 2-D [out, in] weight
     is contracted over its last dim as it is."""
-    if isinstance(w, PerLayer):
+    if isinstance(w, (PerLayer, LoraWeight)):  # every layer's matrix / the base under an adapter
         return w.map(functools.partial(_merge_heads, first=first))
 
     def merge(a):

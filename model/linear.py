@@ -6,6 +6,10 @@ reads it, what the scanned forward on XLA CPU passes (`model.layer_select`), whe
 `lax.switch` over the layers whose branch j is that matmul on layer j's matrix (`selected_linear`).
 `linear` and `selected_linear` call each other, so they live here together: `model.layer_select` builds
 the `PerLayer`s, and the blocks call `linear` the same way whatever their weights are.
+
+A `LoraWeight` is a base weight (any of those forms) with the stacked low-rank adapters of every
+adapter slot and each token's slot (`model.lora`): `linear` adds the token's adapter delta to the base
+product, so every family that computes its projections with `linear` serves adapters.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ def linear(spec: str, x, w, **kwargs):
     """
     if isinstance(w, PerLayer):  # one matrix per layer, picked inside a scan (`model.layer_select`)
         return selected_linear(spec, x, w, **kwargs)
+    if isinstance(w, LoraWeight):  # the base product plus each token's adapter delta (`model.lora`)
+        return lora_linear(spec, x, w, **kwargs)
     if not isinstance(w, QuantizedArray):
         return jnp.einsum(spec, x, w, **kwargs)
     out = jnp.einsum(spec, x, w.data.astype(x.dtype), **kwargs)
@@ -78,3 +84,66 @@ def _branch(spec, w, kwargs, x):
 def selected_linear(spec: str, x, w: PerLayer, **kwargs):
     """`linear(spec, x, w.arrays[w.index])`, with no copy of the chosen matrix."""
     return jax.lax.switch(w.index, [functools.partial(_branch, spec, a, kwargs) for a in w.arrays], x)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraWeight:
+    """A base weight (`[out..., in...]`, any form `linear` takes) with the low-rank adapters of every
+    slot and each token's slot.
+
+    `a` is `[slots * rank, in]` and `b` `[out, slots * rank]` (the base's input and output dims each
+    flattened, row-major; slot s owns rows / columns `s * rank:(s + 1) * rank`, zero-padded past its
+    adapter's rank, its scaling folded into `b`); `token_slot` `[T]` int32 names each token's slot, -1
+    for none (the base model alone). `rank` is static. Shape and dtype are the base weight's, so code
+    that reshapes a weight's head dims (`model.layers._merge_heads`) maps over `base` with `map`."""
+
+    base: Any
+    a: Any
+    b: Any
+    token_slot: Any
+    rank: int = 1
+
+    @property
+    def shape(self):
+        return self.base.shape
+
+    @property
+    def dtype(self):
+        return self.base.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def map(self, fn) -> "LoraWeight":
+        """`fn` of the base weight (a reshape of its dims), the adapters as they are (already flat)."""
+        return dataclasses.replace(self, base=fn(self.base))
+
+
+jax.tree_util.register_dataclass(LoraWeight, data_fields=["base", "a", "b", "token_slot"], meta_fields=["rank"])
+
+
+def lora_delta(x, w: LoraWeight):
+    """Each token's adapter delta `B_s A_s x` (s its slot), as two dense 2-D products over every slot.
+
+    Why dense: `x A^T` for all slots at once is one `[T, in] x [in, slots*rank]` matmul; the columns of the
+    slots a token does not use are zeroed (one mask), and the second matmul with `B` sums only its own
+    slot's. The extra work is `slots * rank / out` of the base product (4 x 16 / 4096 = 1.6% for a 7B
+    projection), no gather of per-token matrices, and the same two 2-D dots whatever the mix of adapters,
+    so the program is one shape for every batch. A slot of -1 matches no column: the delta is 0."""
+    tokens = x.shape[0]
+    x2 = x.reshape(tokens, -1)
+    h = jnp.einsum("ti,ri->tr", x2, w.a.astype(x.dtype))
+    slot_of_column = jnp.arange(h.shape[1], dtype=jnp.int32) // w.rank
+    h = jnp.where(slot_of_column[None, :] == w.token_slot[:, None], h, jnp.zeros((), h.dtype))
+    return jnp.einsum("tr,or->to", h, w.b.astype(x.dtype))
+
+
+def lora_linear(spec: str, x, w: LoraWeight, **kwargs):
+    """`linear(spec, x, w.base)` plus the adapter delta of each token (tokens are x's leading dim; the
+    delta's flat output dims reshape to the product's trailing ones). A step whose tokens all run the
+    base model skips the adapter products (a `lax.cond`), so enabling LoRA costs base-only traffic
+    almost nothing."""
+    out = linear(spec, x, w.base, **kwargs)
+    return jax.lax.cond(jnp.any(w.token_slot >= 0),
+                        lambda: out + lora_delta(x, w).reshape(out.shape).astype(out.dtype), lambda: out)

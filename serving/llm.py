@@ -21,6 +21,7 @@ from model.quant import check_kv_cache_dtype, check_weight_dtype
 from model.tokenizer import ByteTokenizer, load_tokenizer
 from serving.cluster import distributed, multihost
 from serving.core import compile_cache, engine_args
+from serving.core.lora_manager import LoRARequest, parse_lora_modules
 from serving.core.engine import Engine, EngineConfig
 from serving.core.outputs import RequestOutput
 from serving.core.sampling_params import InvalidParameterError, SamplingParams
@@ -154,6 +155,7 @@ class LLM:
         self.engine = Engine(config, params, tokenizer, engine_config, layout=layout, speculator=speculator,
                              generation=generation)
         self.config = self.engine.cfg  # with weight_dtype set when the engine quantized the weights
+        self._register_lora_modules(opts["lora_modules"])
         self.load_seconds = time.perf_counter() - t0
         log.info("loaded in %.1f s (persistent compilation cache: %s)", self.load_seconds,
                  self.compilation_cache_dir or "off")
@@ -175,14 +177,40 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def _register_lora_modules(self, spec) -> None:
+        """The adapters of option `lora_modules`, registered (read and checked) before anything runs."""
+        modules = parse_lora_modules(spec)
+        if modules and self.engine.lora is None:
+            raise ValueError("lora_modules needs enable_lora=True")
+        for name, path in modules.items():
+            self.engine.lora.register(name, path)
+
+    def _lora_name(self, lora_request) -> Optional[str]:
+        """The adapter name of a `lora_request` (a `LoRARequest` or a registered name; None: the base
+        model), registering a `LoRARequest`'s path under its name on first use, as vLLM loads it."""
+        if lora_request is None or isinstance(lora_request, str):
+            return lora_request
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, an adapter name or None, got "
+                            f"{type(lora_request).__name__}")
+        manager = self.engine.lora
+        if manager is not None and lora_request.lora_path is not None:
+            known = manager.path(lora_request.lora_name)
+            if known is None:
+                manager.register(lora_request.lora_name, lora_request.lora_path)
+            elif os.path.realpath(known) != os.path.realpath(lora_request.lora_path):
+                raise ValueError(f"LoRA adapter {lora_request.lora_name!r} is loaded from {known!r}, not "
+                                 f"{lora_request.lora_path!r}")
+        return lora_request.lora_name
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` samples with when given no parameters: the checkpoint's generation_config.json
         defaults (option `generation_config`), else SamplingParams()."""
         return self.engine.default_sampling_params.clone()
 
     def generate(self, prompts: Union[str, list, dict, Sequence],
-                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *,
-                 priority: Union[int, Sequence[int], None] = None) -> list[RequestOutput]:
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 lora_request=None, *, priority: Union[int, Sequence[int], None] = None) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in prompt order.
 
         A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."};
@@ -192,6 +220,8 @@ class LLM:
         of the prompt, in order (`serving.core.multimodal`). `priority` (one per prompt, or one for
         all; lower runs first) orders the requests under `scheduling_policy="priority"`, as vLLM's
         `LLM.generate` does.
+        `lora_request` (needs `enable_lora`): a `LoRARequest` (registered on first use when it names a
+        path), an adapter name, or one of those (or None, the base model) per prompt.
         Every request is validated before any is queued, so one bad prompt or
         parameter raises (`InvalidParameterError`) without running the others.
 
@@ -202,12 +232,12 @@ class LLM:
         """
         role = self.multihost
         if role is None:
-            return self._generate(prompts, sampling_params, priority)
+            return self._generate(prompts, sampling_params, lora_request, priority)
         if not role.is_leader:
             return role.follow()  # process 0's outputs, once its generate is done
         with role.operation():
             try:
-                outputs = self._generate(prompts, sampling_params, priority)
+                outputs = self._generate(prompts, sampling_params, lora_request, priority)
             except BaseException as e:
                 role.failed("generate", e)
                 raise
@@ -253,7 +283,7 @@ class LLM:
         if self.multihost is not None and self.multihost.is_leader:
             self.multihost.shutdown()
 
-    def _generate(self, prompts, sampling_params, priority=None) -> list[RequestOutput]:
+    def _generate(self, prompts, sampling_params, lora_request=None, priority=None) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                  and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -266,9 +296,20 @@ class LLM:
             priority = [priority or 0] * len(prompts)
         elif len(priority) != len(prompts):
             raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, (str, LoRARequest)):
+            lora_request = [lora_request] * len(prompts)
+        elif len(lora_request) != len(prompts):
+            raise ValueError(f"{len(lora_request)} lora requests for {len(prompts)} prompts")
+        names = [self._lora_name(lr) for lr in lora_request]
         engine = self.engine
-        reqs = [engine.make_request(f"llm-{next(self._ids)}", p, sp, priority=pr)
-                for p, sp, pr in zip(prompts, sampling_params, priority)]
+        reqs = []
+        try:
+            for p, sp, name, pr in zip(prompts, sampling_params, names, priority):
+                reqs.append(engine.make_request(f"llm-{next(self._ids)}", p, sp, priority=pr, lora_name=name))
+        except BaseException:
+            for r in reqs:  # made, never queued: they let go of their adapters
+                engine.release_lora(r)
+            raise
         for r in reqs:
             engine.enqueue(r)
         done: dict[str, RequestOutput] = {}

@@ -177,13 +177,13 @@ class RouterService:
 
     # --- one attempt ----------------------------------------------------------------------------
 
-    def _pick(self, prompts, tried: set[str], salt: Optional[str]):
+    def _pick(self, prompts, tried: set[str], salt: Optional[str], model: Optional[str] = None):
         """(workers, pools, matched blocks) for the next attempt, or None when nobody is left."""
         if not self.disaggregated:
-            c = self.router.choose(self.pool.loads(), prompts, exclude=tried, cache_salt=salt)
+            c = self.router.choose(self.pool.loads(), prompts, exclude=tried, cache_salt=salt, model=model)
             return None if c is None else ((c.worker,), (self.pool,), c.matched_blocks)
-        p = self.router.choose(self.prefill.loads(), prompts, exclude=tried, cache_salt=salt)
-        d = self.decode_router.choose(self.decode.loads(), prompts, exclude=tried, cache_salt=salt)
+        p = self.router.choose(self.prefill.loads(), prompts, exclude=tried, cache_salt=salt, model=model)
+        d = self.decode_router.choose(self.decode.loads(), prompts, exclude=tried, cache_salt=salt, model=model)
         if p is None or d is None:
             return None
         return (p.worker, d.worker), (self.prefill, self.decode), p.matched_blocks
@@ -215,8 +215,10 @@ class RouterService:
         # The client's salt names its pages on the workers (a salt the workers bind to an API key is not
         # known here: such requests are routed as if unsalted, which costs affinity, not isolation).
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) and body["cache_salt"] else None
+        # The model names a LoRA adapter on the workers (or the base): its requests are kept together.
+        model = body.get("model") if isinstance(body.get("model"), str) else None
         for attempt in range(attempts):
-            picked = self._pick(prompts, tried, salt)
+            picked = self._pick(prompts, tried, salt, model)
             if picked is None:
                 break
             workers, pools, matched_blocks = picked
@@ -227,7 +229,7 @@ class RouterService:
                                    self.router.policy)
             if self.disaggregated:
                 self.metrics.routed.labels(workers[1], self.decode_router.policy).inc()
-            self.router.record(workers[0], prompts, salt)
+            self.router.record(workers[0], prompts, salt, model)
             self._in_flight(workers, pools, +1)
             try:
                 resp, record = await self._send(workers, endpoint, body, raw, headers)

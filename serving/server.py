@@ -86,6 +86,9 @@ def define_flags(flag_values: Optional[flags.FlagValues] = None) -> None:
                         f"Default: ${SECRET_ENV} (prefer it: flags show in the process list).")
     flags.DEFINE_string("api_key", None, "Comma-separated API keys; when set, the /v1 routes, /internal/prefill and "
                         f"the profiling routes need 'Authorization: Bearer <key>'. Default: ${API_KEY_ENV}.")
+    flags.DEFINE_boolean("allow_runtime_lora_updating", False, "Mount POST /v1/load_lora_adapter and "
+                         "/v1/unload_lora_adapter (behind --api_key when set), which load and unload LoRA adapters "
+                         "while serving (needs --enable_lora).")
     flags.DEFINE_boolean("cache_salt_per_api_key", False, "Bind every request's prefix-cache salt to its API key, "
                          "so clients with different keys never share cached KV pages (needs --api_key).")
     flags.DEFINE_enum("tool_call_parser", None, sorted(PARSER_NAMES), "How tool calls are read from the output "
@@ -163,7 +166,7 @@ def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window
                 num_devices: int = 1, profile_dir: str | None = None, api_keys=None,
                 kv_transfer_secret: str | None = None, tool_call_parser: str | None = None, limits=None,
                 shutdown_timeout_s: float = 30.0, reasoning_parser: str | None = None, responses_store=None,
-                media=None):
+                media=None, allow_lora_updates: bool = False):
     """(FastAPI app, AsyncEngine, ServerMetrics) over an `LLM` whose engine is not yet running.
 
     The engine thread starts here; stop it with `async_engine.shutdown()`. `profile_dir` enables
@@ -174,6 +177,7 @@ def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window
     `app.state.drain` (`serving.api.drain.Drain`) drains the server, in-flight requests getting up to
     `shutdown_timeout_s`.
     `media` (`serving.api.media.MediaOptions`) says where image URLs may be fetched from and how much.
+    `allow_lora_updates` mounts the LoRA load / unload routes (`serving.api.lora_routes`).
     """
     from serving.api.drain import Drain, DrainGate
     from serving.api.request_limits import RequestLimits, add_request_limits
@@ -195,7 +199,8 @@ def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window
     fastapi_app = create_app(async_engine, llm.tokenizer, model_name, engine.max_model_len, metrics,
                              vocab_size=llm.config.vocab_size, profile_dir=profile_dir, api_keys=api_keys,
                              kv_transfer_secret=kv_transfer_secret, tool_call_parser=tool_call_parser,
-                             reasoning_parser=reasoning_parser, responses_store=responses_store, media=media)
+                             reasoning_parser=reasoning_parser, responses_store=responses_store, media=media,
+                             allow_lora_updates=allow_lora_updates)
     add_request_limits(fastapi_app, limits or RequestLimits())
     drain = fastapi_app.state.drain = Drain(async_engine, shutdown_timeout_s)
     fastapi_app.add_middleware(DrainGate, drain=drain)  # outermost: a draining server reads no body
@@ -282,7 +287,8 @@ class ServerThread:
     def __init__(self, llm, model_name: str | None = None, host: str = "127.0.0.1", port: int | None = None,
                  peak=None, log_level: str = "warning", profile_dir: str | None = None, api_keys=None,
                  kv_transfer_secret: str | None = None, tool_call_parser: str | None = None, limits=None,
-                 reasoning_parser: str | None = None, responses_store=None, media=None):
+                 reasoning_parser: str | None = None, responses_store=None, media=None,
+                 allow_lora_updates: bool = False):
         import uvicorn
 
         self.app, self.async_engine, self.metrics = build_stack(llm, model_name, peak=peak,
@@ -290,7 +296,8 @@ class ServerThread:
                                                                 kv_transfer_secret=kv_transfer_secret,
                                                                 tool_call_parser=tool_call_parser, limits=limits,
                                                                 reasoning_parser=reasoning_parser,
-                                                                responses_store=responses_store, media=media)
+                                                                responses_store=responses_store, media=media,
+                                                                allow_lora_updates=allow_lora_updates)
         self.model_name = model_name or default_model_name(llm)
         self.host, self.port = host, port or free_port(host)
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level=log_level,
@@ -425,7 +432,8 @@ def main(argv) -> None:
                                                media=MediaOptions(allowed_domains=tuple(
                                                    d.strip().lower() for d in FLAGS.allowed_media_domains if d.strip()),
                                                    max_bytes=FLAGS.media_max_bytes,
-                                                   fetch_timeout_s=FLAGS.media_fetch_timeout_s))
+                                                   fetch_timeout_s=FLAGS.media_fetch_timeout_s),
+                                               allow_lora_updates=FLAGS.allow_runtime_lora_updating)
     if FLAGS.profile_dir:
         log.info("profiling: POST /start_profile and /stop_profile write traces under %s", FLAGS.profile_dir)
     if llm.multihost is not None:

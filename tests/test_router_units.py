@@ -151,6 +151,22 @@ def test_kv_aware_follows_the_prefix_until_load_outweighs_it():
     assert r.choose(ws, [turn2]).worker != first.worker
 
 
+def test_kv_aware_keeps_an_adapters_requests_together():
+    """The request's model (a LoRA adapter's name on the workers) keys its blocks: an adapter's next turn
+    follows its first, and another adapter's (or the base model's) identical prompt matches nothing there."""
+    r = Router("kv_aware", page_size=4, load_weight=0.1)
+    ws = _workers(3)
+    prompt = list(range(1, 30))
+    first = r.choose(ws, [prompt], model="sql")
+    r.record(first.worker, [prompt], model="sql")
+    assert r.choose(ws, [prompt + [7, 8, 9, 10]], model="sql").matched_blocks == len(prompt) // 4
+    assert r.choose(ws, [prompt + [7]], model="sql").worker == first.worker
+    assert r.choose(ws, [prompt], model="chat").matched_blocks == 0
+    assert r.choose(ws, [prompt]).matched_blocks == 0
+    assert block_hashes(prompt, 4, model="sql") != block_hashes(prompt, 4, model="chat") != block_hashes(prompt, 4)
+    assert block_hashes(prompt, 4, "tenant", "sql") != block_hashes(prompt, 4, None, "sql")
+
+
 def test_unknown_policy_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown policy 'random'"):
         Router("random", page_size=16)

@@ -37,7 +37,7 @@ from serving.api.chat_template import IMAGE_SENTINEL, ChatTemplateError, encode_
 from serving.api.media import MediaLoader, MediaOptions
 from serving.api import tool_calls as T
 from serving.api.http_auth import APIKeys
-from serving.api import openai_fields
+from serving.api import lora_routes, openai_fields
 from serving.api import reasoning as R
 from serving.api.profiling import TraceControl
 from serving.api.responses_store import ResponseStore
@@ -71,7 +71,9 @@ class ServingContext:
     # --- request checks --------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        """The request's `model` must be the base model or a loaded LoRA adapter, which the request then
+        runs with (`serving.api.lora_routes`)."""
+        if not lora_routes.resolve_model(self.engine, self.model_name, model):
             raise P.APIError(f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                              param="model", code="model_not_found")
 
@@ -234,7 +236,7 @@ class ServingContext:
             try:
                 async for out in self.engine.generate(prompts[i], params, ids[i], cache_salt=cache_salt,
                                                       priority=getattr(req, "priority", 0),
-                                                      **kv_transfer.engine_kwargs()):
+                                                      **kv_transfer.engine_kwargs(), **lora_routes.engine_kwargs()):
                     queue.put_nowait((i, out))
             except InvalidParameterError as e:
                 queue.put_nowait((i, self.api_error(e, kind, req)))
@@ -366,12 +368,13 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
                vocab_size: int | None = None, profile_dir: str | None = None, api_keys: APIKeys | None = None,
                kv_transfer_secret: str | None = None, tool_call_parser: str | None = None,
                reasoning_parser: str | None = None, responses_store=None,
-               media: MediaOptions | None = None) -> FastAPI:
+               media: MediaOptions | None = None, allow_lora_updates: bool = False) -> FastAPI:
     """The FastAPI app serving `engine` (an `AsyncEngine`) under the name `model_name`.
 
     `api_keys` guards the OpenAI and profiling routes (`serving.api.http_auth`); the internal KV
     routes of disaggregated serving are mounted only with a `kv_transfer_secret`, which signs
-    and verifies their payloads (`serving.disaggregation.disagg`).
+    and verifies their payloads (`serving.disaggregation.disagg`). `allow_lora_updates` mounts
+    `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (`serving.api.lora_routes`).
     """
     ctx = ServingContext(engine, tokenizer, model_name, max_model_len, metrics, vocab_size, api_keys, tool_call_parser,
                          reasoning_parser, media)
@@ -432,7 +435,8 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
 
     @app.get("/v1/models", dependencies=keyed)
     async def models():
-        return P.ModelList(data=[P.ModelCard(id=model_name, max_model_len=max_model_len)])
+        return P.ModelList(data=[P.ModelCard(id=model_name, max_model_len=max_model_len)]
+                           + lora_routes.adapter_cards(engine, model_name, max_model_len))
 
     @app.get("/metrics")
     async def metrics_route():
@@ -529,6 +533,8 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
     from serving.api.utility_routes import add_utility_routes
 
     add_utility_routes(app, ctx, keyed)  # /tokenize, /detokenize, /version, /v1/models/{id}
+    if allow_lora_updates:
+        lora_routes.add_lora_routes(app, ctx, keyed)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
 
     from serving.api.responses_api import add_responses_routes
 

@@ -244,6 +244,7 @@ class Metric:
     value: Callable
     buckets: object = None
     labels: tuple = ()  # labels beyond the standard ones
+    bare: bool = False  # no standard labels either (vLLM's `lora_requests_info` has only its own)
 
     @property
     def is_vllm(self) -> bool:
@@ -251,6 +252,8 @@ class Metric:
 
     @property
     def standard_labels(self) -> tuple[str, ...]:
+        if self.bare:
+            return ()
         return ("model_name", "engine") if self.is_vllm else ("model_name",)
 
 
@@ -287,6 +290,22 @@ def _host_kv(field):
     (the row left out) when the engine runs no tier."""
     read = field if callable(field) else (lambda h: getattr(h, field))
     return lambda s: None if getattr(s, "host_kv", None) is None else read(s.host_kv)
+
+
+def _lora_info(s):
+    """vLLM's `lora_requests_info`: its labels name the adapters of running and of waiting requests
+    (comma-separated) and `max_lora`; its value is the time they were read, as vLLM sets it. Routers
+    (the Gateway API inference extension, llm-d, Dynamo) read it to send an adapter's requests where
+    it is loaded."""
+    info = getattr(s, "lora", None)
+    if info is None:
+        return None
+    return {(info["running_lora_adapters"], info["waiting_lora_adapters"], info["max_lora"]): time.time()}
+
+
+def _lora_requests(s):
+    info = getattr(s, "lora", None)
+    return None if info is None else {(name,): n for name, n in sorted(info["requests_total"].items())}
 
 
 METRICS: tuple[Metric, ...] = (
@@ -370,6 +389,11 @@ METRICS: tuple[Metric, ...] = (
            "bytes read per second / peak device bandwidth.", lambda s: s.utilization and s.utilization[0]),
     Metric(PREFIX + "model_flops_utilization", "gauge", "MFU over the last window: model FLOPs per second / peak "
            "dense bf16 FLOP/s.", lambda s: s.utilization and s.utilization[1]),
+    Metric(VLLM + "lora_requests_info", "gauge", "Running stats on lora requests.", _lora_info,
+           labels=("running_lora_adapters", "waiting_lora_adapters", "max_lora"), bare=True),
+    # --- what vLLM does not export (continued): LoRA requests per adapter, then the host KV tier
+    Metric(PREFIX + "lora_requests", "counter", "Requests admitted per LoRA adapter.", _lora_requests,
+           labels=("lora_name",)),
     # --- the host KV tier (--kv_offload_bytes): present only when the engine runs one
     Metric(PREFIX + "host_kv_cache_pages_used", "gauge", "Pages held by the host KV tier.", _host_kv("used_pages")),
     Metric(PREFIX + "host_kv_cache_pages_total", "gauge", "Pages the host KV tier holds at most.",
@@ -441,6 +465,8 @@ class ServerMetrics:
         self.registry.register(_SnapshotCollector(self))
 
     def label_values(self, m: Metric) -> list[str]:
+        if m.bare:
+            return []
         return [self.model_name, self.ENGINE_INDEX] if m.is_vllm else [self.model_name]
 
     # Called on the engine thread after every step.

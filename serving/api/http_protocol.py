@@ -304,6 +304,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "ridgeline"
     max_model_len: Optional[int] = None
+    root: Optional[str] = None  # a LoRA adapter's path
+    parent: Optional[str] = None  # a LoRA adapter's base model
 
 
 class TokenizeRequest(_Request):

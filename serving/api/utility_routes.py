@@ -11,7 +11,7 @@ from importlib import metadata
 
 from fastapi import FastAPI
 
-from serving.api import http_protocol as P
+from serving.api import http_protocol as P, lora_routes
 
 
 def server_version() -> str:
@@ -56,6 +56,9 @@ def add_utility_routes(app: FastAPI, ctx, keyed: list) -> None:
 
     @app.get("/v1/models/{model_id:path}", dependencies=keyed)
     async def model_card(model_id: str):
+        adapters = {card.id: card for card in lora_routes.adapter_cards(ctx.engine, ctx.model_name, ctx.max_model_len)}
+        if model_id in adapters:
+            return adapters[model_id]
         if model_id != ctx.model_name:
             raise P.APIError(f"The model `{model_id}` does not exist; this server serves `{ctx.model_name}`.",
                              status=404, param="model", code="model_not_found")

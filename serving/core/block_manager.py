@@ -81,6 +81,14 @@ def salt_digest(cache_salt: Optional[str]) -> Optional[bytes]:
     return hashlib.blake2b(b"cache_salt\0" + cache_salt.encode("utf-8"), digest_size=16).digest()
 
 
+def adapter_digest(parent: Optional[bytes], adapter: bytes) -> bytes:
+    """The parent digest of the first block of a request run with a LoRA adapter whose weights are named
+    by `adapter` (a digest of them), chained from the request's salt root `parent` (None: unsalted).
+    K/V computed under one adapter's weights is valid for none other, nor for the base model, so its
+    pages get names of their own: no hit across adapters or with the base."""
+    return hashlib.blake2b(b"lora\0" + (parent or b"root") + adapter, digest_size=16).digest()
+
+
 NO_PAGE = -1  # a block-table entry whose page was released (before the sliding window)
 
 

@@ -29,11 +29,12 @@ from model.generation_config import GenerationDefaults
 from model.quant import check_kv_cache_dtype, check_weight_dtype, kv_cache_dtype
 from model.quantize import quantize_params
 from serving.core import compute_dtype, engine_args, sampling_controls
-from serving.core.block_manager import BlockManager, is_cache_salt, releasing_window
+from serving.core.block_manager import BlockManager, adapter_digest, is_cache_salt, releasing_window
 from serving.core.input_batch import Buckets, pack_step, sampling_row
 from serving.core.model_runner import ModelRunner
 from serving.core.multimodal import Multimodal
 from serving.core.kv_pool import default_num_pages
+from serving.core.lora_manager import LoraManager, UnknownLoraError
 from serving.core.output_processor import OutputProcessor
 from serving.core.outputs import RequestOutput
 from serving.core.sampling_params import InvalidParameterError, SamplingParams, with_defaults
@@ -111,7 +112,8 @@ class Engine:
                                              control_slots=config.max_num_seqs,
                                              verify=config.speculative_method is not None,
                                              draft_rows=config.max_num_seqs * config.num_speculative_tokens
-                                             if config.speculative_method == "draft" else 0)
+                                             if config.speculative_method == "draft" else 0,
+                                             **self._lora_slots(config))
         # Slots of the per-request rows of logit bias, penalties, ... (serving.core.sampling_controls).
         self.control_slots = None
         if getattr(self.runner, "controls", None) is not None:
@@ -119,7 +121,16 @@ class Engine:
         self.block_manager = BlockManager(num_pages, ps, config.enable_prefix_caching,
                                           window=None if config.speculative_method else releasing_window(cfg))
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, model_len,
-                                                   rows, config.scheduling_policy), self.block_manager)
+                                                   rows, policy=config.scheduling_policy,
+                                                   max_loras=config.max_loras if config.enable_lora else None),
+                                   self.block_manager)
+        # LoRA adapters: registered, host-loaded and in device slots (None without enable_lora).
+        self.lora = None
+        if config.enable_lora:
+            if getattr(self.runner, "lora", None) is None:
+                raise ValueError("enable_lora needs a model runner with LoRA slots (the pipeline-parallel runner has none)")
+            self.lora = LoraManager(cfg, self.runner, max_loras=config.max_loras,
+                                    max_lora_rank=config.max_lora_rank, max_cpu_loras=config.max_cpu_loras)
         self.spec = None  # the speculative-decoding part
         if config.speculative_method is not None:
             if speculator is None:
@@ -151,8 +162,8 @@ class Engine:
         if self.host_tier is not None:  # an import's write must not land on a page before it is copied out
             self.imports.before_write = self.host_tier.flush
         # The features that act inside a step, called in this order in each phase (`step_parts`).
-        self.parts = ([self.host_tier] if self.host_tier is not None else []) + [self.imports] + (
-            [self.spec] if self.spec is not None else [])
+        self.parts = (([self.host_tier] if self.host_tier is not None else []) + [self.imports]
+                      + ([self.spec] if self.spec is not None else []) + ([self.lora] if self.lora is not None else []))
         # Image inputs of a vision-language model: admission-time encoding, per-step rows (`multimodal`).
         self.multimodal = None
         if cfg.vision is not None:
@@ -186,15 +197,24 @@ class Engine:
         return HostKVTier(self.block_manager, self.scheduler, self.runner, self.cfg, self.cache_dtype, capacity,
                           config.preemption_mode)
 
+    @staticmethod
+    def _lora_slots(config) -> dict:
+        """The runner's LoRA slot arguments (none without enable_lora)."""
+        if not config.enable_lora:
+            return {}
+        return {"max_loras": config.max_loras, "max_lora_rank": config.max_lora_rank}
+
     # --- requests ------------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
                      arrival_time: Optional[float] = None, cache_salt: Optional[str] = None,
-                     priority: int = 0) -> Request:
+                     priority: int = 0, lora_name: Optional[str] = None) -> Request:
         """Validates and tokenizes a request without queueing it (thread-safe).
 
         `cache_salt` (or a dict prompt's "cache_salt", as vLLM's prompts carry it) isolates the
         request's prefix-cache pages: only requests with the same salt share them. `priority`: lower
-        runs first under `scheduling_policy="priority"`; under "fcfs" only 0 is accepted.
+        runs first under `scheduling_policy="priority"`; under "fcfs" only 0 is accepted. `lora_name`:
+        the registered LoRA adapter the request runs with (None: the base model); its pages are keyed
+        by the adapter's weights too.
         """
         params = (params or self.default_sampling_params).clone()
         params.validate(self.cfg.vocab_size)
@@ -232,6 +252,9 @@ class Engine:
         req.structured = self._grammar(params)
         if sampling_controls.used_fields(params):
             req.control_rows = self._control_rows(req)
+        if lora_name is not None:  # last: from here on the request holds its adapter until it leaves
+            req.lora_name, req.lora_digest = lora_name, self._acquire_lora(lora_name)
+            req.hash_root = adapter_digest(req.hash_root, req.lora_digest)
         return req
 
     def _check_priority(self, priority) -> None:
@@ -243,6 +266,15 @@ class Engine:
             raise InvalidParameterError("priority", f"priority: {priority} given, but the server schedules "
                                                     f"'{self.config.scheduling_policy}' (start it with "
                                                     "scheduling_policy=priority to honour priorities)")
+
+    def _acquire_lora(self, name: str) -> bytes:
+        if self.lora is None:
+            raise InvalidParameterError("lora_request", f"lora_request: {name!r} names a LoRA adapter, but this engine "
+                                                        "serves none (enable_lora is off)")
+        try:
+            return self.lora.acquire(name)
+        except UnknownLoraError as e:
+            raise InvalidParameterError("lora_request", f"lora_request: {e}") from None
 
     def _grammar(self, params: SamplingParams):
         """The request's compiled grammar (structured outputs), or None; a 400 when it cannot be used.
@@ -328,6 +360,7 @@ class Engine:
 
     def enqueue(self, req: Request) -> None:
         if req.request_id in self.requests:
+            self.release_lora(req)
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
         if req.kv_import is not None:  # its prompt's K/V arrives with it
@@ -337,8 +370,9 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
                     arrival_time: Optional[float] = None, stream: bool = False,
-                    cache_salt: Optional[str] = None, priority: int = 0) -> Request:
-        req = self.make_request(request_id, prompt, params, arrival_time, cache_salt, priority)
+                    cache_salt: Optional[str] = None, priority: int = 0,
+                    lora_name: Optional[str] = None) -> Request:
+        req = self.make_request(request_id, prompt, params, arrival_time, cache_salt, priority, lora_name)
         req.stream = stream
         self.enqueue(req)
         return req
@@ -352,6 +386,7 @@ class Engine:
             if req is None:
                 continue
             self.imports.discard(req)
+            self.release_lora(req)
             for seq in req.seqs:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, "abort")
@@ -425,8 +460,9 @@ class Engine:
             self.runner.copy_pages(out.copies)
         previous = self._in_flight.batch.draw_rows if self._in_flight is not None else None
         slots = self._assign_control_slots(out) if self.control_slots is not None else None
+        lora_slots = self.lora.assign(out.scheduled, self.scheduler.running) if self.lora is not None else None
         batch = pack_step(out, self.block_manager.tables, self.buckets, self.config.page_size, self.num_pages,
-                          previous, slots, shape_for=self.runner.step_shape)
+                          previous, slots, shape_for=self.runner.step_shape, lora_slots=lora_slots)
         batch.token_mask = structured_output.batch_mask(batch, self.structured.width)
         for part in self.parts:
             part.pack(batch)
@@ -480,7 +516,8 @@ class Engine:
                 req.metrics.finished_time = now
                 it.finished.append(self._finished_stats(req, reason, now))
                 self.stats_log.count_finished(reason)
-                self.requests.pop(req.request_id, None)
+                if self.requests.pop(req.request_id, None) is not None:
+                    self.release_lora(req)
             if finished or req.stream:
                 outputs.append(self.outputs.make_output(req))
         it.finished.extend(self._pending_finished)
@@ -496,6 +533,12 @@ class Engine:
             self.runner.load_controls(slot, sampling_controls.host_row(seq.request.control_rows,
                                                                        seq.output_token_ids, self.cfg.vocab_size))
         return slots
+
+    def release_lora(self, req: Request) -> None:
+        """A request made by `make_request` leaves the engine (or is dropped before it is queued): it lets go
+        of its LoRA adapter."""
+        if self.lora is not None:
+            self.lora.release(req.lora_name)
 
     def _finished_stats(self, req: Request, reason: str, now: float) -> FinishedRequestStats:
         m = req.metrics
@@ -543,7 +586,9 @@ class Engine:
             page_size=self.config.page_size, warmup=self.runner.warmup_stats(),
             spec_decode=None if self.spec is None else dataclasses.replace(
                 self.spec.stats, accepted_per_position=list(self.spec.stats.accepted_per_position)),
-            host_kv=None if self.host_tier is None else self.host_tier.snapshot())
+            host_kv=None if self.host_tier is None else self.host_tier.snapshot(),
+            lora=None if self.lora is None else self.lora.info(list(self.scheduler.running),
+                                                               list(self.scheduler.waiting)))
 
     def warm_up(self, background: bool = False) -> dict:
         """Compiles every step shape, so serving never compiles; returns seconds and counts. With

@@ -130,6 +130,19 @@ OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("encoder_cache_mb", int, 256,
                  "Host memory (MiB) for image encoder outputs kept by image content digest, so a repeated "
                  "image is encoded once (a vision-language model)."),
+    EngineOption("enable_lora", bool, False,
+                 "Serve LoRA adapters (PEFT format) on the base model: requests pick one by name (the OpenAI "
+                 "routes' model, LLM.generate's lora_request); one step mixes base rows and up to max_loras "
+                 "adapters."),
+    EngineOption("max_loras", int, 1, "Most distinct LoRA adapters in one step (device slots, each padded to "
+                                      "max_lora_rank; with enable_lora)."),
+    EngineOption("max_lora_rank", int, 16, "Largest LoRA rank served; a higher-rank adapter is refused."),
+    EngineOption("max_cpu_loras", Optional[int], None,
+                 "LoRA adapters kept loaded in host memory (LRU; an evicted one is read again from its path when "
+                 "used); default: max_loras."),
+    EngineOption("lora_modules", Optional[str], None,
+                 "LoRA adapters registered at start, name=path[,name=path...] (PEFT directories; with "
+                 "enable_lora).", engine_config=False),
     EngineOption("tensor_parallel_size", int, 1, "Devices to shard the model over (tensor parallelism).",
                  engine_config=False),
     EngineOption("pipeline_parallel_size", int, 1,

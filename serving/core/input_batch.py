@@ -125,7 +125,7 @@ class StepShape:
                 ("tokens", T), ("feed_rows", T), ("positions", T), ("slots", T), ("cu_q_lens", S + 1), ("kv_lens", S),
                 ("block_tables", S * P), ("num_seqs", 1), ("logits_indices", S), ("sample_index", S),
                 ("token_index", S), ("target", S), ("control_slot", S), ("draft_token", S), ("group_start", S),
-                ("q_index", S), ("flags", NUM_FLAGS)) + sampling_table.buffer_fields(np.int32, S)
+                ("q_index", S), ("flags", NUM_FLAGS), ("lora_slot", T)) + sampling_table.buffer_fields(np.int32, S)
 
     @property
     def float_fields(self):
@@ -169,6 +169,7 @@ class StepShape:
         v["draft_token"][:] = -1  # no drafts: every row its own group
         v["group_start"][:] = np.arange(self.S)
         v["q_index"][:] = -1
+        v["lora_slot"][:] = -1  # every token runs the base model alone (`model.lora`)
         sampling_table.reset(v)
         return ibuf, fbuf, v
 
@@ -205,7 +206,7 @@ def sampling_row(request) -> dict:
 
 def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: int, num_pages: int,
               previous_draw_rows: Optional[dict] = None, control_slots: Optional[dict] = None,
-              shape_for=None) -> StepBatch:
+              shape_for=None, lora_slots: Optional[dict] = None) -> StepBatch:
     """The padded host buffers of one scheduled step. `previous_draw_rows` is the `draw_rows` of the
     step dispatched just before (overlapped scheduling): a decode whose last token that step is
     still drawing reads it from there on the device. `control_slots`: {seq_id: its slot of
@@ -213,7 +214,8 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
     may hand out a larger bucket than the step's own (one that is compiled already,
     `ModelRunner.step_shape`). A sequence with speculative drafts gets one row per draft and one
     more; where the draft model's distributions of its drafts are (`q_index`) is the speculative
-    part's to add (`SpecDecoder.pack`)."""
+    part's to add (`SpecDecoder.pack`). `lora_slots`: {adapter name: its slot} for the step's requests
+    that use a LoRA adapter (`serving.core.lora_manager`); their tokens carry the slot (`lora_slot`)."""
     items = out.scheduled
     n = len(items)
     n_new = np.fromiter((it.num_new_tokens for it in items), np.int64, n)
@@ -248,6 +250,11 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
                      cu_q_lens=v["cu_q_lens"], kv_lens=v["kv_lens"], block_tables=v["block_tables"])
     first = cu - n_new
     kv_lens = starts + n_new
+    if lora_slots:
+        for i, it in enumerate(items):
+            name = it.seq.request.lora_name
+            if name is not None:
+                v["lora_slot"][first[i]:cu[i]] = lora_slots[name]
     v["num_seqs"][0] = n
 
     sample_rows: list[tuple[Sequence, int]] = []

@@ -31,6 +31,7 @@ from model.cache import BatchMetadata, StackedKVCache, cache_builder, cache_byte
 from model.config import ModelConfig
 from model.forward import forward
 from model.layer_select import selects_layers
+from model import lora as lora_model
 from model.params import param_bytes, stack_layers
 from serving.core.input_batch import Buckets, StepShape, StepBatch
 from serving.core import executable_store, rejection_sampler, sampling_controls
@@ -64,8 +65,8 @@ def feed_tokens(tokens, feed_rows, feed):
     return jnp.where(feed_rows >= 0, feed[jnp.maximum(feed_rows, 0)], tokens)
 
 
-def _step(params, cache, ibuf, fbuf, feed=None, controls=None, token_mask=None, draft_probs=None, *, cfg: ModelConfig,
-          backend: str, shape: StepShape, layout=None, verify: bool = False):
+def _step(params, cache, ibuf, fbuf, feed=None, controls=None, token_mask=None, draft_probs=None, lora=None, *,
+          cfg: ModelConfig, backend: str, shape: StepShape, layout=None, verify: bool = False, lora_rank: int = 0):
     """One engine step: forward over the ragged batch, then each logit row's token.
 
     Every feature a row can need is an input of this one program:
@@ -80,11 +81,15 @@ def _step(params, cache, ibuf, fbuf, feed=None, controls=None, token_mask=None, 
       `draft_token` / `group_start` / `q_index` fields, `draft_probs` the draft model's distributions
       or None for point-mass drafts): acceptance runs here (`rejection_sampler`), rows after a
       sequence's first rejection come back as -1, and the mask and controls of row j see drafts
-      0..j-1 as already drawn. Rows without drafts are sampled exactly as without `verify`.
+      0..j-1 as already drawn. Rows without drafts are sampled exactly as without `verify`;
+    * `lora` (the LoRA adapter slots, `model.lora.declare_slots`, padded to `lora_rank`): each token's
+      `lora_slot` picks its adapter inside every target projection (`model.lora.attach`).
     """
     v = shape.split(ibuf, fbuf)
     md, s = unpack_step(v)
     tokens = v["tokens"] if feed is None else feed_tokens(v["tokens"], v["feed_rows"], feed)
+    if lora is not None:
+        params = lora_model.attach(params, lora, v["lora_slot"], lora_rank)
     if hasattr(layout, "forward"):  # a layout with a forward of its own (pipeline stages)
         logits, cache = layout.forward(params, cache, tokens, md, cfg, backend)
     else:  # a vision-language model's steps carry the embeddings of image placeholder rows
@@ -118,7 +123,8 @@ def _step(params, cache, ibuf, fbuf, feed=None, controls=None, token_mask=None, 
 
 
 # Module level, so engines with the same model and buckets share compilations.
-_step_jit = jax.jit(_step, static_argnames=("cfg", "backend", "shape", "layout", "verify"), donate_argnums=(1, 5))
+_step_jit = jax.jit(_step, static_argnames=("cfg", "backend", "shape", "layout", "verify", "lora_rank"),
+                    donate_argnums=(1, 5))
 
 
 def _copy_pages(cache, src, dst):
@@ -156,6 +162,9 @@ def _stacked(layer):
 
 
 _copy_jit = jax.jit(_copy_pages, donate_argnums=(0,))
+# Writes one LoRA slot (a traced index, so any slot, any adapter: one program). Not donated: with overlapped
+# scheduling the step still in flight may read the slot being replaced, and keeps the arrays it was given.
+_write_lora_jit = jax.jit(lora_model.write_slot)
 
 
 @functools.cache
@@ -181,12 +190,12 @@ def _program(ref: tuple[str, str]):
 def compilation_count() -> int:
     """Executables compiled so far for the step and page-copy functions (all runners)."""
     return (_step_jit._cache_size() + _copy_jit._cache_size() + sampling_controls.load_jit._cache_size()
-            + compiled_total() + executable_store.functions_compiled())
+            + _write_lora_jit._cache_size() + compiled_total() + executable_store.functions_compiled())
 
 
 # What `ModelRunner._program_key` holds, in order: `StepPrograms.why` names a recompile's cause by these.
 PROGRAM_KEY_FIELDS = ("program", "model config", "attention backend", "layout", "bucket", "verifies drafts",
-                      "argument signature (tree, then shape, dtype and sharding of each leaf)")
+                      "LoRA rank", "argument signature (tree, then shape, dtype and sharding of each leaf)")
 
 
 class StepResult:
@@ -220,12 +229,14 @@ class PendingStep:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int, buckets: Buckets,
                  backend: str = "auto", cache_dtype=None, layout=None, control_slots: int = 0,
-                 scan_layers: bool = False, verify: bool = False, draft_rows: int = 0):
+                 scan_layers: bool = False, verify: bool = False, draft_rows: int = 0, max_loras: int = 0,
+                 max_lora_rank: int = 0):
         """`control_slots`: how many running sequences may use `sampling_controls` at once (0: none;
         the state then does not exist). `scan_layers`: stack the
         layers' weights and KV pages so the step scans over layers (`model.forward`), compiling one
         layer body whatever the depth. `verify`: steps check speculative drafts (`_step`); `draft_rows`:
-        rows of the draft model's distributions a step takes (0: drafts are point masses)."""
+        rows of the draft model's distributions a step takes (0: drafts are point masses). `max_loras`:
+        LoRA adapter slots every step takes as an input, each padded to `max_lora_rank` (0: none)."""
         self.cfg = cfg
         self.scan_layers = scan_layers
         self.verify = verify
@@ -250,6 +261,8 @@ class ModelRunner:
         if control_slots > 0:
             # placed like the feed: on the one device, or replicated over the layout's mesh
             self.controls = self._place_feed(sampling_controls.init_state(control_slots, cfg.vocab_size))
+        self.lora_rank = max_lora_rank if max_loras > 0 else 0
+        self.lora = self._place_lora(max_loras) if max_loras > 0 else None  # the adapter slots (`load_lora`)
 
     # --- placement: the one hook for shardings -----------------------------------------------
     def place(self, params, cache_dtype=None):
@@ -357,7 +370,7 @@ class ModelRunner:
         ibuf, fbuf = self._host_inputs(ibuf, fbuf)
         mask = self._all_allowed(shape.S) if token_mask is None else self._place_mask(token_mask)
         args = (self.params, self.cache, ibuf, fbuf, self.feed, self.controls, mask,
-                self.no_drafts if draft_probs is None else draft_probs)
+                self.no_drafts if draft_probs is None else draft_probs, self.lora)
         # One compile path: a mesh spanning processes compiles here too, every process in the order of
         # the steps it runs (no background thread there, and no executables stored: `warm_up`).
         self.cache, ids, lp, self.feed, self.controls = self.programs.get(shape)(*args)
@@ -368,27 +381,27 @@ class ModelRunner:
         (taken once, so a compile in another thread never touches arrays a running step donates)."""
         if self._specs is None:
             self._specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                       (self.params, self.cache, self.feed, self.controls, self.no_drafts))
-        params, cache, feed, controls, no_drafts = self._specs
+                                       (self.params, self.cache, self.feed, self.controls, self.no_drafts, self.lora))
+        params, cache, feed, controls, no_drafts, lora = self._specs
         sharding = None if self.layout is None else self.layout.replicated
         (_, isize), (_, fsize) = shape.offsets(shape.int_fields), shape.offsets(shape.float_fields)
         ibuf = jax.ShapeDtypeStruct((isize,), np.int32, sharding=sharding)
         fbuf = jax.ShapeDtypeStruct((fsize,), np.float32, sharding=sharding)
         mask = jax.ShapeDtypeStruct((shape.S, bitmask_width(self.cfg.vocab_size)), np.int32,
                                     sharding=sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-        return params, cache, ibuf, fbuf, feed, controls, mask, no_drafts
+        return params, cache, ibuf, fbuf, feed, controls, mask, no_drafts, lora
 
     def _lower_step(self, shape: StepShape):
         return _step_jit.lower(*self._abstract_inputs(shape), cfg=self.cfg, backend=self.backend, shape=shape,
-                               layout=self.layout, verify=self.verify)
+                               layout=self.layout, verify=self.verify, lora_rank=self.lora_rank)
 
     def _program_key(self, shape: StepShape):
         """Everything the step program of `shape` depends on (`PROGRAM_KEY_FIELDS` names each part)."""
-        params, cache, _, _, feed, controls, _, no_drafts = self._abstract_inputs(shape)
+        params, cache, _, _, feed, controls, _, no_drafts, lora = self._abstract_inputs(shape)
         if self._signature is None:
-            leaves, treedef = jax.tree.flatten((params, cache, feed, controls, no_drafts))
+            leaves, treedef = jax.tree.flatten((params, cache, feed, controls, no_drafts, lora))
             self._signature = (treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves))
-        return ("step", self.cfg, self.backend, self.layout, shape, self.verify, self._signature)
+        return ("step", self.cfg, self.backend, self.layout, shape, self.verify, self.lora_rank, self._signature)
 
     _specs = None
     _signature = None
@@ -415,6 +428,28 @@ class ModelRunner:
             ones = np.full((rows, bitmask_width(self.cfg.vocab_size)), -1, np.int32)
             self._all_allowed_masks[rows] = self._place_mask(ones)
         return self._all_allowed_masks[rows]
+
+    # --- LoRA adapter slots (model.lora, serving.core.lora_manager) -------------------------------
+    def _place_lora(self, max_loras: int):
+        """Every slot empty (all zeros), each array sharded like its base weight."""
+        if self._spans_processes():
+            raise ValueError("LoRA adapters are not served on a mesh spanning processes (slot loads are not "
+                             "replayed on the other processes)")
+        if hasattr(self.layout, "forward"):
+            raise ValueError("LoRA adapters are not served with pipeline stages")
+        decl = lora_model.declare_slots(self.cfg, max_loras, self.lora_rank, self.cfg.jnp_dtype)
+        self._lora_shardings = lora_model.slot_shardings(self.params, decl)
+        if self._lora_shardings is None:
+            self._lora_shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), decl)
+        return lora_model.zeros_like_tree(decl, self._lora_shardings)
+
+    def load_lora(self, slot: int, contents: dict) -> None:
+        """Writes one adapter slot (`model.lora.slot_arrays`: the adapter's A/B padded to the slot rank, all
+        zeros to empty it) before the next step reads it. Data only: no step recompiles."""
+        contents = jax.tree.map(lambda x: np.asarray(x, self.cfg.jnp_dtype), contents)
+        lora = executable_store.call(_write_lora_jit, "write-lora-slot", self._small_programs, self.lora,
+                                     np.int32(slot), contents)
+        self.lora = jax.device_put(lora, self._lora_shardings)  # (a no-op where the write kept them)
 
     # --- sampling controls (serving.core.sampling_controls) --------------------------------------
     def load_controls(self, slot: int, row: tuple) -> None:
@@ -527,6 +562,8 @@ class ModelRunner:
         size = self.max_copy_pairs
         self._copy(np.zeros(size, np.int32), np.full(size, self.num_pages, np.int32))
         self._warm_up_controls()
+        if self.lora is not None:  # an empty adapter into slot 0, which nothing holds yet
+            self.load_lora(0, lora_model.slot_arrays(None, self.cfg, self.lora_rank, np.float32))
 
     def _warm_up_controls(self) -> None:
         if self.controls is not None:  # slot 0 written as it starts (nothing holds it yet)

@@ -56,6 +56,8 @@ class SchedulerConfig:
     max_model_len: int
     max_logit_rows: int | None = None  # defaults to max_num_seqs
     policy: str = "fcfs"  # one of POLICIES
+    # LoRA: the most distinct adapters among running sequences (the device's adapter slots); None: no limit.
+    max_loras: int | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -146,7 +148,7 @@ class Scheduler:
         the caller writes the rest of the K/V; None when no seat or pages are free now, in which
         case nothing changed. Raises `PoolTooSmall` when even an idle pool cannot hold it.
         """
-        if self.num_seats_running + seq.num_seats > self.config.max_num_seqs:
+        if self.num_seats_running + seq.num_seats > self.config.max_num_seqs or not self._adapter_fits(seq):
             return None
         n = seq.num_prompt_tokens
         hits = self.bm.lookup_prefix(seq)
@@ -250,6 +252,15 @@ class Scheduler:
             seq.num_output_tokens + seq.num_pending < seq.params.max_tokens
             and seq.num_tokens_with_pending < self.config.max_model_len)
 
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Whether admitting `seq` keeps the running sequences' distinct LoRA adapters within
+        `max_loras`, so that every step's adapters fit the device slots."""
+        name = seq.request.lora_name
+        if name is None or self.config.max_loras is None:
+            return True
+        active = {s.request.lora_name for s in self.running} - {None}
+        return name in active or len(active) < self.config.max_loras
+
     def _preempt(self, seq: Sequence) -> None:
         if self.on_preempt is not None:
             self.on_preempt(seq)
@@ -329,8 +340,8 @@ class Scheduler:
         seats = self.num_seats_running
         while self.waiting and not preempted and budget > 0 and rows_left > 0:
             seq = self.waiting[0]
-            if seats + seq.num_seats > cfg.max_num_seqs or seq.num_in_flight:
-                break  # (a preempted sequence waits for its last step to be processed)
+            if seats + seq.num_seats > cfg.max_num_seqs or seq.num_in_flight or not self._adapter_fits(seq):
+                break  # (a preempted sequence waits for its last step to be processed; FIFO behind an adapter)
             hits = [] if seq.wants_prompt_logprobs else self.bm.lookup_prefix(seq)
             start = len(hits) * self.bm.page_size
             item = self._plan(seq, start, budget, rows_left)

@@ -165,6 +165,10 @@ class Request:
         # Image inputs (`serving.core.multimodal.RequestImages`): where each image's placeholder tokens
         # are, its digest and encoder output, the prompt's multimodal positions; None for a text prompt.
         self.images = None
+        # The LoRA adapter the request runs with (its name; None: the base model). Its pages are keyed by
+        # the adapter too (`hash_root`, set by the engine with it).
+        self.lora_name: Optional[str] = None
+        self.lora_digest: Optional[bytes] = None  # the digest of that adapter's weights
 
     @property
     def is_finished(self) -> bool:

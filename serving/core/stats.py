@@ -74,6 +74,7 @@ class EngineStats:
     page_size: int = 0  # tokens per KV page (what a router needs to name this engine's cached blocks)
     warmup: Optional[object] = None  # step_programs.WarmupStats: compiled buckets, larger-bucket steps
     host_kv: Optional[object] = None  # host_kv_tier.HostTierStats when the host KV tier is on
+    lora: Optional[dict] = None  # LoRA adapters in use and requests per adapter (`LoraManager.info`), when served
 
     @property
     def kv_cache_usage(self) -> float:

@@ -92,7 +92,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serving.api import http_protocol as P
-from serving.api import openai_fields
+from serving.api import lora_routes, openai_fields
 from serving.disaggregation import kv_wire
 from serving.core.sampling_params import InvalidParameterError
 
@@ -294,7 +294,7 @@ def add_kv_transfer_routes(app: FastAPI, ctx, secret: str, dependencies=()) -> N
         try:
             async for _ in ctx.engine.generate(ids, params, f"prefill-{uuid.uuid4().hex}", cache_salt=salt,
                                                priority=getattr(req, "priority", 0),
-                                               kv_export=kt.Exporter(exports.append)):
+                                               kv_export=kt.Exporter(exports.append), **lora_routes.engine_kwargs()):
                 pass
         except InvalidParameterError as e:
             raise ctx.api_error(e, kind, req) from e

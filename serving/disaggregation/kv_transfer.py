@@ -98,6 +98,7 @@ class PrefillExport:
     logprobs: Optional[dict]  # the first token's chosen_logprob, rank, top_ids, top_logprobs (or None)
     cache_salt: Optional[str] = None  # the request's prefix-cache salt (the decode side keeps it)
     scales: Any = None  # int8 / fp8 cache: device array [layers, 2, P, page_size, kv_heads] (fp32), else None
+    lora: Optional[dict] = None  # the LoRA adapter the K/V was computed under (`lora_identity`), None: the base
 
     @property
     def num_tokens(self) -> int:
@@ -139,7 +140,16 @@ class Exporter:
         """`table`: the pages of the prompt; `result`, `row`: the step's output and the first token's row."""
         pages, scales = gather(runner, table)
         self.callback(PrefillExport(list(req.prompt_token_ids), int(first_token), req.seed, runner.page_size,
-                                    pages, first_logprobs(result, row), req.cache_salt, scales))
+                                    pages, first_logprobs(result, row), req.cache_salt, scales, lora_identity(req)))
+
+
+def lora_identity(req) -> Optional[dict]:
+    """The LoRA adapter a request runs with, as a payload names it: {"name", "digest" (hex of its
+    weights' digest)}; None for the base model. K/V computed under one adapter resumes only a request of
+    the same adapter with the same weights."""
+    if getattr(req, "lora_name", None) is None:
+        return None
+    return {"name": req.lora_name, "digest": req.lora_digest.hex()}
 
 
 @dataclasses.dataclass
@@ -153,6 +163,7 @@ class KVImport:
     kv: HostKV
     logprobs: Optional[dict] = None
     cache_salt: Optional[str] = None  # the salt the prefill side used; the resumed request keeps it
+    lora: Optional[dict] = None  # the LoRA adapter the prefill side ran (`lora_identity`)
 
     def step_result(self, k: Optional[int]):
         """The first token's logprobs in the shape of a one-row `StepResult` (for the engine's output path)."""
@@ -190,6 +201,10 @@ def check_import(req, imp: KVImport) -> None:
     if req.cache_salt != imp.cache_salt:
         raise InvalidParameterError("cache_salt", "cache_salt: differs from the salt the shipped KV was computed "
                                                   "under")
+    if lora_identity(req) != imp.lora:
+        shipped = "the base model" if imp.lora is None else f"LoRA adapter {imp.lora['name']!r}"
+        raise InvalidParameterError("model", f"model: the shipped KV was computed under {shipped}, not the "
+                                             f"adapter of this request (or other weights under its name)")
     if p.n != 1 or p.prompt_logprobs is not None:
         raise InvalidParameterError("n", "n: a disaggregated request must have n=1 and no prompt logprobs")
     if imp.kv.num_tokens != len(req.prompt_token_ids):
@@ -237,7 +252,7 @@ def payload_header(export: PrefillExport, cfg, dtype, extra: dict) -> dict:
     return {"version": VERSION, **extra, **geometry(cfg, dtype), "page_size": export.page_size,
             "num_tokens": export.num_tokens, "prompt_token_ids": export.prompt_token_ids,
             "first_token": export.first_token, "seed": export.seed, "logprobs": export.logprobs,
-            "cache_salt": export.cache_salt, "arrays": array_specs(cfg, dtype, export.num_tokens)}
+            "cache_salt": export.cache_salt, "lora": export.lora, "arrays": array_specs(cfg, dtype, export.num_tokens)}
 
 
 def encode_payload(export: PrefillExport, cfg, dtype, keys: kv_wire.SigningKeys,
@@ -322,4 +337,9 @@ def to_import(header: dict, body: memoryview, cfg, dtype) -> KVImport:
     salt = header.get("cache_salt")
     if salt is not None and not is_cache_salt(salt):
         raise PayloadError("KV payload cache_salt must be a non-empty string or null")
-    return KVImport(list(ids), first, seed, _host_arrays(body, cfg, dtype, len(ids)), header.get("logprobs"), salt)
+    lora = header.get("lora")
+    if lora is not None and not (isinstance(lora, dict) and set(lora) == {"name", "digest"}
+                                 and all(isinstance(v, str) and v for v in lora.values())):
+        raise PayloadError("KV payload lora must be null or {\"name\": str, \"digest\": str}")
+    return KVImport(list(ids), first, seed, _host_arrays(body, cfg, dtype, len(ids)), header.get("logprobs"), salt,
+                    lora)

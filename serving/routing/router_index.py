@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import json
 import os
 from typing import Optional, Sequence
@@ -87,11 +88,17 @@ def default_model_dir() -> str:
     return os.path.join(os.path.dirname(os.path.abspath(model.__file__)), "default")
 
 
-def block_hashes(token_ids: Sequence[int], page_size: int, cache_salt: Optional[str] = None) -> list[bytes]:
+def block_hashes(token_ids: Sequence[int], page_size: int, cache_salt: Optional[str] = None,
+                 model: Optional[str] = None) -> list[bytes]:
     """Chained digests of the full blocks of `token_ids`, as `BlockManager` names its pages (a request's
-    `cache_salt` starts the chain)."""
+    `cache_salt` starts the chain). `model`, when given (the request's `model`, which names a LoRA adapter
+    on the workers), keys the chain after the salt, so an adapter's requests match only each other and
+    go where its pages are: these names are the router's own (a worker keys an adapter's pages by a digest
+    of its weights, which the router does not know)."""
     out: list[bytes] = []
     root = salt_digest(cache_salt)
+    if model is not None:
+        root = hashlib.blake2b(b"model\0" + (root or b"root") + model.encode("utf-8"), digest_size=16).digest()
     for i in range(len(token_ids) // page_size):
         out.append(block_digest(out[-1] if out else root, token_ids[i * page_size:(i + 1) * page_size]))
     return out
@@ -192,19 +199,20 @@ class Router:
         self.load_weight, self.kv_weight = load_weight, kv_weight
         self._next = 0  # round-robin cursor (also breaks ties)
 
-    def hashes(self, prompts: Sequence[Sequence[int]], cache_salt: Optional[str] = None) -> list[list[bytes]]:
-        return [block_hashes(p, self.page_size, cache_salt) for p in prompts]
+    def hashes(self, prompts: Sequence[Sequence[int]], cache_salt: Optional[str] = None,
+               model: Optional[str] = None) -> list[list[bytes]]:
+        return [block_hashes(p, self.page_size, cache_salt, model) for p in prompts]
 
     def choose(self, workers: Sequence[WorkerLoad], prompts: Sequence[Sequence[int]],
                exclude: Sequence[str] = (), policy: Optional[str] = None,
-               cache_salt: Optional[str] = None) -> Optional[Choice]:
-        """The worker for a request with these prompts (token ids) and salt; None when no healthy worker
-        is left."""
+               cache_salt: Optional[str] = None, model: Optional[str] = None) -> Optional[Choice]:
+        """The worker for a request with these prompts (token ids), salt and model (`block_hashes`); None
+        when no healthy worker is left."""
         pool = [w for w in workers if w.healthy and w.url not in exclude]
         if not pool:
             return None
         policy = policy or self.policy
-        hashes = self.hashes(prompts, cache_salt)
+        hashes = self.hashes(prompts, cache_salt, model)
         hittable = [h[:hittable_blocks(len(p), self.page_size)] for p, h in zip(prompts, hashes)]
         total = sum(len(h) for h in hittable)
         matched = {w.url: sum(self.index.overlap(w.url, h) for h in hittable) for w in pool}
@@ -223,7 +231,8 @@ class Router:
             best = min(order, key=cost)
         return Choice(best.url, matched[best.url])
 
-    def record(self, worker: str, prompts: Sequence[Sequence[int]], cache_salt: Optional[str] = None) -> None:
+    def record(self, worker: str, prompts: Sequence[Sequence[int]], cache_salt: Optional[str] = None,
+               model: Optional[str] = None) -> None:
         """The worker was sent these prompts: their full blocks will be cached there."""
-        for h in self.hashes(prompts, cache_salt):
+        for h in self.hashes(prompts, cache_salt, model):
             self.index.record(worker, h)
