@@ -213,3 +213,35 @@ def test_a_small_program_prepared_from_shapes_is_the_one_a_later_call_runs(tmp_p
     monkeypatch.undo()
     later = executable_store.ExecutableStore(str(tmp_path))
     assert later.load(next(iter(held))) is not None  # saved for the next process
+
+
+# A program JAX's persistent cache already holds (compiled by a plain jit call first), then prepared
+# through the step store, then loaded from the store as a later start would load it, and run.
+FROM_JAX_CACHE = r"""
+import sys
+from serving.core import compile_cache, executable_store
+compile_cache.enable(sys.argv[1])
+import jax, jax.numpy as jnp
+build = lambda: (jnp.zeros((4, 16, 2, 8), jnp.float32), jnp.ones((4, 16, 2, 8), jnp.float32))
+jax.jit(build)()  # compiled, and written to JAX's persistent cache
+jax.clear_caches()
+before = compile_cache.compile_counts()
+executable_store.prepare(jax.jit(build), "zeros-and-ones", {})
+assert (compile_cache.compile_counts() - before).cache_hits == 1, "expected JAX's cache to answer"
+executable_store._TABLE.clear()  # as a later process: only the store (or JAX's cache) has it
+zeros, ones = executable_store.call(jax.jit(build), "zeros-and-ones", {})
+print("RESULT", float(zeros.sum()), float(ones.sum()))
+"""
+
+
+def test_an_executable_from_jaxs_cache_is_not_stored_where_it_could_not_run(tmp_path):
+    """On XLA CPU an executable JAX loaded from its persistent cache serializes into a payload that loads
+    but fails on its first run ("Function wrapped_broadcast not found"); the store must not keep it, so
+    the program a later start gets always runs."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    env.pop(compile_cache.ENV_VAR, None)
+    proc = subprocess.run([sys.executable, "-c", FROM_JAX_CACHE, str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RESULT 0.0 1024.0" in proc.stdout

@@ -126,6 +126,7 @@ class _Counters:
         self._installed = False
         self._requests = self._hits = self._writes = 0
         self._seconds = 0.0
+        self._thread = threading.local()  # this thread's hits (a compile's listeners run on its thread)
 
     def install(self) -> None:
         from jax._src import monitoring
@@ -145,6 +146,7 @@ class _Counters:
 
     def _on_event(self, event: str, **_kwargs) -> None:
         if event == _HIT_EVENT:
+            self._thread.hits = getattr(self._thread, "hits", 0) + 1
             with self._lock:
                 self._hits += 1
         elif event == _WRITE_EVENT:
@@ -158,6 +160,9 @@ class _Counters:
             self._hits += 1
             self._seconds += seconds
 
+    def thread_hits(self) -> int:
+        return getattr(self._thread, "hits", 0)
+
     def snapshot(self) -> CompileCounts:
         with self._lock:
             return CompileCounts(self._requests, self._hits, self._writes, self._seconds)
@@ -169,6 +174,13 @@ _counters = _Counters()
 def count_stored_load(seconds: float) -> None:
     _counters.install()
     _counters.on_stored_load(seconds)
+
+
+def thread_cache_hits() -> int:
+    """Persistent-cache hits of compiles on the calling thread so far (to tell whether one compile
+    was loaded from the cache: `executable_store.compile_to_store`)."""
+    _counters.install()
+    return _counters.thread_hits()
 
 
 def compile_counts() -> CompileCounts:

@@ -135,6 +135,18 @@ class ExecutableStore:
             log.warning("step executable not stored (%s)", e)
 
 
+def compile_to_store(lowered, **options):
+    """(`lowered.compile(**options)`, whether the store may keep it). Not when JAX loaded the executable
+    from its persistent compilation cache on XLA CPU: serialized again, such an executable loads but
+    fails on its first run ("Function wrapped_broadcast not found": the kernels it was loaded with are
+    not in the payload), so a later process would load a program that cannot run. JAX's cache has it
+    anyway; the store only skips the trace."""
+    hits = compile_cache.thread_cache_hits()
+    exe = lowered.compile(**options)
+    from_cache = compile_cache.thread_cache_hits() != hits
+    return exe, not (from_cache and jax.default_backend() == "cpu")
+
+
 def current(suffix: str = SUFFIX) -> Optional[ExecutableStore]:
     """The store beside the persistent compilation cache in use; None when that cache is off."""
     directory = jax.config.jax_compilation_cache_dir
@@ -183,8 +195,9 @@ def prepare(jitted, name: str, held: dict, *args):
             store = current(FUNCTION_SUFFIX)
             exe = store.load(key)
             if exe is None:
-                exe = jitted.lower(*args).compile()
-                store.save(key, exe)
+                exe, storable = compile_to_store(jitted.lower(*args))
+                if storable:
+                    store.save(key, exe)
             with _LOCK:
                 _functions_compiled += 1
         with _LOCK:

@@ -176,10 +176,11 @@ class StepPrograms:
                 _IN_PROGRESS.pop(key).set()
 
     def _full_compile(self, shape, key, lowered=None):
-        """Compiles `shape` with the default options and saves it whole for later processes."""
-        exe = (lowered or self._lower(shape)).compile()
+        """Compiles `shape` with the default options and saves it whole for later processes (unless it
+        came from JAX's persistent cache, which a stored copy could not run from: `compile_to_store`)."""
+        exe, storable = executable_store.compile_to_store(lowered or self._lower(shape))
         store = executable_store.current()
-        if store is not None:
+        if store is not None and storable:
             store.save(key, exe)
         return exe
 
