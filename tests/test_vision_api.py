@@ -98,7 +98,7 @@ def test_data_url_matches_transformers(served):
     reply = ask(s, data_url(s.png))
     tok, vision = s.llm.tokenizer, s.llm.config.vision
     ids = encode_chat([{"role": "user", "content": "what is this?" + IMAGE_SENTINEL}], tok, True, None,
-                      vision.image_prompt_ids)
+                      image_ids=vision.image_prompt_ids)
     ids, _ = expand_placeholders(ids, IMAGE_ID, [40])
     assert reply.usage.prompt_tokens == len(ids)
     want = hf_generate(s.model, s.processor, s.a, ids)
@@ -165,6 +165,9 @@ def test_text_model_refuses_image_parts():
         {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}])
     with pytest.raises(P.APIError, match=r"messages\[0\].content\[1\]: this model does not take images"):
         asyncio.run(ctx.chat_images(req))
+    # /tokenize renders the prompt without loading images: the same 400, not an internal error.
+    with pytest.raises(P.APIError, match=r"messages\[0\].content\[1\]: this model does not take images"):
+        ctx.chat_prompt(req)
 
 
 def test_disaggregated_prefill_refuses_images(served):

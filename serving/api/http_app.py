@@ -104,6 +104,8 @@ class ServingContext:
         image_ids = None
         if any(m.image_urls() for m in req.messages):  # image parts: the model's image prompt goes there
             vision = getattr(self.engine_core().cfg, "vision", None)
+            if vision is None:  # (the chat route said so in `chat_images`; /tokenize comes straight here)
+                raise self._no_vision(req)
             image_ids = list(vision.image_prompt_ids or (self.engine_core().cfg.image_token_id,))
             for out, m in zip(messages, req.messages):
                 out["content"] = m.text(IMAGE_SENTINEL)
@@ -143,6 +145,16 @@ class ServingContext:
         starts = self.reasoning_start(messages, plan and plan.tools, req.chat_template_kwargs)
         return starts, self.reasoning.engine_params(starts, budget)
 
+    @staticmethod
+    def _image_parts(req: P.ChatCompletionRequest) -> list:
+        """(name of the part, its URL) of every image part of a chat request, in prompt order."""
+        return [(f"messages[{i}].content[{j}]", url) for i, m in enumerate(req.messages) for j, url in m.image_urls()]
+
+    def _no_vision(self, req: P.ChatCompletionRequest) -> P.APIError:
+        """The 400 of image parts sent to a model without vision, naming the first part."""
+        name = self._image_parts(req)[0][0]
+        return P.APIError(f"{name}: this model does not take images", param=name, code="invalid_value")
+
     def engine_core(self):
         """The synchronous engine behind the async one (its config and options)."""
         return getattr(self.engine, "engine", self.engine)
@@ -150,13 +162,12 @@ class ServingContext:
     async def chat_images(self, req: P.ChatCompletionRequest) -> list:
         """The decoded images of the request's image parts, in prompt order (none: an empty list); a 400
         naming the part for a model without vision, too many images, or an image that cannot be used."""
-        parts = [(f"messages[{i}].content[{j}]", url) for i, m in enumerate(req.messages) for j, url in m.image_urls()]
+        parts = self._image_parts(req)
         if not parts:
             return []
         core = self.engine_core()
         if getattr(core.cfg, "vision", None) is None:
-            raise P.APIError(f"{parts[0][0]}: this model does not take images", param=parts[0][0],
-                             code="invalid_value")
+            raise self._no_vision(req)
         limit = core.config.limit_mm_per_prompt
         if len(parts) > limit:
             name = parts[limit][0]
