@@ -13,7 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from model.families import config_by_name, num_params
 from model.tokenizer import ByteTokenizer
 from serving.api.chat_template import BYTE_CHAT_TEMPLATE, ChatTemplateError, encode_chat, render_chat
-from serving.api.http_app import _DeltaTracker, completion_logprobs
+from serving.api.answer_stream import DeltaTracker as _DeltaTracker
+from serving.api.http_app import completion_logprobs
 from serving.api.http_metrics import DevicePeak, ModelCost, ServerMetrics, UtilizationWindow, device_peak
 from serving.core.outputs import Logprob
 from serving.core.stats import EngineStats, FinishedRequestStats, IterationStats

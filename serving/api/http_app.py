@@ -43,6 +43,7 @@ from serving.api.profiling import TraceControl
 from serving.api.responses_store import ResponseStore
 from serving.core.async_engine import EngineDeadError
 from serving.core.engine import ContextLengthError
+from serving.api.answer_stream import DeltaTracker
 from serving.api.http_util import ClientGone, primed_stream, until_disconnect  # noqa: F401 (also imported from here)
 from serving.core.sampling_params import InvalidParameterError, SamplingParams
 
@@ -331,31 +332,6 @@ def chat_logprobs(tokenizer, token_ids, logprobs, top_n: int) -> P.ChatLogprobs:
     return P.ChatLogprobs(content=content)
 
 
-class _DeltaTracker:
-    """Turns cumulative outputs into stream deltas for one choice.
-
-    The engine already withholds text that may still change (an incomplete
-    UTF-8 character, a tail that could begin a stop string), so its text only
-    grows; as a second line of defence a trailing U+FFFD is not sent before
-    the finish, since a sent character can never be taken back.
-    """
-
-    def __init__(self):
-        self.sent_text = 0
-        self.sent_tokens = 0
-        self.logprob_offset = 0  # text_offset of the next token in the completions logprobs layout
-
-    def step(self, text: str, num_tokens: int, finished: bool) -> tuple[str, int, int]:
-        end = len(text)
-        if not finished:
-            while end > self.sent_text and text[end - 1] == "\ufffd":
-                end -= 1
-        delta = text[self.sent_text:end]
-        first_tok, self.sent_tokens = self.sent_tokens, num_tokens
-        self.sent_text = max(self.sent_text, end)
-        return delta, first_tok, num_tokens
-
-
 def _usage(prompt_tokens: int, completion_tokens: int) -> P.Usage:
     return P.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                    total_tokens=prompt_tokens + completion_tokens)
@@ -567,7 +543,7 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
 async def _stream_completion(ctx: ServingContext, req: P.CompletionRequest, prompts, texts, params, base_id,
                              cache_salt=None):
     """SSE chunks of a completions request: one choice entry per index and chunk, as OpenAI sends them."""
-    trackers: dict[int, _DeltaTracker] = {}
+    trackers: dict[int, DeltaTracker] = {}
     tok = ctx.tokenizer
     completion_tokens: dict[int, int] = {}
     try:
@@ -578,7 +554,7 @@ async def _stream_completion(ctx: ServingContext, req: P.CompletionRequest, prom
                 tr = trackers.get(index)
                 head, head_lps = "", None
                 if tr is None:
-                    tr = trackers[index] = _DeltaTracker()
+                    tr = trackers[index] = DeltaTracker()
                     if req.echo:  # the prompt goes out in front of the first delta
                         head = texts[i]
                         if req.logprobs is not None and out.prompt_logprobs is not None:
@@ -614,7 +590,7 @@ async def _stream_completion(ctx: ServingContext, req: P.CompletionRequest, prom
 
 async def _stream_chat(ctx: ServingContext, req: P.ChatCompletionRequest, ids, params, base_id, cache_salt=None,
                        plan: "T.ToolPlan | None" = None, starts: str | None = None):
-    trackers: dict[int, _DeltaTracker] = {}
+    trackers: dict[int, DeltaTracker] = {}
     splits: dict[int, R.ReasoningStream] = {}  # with a reasoning parser: reasoning and content apart per choice
     tool_streams: dict[int, T.ToolStream] = {}  # with tools: content and tool-call deltas per choice
     completion_tokens: dict[int, int] = {}
@@ -627,7 +603,7 @@ async def _stream_chat(ctx: ServingContext, req: P.ChatCompletionRequest, ids, p
                 tr = trackers.get(o.index)
                 first = tr is None
                 if first:
-                    tr = trackers[o.index] = _DeltaTracker()
+                    tr = trackers[o.index] = DeltaTracker()
                 finished = o.finish_reason is not None
                 delta, t0, t1 = tr.step(o.text, len(o.token_ids), finished)
                 completion_tokens[o.index] = len(o.token_ids)

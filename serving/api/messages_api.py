@@ -32,6 +32,7 @@ from serving.api import http_protocol as P
 from serving.api import messages_protocol as MQ
 from serving.api import reasoning as R
 from serving.api import tool_calls as T
+from serving.api.answer_stream import AnswerStream
 from serving.api.http_util import ClientGone, primed_stream
 
 # HTTP status -> Anthropic's error type.
@@ -207,9 +208,8 @@ class _Blocks:
 
 async def _stream(ctx, chat, shown: bool, plan, ids, starts, params, salt, base_id: str):
     blocks = _Blocks()
-    splitter = R.ReasoningStream(ctx.reasoning, starts) if starts is not None else None
-    tools = T.ToolStream(plan) if plan.mode != "none" else None
-    sent, started, final = 0, False, None
+    answer = AnswerStream(ctx.reasoning, starts, plan)
+    started, final = False, None
     try:
         async for _, out in ctx.stream_outputs([ids], params, base_id, "chat", salt, chat):
             o = out.outputs[0]
@@ -220,21 +220,9 @@ async def _stream(ctx, chat, shown: bool, plan, ids, starts, params, salt, base_
                 events.append(_event("message_start", message={
                     "id": base_id, "type": "message", "role": "assistant", "model": ctx.model_name, "content": [],
                     "stop_reason": None, "stop_sequence": None, "usage": _usage(len(ids), 0)}))
-            text = o.text
-            if not finished:
-                while text.endswith("\ufffd"):
-                    text = text[:-1]
-            thinking = ""
-            if splitter is not None:
-                thinking, delta = splitter.step(text, finished)
-                text = splitter.content
-            else:
-                delta, sent = text[sent:], len(text)
+            thinking, delta, calls = answer.step(o.text, len(o.token_ids), finished)
             if thinking and shown:
                 events += blocks.thinking(thinking)
-            calls = []
-            if tools is not None:
-                delta, calls = tools.step(text, finished)
             if delta:
                 events += blocks.text(delta)
             for call in calls:
@@ -256,7 +244,7 @@ async def _stream(ctx, chat, shown: bool, plan, ids, starts, params, salt, base_
     if final is None:
         return
     tail = blocks.close()
-    stop_reason, stop_sequence = _stop_reason(final, tools is not None and tools.has_calls)
+    stop_reason, stop_sequence = _stop_reason(final, answer.has_calls)
     tail.append(_event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                        usage={"output_tokens": len(final.token_ids)}))
     tail.append(_event("message_stop"))

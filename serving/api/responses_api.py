@@ -37,6 +37,7 @@ from serving.api import http_protocol as P
 from serving.api import reasoning as R
 from serving.api import responses_protocol as RQ
 from serving.api import tool_calls as T
+from serving.api.answer_stream import AnswerStream
 from serving.api.http_util import ClientGone, primed_stream
 from serving.api.responses_store import owner_of
 
@@ -295,9 +296,8 @@ async def _stream(turn: _Turn, ids, params, salt, store, owner: str):
     ctx = turn.ctx
     ev = _Events()
     items = _StreamedItems(ev, turn)
-    splitter = R.ReasoningStream(ctx.reasoning, turn.starts) if turn.starts is not None else None
-    tools = T.ToolStream(turn.plan) if turn.plan.mode != "none" else None
-    sent, started, final = 0, False, None
+    answer = AnswerStream(ctx.reasoning, turn.starts, turn.plan)
+    started, final = False, None
     try:
         async for _, out in ctx.stream_outputs([ids], params, turn.id, "chat", salt, turn.chat):
             o = out.outputs[0]
@@ -307,23 +307,9 @@ async def _stream(turn: _Turn, ids, params, salt, store, owner: str):
                 started = True
                 events.append(ev("response.created", response=turn.body([], "in_progress")))
                 events.append(ev("response.in_progress", response=turn.body([], "in_progress")))
-            text = o.text
-            if not finished:  # a trailing U+FFFD may still become a character
-                while text.endswith("\ufffd"):
-                    text = text[:-1]
-            thinking = ""
-            if splitter is not None:
-                thinking, delta = splitter.step(text, finished)
-                text = splitter.content
-            else:
-                delta = text[sent:]
-                sent = len(text)
+            thinking, delta, calls = answer.step(o.text, len(o.token_ids), finished)
             if thinking:
                 events += items.reasoning(thinking)
-            if tools is not None:
-                delta, calls = tools.step(text, finished)
-            else:
-                calls = []
             if delta:
                 events += items.text(delta)
             for call in calls:
