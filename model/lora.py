@@ -250,11 +250,25 @@ def slot_arrays(adapter: Optional[LoraAdapter], cfg, rank: int, dtype) -> dict:
 
 def write_slot(slots: dict, slot, contents: dict) -> dict:
     """`slots` with slot `slot` (traced) replaced by `contents` (`slot_arrays`' layout, whose A's second
-    dim is the slot rank)."""
-    start = slot * next(iter(contents.values()))[0].shape[1]
-    return {name: (jax.lax.dynamic_update_slice_in_dim(a, contents[name][0].astype(a.dtype), start, axis=1),
-                   jax.lax.dynamic_update_slice_in_dim(b, contents[name][1].astype(b.dtype), start, axis=2))
-            for name, (a, b) in slots.items()}
+    dim is the slot rank). The slot arrays may group their layers in more leading dims than one (the
+    pipeline's `[stages, layers per stage, ...]`, `sharding.pipeline`): the contents' layer dim is
+    reshaped to them, row-major, so global layer `s * L/p + j` lands in stage `s`, row `j`."""
+    rank = next(iter(contents.values()))[0].shape[1]
+    start = slot * rank
+    out = {}
+    for name, (a, b) in slots.items():
+        new_a = contents[name][0].reshape(a.shape[:-2] + (rank, a.shape[-1])).astype(a.dtype)
+        new_b = contents[name][1].reshape(b.shape[:-1] + (rank,)).astype(b.dtype)
+        out[name] = (jax.lax.dynamic_update_slice_in_dim(a, new_a, start, axis=a.ndim - 2),
+                     jax.lax.dynamic_update_slice_in_dim(b, new_b, start, axis=b.ndim - 1))
+    return out
+
+
+def attach_layer(layer, slots_of_layer: dict, token_slot, rank: int):
+    """One layer whose target weights carry their adapters (`{target: (A [slots * rank, in], B [out,
+    slots * rank])}`) and each token's slot, as `model.linear.LoraWeight`s."""
+    return dataclasses.replace(layer, **{name: LoraWeight(getattr(layer, name), a, b, token_slot, rank)
+                                         for name, (a, b) in slots_of_layer.items()})
 
 
 def attach(params, slots: dict, token_slot, rank: int):
@@ -264,8 +278,7 @@ def attach(params, slots: dict, token_slot, rank: int):
     the token slots repeated per layer so the scan slices them alike."""
     layers = params.layers
     if isinstance(layers, (list, tuple)):
-        new = [dataclasses.replace(layer, **{name: LoraWeight(getattr(layer, name), a[i], b[i], token_slot, rank)
-                                             for name, (a, b) in slots.items()})
+        new = [attach_layer(layer, {name: (a[i], b[i]) for name, (a, b) in slots.items()}, token_slot, rank)
                for i, layer in enumerate(layers)]
     else:
         num_layers = next(iter(slots.values()))[0].shape[0]
@@ -275,23 +288,39 @@ def attach(params, slots: dict, token_slot, rank: int):
     return dataclasses.replace(params, layers=new)
 
 
+def slot_axes(layer, name: str, stacked: bool = False, drop: tuple = ()):
+    """(mesh, the mesh axes of the base weight's flat input dim, those of its flat output dim) of target
+    `name` in `layer` (its arrays' shardings; `stacked`: a leading layer dim to skip), leaving out the
+    axes in `drop` (the pipeline's stage axis); None where the weight is not on a mesh."""
+    base = getattr(layer, name)
+    sharding = getattr(getattr(base, "data", base), "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return None
+    spec = tuple(sharding.spec) + (None,) * (len(base.shape) - len(sharding.spec))
+    spec = spec[1:] if stacked else spec
+
+    def keep(axes):
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        axes = tuple(a for a in axes if a not in drop)
+        return None if not axes else axes[0] if len(axes) == 1 else axes
+
+    return sharding.mesh, keep(spec[TARGETS[name]]), keep(spec[0])
+
+
 def slot_shardings(params, slots_decl: dict) -> dict:
     """Where each slot array lives: A split like its base weight's input dim, B like its output dim, so
     the delta's products shard as the base product does (None where the params are not sharded)."""
     layer = params.layers[0] if isinstance(params.layers, (list, tuple)) else params.layers
     stacked = not isinstance(params.layers, (list, tuple))
     out = {}
+    P = jax.sharding.PartitionSpec
     for name in slots_decl:
-        base = getattr(layer, name)
-        sharding = getattr(getattr(base, "data", base), "sharding", None)
-        if not isinstance(sharding, jax.sharding.NamedSharding):
+        axes = slot_axes(layer, name, stacked)
+        if axes is None:
             return None
-        spec = tuple(sharding.spec) + (None,) * (len(base.shape) - len(sharding.spec))
-        spec = spec[1:] if stacked else spec
-        n_out = TARGETS[name]
-        P = jax.sharding.PartitionSpec
-        out[name] = (jax.sharding.NamedSharding(sharding.mesh, P(None, None, spec[n_out])),
-                     jax.sharding.NamedSharding(sharding.mesh, P(None, spec[0], None)))
+        mesh, in_axes, out_axes = axes
+        out[name] = (jax.sharding.NamedSharding(mesh, P(None, None, in_axes)),
+                     jax.sharding.NamedSharding(mesh, P(None, out_axes, None)))
     return out
 
 
@@ -302,13 +331,14 @@ def check_model(cfg) -> None:
 
 
 def zeros_like_tree(decl: dict, shardings: Optional[dict]) -> dict:
-    """The empty slots (every adapter all zeros), placed."""
-    def make(spec, sharding):
-        return jnp.zeros(spec.shape, spec.dtype, device=sharding)
-    if shardings is None:
+    """The empty slots (every adapter all zeros), placed: made by one program with those output
+    shardings, so it works on a mesh spanning processes too (each process makes its own shards)."""
+    def zeros():
         return {k: (jnp.zeros(a.shape, a.dtype), jnp.zeros(b.shape, b.dtype)) for k, (a, b) in decl.items()}
-    return {k: (make(a, shardings[k][0]), make(b, shardings[k][1])) for k, (a, b) in decl.items()}
+    if shardings is None:
+        return zeros()
+    return jax.jit(zeros, out_shardings=shardings)()
 
 
-__all__ = ["LoraAdapter", "LoraError", "TARGETS", "attach", "declare_slots", "load_adapter", "slot_arrays",
-           "slot_shardings", "target_shapes", "write_slot", "zeros_like_tree", "check_model"]
+__all__ = ["LoraAdapter", "LoraError", "TARGETS", "attach", "attach_layer", "declare_slots", "load_adapter",
+           "slot_arrays", "slot_axes", "slot_shardings", "target_shapes", "write_slot", "zeros_like_tree", "check_model"]

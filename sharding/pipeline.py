@@ -77,6 +77,7 @@ from kernels_pallas import get_backend
 from model.cache import BatchMetadata, KVCache
 from model.config import ModelConfig
 from model.families import family_for_config
+from model.lora import attach_layer, slot_axes
 from model.params import is_array_info, pytree_dataclass
 from sharding.layout import Layout
 from sharding.mesh import MeshError, make_mesh, mesh_axis_sizes
@@ -276,10 +277,26 @@ class PipelineLayout:
 
         return jax.jit(build, out_shardings=shardings)()
 
+    # --- LoRA adapter slots (model.lora) -----------------------------------------------------------
+    def stage_lora_slots(self, cfg: ModelConfig, params: StagedWeights, decl: dict):
+        """The LoRA slots of `model.lora.declare_slots` (`[layers, ...]` leaves) staged as the layers are:
+        `[p, layers / p, ...]`, row `[s, j]` being global layer `s * L/p + j`, split over `pipeline` on the
+        first dim and, within a stage, A like its base weight's input dim and B like its output dim (as
+        `model.lora.slot_shardings` places them without stages). Returns (declaration, shardings)."""
+        p, per_stage = self.pipeline_parallel_size, self.layers_per_stage(cfg)
+        layer = params.stages[0]
+        staged, shardings = {}, {}
+        for name, (a, b) in decl.items():
+            _, in_axes, out_axes = slot_axes(layer, name, drop=(PIPELINE,))
+            staged[name] = tuple(jax.ShapeDtypeStruct((p, per_stage) + x.shape[1:], x.dtype) for x in (a, b))
+            shardings[name] = (NamedSharding(self.mesh, PartitionSpec(PIPELINE, None, None, in_axes)),
+                               NamedSharding(self.mesh, PartitionSpec(PIPELINE, None, out_axes, None)))
+        return staged, shardings
+
     # --- the forward pass ---------------------------------------------------------------------------
     def forward(self, params: StagedWeights, cache: KVCache, tokens, md: BatchMetadata, cfg: ModelConfig,
-                backend: str = "auto"):
-        return pipeline_forward(params, cache, tokens, md, cfg, backend, self)
+                backend: str = "auto", lora=None):
+        return pipeline_forward(params, cache, tokens, md, cfg, backend, self, lora=lora)
 
 
 def _stack_stage_arrays(arrays, target: NamedSharding) -> jax.Array:
@@ -348,8 +365,13 @@ def stage_layer_inputs(per_layer, stage, num_stages: int):
 
 
 def pipeline_forward(params: StagedWeights, cache: KVCache, tokens, md: BatchMetadata, cfg: ModelConfig,
-                     backend: str, layout: PipelineLayout, num_ticks: int | None = None):
+                     backend: str, layout: PipelineLayout, num_ticks: int | None = None, lora=None):
     """Logits `[R, vocab]` (fp32) for rows `md.logits_indices`, and the updated staged cache.
+
+    `lora` (LoRA adapters, `model.lora`): (the staged slots of `PipelineLayout.stage_lora_slots`, each
+    token's slot `[T]`, the slot rank), or None. Each stage reads its own layers' slots, and every
+    microbatch its tokens' slots (padding runs the base model), so a stage's layers add the same
+    deltas as the unstaged forward does.
 
     The layers are the model family's own blocks (`family_for_config(cfg).blocks`: its
     `embed`, `attention`, `mlp`, `logits` and `layer_inputs`), the very functions
@@ -374,11 +396,16 @@ def pipeline_forward(params: StagedWeights, cache: KVCache, tokens, md: BatchMet
     md = dataclasses.replace(md, positions=_pad_to(md.positions, padded, 0),
                              slot_mapping=_pad_to(md.slot_mapping, padded, drop_slot))
     mmd = microbatch_metadata(md, m, mb_tokens)
+    lora_slots, lora_rank = {}, 0
+    token_slots = jnp.zeros((m, 0), jnp.int32)
+    if lora is not None:
+        lora_slots, token_slots, lora_rank = lora
+        token_slots = _pad_to(token_slots, padded, -1).reshape(m, mb_tokens)
     with jax.named_scope("embed"):
         x = blocks.embed(params, tokens, cfg, tp)
     x = x.reshape(m, mb_tokens, cfg.hidden_size)
 
-    def run_stages(stages, k_cache, v_cache, x_in, mmd):
+    def run_stages(stages, k_cache, v_cache, x_in, mmd, lora_slots, token_slots):
         stage = jax.lax.axis_index(PIPELINE)
         inner = _StageLayout(jax.sharding.get_abstract_mesh(), layout.rules)
         impl = inner.attention_backend(get_backend(backend, head_dim=cfg.head_dim), cfg)
@@ -397,6 +424,9 @@ def pipeline_forward(params: StagedWeights, cache: KVCache, tokens, md: BatchMet
             h = jnp.where(stage == 0, x_in[i], state)
             new_ks, new_vs = [], []
             for j, (layer, k_pages, v_pages) in enumerate(zip(layers, ks, vs)):
+                if lora_slots:  # this stage's slots of its layer j, [1, layers / p, ...] here
+                    layer = attach_layer(layer, {name: (a[0, j], b[0, j]) for name, (a, b) in lora_slots.items()},
+                                         token_slots[i], lora_rank)
                 with jax.named_scope(f"stage_layer_{j}"):
                     inputs = jax.tree.map(lambda a: a[j], per_layer)
                     h, k_pages, v_pages = blocks.attention(layer, h, k_pages, v_pages, md_i, inputs, cfg, impl,
@@ -421,8 +451,8 @@ def pipeline_forward(params: StagedWeights, cache: KVCache, tokens, md: BatchMet
     staged = PartitionSpec(PIPELINE)
     rep = PartitionSpec()
     run = jax.shard_map(run_stages, mesh=layout.mesh, axis_names={PIPELINE}, check_vma=False,
-                        in_specs=(staged, staged, staged, rep, rep), out_specs=(rep, staged, staged))
-    rows, new_k, new_v = run(params.stages, cache.k, cache.v, x, mmd)
+                        in_specs=(staged, staged, staged, rep, rep, staged, rep), out_specs=(rep, staged, staged))
+    rows, new_k, new_v = run(params.stages, cache.k, cache.v, x, mmd, lora_slots, token_slots)
     with jax.named_scope("logits"):
         logits = blocks.logits(params, tp.constrain(rows, ("tokens", "embed")), cfg, tp)
     return logits, KVCache(k=new_k, v=new_v)

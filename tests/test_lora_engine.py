@@ -218,6 +218,26 @@ def test_tensor_parallel_slots(tmp_path_factory):
     assert greedy(tp, batch, loras) == want
 
 
+def test_pipeline_stages(setup, llm):
+    """Two pipeline stages (two microbatches) hold each its layers' slots: a batch mixing the base and the
+    three adapters gives the tokens of the one-device engine alone, and swapping an adapter into a slot
+    between batches recompiles nothing."""
+    cfg, params, _, paths, _ = setup
+    modules = ",".join(f"{n}={paths[n]}" for n in ("sql", "chat", "code"))
+    batch = prompts(4, seed=10)
+    loras = [None, "sql", "chat", "code"]
+    alone = [greedy(llm, [p], lora)[0] for p, lora in zip(batch, loras)]
+    pp = LLM(config=cfg, params=params, lora_modules=modules, pipeline_parallel_size=2, num_microbatches=2,
+             **ENGINE)
+    a_wq = pp.engine.runner.lora["wq"][0]
+    assert a_wq.shape[:2] == (2, cfg.num_layers // 2) and a_wq.sharding.spec[0] == "pipeline"
+    assert greedy(pp, batch, loras) == alone
+    before = compilation_count()
+    pp.engine.lora.register("late", paths["late"])
+    assert greedy(pp, batch[:2], ["late", "sql"])[1] == alone[1]
+    assert compilation_count() == before
+
+
 def test_int8_base(setup, llm):
     """Over int8 base weights a mixed batch gives each request its tokens alone, the adapters changing them."""
     cfg, params, _, paths, _ = setup

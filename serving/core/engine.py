@@ -128,7 +128,7 @@ class Engine:
         self.lora = None
         if config.enable_lora:
             if getattr(self.runner, "lora", None) is None:
-                raise ValueError("enable_lora needs a model runner with LoRA slots (the pipeline-parallel runner has none)")
+                raise ValueError("enable_lora needs a model runner with LoRA slots")
             self.lora = LoraManager(cfg, self.runner, max_loras=config.max_loras,
                                     max_lora_rank=config.max_lora_rank, max_cpu_loras=config.max_cpu_loras)
         self.spec = None  # the speculative-decoding part

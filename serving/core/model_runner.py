@@ -88,11 +88,12 @@ def _step(params, cache, ibuf, fbuf, feed=None, controls=None, token_mask=None, 
     v = shape.split(ibuf, fbuf)
     md, s = unpack_step(v)
     tokens = v["tokens"] if feed is None else feed_tokens(v["tokens"], v["feed_rows"], feed)
-    if lora is not None:
-        params = lora_model.attach(params, lora, v["lora_slot"], lora_rank)
-    if hasattr(layout, "forward"):  # a layout with a forward of its own (pipeline stages)
-        logits, cache = layout.forward(params, cache, tokens, md, cfg, backend)
+    if hasattr(layout, "forward"):  # a layout with a forward of its own (pipeline stages), which stages the slots
+        extra = {} if lora is None else {"lora": (lora, v["lora_slot"], lora_rank)}
+        logits, cache = layout.forward(params, cache, tokens, md, cfg, backend, **extra)
     else:  # a vision-language model's steps carry the embeddings of image placeholder rows
+        if lora is not None:
+            params = lora_model.attach(params, lora, v["lora_slot"], lora_rank)
         logits, cache = forward(params, cache, tokens, md, cfg, backend, layout, v.get("image_embeds"))
     raw = logits  # logprobs report the model's own distribution, as vLLM's do
     if token_mask is not None:
@@ -435,13 +436,16 @@ class ModelRunner:
         if self._spans_processes():
             raise ValueError("LoRA adapters are not served on a mesh spanning processes (slot loads are not "
                              "replayed on the other processes)")
-        if hasattr(self.layout, "forward"):
-            raise ValueError("LoRA adapters are not served with pipeline stages")
-        decl = lora_model.declare_slots(self.cfg, max_loras, self.lora_rank, self.cfg.jnp_dtype)
-        self._lora_shardings = lora_model.slot_shardings(self.params, decl)
-        if self._lora_shardings is None:
-            self._lora_shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), decl)
+        decl, self._lora_shardings = self._lora_slot_layout(
+            lora_model.declare_slots(self.cfg, max_loras, self.lora_rank, self.cfg.jnp_dtype))
         return lora_model.zeros_like_tree(decl, self._lora_shardings)
+
+    def _lora_slot_layout(self, decl: dict):
+        """(declaration, shardings) of the slots on this runner's devices (the pipeline runner stages them)."""
+        shardings = lora_model.slot_shardings(self.params, decl)
+        if shardings is None:
+            shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), decl)
+        return decl, shardings
 
     def load_lora(self, slot: int, contents: dict) -> None:
         """Writes one adapter slot (`model.lora.slot_arrays`: the adapter's A/B padded to the slot rank, all
