@@ -126,7 +126,7 @@ def test_tokenize_detokenize_version_and_model_routes(server):
     assert card.id == MODEL
     with pytest.raises(openai.NotFoundError) as e:
         server.client.models.retrieve("other/model")
-    assert e.value.body["code"] == "model_not_found"
+    assert e.value.body["code"] == 404 and e.value.body["type"] == "NotFoundError"
 
 
 def test_llm_chat_renders_like_the_chat_route(server):

@@ -5,8 +5,9 @@ Features are of two kinds:
 * engine features, how an engine is built: 2-way tensor parallelism, 2 pipeline stages,
   prompt-lookup (ngram) or draft-model speculation, int8 weights, an int8 or fp8 KV cache,
   overlapped scheduling, a sliding-window family (Mistral), a mixture of experts (Qwen3-MoE; a
-  sliding-window Qwen3-MoE where both meet) and the host KV tier with swap preemption in a pool
-  the workload overflows;
+  sliding-window Qwen3-MoE where both meet), the host KV tier with swap preemption in a pool
+  the workload overflows, and LoRA adapters (two PEFT-format adapters, every job but one in three
+  running one of them, so each step mixes base rows and both adapters);
 * request features, what a request asks for: structured outputs, sampling controls, logprobs,
   n = 2, prefix-cache hits, a cache_salt, KV export / import (disaggregated prefill), and a
   reasoning phase (a thinking budget that forces the end tag; a grammar applies after it).
@@ -18,7 +19,7 @@ pair is exercised too. The test of each configuration is equivalence: every requ
 tokens equal those of the plain engine with the same model-changing settings (family, weight and
 KV dtypes; `MODEL_FEATURES`) on one device, without speculation, one step at a time. Equality
 alone cannot see a feature whose handling both engines lost, so each request feature is also
-checked for its own effect: only allowed ids and no bad word, the grammar matched, logprobs
+checked for its own effect (and the adapters for theirs: jobs change tokens when run without one): only allowed ids and no bad word, the grammar matched, logprobs
 reported and equal, two samples, pages hit or kept apart by the salt, the shipped prefill decoded,
 the end tag where the budget ran out.
 
@@ -29,6 +30,7 @@ same matrix). Two processes, the remaining feature of the matrix, runs in tests/
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 
@@ -71,9 +73,11 @@ ENGINE_FEATURES = {
     # The host KV tier with swap preemption, in a pool the workload overflows: sequences are swapped out and
     # back, and the second run of a prompt finds its pages on the host.
     "offload": dict(kv_offload_bytes=2**22, preemption_mode="swap", num_pages=24),
+    # LoRA adapters: two, in two slots, of ranks 4 and 2 padded to 4 (`adapters`); jobs pick theirs (`LORA_OF`).
+    "lora": dict(enable_lora=True, max_loras=2, max_lora_rank=4),
 }
 # Features that change the model's numbers: the plain engine a configuration is compared with has them too.
-MODEL_FEATURES = ("int8_weights", "int8_kv", "fp8_kv", "sliding", "moe")
+MODEL_FEATURES = ("int8_weights", "int8_kv", "fp8_kv", "sliding", "moe", "lora")
 OVERLAP_WITH_SPECULATION = (
     "steps run one at a time: the next step's drafts, query positions and KV slots follow from how many "
     "drafts this step accepts, which only its verification decides")
@@ -173,16 +177,25 @@ def workload() -> list[tuple[str, tuple, list[int]]]:
 
 
 JOBS = workload()
+# The LoRA adapter each job runs with where the engine serves adapters (None: the base model); the cycle
+# gives every request feature jobs under each adapter and under the base.
+LORA_OF = {name: (None, "a", "b")[i % 3] for i, (name, _, _) in enumerate(JOBS)}
 
 
 def salt_of(features, wave: int):
     return None if "salt" not in features else f"tenant-{wave}"
 
 
-def run_jobs(engine, jobs, wave: int) -> dict:
+def lora_of(engine, name: str):
+    """The job's adapter on `engine` (None where it serves none)."""
+    return None if engine.lora is None else LORA_OF[name]
+
+
+def run_jobs(engine, jobs, wave: int, without_lora: bool = False) -> dict:
     """Runs the jobs at once on `engine`; {name: RequestOutput}. A job with kv_transfer is left out here."""
     for name, features, prompt in jobs:
-        engine.add_request(f"{name}#{wave}", prompt, job_params(features), cache_salt=salt_of(features, wave))
+        engine.add_request(f"{name}#{wave}", prompt, job_params(features), cache_salt=salt_of(features, wave),
+                           lora_name=None if without_lora else lora_of(engine, name))
     return {rid.split("#")[0]: out for rid, out in run_to_completion(engine).items()}
 
 
@@ -190,13 +203,15 @@ def import_and_decode(engine, name, features, prompt, payload: bytes):
     """The job resumed on `engine` from a shipped prefill (one sample: a prefill continues one)."""
     params = job_params(features)
     params.n = 1
-    submit_import(engine, f"{name}#import", prompt, params, payload, cache_salt=salt_of(features, 1))
+    submit_import(engine, f"{name}#import", prompt, params, payload, cache_salt=salt_of(features, 1),
+                  lora_name=lora_of(engine, name))
     (out,) = run_to_completion(engine).values()
     return out
 
 
 def export_prefill(engine, name, features, prompt) -> bytes:
-    return prefill(engine, f"{name}#export", prompt, job_params(features), cache_salt=salt_of(features, 1))
+    return prefill(engine, f"{name}#export", prompt, job_params(features), cache_salt=salt_of(features, 1),
+                   lora_name=lora_of(engine, name))
 
 
 # --- engines ---------------------------------------------------------------------------------------------
@@ -206,17 +221,62 @@ def weights():
     return {name: init_params(cfg, jax.random.key(5)) for name, cfg in FAMILIES.items()}
 
 
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def write_adapter(path, cfg, targets, rank: int, seed: int) -> None:
+    """A random adapter in PEFT's format (`adapter_config.json`, `adapter_model.safetensors`, tensors named
+    as `peft` names them), its delta about as large as the base product (scaling 1)."""
+    from safetensors.numpy import save_file
+
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {"q_proj": (q, cfg.hidden_size), "k_proj": (kv, cfg.hidden_size), "v_proj": (kv, cfg.hidden_size),
+              "o_proj": (cfg.hidden_size, q), "gate_proj": (cfg.intermediate_size, cfg.hidden_size),
+              "up_proj": (cfg.intermediate_size, cfg.hidden_size), "down_proj": (cfg.hidden_size, cfg.intermediate_size)}
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for layer in range(cfg.num_layers):
+        for t in targets:
+            out_dim, in_dim = shapes[t]
+            module = f"base_model.model.model.layers.{layer}.{'self_attn' if t in ATTENTION else 'mlp'}.{t}"
+            tensors[module + ".lora_A.weight"] = rng.normal(0, in_dim ** -0.5, (rank, in_dim)).astype(np.float32)
+            tensors[module + ".lora_B.weight"] = rng.normal(0, rank ** -0.5, (out_dim, rank)).astype(np.float32)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(targets)}, f)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    """{family: the `lora_modules` of its two adapters}: "a" (rank 4: q, v and, where the layers are dense,
+    the MLP's gate and down) and "b" (rank 2: every projection adapters reach; a mixture's experts take
+    none)."""
+    out = {}
+    for family, cfg in FAMILIES.items():
+        mlp = () if cfg.num_experts else MLP
+        root = tmp_path_factory.mktemp(f"adapters_{family}")
+        specs = {"a": (("q_proj", "v_proj") + mlp[::2], 4), "b": (ATTENTION + mlp, 2)}
+        for i, (name, (targets, rank)) in enumerate(specs.items()):
+            write_adapter(str(root / name), cfg, targets, rank, seed=40 + i)
+        out[family] = ",".join(f"{name}={root / name}" for name in specs)
+    return out
+
+
 def family_of(config) -> str:
     if "moe" in config:
         return "sliding_moe" if "sliding" in config else "moe"
     return "sliding" if "sliding" in config else "dense"
 
 
-def build(weights, config, **extra) -> LLM:
+def build(weights, adapters, config, **extra) -> LLM:
     family = family_of(config)
     options = dict(SHAPES, async_scheduling=False)
     for f in config:
         options.update(ENGINE_FEATURES[f])
+    if "lora" in config:
+        extra["lora_modules"] = adapters[family]
     if "draft" in config:  # the target itself drafts: most drafts are accepted, some are not (controls, grammar)
         extra["speculative_draft"] = (FAMILIES[family], weights[family])
     return LLM(config=FAMILIES[family], params=weights[family], tokenizer=TOKENIZER, **options, **extra)
@@ -225,12 +285,23 @@ def build(weights, config, **extra) -> LLM:
 _REFERENCES: dict = {}
 
 
-def reference(weights, config):
-    """The plain engine with `config`'s model-changing features, and its outputs of the workload (cached)."""
+def reference(weights, adapters, config):
+    """The plain engine with `config`'s model-changing features, and its outputs of the workload (cached).
+    With adapters, the jobs run again on the base model: some of those that use an adapter must change."""
     key = tuple(f for f in config if f in MODEL_FEATURES)
     if key not in _REFERENCES:
-        llm = build(weights, key)
-        _REFERENCES[key] = llm, run_jobs(llm.engine, JOBS, wave=1)
+        llm = build(weights, adapters, key)
+        outs = run_jobs(llm.engine, JOBS, wave=1)
+        if llm.engine.lora is not None:
+            plain = [j for j in JOBS if "kv_transfer" not in j[1]]
+            base = run_jobs(llm.engine, plain, wave=3, without_lora=True)
+            for adapter in ("a", "b"):
+                names = [name for name, _, _ in plain if LORA_OF[name] == adapter]
+                changed = [n for n in names if base[n].outputs[0].token_ids != outs[n].outputs[0].token_ids]
+                assert len(changed) > len(names) // 2, (adapter, changed)
+            assert all(base[n].outputs[0].token_ids == outs[n].outputs[0].token_ids
+                       for n, _, _ in plain if LORA_OF[n] is None)
+        _REFERENCES[key] = llm, outs
     return _REFERENCES[key]
 
 
@@ -257,9 +328,9 @@ def check_effects(name, features, out, want, samples=None) -> None:
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=["+".join(c) for c in CONFIGS])
-def test_every_pair_gives_the_plain_engines_tokens(weights, config):
-    ref_llm, want = reference(weights, config)
-    llm = build(weights, config)
+def test_every_pair_gives_the_plain_engines_tokens(weights, adapters, config):
+    ref_llm, want = reference(weights, adapters, config)
+    llm = build(weights, adapters, config)
     engine = llm.engine
     plain = [j for j in JOBS if "kv_transfer" not in j[1]]
     got = run_jobs(engine, plain, wave=1)
@@ -271,7 +342,8 @@ def test_every_pair_gives_the_plain_engines_tokens(weights, config):
     again = [j for j in plain if "prefix" in j[1] or "salt" in j[1]]
     for name, features, prompt in again:
         wave = 2 if "salt" in features and "prefix" not in features else 1
-        engine.add_request(f"{name}#again", prompt, job_params(features), cache_salt=salt_of(features, wave))
+        engine.add_request(f"{name}#again", prompt, job_params(features), cache_salt=salt_of(features, wave),
+                           lora_name=lora_of(engine, name))
     second = {rid.split("#")[0]: out for rid, out in run_to_completion(engine).items()}
     for name, features, _ in again:
         assert [o.token_ids for o in second[name].outputs] == [o.token_ids for o in want[name].outputs], name

@@ -48,13 +48,13 @@ def jobs():
     return out
 
 
-def prefill(engine, rid, prompt, sp, cache_salt=None) -> bytes:
+def prefill(engine, rid, prompt, sp, cache_salt=None, lora_name=None) -> bytes:
     """`sp`'s first draw on `engine` (one sample; `min_tokens` as it acts on that draw), shipped as a
     signed payload."""
     exports = []
     first = sp.clone()
     first.max_tokens, first.n, first.min_tokens = 1, 1, min(first.min_tokens, 1)
-    req = engine.make_request(rid, prompt, first, cache_salt=cache_salt)
+    req = engine.make_request(rid, prompt, first, cache_salt=cache_salt, lora_name=lora_name)
     req.kv_export = kt.Exporter(exports.append)
     engine.enqueue(req)
     run_to_completion(engine)
@@ -67,10 +67,10 @@ def decode(engine, payload: bytes):
     return kt.decode_payload(payload, KEYS, engine.cfg, engine.runner.kv_dtype, engine.max_model_len)
 
 
-def submit_import(engine, rid, prompt, sp, payload: bytes, cache_salt=None):
+def submit_import(engine, rid, prompt, sp, payload: bytes, cache_salt=None, lora_name=None):
     header, body = decode(engine, payload)
     imp = kt.to_import(header, body, engine.cfg, engine.runner.kv_dtype)
-    req = engine.make_request(rid, prompt, sp, cache_salt=cache_salt)
+    req = engine.make_request(rid, prompt, sp, cache_salt=cache_salt, lora_name=lora_name)
     kt.check_import(req, imp)
     req.kv_import = imp
     engine.enqueue(req)

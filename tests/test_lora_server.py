@@ -60,7 +60,7 @@ def stack(tmp_path_factory):
 def complete(client, model):
     r = client.completions.create(model=model, prompt=PROMPT, max_tokens=N, temperature=0.0,
                                   extra_body={"ignore_eos": True})
-    assert r.model == BASE or r.model == model
+    assert r.model == (model or BASE)  # an adapter's answer names the adapter, as vLLM's does
     return r.choices[0].text
 
 
@@ -79,16 +79,27 @@ def test_model_picks_the_adapter_and_models_lists_it(stack):
     assert complete(client, "sql") == text(expected["sql"])
     chunks = client.completions.create(model="sql", prompt=PROMPT, max_tokens=N, temperature=0.0, stream=True,
                                        extra_body={"ignore_eos": True})
+    chunks = list(chunks)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text(expected["sql"])
+    assert {c.model for c in chunks} == {"sql"}
     chat = client.chat.completions.create(model="sql", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-    assert chat.choices[0].finish_reason in ("length", "stop")
+    assert chat.choices[0].finish_reason in ("length", "stop") and chat.model == "sql"
+    assert client.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=2).model == BASE
     cards = {m.id: m for m in client.models.list().data}
     assert set(cards) == {BASE, "sql"}
     assert cards["sql"].parent == BASE and cards["sql"].root == paths["sql"]
     assert client.models.retrieve("sql").parent == BASE
-    with pytest.raises(openai.BadRequestError) as e:
+    # An unknown model: vLLM's 404 on every OpenAI route, the same body.
+    want = {"message": "The model `nope` does not exist.", "type": "NotFoundError", "param": "model", "code": 404}
+    with pytest.raises(openai.NotFoundError) as e:
         complete(client, "nope")
-    assert e.value.body["code"] == "model_not_found"
+    assert e.value.body == want
+    for route, body in [("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                        ("/v1/responses", {"input": "hi"}), ("/v1/models/nope", None)]:
+        r = (httpx.get(thread.url + route, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) if body is None
+             else post(thread, route, {"model": "nope", **body}))
+        assert r.status_code == 404 and r.json()["error"] == want, route
 
 
 def test_load_and_unload_at_run_time(stack, tmp_path):

@@ -166,6 +166,48 @@ def test_long_prompt_is_chunked_by_the_budget():
     assert seq.token_ids[-1] == 5 and seq.num_computed_tokens == 20
 
 
+def test_a_request_waiting_for_a_lora_slot_is_passed_but_not_starved():
+    """One slot (max_loras=1), adapter "a" running: a request of adapter "b" waits for the slot, keeping
+    its place, while base-model requests and requests of "a" behind it are admitted; once it has waited
+    LORA_PASS_LIMIT steps only base-model requests pass it, "a" drains, and "b" runs next."""
+    from serving.core.scheduler import LORA_PASS_LIMIT
+
+    s = Scheduler(SchedulerConfig(8, 64, 256, max_loras=1), BlockManager(64, 4))
+
+    def add(rid, lora, max_tokens):
+        seq = make_seq([3, 4, 5], rid, max_tokens=max_tokens)
+        seq.request.lora_name = lora
+        s.add(seq)
+        return seq
+
+    def step():
+        out = s.schedule()
+        s.update(out, [9] * len(out.scheduled))
+        for item in out.scheduled:
+            if item.seq.num_output_tokens >= item.seq.params.max_tokens:
+                s.finish(item.seq, "length")
+        return {item.seq.request.request_id for item in out.scheduled}
+
+    add("a0", "a", 1000)
+    assert step() == {"a0"}
+    add("b0", "b", 2)
+    add("base0", None, 1)
+    add("a1", "a", 1)
+    assert step() == {"a0", "base0", "a1"}  # b0 keeps its place at the head, the others pass it
+    assert [q.request.request_id for q in s.waiting] == ["b0"]
+    for k in range(LORA_PASS_LIMIT - 1):  # requests of "a" keep coming and pass b0 for LORA_PASS_LIMIT steps
+        add(f"a-{k}", "a", 1)
+        assert f"a-{k}" in step()
+    add("a-late", "a", 1)
+    add("base1", None, 1)
+    assert step() == {"a0", "base1"}  # only the base request passes now
+    s.finish(next(q for q in s.running if q.request.request_id == "a0"), "abort")  # "a" drains
+    assert step() == {"b0"}
+    assert step() == {"b0"} and [q.request.request_id for q in s.waiting] == ["a-late"]  # "b" holds the slot
+    assert step() == {"a-late"}
+    assert not s.lora_waits or set(s.lora_waits) == {q.seq_id for q in s.waiting}
+
+
 def test_running_sequences_are_served_before_waiting_ones():
     s = scheduler(budget=8)
     a = make_seq(list(range(3, 7)), "a")

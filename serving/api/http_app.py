@@ -75,8 +75,13 @@ class ServingContext:
         """The request's `model` must be the base model or a loaded LoRA adapter, which the request then
         runs with (`serving.api.lora_routes`)."""
         if not lora_routes.resolve_model(self.engine, self.model_name, model):
-            raise P.APIError(f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
-                             param="model", code="model_not_found")
+            raise P.model_not_found(model)
+
+    def served_model(self) -> str:
+        """The `model` a response reports: the request's LoRA adapter (as vLLM reports it), else the base
+        model. Read where the request was checked (`check_model`) or in its stream, which runs in a copy
+        of that context."""
+        return lora_routes.current_lora.get() or self.model_name
 
     def completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
         """(text, token ids) of each prompt in a completions request."""
@@ -476,7 +481,7 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
                 choices.append(P.CompletionChoice(index=i * req.n + o.index, text=prefix + o.text, logprobs=lps,
                                                   finish_reason=_finish_reason(o.finish_reason),
                                                   stop_reason=o.stop_reason))
-        return P.CompletionResponse(id=base_id, model=model_name, choices=choices,
+        return P.CompletionResponse(id=base_id, model=ctx.served_model(), choices=choices,
                                     usage=_usage(sum(lengths), completion_tokens))
 
     @app.post("/v1/chat/completions", dependencies=keyed)
@@ -515,7 +520,7 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
                                         finish_reason=T.finish_reason(_finish_reason(o.finish_reason), bool(calls)),
                                         stop_reason=o.stop_reason))
         usage = _usage(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs))
-        return P.ChatCompletionResponse(id=base_id, model=model_name, choices=choices, usage=usage)
+        return P.ChatCompletionResponse(id=base_id, model=ctx.served_model(), choices=choices, usage=usage)
 
     from serving.api.utility_routes import add_utility_routes
 
@@ -576,10 +581,10 @@ async def _stream_completion(ctx: ServingContext, req: P.CompletionRequest, prom
                                                   finish_reason=_finish_reason(o.finish_reason),
                                                   stop_reason=o.stop_reason))
             if choices:
-                yield P.sse(P.CompletionResponse(id=base_id, model=ctx.model_name, choices=choices))
+                yield P.sse(P.CompletionResponse(id=base_id, model=ctx.served_model(), choices=choices))
         if req.include_usage():
             usage = _usage(sum(len(p) for p in prompts), sum(completion_tokens.values()))
-            yield P.sse(P.CompletionResponse(id=base_id, model=ctx.model_name, choices=[], usage=usage))
+            yield P.sse(P.CompletionResponse(id=base_id, model=ctx.served_model(), choices=[], usage=usage))
     except Exception as e:  # noqa: BLE001
         if not trackers:
             raise  # nothing sent yet: primed_stream turns it into an HTTP error
@@ -635,13 +640,13 @@ async def _stream_chat(ctx: ServingContext, req: P.ChatCompletionRequest, ids, p
                 choices.append(P.ChatChunkChoice(index=o.index, delta=d, logprobs=lps, finish_reason=reason,
                                                  stop_reason=o.stop_reason))
             if choices:
-                yield P.sse(P.ChatCompletionChunk(id=base_id, model=ctx.model_name, choices=choices))
+                yield P.sse(P.ChatCompletionChunk(id=base_id, model=ctx.served_model(), choices=choices))
         if req.include_usage():
             prompt_len = len(ids["prompt_token_ids"]) if isinstance(ids, dict) else len(ids)
             if out is not None and getattr(out, "prompt_token_ids", None) is not None:
                 prompt_len = len(out.prompt_token_ids)  # with image placeholders expanded
             usage = _usage(prompt_len, sum(completion_tokens.values()))
-            yield P.sse(P.ChatCompletionChunk(id=base_id, model=ctx.model_name, choices=[], usage=usage))
+            yield P.sse(P.ChatCompletionChunk(id=base_id, model=ctx.served_model(), choices=[], usage=usage))
     except Exception as e:  # noqa: BLE001
         if not trackers:
             raise

@@ -29,7 +29,7 @@ class APIError(Exception):
     """An error with an HTTP status that the app turns into OpenAI's error envelope."""
 
     def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | int | None = None):
         super().__init__(message)
         self.message = message
         self.status = status
@@ -42,8 +42,16 @@ class APIError(Exception):
 
 
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+               code: str | int | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def model_not_found(model) -> APIError:
+    """A `model` this server does not serve (neither the base model nor a loaded LoRA adapter): a 404 with
+    vLLM's message, type and numeric code, on every OpenAI route, so clients and routers that match on
+    vLLM's answer see the same one."""
+    return APIError(f"The model `{model}` does not exist.", status=404, type="NotFoundError", param="model",
+                    code=404)
 
 
 # Engine (SamplingParams) field -> the request field a client wrote, where they differ.

@@ -139,7 +139,7 @@ def add_messages_routes(app: FastAPI, ctx) -> None:
             blocks.append({"type": "text", "text": content or ""})
         blocks += uses
         stop_reason, stop_sequence = _stop_reason(o, bool(uses))
-        return JSONResponse({"id": base_id, "type": "message", "role": "assistant", "model": ctx.model_name,
+        return JSONResponse({"id": base_id, "type": "message", "role": "assistant", "model": ctx.served_model(),
                              "content": blocks, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
                              "usage": _usage(len(ids), len(o.token_ids))})
 
@@ -218,7 +218,7 @@ async def _stream(ctx, chat, shown: bool, plan, ids, starts, params, salt, base_
             if not started:
                 started = True
                 events.append(_event("message_start", message={
-                    "id": base_id, "type": "message", "role": "assistant", "model": ctx.model_name, "content": [],
+                    "id": base_id, "type": "message", "role": "assistant", "model": ctx.served_model(), "content": [],
                     "stop_reason": None, "stop_sequence": None, "usage": _usage(len(ids), 0)}))
             thinking, delta, calls = answer.step(o.text, len(o.token_ids), finished)
             if thinking and shown:

@@ -87,7 +87,7 @@ class _Turn:
                      "total_tokens": self.prompt_len + len(token_ids)}
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-            "model": self.ctx.model_name, "output": output, "error": None,
+            "model": self.ctx.served_model(), "output": output, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": req.instructions, "metadata": req.metadata or {},
             "max_output_tokens": req.max_output_tokens, "parallel_tool_calls": req.parallel_tool_calls is not False,

@@ -60,6 +60,5 @@ def add_utility_routes(app: FastAPI, ctx, keyed: list) -> None:
         if model_id in adapters:
             return adapters[model_id]
         if model_id != ctx.model_name:
-            raise P.APIError(f"The model `{model_id}` does not exist; this server serves `{ctx.model_name}`.",
-                             status=404, param="model", code="model_not_found")
+            raise P.model_not_found(model_id)
         return P.ModelCard(id=ctx.model_name, max_model_len=ctx.max_model_len)

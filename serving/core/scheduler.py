@@ -19,6 +19,12 @@ lowest priority; and when the request at the head of the queue finds no seat
 or too few pages for its first chunk, running sequences of strictly lower
 priority are preempted for it before the step is planned. With every priority equal this is FCFS.
 
+LoRA adapters (`max_loras`): a waiting request whose adapter would be one more than the device's
+slots is skipped, keeping its place, and the requests behind it are considered (vLLM V1's scheduler
+does the same): base-model requests, which hold no slot, and those of adapters already running. So
+that it is not starved by a stream of requests of the running adapters, after `LORA_PASS_LIMIT`
+steps of waiting only base-model requests pass it: the running adapters drain and a slot frees.
+
 Logit rows are a second, smaller budget (`max_logit_rows`): a sequence that
 completes its tokens this step needs one row per sample it draws (n at the
 end of a prompt with `n > 1`), and a prompt that asked for `prompt_logprobs`
@@ -41,6 +47,9 @@ from serving.core.sequence import Sequence, SequenceStatus
 
 
 POLICIES = ("fcfs", "priority")
+# Steps a request waiting for a LoRA slot lets requests of the running adapters pass it (base-model
+# requests always may: they hold no slot).
+LORA_PASS_LIMIT = 32
 
 
 def priority_order(seq: Sequence) -> tuple:
@@ -109,6 +118,7 @@ class Scheduler:
         self.config = config
         self.bm = block_manager
         self.waiting: collections.deque[Sequence] = collections.deque()
+        self.lora_waits: dict[int, int] = {}  # seq_id -> steps it has waited for a LoRA slot
         self.running: list[Sequence] = []
         # Counters (cumulative).
         self.num_preemptions = 0
@@ -187,6 +197,7 @@ class Scheduler:
             except ValueError:
                 pass
         self.bm.free_seq(seq)
+        self.lora_waits.pop(seq.seq_id, None)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
@@ -338,10 +349,20 @@ class Scheduler:
             i += 1
 
         seats = self.num_seats_running
-        while self.waiting and not preempted and budget > 0 and rows_left > 0:
-            seq = self.waiting[0]
-            if seats + seq.num_seats > cfg.max_num_seqs or seq.num_in_flight or not self._adapter_fits(seq):
-                break  # (a preempted sequence waits for its last step to be processed; FIFO behind an adapter)
+        i = 0  # the queue position considered: sequences waiting for a LoRA slot are passed, keeping theirs
+        only_base = False  # a sequence ahead has waited for a slot too long: only base-model requests pass it
+        while i < len(self.waiting) and not preempted and budget > 0 and rows_left > 0:
+            seq = self.waiting[i]
+            if seats + seq.num_seats > cfg.max_num_seqs or seq.num_in_flight:
+                break  # (a preempted sequence waits for its last step to be processed)
+            if not self._adapter_fits(seq):
+                waited = self.lora_waits[seq.seq_id] = self.lora_waits.get(seq.seq_id, 0) + 1
+                only_base |= waited > LORA_PASS_LIMIT
+                i += 1
+                continue
+            if only_base and seq.request.lora_name is not None:
+                i += 1
+                continue
             hits = [] if seq.wants_prompt_logprobs else self.bm.lookup_prefix(seq)
             start = len(hits) * self.bm.page_size
             item = self._plan(seq, start, budget, rows_left)
@@ -351,12 +372,13 @@ class Scheduler:
             if got is None:
                 if not self.running and self.bm.num_free_blocks == self.bm.num_pages:
                     # Even an empty pool cannot hold this chunk: it can never run.
-                    self.waiting.popleft()
+                    del self.waiting[i]
                     self.bm.free_seq(seq)
                     errored.append(seq)
                     continue
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
+            self.lora_waits.pop(seq.seq_id, None)
             self.running.append(seq)
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = start
