@@ -2,6 +2,10 @@
 
     python benchmarks/lora_bench.py [--out benchmarks/results/lora_bench_cpu.json] [--requests 32]
     python benchmarks/lora_bench.py --model llama3-1b --out benchmarks/results/lora_bench_gpu.json  # random weights
+    python benchmarks/lora_bench.py --smoke --out DIR/lora_bench_smoke.json  # tiny workload, one round (CI)
+
+On a GPU (`benchmarks/gpu_check.sh` runs it with `--model llama3-1b --no_warmup`) set `JAX_PLATFORMS` to
+anything (an empty value lets jax pick the GPU); unset, the run is on CPU.
 
 The same greedy workload (every request the same prompt length and `--new_tokens`) runs through
 `LLM.generate` on the embedded model five ways, rounds interleaved so that machine noise hits all
@@ -80,7 +84,13 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a configs/ preset with random weights (default: the embedded "
                                                   "model)")
     ap.add_argument("--max_num_seqs", type=int, default=16)
+    ap.add_argument("--no_warmup", action="store_true",
+                    help="compile only the shapes the workload runs (an untimed first pass) instead of every "
+                         "bucket: a bigger model's warm-up takes longer than its timing")
+    ap.add_argument("--smoke", action="store_true", help="4 requests of 8 new tokens, one round, no warm-up (CI)")
     args = ap.parse_args()
+    if args.smoke:
+        args.requests, args.new_tokens, args.rounds, args.max_num_seqs, args.no_warmup = 4, 8, 1, 4, True
     load_before = os.getloadavg()
     engine = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max(256, args.max_num_seqs),
                   page_size=16, min_token_bucket=16, min_context_bucket=128, max_model_len=128,
@@ -94,12 +104,13 @@ def main() -> None:
 
         cfg = config_by_name(args.model)
         model = dict(config=cfg, params=init_params(cfg, jax.random.key(0)))
-    plain = LLM(**engine, **model, warmup=True)
+    warmup = not args.no_warmup
+    plain = LLM(**engine, **model, warmup=warmup)
     with tempfile.TemporaryDirectory() as tmp:
         names = [f"adapter{i}" for i in range(args.max_loras)]
         modules = ",".join(f"{n}={write_adapter(plain.config, os.path.join(tmp, n), args.rank, i)}"
                            for i, n in enumerate(names))
-        lora = LLM(**engine, **model, warmup=True, enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.rank,
+        lora = LLM(**engine, **model, warmup=warmup, enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.rank,
                    lora_modules=modules)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(32, 127, args.prompt_len).tolist() for _ in range(args.requests)]
@@ -107,8 +118,11 @@ def main() -> None:
     cases = {"plain engine (LoRA off)": (plain, None), "LoRA on, base model only": (lora, None),
              "one adapter": (lora, names[0]),
              f"{args.max_loras} adapters mixed": (lora, [names[i % args.max_loras] for i in range(args.requests)])}
-    for llm, loras in cases.values():  # anything the workload compiles, compiled before timing
-        llm.generate(prompts[:2], sp, lora_request=loras if not isinstance(loras, list) else loras[:2])
+    # Anything the workload compiles, compiled before timing: the whole batch (its prefill chunks and full
+    # decode rows) for a few tokens.
+    first = SamplingParams(temperature=0.0, max_tokens=min(4, args.new_tokens), ignore_eos=True)
+    for llm, loras in cases.values():
+        llm.generate(prompts, first, lora_request=loras)
     rates = {name: [] for name in cases}
     cpu_rates = {name: [] for name in cases}
     for _ in range(args.rounds):

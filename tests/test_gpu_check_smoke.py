@@ -30,5 +30,7 @@ def test_gpu_check_smoke_writes_every_result(tmp_path):
     model = json.loads((tmp_path / "gpu_model_bench_smoke.json").read_text())
     assert all("tok_per_s" in d for d in model["decode"])
     assert model["prefill"]["mfu"] > 0
+    lora = json.loads((tmp_path / "lora_bench_smoke.json").read_text())
+    assert lora["rows"]["4 adapters mixed"]["tokens_per_second"] > 0
     overlap = model["engine_chat"]["overlap"]
     assert overlap["output_tok_per_s_overlapped"] > 0 and overlap["output_tok_per_s_one_at_a_time"] > 0
