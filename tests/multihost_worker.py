@@ -20,6 +20,11 @@ DIR/export-<layout>.bin and imports it back into the same multi-process
 engine.
 `features_engine` builds the same engine in one process for the test's
 reference.
+
+`--lora` runs, after the layouts, LoRA adapters at pp2tp2: two random PEFT-format adapters
+(`write_adapters`, each process its own copy of the same files) and a batch mixing them with the base
+model (`LORA_OF`); process 0 loads the slots, process 1 replays the writes (`lora_engine` builds the
+same engine in one process for the reference).
 """
 
 from __future__ import annotations
@@ -101,6 +106,43 @@ VARIANT_ENGINE = dict(ENGINE, weight_dtype="int8", kv_cache_dtype="fp8", specula
 
 def variant_engine(**layout) -> LLM:
     return LLM(config=VCFG, params=init_params(VCFG, jax.random.key(12)), **VARIANT_ENGINE, **layout)
+
+
+# --- LoRA adapters over both processes ------------------------------------------------------------
+LORA_ENGINE = dict(ENGINE, enable_lora=True, max_loras=2, max_lora_rank=4)
+LORA_OF = [None, "a", "b", "a", None, "b"]  # the adapter of each of `prompts()`
+
+
+def write_adapters(root: str) -> str:
+    """Two random adapters in PEFT's format over `CFG`'s projections ("a": rank 4 on q/v and the MLP's down,
+    "b": rank 2 on all seven), seeded; their `lora_modules`."""
+    from safetensors.numpy import save_file
+
+    from model.families import family_for_config
+
+    targets = {"a": (("q_proj", "v_proj", "down_proj"), 4),
+               "b": (("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 2)}
+    for i, (name, (modules, rank)) in enumerate(targets.items()):
+        rng = np.random.default_rng(30 + i)
+        tensors = {}
+        for plan in family_for_config(CFG).checkpoint_tensors(CFG):
+            module = plan.hf[:-len(".weight")]
+            if module.rsplit(".", 1)[-1] in modules:
+                out_dim, in_dim = plan.hf_shape
+                tensors[f"base_model.model.{module}.lora_A.weight"] = rng.normal(0, in_dim ** -0.5, (rank, in_dim)
+                                                                                 ).astype(np.float32)
+                tensors[f"base_model.model.{module}.lora_B.weight"] = rng.normal(0, rank ** -0.5, (out_dim, rank)
+                                                                                 ).astype(np.float32)
+        path = os.path.join(root, name)
+        os.makedirs(path, exist_ok=True)
+        save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(modules)}, f)
+    return ",".join(f"{name}={os.path.join(root, name)}" for name in targets)
+
+
+def lora_engine(root: str, **layout) -> LLM:
+    return LLM(config=CFG, params=params(), lora_modules=write_adapters(root), **LORA_ENGINE, **layout)
 
 
 # --- the features run: sampling controls, structured outputs, a draft model, KV transfer -----------
@@ -267,6 +309,7 @@ def main() -> None:
     ap.add_argument("--die_after_steps", type=int, default=3)
     ap.add_argument("--features", action="store_true", help="the features run instead of the layouts")
     ap.add_argument("--variant", action="store_true", help="after the layouts, the variant run at TP=4")
+    ap.add_argument("--lora", action="store_true", help="after the layouts, LoRA adapters at pp2tp2")
     args = ap.parse_args()
     distributed.initialize()  # before anything touches a device (the params below do)
     me = jax.process_index()
@@ -289,6 +332,10 @@ def main() -> None:
         spec = llm.engine.spec.stats
         result["variant"] = {"tokens": token_ids(outputs), "drafted": spec.num_draft_tokens,
                              "replayed": getattr(llm.multihost, "calls_by_kind", None)}
+    if args.lora:
+        llm = lora_engine(os.path.join(args.out, f"adapters-p{me}"), **LAYOUTS["pp2tp2"])
+        outputs = llm.generate(prompts(), sampling(args.max_tokens), lora_request=LORA_OF)
+        result["lora"] = {"tokens": token_ids(outputs), "replayed": getattr(llm.multihost, "calls_by_kind", None)}
     with open(os.path.join(args.out, f"p{me}.json"), "w") as f:
         json.dump(result, f)
     print(f"process {me} done", flush=True)

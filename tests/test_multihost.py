@@ -7,7 +7,9 @@
   request whose pages are copied), and the pipelined layout through the HTTP
   server that process 0 runs (both started with `serving.launch`); process 1
   really replayed the steps and page copies, and got process 0's outputs back
-  from its own `generate`.
+  from its own `generate`. The same launch serves LoRA adapters at PP=2 x TP=2
+  (a batch mixing the base model and two adapters): process 1 replayed the
+  slot writes, and the tokens are one process's.
 * Two processes (TP=4 over both, and PP=2 x TP=2) run a draft model's
   speculative decoding, sampling controls and a regex-constrained request in
   one batch with the greedy tokens of one process; a prompt's KV exported by
@@ -82,9 +84,10 @@ def reference_tokens():
 def test_two_processes_generate_matches_one_process(tmp_path, reference_tokens):
     """TP=4 over both processes, then PP=2 (one stage per process) x TP=2 inside each, with overlapped
     scheduling; then a sliding-window mixture of experts with int8 weights, an fp8 KV cache and
-    prompt-lookup speculation at TP=4 (`worker.variant_engine`); all in one launch."""
+    prompt-lookup speculation at TP=4 (`worker.variant_engine`); then LoRA adapters mixed with the base
+    model at PP=2 x TP=2 (`worker.lora_engine`); all in one launch."""
     rc, out = launch(["--num_processes=2", "--devices_per_process=2", "--", PY, WORKER, "--out", str(tmp_path),
-                      "--layouts", "tp4", "pp2tp2", "--variant"], env_extra=FAST_FAILURE_ENV)
+                      "--layouts", "tp4", "pp2tp2", "--variant", "--lora"], env_extra=FAST_FAILURE_ENV)
     assert rc == 0, readable(out)
     for i in range(2):
         assert f"[p{i}] process {i} of 2: pp2tp2 over 2 local devices, 4 in all" in out
@@ -102,6 +105,11 @@ def test_two_processes_generate_matches_one_process(tmp_path, reference_tokens):
     want = worker.token_ids(single.generate(worker.prompts(), worker.sampling()))
     assert leader["variant"]["tokens"] == want and follower["variant"]["tokens"] == want
     assert leader["variant"]["drafted"] > 0 and follower["variant"]["replayed"]["step"] >= 1
+    single = worker.lora_engine(str(tmp_path / "adapters-reference"))
+    want = worker.token_ids(single.generate(worker.prompts(), worker.sampling(), lora_request=worker.LORA_OF))
+    assert leader["lora"]["tokens"] == want and follower["lora"]["tokens"] == want
+    assert want != reference_tokens  # the adapters changed some requests' tokens
+    assert follower["lora"]["replayed"]["lora"] >= 3  # warm-up's empty slot, then one write per adapter
 
 
 def test_two_processes_run_controls_grammars_draft_model_and_kv_transfer_as_one_process(tmp_path):

@@ -329,6 +329,11 @@ class ModelRunner:
         if kind == "controls":  # (slot, *row)
             self.load_controls(int(arrays[0]), tuple(arrays[1:]))
             return self.controls
+        if kind == "lora":  # (slot, A and B of each target in name order)
+            names = sorted(self.lora)
+            self.load_lora(int(arrays[0]), {name: (arrays[1 + 2 * i], arrays[2 + 2 * i])
+                                            for i, name in enumerate(names)})
+            return self.lora
         if kind == "cache":  # a program of another package over the cache (`run_on_cache`)
             static = dict(static)
             return self.run_on_cache(_program(static.pop("program")), *arrays, **static)
@@ -350,7 +355,7 @@ class ModelRunner:
     def register_replay(self, kind: str, handler, step_inputs: dict = None) -> None:
         """Replays announced calls of `kind` with `handler` on this process; `step_inputs` (name -> source)
         are the device inputs the calls leave for a replayed step."""
-        if kind in ("step", "copy", "controls", "cache"):
+        if kind in ("step", "copy", "controls", "cache", "lora"):
             raise ValueError(f"{kind!r} is the runner's own kind of device call")
         self._replay_handlers = {**(self._replay_handlers or {}), kind: handler}
         self._step_inputs = {**(self._step_inputs or {}), **(step_inputs or {})}
@@ -433,9 +438,6 @@ class ModelRunner:
     # --- LoRA adapter slots (model.lora, serving.core.lora_manager) -------------------------------
     def _place_lora(self, max_loras: int):
         """Every slot empty (all zeros), each array sharded like its base weight."""
-        if self._spans_processes():
-            raise ValueError("LoRA adapters are not served on a mesh spanning processes (slot loads are not "
-                             "replayed on the other processes)")
         decl, self._lora_shardings = self._lora_slot_layout(
             lora_model.declare_slots(self.cfg, max_loras, self.lora_rank, self.cfg.jnp_dtype))
         return lora_model.zeros_like_tree(decl, self._lora_shardings)
@@ -449,10 +451,16 @@ class ModelRunner:
 
     def load_lora(self, slot: int, contents: dict) -> None:
         """Writes one adapter slot (`model.lora.slot_arrays`: the adapter's A/B padded to the slot rank, all
-        zeros to empty it) before the next step reads it. Data only: no step recompiles."""
+        zeros to empty it) before the next step reads it. Data only: no step recompiles. Multi-host: announced
+        like every device call (slot, then each target's A and B in name order), replayed by `replay`."""
         contents = jax.tree.map(lambda x: np.asarray(x, self.cfg.jnp_dtype), contents)
+        slot = np.int32(slot)
+        if self.dispatch_hook is not None:
+            self.dispatch_hook("lora", slot, *(x for name in sorted(contents) for x in contents[name]))
+        if self._spans_processes():  # host inputs as global arrays (each process holds the same copy)
+            slot, contents = self._host_inputs(slot, contents)
         lora = executable_store.call(_write_lora_jit, "write-lora-slot", self._small_programs, self.lora,
-                                     np.int32(slot), contents)
+                                     slot, contents)
         self.lora = jax.device_put(lora, self._lora_shardings)  # (a no-op where the write kept them)
 
     # --- sampling controls (serving.core.sampling_controls) --------------------------------------
