@@ -87,7 +87,8 @@ def test_two_processes_generate_matches_one_process(tmp_path, reference_tokens):
     prompt-lookup speculation at TP=4 (`worker.variant_engine`); then LoRA adapters mixed with the base
     model at PP=2 x TP=2 (`worker.lora_engine`); all in one launch."""
     rc, out = launch(["--num_processes=2", "--devices_per_process=2", "--", PY, WORKER, "--out", str(tmp_path),
-                      "--layouts", "tp4", "pp2tp2", "--variant", "--lora"], env_extra=FAST_FAILURE_ENV)
+                      "--layouts", "tp4", "pp2tp2", "--variant", "--lora"], timeout=RUN_TIMEOUT + 120,
+                     env_extra=FAST_FAILURE_ENV)  # four engines compile in this launch
     assert rc == 0, readable(out)
     for i in range(2):
         assert f"[p{i}] process {i} of 2: pp2tp2 over 2 local devices, 4 in all" in out
@@ -109,7 +110,7 @@ def test_two_processes_generate_matches_one_process(tmp_path, reference_tokens):
     want = worker.token_ids(single.generate(worker.prompts(), worker.sampling(), lora_request=worker.LORA_OF))
     assert leader["lora"]["tokens"] == want and follower["lora"]["tokens"] == want
     assert want != reference_tokens  # the adapters changed some requests' tokens
-    assert follower["lora"]["replayed"]["lora"] >= 3  # warm-up's empty slot, then one write per adapter
+    assert follower["lora"]["replayed"]["lora"] >= 2  # process 1 wrote each adapter's slot as process 0 did
 
 
 def test_two_processes_run_controls_grammars_draft_model_and_kv_transfer_as_one_process(tmp_path):
