@@ -17,6 +17,10 @@ rows follow from (request, first position, count) alone.
 The image digests also enter the prefix cache's digest chain (`Sequence.block_extra`,
 `block_manager.block_digest`): a block holding any of an image's placeholder tokens is named by the
 image's content too, so two prompts differing only in an image never share a page.
+
+An image may also arrive already encoded (`EncodedImage`: a disaggregated prefill ships its images'
+digests and encoder outputs with the prompt's K/V, `serving.disaggregation.kv_transfer`): it is placed,
+positioned and hashed like any other, and the encoder never runs for it.
 """
 
 from __future__ import annotations
@@ -96,6 +100,15 @@ class EncoderCache:
         return len(self._entries)
 
 
+@dataclasses.dataclass(frozen=True)
+class EncodedImage:
+    """An image encoded elsewhere, taken as it is in place of pixels: its content digest and encoder
+    output (what a disaggregated prefill ships, so the decode side never runs the encoder)."""
+
+    digest: bytes
+    encoded: Encoded
+
+
 @dataclasses.dataclass
 class PlacedImage:
     digest: bytes
@@ -142,6 +155,11 @@ class Multimodal(StepPart):
 
     def encoded(self, image, what: str) -> tuple[bytes, Encoded]:
         """(digest, encoder output) of one image; `what` names it in errors ("multi_modal_data.image[1]")."""
+        if isinstance(image, EncodedImage):
+            if image.encoded.embeds.shape[1:] != (self.cfg.hidden_size,):
+                raise InvalidParameterError(FIELD, f"{what}: encoder output of shape {image.encoded.embeds.shape}, "
+                                                   f"expected [tokens, {self.cfg.hidden_size}]")
+            return image.digest, image.encoded
         t0 = time.perf_counter()
         try:
             rgb = to_rgb(image)
