@@ -1,5 +1,6 @@
 """Image requests composed with the engine's other features: tensor parallelism (TP=2: the decoder
-sharded, the encoder replicated), int8 weights (the decoder's linear layers quantized, the encoder
+sharded, the encoder replicated), pipeline stages (PP=2: image rows merged before the first stage,
+multimodal positions on every stage), int8 weights (the decoder's linear layers quantized, the encoder
 kept in float), warm-up (image steps run in the compiled buckets: nothing recompiles), and
 disaggregated prefill (the prefill engine encodes the images and ships their outputs with the K/V; the
 decode engine never runs the encoder, and its prefix cache tells the images apart).
@@ -45,6 +46,18 @@ def test_tp2_identical_to_tp1(reference):
     out_dir, prompts, sp, want = reference
     llm = LLM(out_dir, tensor_parallel_size=2, **ENGINE)
     assert len(llm.engine.runner.params.layers[0].wq.sharding.device_set) == 2
+    got = llm.generate(prompts, sp)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(_prompt_logprobs(g), _prompt_logprobs(w), atol=1e-4)
+
+
+def test_pipeline_stages_identical_to_one_device(reference):
+    """PP=2 with 3 microbatches (an image's rows cut across microbatches): the image rows merge before
+    the first stage, the multimodal positions reach both stages."""
+    out_dir, prompts, sp, want = reference
+    llm = LLM(out_dir, pipeline_parallel_size=2, num_microbatches=3, **ENGINE)
+    assert llm.engine.runner.layout.pipeline_parallel_size == 2
     got = llm.generate(prompts, sp)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     for g, w in zip(got, want):

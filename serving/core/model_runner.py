@@ -90,9 +90,10 @@ def _step(params, cache, ibuf, fbuf, feed=None, controls=None, token_mask=None, 
     tokens = v["tokens"] if feed is None else feed_tokens(v["tokens"], v["feed_rows"], feed)
     if lora is not None:
         params = lora_model.attach(params, lora, v["lora_slot"], lora_rank)
+    # A vision-language model's steps carry the embeddings of image placeholder rows.
     if hasattr(layout, "forward"):  # a layout with a forward of its own (pipeline stages)
-        logits, cache = layout.forward(params, cache, tokens, md, cfg, backend)
-    else:  # a vision-language model's steps carry the embeddings of image placeholder rows
+        logits, cache = layout.forward(params, cache, tokens, md, cfg, backend, v.get("image_embeds"))
+    else:
         logits, cache = forward(params, cache, tokens, md, cfg, backend, layout, v.get("image_embeds"))
     raw = logits  # logprobs report the model's own distribution, as vLLM's do
     if token_mask is not None:
