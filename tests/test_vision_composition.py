@@ -3,7 +3,8 @@ sharded, the encoder replicated), pipeline stages (PP=2: image rows merged befor
 multimodal positions on every stage), int8 weights (the decoder's linear layers quantized, the encoder
 kept in float), warm-up (image steps run in the compiled buckets: nothing recompiles), and
 disaggregated prefill (the prefill engine encodes the images and ships their outputs with the K/V; the
-decode engine never runs the encoder, and its prefix cache tells the images apart).
+decode engine never runs the encoder, and its prefix cache tells the images apart); and the encoder
+itself runs padded to a few patch counts, exactly, every one compiled at warm-up.
 
 The reference is the float TP=1 engine, itself matched against transformers in `test_vision_engine`.
 """
@@ -18,7 +19,8 @@ pytest.importorskip("transformers")
 
 from serving import LLM, SamplingParams  # noqa: E402
 from conftest import run_to_completion  # noqa: E402
-from serving.core import model_runner, multimodal  # noqa: E402
+from model.vision import encoder  # noqa: E402
+from serving.core import encoder_buckets, model_runner, multimodal  # noqa: E402
 from serving.core.sampling_params import InvalidParameterError  # noqa: E402
 from serving.disaggregation import kv_transfer as kt  # noqa: E402
 from serving.disaggregation import kv_wire  # noqa: E402
@@ -123,6 +125,7 @@ def test_disaggregated_prefill_ships_the_images(reference, monkeypatch):
         raise AssertionError("the decode side ran the encoder")
 
     monkeypatch.setattr(multimodal.encoder, "encode", no_encoder)
+    monkeypatch.setattr(multimodal.encoder_buckets, "encode", no_encoder)
     monkeypatch.setattr(multimodal.encoder, "preprocess", no_encoder)
     dec = LLM(out_dir, **ENGINE).engine
     for name, im in (("a", a), ("c", c)):
@@ -163,3 +166,25 @@ def test_shipped_images_must_match_the_request(reference):
     bad = dict(header, images=[dict(header["images"][0], num_tokens=41)])
     with pytest.raises(kt.PayloadError, match="grid"):
         kt.to_import(bad, body, engine.cfg, engine.runner.kv_dtype)
+
+
+def test_encoder_buckets_are_exact_and_compiled_at_warm_up(reference):
+    """Images of sizes never seen before encode, padded to their bucket, to the exact encoder's output,
+    and compile nothing once the engine's warm-up compiled the buckets."""
+    llm = LLM(reference[0], **ENGINE)
+    mm, v = llm.engine.multimodal, llm.config.vision
+    sizes = encoder_buckets.bucket_sizes(v)
+    assert sizes == (16, 32, 64, 128, 256)  # min_pixels 56 x 56 .. max_pixels 28 x 28 x 64, in 14-pixel patches
+    assert mm in llm.engine.parts  # the engine's warm-up runs the part's: here alone, not the step buckets
+    info = mm.warm_up()
+    assert info["shapes"] == len(sizes)
+    rng = np.random.default_rng(5)
+    shapes = [(100, 130), (200, 90), (60, 300), (230, 210), (40, 70)]  # 80, 84, 88, 256 and 16 patches
+    before = encoder_buckets.compilation_count()
+    processed = [encoder.preprocess(rng.integers(0, 256, hw + (3,), dtype=np.uint8), v) for hw in shapes]
+    padded = [encoder_buckets.encode(mm.vision_weights, p, v) for p in processed]
+    assert encoder_buckets.compilation_count() == before
+    assert len({encoder_buckets.bucket_for(p.patches.shape[0], v) for p in processed}) > 1
+    for p, got in zip(processed, padded):
+        assert got.shape == (p.num_tokens, llm.config.hidden_size)
+        np.testing.assert_allclose(got, encoder.encode(mm.vision_weights, p, v), rtol=1e-5, atol=1e-5)

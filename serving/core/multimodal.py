@@ -18,6 +18,9 @@ The image digests also enter the prefix cache's digest chain (`Sequence.block_ex
 `block_manager.block_digest`): a block holding any of an image's placeholder tokens is named by the
 image's content too, so two prompts differing only in an image never share a page.
 
+The encoder runs padded to a few patch counts (`encoder_buckets`), all compiled at the engine's warm-up,
+so an image of a size not seen before compiles nothing.
+
 An image may also arrive already encoded (`EncodedImage`: a disaggregated prefill ships its images'
 digests and encoder outputs with the prompt's K/V, `serving.disaggregation.kv_transfer`): it is placed,
 positioned and hashed like any other, and the encoder never runs for it.
@@ -36,6 +39,7 @@ import numpy as np
 
 from model.vision import encoder
 from model.vision.qwen2_5_vl_processor import to_rgb
+from serving.core import encoder_buckets
 from serving.core.sampling_params import InvalidParameterError
 from serving.core.step_parts import StepPart
 
@@ -175,13 +179,17 @@ class Multimodal(StepPart):
         except ValueError as e:
             raise InvalidParameterError(FIELD, f"{what}: {e}") from None
         t1 = time.perf_counter()
-        embeds = encoder.encode(self.vision_weights, processed, self.cfg.vision)
+        embeds = encoder_buckets.encode(self.vision_weights, processed, self.cfg.vision)
         t2 = time.perf_counter()
         self._add("preprocess", t1 - t0)
         self._add("encode", t2 - t1)
         entry = Encoded(embeds, processed.grid)
         self.cache.put(digest, entry)
         return digest, entry
+
+    def warm_up(self) -> dict:
+        """Compiles the encoder at each of its padded sizes (`encoder_buckets`)."""
+        return encoder_buckets.warm_up(self.vision_weights, self.cfg.vision)
 
     def _add(self, key: str, seconds: float) -> None:
         with self._time_lock:
