@@ -16,6 +16,11 @@ stepped to completion, as `LLM.generate` does):
 * `text` (the peer): prompts of the same token count with no image, for the language model alone.
 
 Each kind runs `--repeats` times (new images for each cold run) and the fastest is recorded.
+
+`encoder_padding`: the encoder alone on images of `--encoder_sizes`, padded to its bucket
+(`serving.core.encoder_buckets`, what the engine runs) against the exact encoder (one program per
+grid), both compiled beforehand, fastest of `--repeats` each; the same-run ratio padded / exact is what
+padding costs (at most a doubling of the patches, nothing for an image whose patch count is a bucket).
 Recorded per run: requests/s and output tokens/s, TTFT p50 / max (submission to first token, the
 encoding included), and the seconds in preprocessing, encoding and the language model (the rest of
 the wall time), with their shares; and the same-run ratios warm / cold and cold / text.
@@ -40,8 +45,10 @@ import numpy as np  # noqa: E402
 
 from model.config import LlamaConfig  # noqa: E402
 from model.params import init_params  # noqa: E402
+from model.vision import encoder  # noqa: E402
 from model.vision.config import QWEN2_5_VL, VisionConfig  # noqa: E402
 from serving import LLM, SamplingParams  # noqa: E402
+from serving.core import encoder_buckets  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -89,12 +96,36 @@ def run(llm, prompts, sp, label: str) -> dict:
             "encoder_cache": {"hits": mm.cache.hits, "misses": mm.cache.misses}}
 
 
+def encoder_padding(llm, sizes: list[tuple[int, int]], repeats: int) -> list[dict]:
+    """Seconds of the padded (bucketed) and the exact encoder per image size, each compiled first."""
+    mm, v = llm.engine.multimodal, llm.config.vision
+    rng = np.random.default_rng(7)
+    out = []
+    for h, w in sizes:
+        p = encoder.preprocess(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), v)
+        times = {}
+        for name, fn in (("padded", encoder_buckets.encode), ("exact", encoder.encode)):
+            fn(mm.vision_weights, p, v)  # compiles (the exact encoder: this grid's program)
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn(mm.vision_weights, p, v)
+                best = min(best, time.perf_counter() - t0)
+            times[name] = best
+        out.append({"image": [h, w], "patches": int(p.patches.shape[0]),
+                    "bucket": encoder_buckets.bucket_for(p.patches.shape[0], v), "padded_s": times["padded"],
+                    "exact_s": times["exact"], "padded_over_exact": times["padded"] / times["exact"]})
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--image_size", type=int, default=224)
     ap.add_argument("--max_tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each kind; the fastest is recorded")
+    ap.add_argument("--encoder_sizes", default="224x224,200x300,300x180,448x336",
+                    help="image sizes (HxW) of the padded-vs-exact encoder timing")
     ap.add_argument("--out", default=os.path.join(RESULTS, "vision_bench_cpu.json"))
     args = ap.parse_args()
 
@@ -135,13 +166,21 @@ def main():
               f"TTFT p50 {r['ttft_p50_s']:.3f} s max {r['ttft_max_s']:.3f} s  "
               f"preprocess {s['preprocess']:.0%} encode {s['encode']:.0%} LM {s['language_model']:.0%}")
     print("ratios:", {k: round(v, 2) for k, v in ratios.items()})
+    sizes = [tuple(int(x) for x in s.split("x")) for s in args.encoder_sizes.split(",") if s]
+    padding = encoder_padding(llm, sizes, args.repeats)
+    for e in padding:
+        print(f"encoder {e['image'][0]}x{e['image'][1]}: {e['patches']} patches -> bucket {e['bucket']}: "
+              f"padded {e['padded_s'] * 1e3:.1f} ms exact {e['exact_s'] * 1e3:.1f} ms "
+              f"(x{e['padded_over_exact']:.2f})")
     record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "host": platform.node(), "backend": jax.default_backend(), "cpu_count": os.cpu_count(),
+              "load_average_1_5_15": list(os.getloadavg()),  # the machine is shared: others' load is in the numbers
               "command": "python benchmarks/vision_bench.py " + " ".join(sys.argv[1:]),
               "model": {"text": "4 layers, hidden 256, 4 heads / 2 kv, head_dim 64, fp32",
                         "vision": "4 blocks (2 full-attention), hidden 128, 4 heads, fp32"},
               "image_size": args.image_size, "image_tokens": cold["prompt_tokens"] - len(text) - 4,
-              "max_tokens": args.max_tokens, "cold": cold, "warm": warm, "text_peer": peer, "ratios": ratios}
+              "max_tokens": args.max_tokens, "cold": cold, "warm": warm, "text_peer": peer, "ratios": ratios,
+              "encoder_padding": padding}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(record, f, indent=2)

@@ -48,10 +48,7 @@ def forward_hidden(params: Weights, cache: KVCache, tokens, md: BatchMetadata, c
         impl = layout.attention_backend(impl, cfg)
     per_layer = blocks.layer_inputs(cfg)
     with jax.named_scope("embed"):
-        x = blocks.embed(params, tokens, cfg, layout)
-        if image_embeds is not None:
-            is_image = (tokens == cfg.image_token_id)[:, None]
-            x = jnp.where(is_image, image_embeds.astype(x.dtype), x)
+        x = merge_image_embeds(blocks.embed(params, tokens, cfg, layout), tokens, image_embeds, cfg)
     if isinstance(cache, StackedKVCache):
         return _scan_layers(blocks, params, cache, x, md, per_layer, cfg, impl, layout)
     new_k, new_v = [], []
@@ -64,6 +61,15 @@ def forward_hidden(params: Weights, cache: KVCache, tokens, md: BatchMetadata, c
         new_k.append(k_pages)
         new_v.append(v_pages)
     return x, KVCache(k=new_k, v=new_v)
+
+
+def merge_image_embeds(x, tokens, image_embeds, cfg: LlamaConfig):
+    """The token embeddings `x` `[T, embed]` with the image placeholder rows (`cfg.image_token_id`) taken
+    from `image_embeds` `[T, embed]` (None: `x` as it is). Pipeline stages merge them the same way, on the
+    first stage (`sharding.pipeline`)."""
+    if image_embeds is None:
+        return x
+    return jnp.where((tokens == cfg.image_token_id)[:, None], image_embeds.astype(x.dtype), x)
 
 
 def _scan_layers(blocks, params: Weights, cache: StackedKVCache, x, md: BatchMetadata, per_layer, cfg: LlamaConfig,

@@ -77,6 +77,7 @@ from kernels_pallas import get_backend
 from model.cache import BatchMetadata, KVCache
 from model.config import ModelConfig
 from model.families import family_for_config
+from model.forward import merge_image_embeds
 from model.lora import attach_layer, slot_axes
 from model.params import is_array_info, pytree_dataclass
 from sharding.layout import Layout
@@ -104,6 +105,7 @@ class StagedWeights:
     stages: list
     final_norm: object
     lm_head: object
+    vision: object = None  # a vision-language model's image encoder, as `param_shardings` placed it (every device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,7 +223,7 @@ class PipelineLayout:
                                           for f in dataclasses.fields(layer_decl)})
         full = self.tensor_layout.param_shardings(cfg)
         return StagedWeights(embed=full.embed, stages=[stage_layer] * self.layers_per_stage(cfg),
-                             final_norm=full.final_norm, lm_head=full.lm_head)
+                             final_norm=full.final_norm, lm_head=full.lm_head, vision=getattr(full, "vision", None))
 
     def cache_shardings(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype=None) -> KVCache:
         """Shardings of the staged cache: per stage-local layer `[p * pages, slot, kv_heads, head_dim]`,
@@ -248,7 +250,7 @@ class PipelineLayout:
             stages.append(jax.tree.map(lambda target, *arrays: _stack_stage_arrays(arrays, target),
                                        targets.stages[j], *members))
         return StagedWeights(embed=params.embed, stages=stages, final_norm=params.final_norm,
-                             lm_head=params.lm_head)
+                             lm_head=params.lm_head, vision=getattr(params, "vision", None))
 
     def staged_cache_layer(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype=None):
         """The declaration of one stage-local cache layer (K or V): pages (and the scales of a
@@ -295,8 +297,8 @@ class PipelineLayout:
 
     # --- the forward pass ---------------------------------------------------------------------------
     def forward(self, params: StagedWeights, cache: KVCache, tokens, md: BatchMetadata, cfg: ModelConfig,
-                backend: str = "auto", lora=None):
-        return pipeline_forward(params, cache, tokens, md, cfg, backend, self, lora=lora)
+                backend: str = "auto", image_embeds=None, lora=None):
+        return pipeline_forward(params, cache, tokens, md, cfg, backend, self, image_embeds=image_embeds, lora=lora)
 
 
 def _stack_stage_arrays(arrays, target: NamedSharding) -> jax.Array:
@@ -334,7 +336,8 @@ def microbatch_metadata(md: BatchMetadata, num_microbatches: int, microbatch_tok
     `k` (tokens `a..b-1`) its query rows are its tokens inside `[a, b)` and its KV length
     ends at the last of them, so attention sees exactly the keys before and at each query.
     A sequence with no tokens in the range gets q and kv length 0 (no work).
-    `positions` and `slot_mapping` must already be padded to `m * microbatch_tokens`.
+    `positions` and `slot_mapping` (and multimodal `rope_positions` `[3, T]`) must already be padded to
+    `m * microbatch_tokens`.
     """
     m, n = num_microbatches, microbatch_tokens
     start = (jnp.arange(m, dtype=jnp.int32) * n)[:, None]
@@ -344,9 +347,10 @@ def microbatch_metadata(md: BatchMetadata, num_microbatches: int, microbatch_tok
     kv = md.kv_lens[None, :] - (seq_end - jnp.minimum(seq_end, end))
     q_len = cu[:, 1:] - cu[:, :-1]
     kv = jnp.where(q_len > 0, kv, 0)
+    rope = None if md.rope_positions is None else md.rope_positions.reshape(3, m, n).transpose(1, 0, 2)
     return BatchMetadata(positions=md.positions.reshape(m, n), slot_mapping=md.slot_mapping.reshape(m, n),
                          cu_q_lens=cu, kv_lens=kv, block_tables=md.block_tables, num_seqs=md.num_seqs,
-                         logits_indices=md.logits_indices)
+                         logits_indices=md.logits_indices, rope_positions=rope)
 
 
 def _pad_to(x, length: int, value):
@@ -365,7 +369,8 @@ def stage_layer_inputs(per_layer, stage, num_stages: int):
 
 
 def pipeline_forward(params: StagedWeights, cache: KVCache, tokens, md: BatchMetadata, cfg: ModelConfig,
-                     backend: str, layout: PipelineLayout, num_ticks: int | None = None, lora=None):
+                     backend: str, layout: PipelineLayout, num_ticks: int | None = None, image_embeds=None,
+                     lora=None):
     """Logits `[R, vocab]` (fp32) for rows `md.logits_indices`, and the updated staged cache.
 
     `lora` (LoRA adapters, `model.lora`): (the staged slots of `PipelineLayout.stage_lora_slots`, each
@@ -381,6 +386,10 @@ def pipeline_forward(params: StagedWeights, cache: KVCache, tokens, md: BatchMet
     `num_ticks` (default `m + p - 1`, the full schedule) exists for the benchmark, which
     times a schedule without the fill/drain ticks to measure what they cost; any other
     value gives wrong results.
+
+    A vision-language model's image rows (`image_embeds` `[T, embed]`) replace the placeholder tokens'
+    embeddings before the first stage (as `model.forward` does), and its multimodal RoPE positions
+    (`md.rope_positions` `[3, T]`) are cut into microbatches like the positions, for every stage.
     """
     blocks = family_for_config(cfg).blocks
     T = tokens.shape[0]
@@ -392,17 +401,18 @@ def pipeline_forward(params: StagedWeights, cache: KVCache, tokens, md: BatchMet
     padded = mb_tokens * m
     pages, page_size = cache.k[0].shape[0] // p, cache.k[0].shape[1]
     drop_slot = pages * page_size  # one past the end: every cache write drops it
-    tokens = _pad_to(tokens, padded, 0)
-    md = dataclasses.replace(md, positions=_pad_to(md.positions, padded, 0),
-                             slot_mapping=_pad_to(md.slot_mapping, padded, drop_slot))
-    mmd = microbatch_metadata(md, m, mb_tokens)
     lora_slots, lora_rank = {}, 0
     token_slots = jnp.zeros((m, 0), jnp.int32)
     if lora is not None:
         lora_slots, token_slots, lora_rank = lora
         token_slots = _pad_to(token_slots, padded, -1).reshape(m, mb_tokens)
     with jax.named_scope("embed"):
-        x = blocks.embed(params, tokens, cfg, tp)
+        x = merge_image_embeds(blocks.embed(params, tokens, cfg, tp), tokens, image_embeds, cfg)
+    x = jnp.pad(x, ((0, padded - T), (0, 0)))
+    rope = None if md.rope_positions is None else jnp.pad(md.rope_positions, ((0, 0), (0, padded - T)))
+    md = dataclasses.replace(md, positions=_pad_to(md.positions, padded, 0),
+                             slot_mapping=_pad_to(md.slot_mapping, padded, drop_slot), rope_positions=rope)
+    mmd = microbatch_metadata(md, m, mb_tokens)
     x = x.reshape(m, mb_tokens, cfg.hidden_size)
 
     def run_stages(stages, k_cache, v_cache, x_in, mmd, lora_slots, token_slots):
@@ -420,7 +430,8 @@ def pipeline_forward(params: StagedWeights, cache: KVCache, tokens, md: BatchMet
             md_i = BatchMetadata(positions=mmd.positions[i],
                                  slot_mapping=jnp.where(valid, mmd.slot_mapping[i], drop_slot),
                                  cu_q_lens=mmd.cu_q_lens[i], kv_lens=mmd.kv_lens[i],
-                                 block_tables=mmd.block_tables, num_seqs=mmd.num_seqs, logits_indices=None)
+                                 block_tables=mmd.block_tables, num_seqs=mmd.num_seqs, logits_indices=None,
+                                 rope_positions=None if mmd.rope_positions is None else mmd.rope_positions[i])
             h = jnp.where(stage == 0, x_in[i], state)
             new_ks, new_vs = [], []
             for j, (layer, k_pages, v_pages) in enumerate(zip(layers, ks, vs)):

@@ -21,7 +21,8 @@ from serving.core.block_manager import BlockManager, block_digest, salt_digest
 from serving.api.chat_template import encode_chat
 from serving.llm import default_checkpoint_dir
 from serving.router import RouterService, create_router_app, transfer_figures
-from serving.routing.router_index import PrefixIndex, PromptEncoder, Router, WorkerLoad, block_hashes
+from serving.routing.router_index import (IMAGE_MARK, PrefixIndex, PromptEncoder, Router, WorkerLoad, block_hashes,
+                                          image_digest)
 from serving.routing.router_workers import parse_worker_metrics
 from serving.server import free_port
 
@@ -165,6 +166,43 @@ def test_kv_aware_keeps_an_adapters_requests_together():
     assert r.choose(ws, [prompt]).matched_blocks == 0
     assert block_hashes(prompt, 4, model="sql") != block_hashes(prompt, 4, model="chat") != block_hashes(prompt, 4)
     assert block_hashes(prompt, 4, "tenant", "sql") != block_hashes(prompt, 4, None, "sql")
+
+
+def _image_chat(url: str, turn: str = "") -> dict:
+    content = [{"type": "text", "text": "describe this picture in one line"}, {"type": "image_url", "image_url": {"url": url}},
+               {"type": "text", "text": "and name its colours" + turn}]
+    return {"model": "vl", "messages": [{"role": "user", "content": content}]}
+
+
+def test_image_digests_enter_the_routing_chain():
+    """An image part is one mark in the routed ids; its digest keys the block holding it and, through the
+    chain, every block after: same text with another image matches only the blocks before the image, the
+    same image matches past it (as a worker's prefix cache does, `Sequence.block_extra`)."""
+    enc = PromptEncoder()
+    a, b = "data:image/png;base64,iVBORw0KGgoAAAA=", "data:image/png;base64,iVBORw0KGgoBBBB="
+    (pa,), (pb,) = enc.prompts("chat", _image_chat(a)), enc.prompts("chat", _image_chat(b))
+    assert list(pa) == list(pb) and pa.images == (image_digest(a),) and pb.images == (image_digest(b),)
+    mark = pa.index(IMAGE_MARK)
+    assert pa.count(IMAGE_MARK) == 1 and mark > 8
+
+    # The same chain as the block manager's, where the image's digest is the block's extra.
+    seq = _Seq(pa)
+    seq.block_extra = lambda start, end: pa.images[0] if start <= mark < end else b""
+    n = len(pa) // 4
+    assert block_hashes(pa, 4, images=pa.images) == BlockManager(num_pages=64, page_size=4)._hashes_upto(seq, n)
+
+    ha, hb = block_hashes(pa, 4, images=pa.images), block_hashes(pb, 4, images=pb.images)
+    before = mark // 4  # the blocks wholly before the image
+    assert ha[:before] == hb[:before] and all(x != y for x, y in zip(ha[before:], hb[before:]))
+
+    r = Router("kv_aware", page_size=4, load_weight=0.1)
+    ws = _workers(3)
+    first = r.choose(ws, [pa])
+    r.record(first.worker, [pa])
+    (later,) = enc.prompts("chat", _image_chat(a, " and its shapes"))
+    same = r.choose(ws, [later])
+    assert same.worker == first.worker and same.matched_blocks > before
+    assert r.choose(ws, [pb]).matched_blocks == before
 
 
 def test_unknown_policy_is_a_clear_error():

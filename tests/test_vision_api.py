@@ -170,18 +170,36 @@ def test_text_model_refuses_image_parts():
         ctx.chat_prompt(req)
 
 
-def test_disaggregated_prefill_refuses_images(served):
-    """The shipped payload carries no encoder output or multimodal positions: an image chat is refused
-    by the prefill worker, naming the part, rather than continued wrongly by the decode worker."""
+def test_disaggregated_image_chat(served):
+    """An image chat prefilled by /internal/prefill and resumed by /internal/decode (the same worker in
+    both roles here) answers as the chat route does; the payload carries the image's rows."""
     import httpx
 
+    from model.families import kv_bytes_per_token
+    from serving.disaggregation.disagg import run_disaggregated
+
     s = served
-    body = {"model": "vl", "max_tokens": 4, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": data_url(s.png)}}]}]}
-    r = httpx.post(s.url + "/internal/prefill", json={"endpoint": "/v1/chat/completions", "body": body}, timeout=30)
-    assert r.status_code == 400
-    assert r.json()["error"]["param"] == "messages[0].content[1]"
-    assert "disaggregated" in r.json()["error"]["message"]
+    content = [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": data_url(s.png)}}]
+    body = {"model": "vl", "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "user", "content": content}]}
+    whole = s.client.chat.completions.create(**{k: v for k, v in body.items() if k != "ignore_eos"},
+                                             extra_body={"ignore_eos": True})
+
+    async def disaggregated():
+        async with httpx.AsyncClient(timeout=60) as client:
+            resp, rec = await run_disaggregated(client, s.url, s.url, "/v1/chat/completions", body)
+            try:
+                return (await resp.aread(), resp.status_code), rec
+            finally:
+                await resp.aclose()
+
+    (raw, status), rec = asyncio.run(disaggregated())
+    assert status == 200, raw
+    reply = P.ChatCompletionResponse.model_validate_json(raw)
+    assert reply.choices[0].message.content == whole.choices[0].message.content
+    assert reply.usage.prompt_tokens == whole.usage.prompt_tokens == rec.num_tokens
+    per_token = kv_bytes_per_token(s.llm.config, s.llm.engine.runner.kv_dtype)
+    assert rec.kv_bytes == per_token * rec.num_tokens + 40 * s.llm.config.hidden_size * 4  # K/V, then 40 image rows
 
 
 def test_streamed_chat_with_an_image(served):

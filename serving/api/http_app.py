@@ -171,6 +171,13 @@ class ServingContext:
         parts = self._image_parts(req)
         if not parts:
             return []
+        imp = kv_transfer.current_import.get()
+        if imp is not None:  # resuming a shipped prefill: its images' encoder outputs came with the K/V
+            if len(imp.images) != len(parts):
+                name = parts[0][0]
+                raise P.APIError(f"{name}: the request has {len(parts)} image parts, the shipped KV "
+                                 f"{len(imp.images)} images", param=name, code="invalid_value")
+            return imp.encoded_images
         core = self.engine_core()
         if getattr(core.cfg, "vision", None) is None:
             raise self._no_vision(req)

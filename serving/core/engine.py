@@ -166,10 +166,7 @@ class Engine:
                       + ([self.spec] if self.spec is not None else []) + ([self.lora] if self.lora is not None else []))
         # Image inputs of a vision-language model: admission-time encoding, per-step rows (`multimodal`).
         self.multimodal = None
-        if cfg.vision is not None:
-            if getattr(layout, "pipeline_parallel_size", 1) > 1:
-                raise ValueError("a vision-language model cannot run pipeline-parallel yet: the stages' forward "
-                                 "takes no image inputs")
+        if cfg.vision is not None:  # (pipeline stages: the rows merge before the first stage, `sharding.pipeline`)
             self.multimodal = Multimodal(cfg, self.runner.params.vision, cache_bytes=config.encoder_cache_mb << 20,
                                          limit_per_prompt=config.limit_mm_per_prompt)
             self.parts.append(self.multimodal)

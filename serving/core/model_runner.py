@@ -88,10 +88,11 @@ def _step(params, cache, ibuf, fbuf, feed=None, controls=None, token_mask=None, 
     v = shape.split(ibuf, fbuf)
     md, s = unpack_step(v)
     tokens = v["tokens"] if feed is None else feed_tokens(v["tokens"], v["feed_rows"], feed)
+    # A vision-language model's steps carry the embeddings of image placeholder rows.
     if hasattr(layout, "forward"):  # a layout with a forward of its own (pipeline stages), which stages the slots
         extra = {} if lora is None else {"lora": (lora, v["lora_slot"], lora_rank)}
-        logits, cache = layout.forward(params, cache, tokens, md, cfg, backend, **extra)
-    else:  # a vision-language model's steps carry the embeddings of image placeholder rows
+        logits, cache = layout.forward(params, cache, tokens, md, cfg, backend, v.get("image_embeds"), **extra)
+    else:
         if lora is not None:
             params = lora_model.attach(params, lora, v["lora_slot"], lora_rank)
         logits, cache = forward(params, cache, tokens, md, cfg, backend, layout, v.get("image_embeds"))

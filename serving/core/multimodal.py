@@ -17,6 +17,13 @@ rows follow from (request, first position, count) alone.
 The image digests also enter the prefix cache's digest chain (`Sequence.block_extra`,
 `block_manager.block_digest`): a block holding any of an image's placeholder tokens is named by the
 image's content too, so two prompts differing only in an image never share a page.
+
+The encoder runs padded to a few patch counts (`encoder_buckets`), all compiled at the engine's warm-up,
+so an image of a size not seen before compiles nothing.
+
+An image may also arrive already encoded (`EncodedImage`: a disaggregated prefill ships its images'
+digests and encoder outputs with the prompt's K/V, `serving.disaggregation.kv_transfer`): it is placed,
+positioned and hashed like any other, and the encoder never runs for it.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import numpy as np
 
 from model.vision import encoder
 from model.vision.qwen2_5_vl_processor import to_rgb
+from serving.core import encoder_buckets
 from serving.core.sampling_params import InvalidParameterError
 from serving.core.step_parts import StepPart
 
@@ -96,6 +104,15 @@ class EncoderCache:
         return len(self._entries)
 
 
+@dataclasses.dataclass(frozen=True)
+class EncodedImage:
+    """An image encoded elsewhere, taken as it is in place of pixels: its content digest and encoder
+    output (what a disaggregated prefill ships, so the decode side never runs the encoder)."""
+
+    digest: bytes
+    encoded: Encoded
+
+
 @dataclasses.dataclass
 class PlacedImage:
     digest: bytes
@@ -142,6 +159,11 @@ class Multimodal(StepPart):
 
     def encoded(self, image, what: str) -> tuple[bytes, Encoded]:
         """(digest, encoder output) of one image; `what` names it in errors ("multi_modal_data.image[1]")."""
+        if isinstance(image, EncodedImage):
+            if image.encoded.embeds.shape[1:] != (self.cfg.hidden_size,):
+                raise InvalidParameterError(FIELD, f"{what}: encoder output of shape {image.encoded.embeds.shape}, "
+                                                   f"expected [tokens, {self.cfg.hidden_size}]")
+            return image.digest, image.encoded
         t0 = time.perf_counter()
         try:
             rgb = to_rgb(image)
@@ -157,13 +179,17 @@ class Multimodal(StepPart):
         except ValueError as e:
             raise InvalidParameterError(FIELD, f"{what}: {e}") from None
         t1 = time.perf_counter()
-        embeds = encoder.encode(self.vision_weights, processed, self.cfg.vision)
+        embeds = encoder_buckets.encode(self.vision_weights, processed, self.cfg.vision)
         t2 = time.perf_counter()
         self._add("preprocess", t1 - t0)
         self._add("encode", t2 - t1)
         entry = Encoded(embeds, processed.grid)
         self.cache.put(digest, entry)
         return digest, entry
+
+    def warm_up(self) -> dict:
+        """Compiles the encoder at each of its padded sizes (`encoder_buckets`)."""
+        return encoder_buckets.warm_up(self.vision_weights, self.cfg.vision)
 
     def _add(self, key: str, seconds: float) -> None:
         with self._time_lock:

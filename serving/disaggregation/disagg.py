@@ -26,14 +26,19 @@ alone is enough for the decode worker), `model` (served name), `num_layers`,
 receiver may use another), `num_tokens` (= prompt length), `prompt_token_ids`,
 `first_token`, `seed` (the effective sampling seed), `logprobs` (the first
 token's chosen logprob, rank, top ids and top logprobs, or null),
-`cache_salt` (the salt the prompt's pages were named under) and `arrays`:
+`cache_salt` (the salt the prompt's pages were named under), `images` and
+`mrope_delta` (a prompt holding images: each image's digest, first placeholder
+position, patch grid and token count, and the multimodal-RoPE offset of the
+positions after the prompt; `[]` and 0 for text) and `arrays`:
 the per-layer arrays with their shapes and dtypes, `[{"name": "k", "shape":
 [num_tokens, kv_heads, head_dim], "dtype": <dtype>}, {"name": "v", ...}]`,
 followed for an int8 / fp8 cache by `{"name": "k_scale", "shape":
 [num_tokens, kv_heads], "dtype": "float32"}` and `v_scale` (one scale per
 token and KV head: quantized pages travel as stored, with their scales). The
 body is, for each layer in order, each listed array's C-order bytes, so for
-plain K/V it is one `[layers, 2, num_tokens, kv_heads, head_dim]` array. A
+plain K/V it is one `[layers, 2, num_tokens, kv_heads, head_dim]` array,
+followed, for a prompt with images, by their encoder outputs (float32
+`[image tokens, hidden]`, the images in order). A
 worker refuses arrays other than those of its own cache, and a payload whose
 `dtype` is not its KV cache's (int8 into a float cache, float into an fp8
 one, ...), with a 400 naming both dtypes. Response headers:
@@ -54,7 +59,10 @@ scatter into the donated cache), full blocks are registered in the prefix
 cache so later turns hit, and generation continues from the shipped first
 token; the blocks are named under the payload's `cache_salt`. Bad payloads or
 mismatched models get an OpenAI-style error with a 4xx status and hold no
-blocks. Only single-prompt requests with n == 1,
+blocks. An image chat's images are decoded and encoded on the prefill worker
+only: the decode worker takes their encoder outputs and digests from the
+payload (its prefix-cache blocks are named by them as the prefill worker's
+are) and never fetches, decodes or encodes an image. Only single-prompt requests with n == 1,
 without echo or prompt logprobs, can be disaggregated (400 otherwise).
 
 `run_disaggregated(client, prefill_url, decode_url, endpoint, body, headers)`
@@ -182,14 +190,6 @@ def _parse(endpoint, body):
     openai_fields.check_fields(req, kind)
     if req.n != 1:
         raise P.APIError("a disaggregated request must have n=1", param="n", code="invalid_value")
-    if kind == "chat":
-        # The payload carries token ids and K/V, not the images' encoder output or the decoder's
-        # multimodal positions, so the decode worker could not continue an image prompt correctly.
-        for i, m in enumerate(req.messages):
-            if m.image_urls():
-                name = f"messages[{i}].content[{m.image_urls()[0][0]}]"
-                raise P.APIError(f"{name}: image inputs cannot be served disaggregated yet; send the request to "
-                                 "a worker directly", param=name, code="invalid_value")
     if kind == "completions":
         if isinstance(req.prompt, list) and req.prompt and not all(isinstance(t, int) for t in req.prompt) \
                 and len(req.prompt) != 1:
@@ -288,11 +288,13 @@ def add_kv_transfer_routes(app: FastAPI, ctx, secret: str, dependencies=()) -> N
         endpoint, body = data.get("endpoint"), data.get("body")
         kind, req = _parse(endpoint, body)
         ids, params = _first_token_request(ctx, kind, req)
+        images = await ctx.chat_images(req) if kind == "chat" else []  # encoded here; their outputs are shipped
+        prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
         salt = ctx.cache_salt(req, request)
         engine, dtype = _transfer_engine(ctx, kt)
         exports = []
         try:
-            async for _ in ctx.engine.generate(ids, params, f"prefill-{uuid.uuid4().hex}", cache_salt=salt,
+            async for _ in ctx.engine.generate(prompt, params, f"prefill-{uuid.uuid4().hex}", cache_salt=salt,
                                                priority=getattr(req, "priority", 0),
                                                kv_export=kt.Exporter(exports.append), **lora_routes.engine_kwargs()):
                 pass
@@ -307,12 +309,12 @@ def add_kv_transfer_routes(app: FastAPI, ctx, secret: str, dependencies=()) -> N
 
         async def chunks():
             yield signer.head()
-            for layer in host.layer_bytes():  # one chunk per layer: the receiver gets bytes while later ones are sent
-                yield signer.body(layer)
+            for piece in kt.payload_chunks(exp, host):  # one chunk per layer (then the image rows): the receiver
+                yield signer.body(piece)  # gets bytes while later ones are sent
             yield signer.tail()
 
         return StreamingResponse(chunks(), media_type=PAYLOAD_MEDIA_TYPE, headers={
-            "x-ridgeline-kv-bytes": str(host.nbytes), "x-ridgeline-kv-tokens": str(exp.num_tokens),
+            "x-ridgeline-kv-bytes": str(host.nbytes + exp.image_embeds().nbytes), "x-ridgeline-kv-tokens": str(exp.num_tokens),
             "x-ridgeline-prefill-seconds": f"{time.perf_counter() - t0:.6f}"})
 
     @app.post("/internal/decode")

@@ -36,6 +36,16 @@ refused: pages cannot be converted without changing the tokens that follow.
 `PayloadError` is an authenticated payload this engine cannot hold;
 `to_import` turns a checked one into a `KVImport` (the prompt, its K/V, the
 first token, seed, logprobs and the request's cache salt).
+
+A prompt holding images ships what the decode side needs of them, so it never
+runs the encoder: the header's `images` list each image's content digest (hex),
+first placeholder position, patch grid and token count, and `mrope_delta` the
+multimodal-RoPE offset of positions after the prompt; the body ends with the
+images' encoder outputs (`image_embeds`, float32 `[image tokens, hidden]`, after
+the last layer). The decode side rebuilds the request's images from them
+(`serving.core.multimodal.EncodedImage`): the digests name its prefix-cache
+blocks as the prefill side's, the positions continue past the prompt, and a
+recompute after preemption has the embeddings it needs.
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ import numpy as np
 from model.families import kv_bytes_per_token
 from model.quant import SCALE_DTYPE, is_quantized_dtype
 from serving.core.block_manager import is_cache_salt
+from serving.core.multimodal import Encoded, EncodedImage
 # The device programs and the host form of K/V (the prefix cache's host tier runs them too); imported
 # under the names this module has always offered.
 from serving.core.kv_pages import (  # noqa: F401
@@ -58,7 +69,7 @@ from serving.core.kv_pages import (  # noqa: F401
     padded_pages, padded_tokens, token_slots, transfer_sizes, write, write_jit)
 from serving.disaggregation import kv_wire
 
-VERSION = 3  # 3: each array lists its dtype, and int8 / fp8 pages travel with "k_scale" / "v_scale"
+VERSION = 4  # 3: each array lists its dtype, int8 / fp8 pages with "k_scale" / "v_scale"; 4: "images", "mrope_delta"
 KV_ARRAYS = ("k", "v")  # the arrays of every payload
 SCALE_ARRAYS = ("k_scale", "v_scale")  # added after them for an int8 / fp8 cache: one scale per token and KV head
 
@@ -99,10 +110,16 @@ class PrefillExport:
     cache_salt: Optional[str] = None  # the request's prefix-cache salt (the decode side keeps it)
     scales: Any = None  # int8 / fp8 cache: device array [layers, 2, P, page_size, kv_heads] (fp32), else None
     lora: Optional[dict] = None  # the LoRA adapter the K/V was computed under (`lora_identity`), None: the base
+    images: tuple = ()  # the prompt's images: (first placeholder position, `EncodedImage`), in prompt order
+    mrope_delta: int = 0  # multimodal RoPE: positions past the prompt are (index + mrope_delta)
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    def image_embeds(self) -> np.ndarray:
+        """The images' encoder outputs, concatenated in prompt order (float32 `[image tokens, hidden]`)."""
+        return _concat_embeds([im for _, im in self.images])
 
     def host_kv(self) -> HostKV:
         """Copies the pages (and scales) to host (blocking) and cuts them to the prompt's tokens."""
@@ -139,8 +156,25 @@ class Exporter:
     def export(self, runner, req, table: list[int], first_token: int, result, row: int) -> None:
         """`table`: the pages of the prompt; `result`, `row`: the step's output and the first token's row."""
         pages, scales = gather(runner, table)
+        images, delta = request_images(req)
         self.callback(PrefillExport(list(req.prompt_token_ids), int(first_token), req.seed, runner.page_size,
-                                    pages, first_logprobs(result, row), req.cache_salt, scales, lora_identity(req)))
+                                    pages, first_logprobs(result, row), req.cache_salt, scales, lora_identity(req),
+                                    images, delta))
+
+
+def request_images(req) -> tuple[tuple, int]:
+    """((first placeholder position, `EncodedImage`) of each image of the request's prompt, the prompt's
+    multimodal-RoPE delta); ((), 0) for a text prompt."""
+    ri = getattr(req, "images", None)
+    if ri is None:
+        return (), 0
+    return tuple((im.start, EncodedImage(im.digest, im.encoded)) for im in ri.images), int(ri.delta)
+
+
+def _concat_embeds(images) -> np.ndarray:
+    if not images:
+        return np.zeros((0, 0), np.float32)
+    return np.ascontiguousarray(np.concatenate([im.encoded.embeds for im in images]), np.float32)
 
 
 def lora_identity(req) -> Optional[dict]:
@@ -164,6 +198,14 @@ class KVImport:
     logprobs: Optional[dict] = None
     cache_salt: Optional[str] = None  # the salt the prefill side used; the resumed request keeps it
     lora: Optional[dict] = None  # the LoRA adapter the prefill side ran (`lora_identity`)
+    images: tuple = ()  # the prompt's images as the prefill side placed them: (start, `EncodedImage`)
+    mrope_delta: int = 0
+
+    @property
+    def encoded_images(self) -> list:
+        """The shipped images, to stand in a prompt's "multi_modal_data" in place of pixels (the decode
+        side never encodes them again)."""
+        return [im for _, im in self.images]
 
     def step_result(self, k: Optional[int]):
         """The first token's logprobs in the shape of a one-row `StepResult` (for the engine's output path)."""
@@ -209,6 +251,11 @@ def check_import(req, imp: KVImport) -> None:
         raise InvalidParameterError("n", "n: a disaggregated request must have n=1 and no prompt logprobs")
     if imp.kv.num_tokens != len(req.prompt_token_ids):
         raise InvalidParameterError("prompt", "prompt: the shipped KV does not cover the prompt")
+    images, delta = request_images(req)
+    if [(s, im.digest) for s, im in images] != [(s, im.digest) for s, im in imp.images] or delta != imp.mrope_delta:
+        raise InvalidParameterError("multi_modal_data", "multi_modal_data: the request's images are not the "
+                                                        "shipped KV's (pass `KVImport.encoded_images`), or "
+                                                        "their multimodal positions differ")
     try:
         imp.step_result(p.logprobs)
     except PayloadError as e:
@@ -249,17 +296,27 @@ def array_specs(cfg, dtype, num_tokens: int) -> list[dict]:
 
 def payload_header(export: PrefillExport, cfg, dtype, extra: dict) -> dict:
     """The header of the payload that ships `export` (the array bytes follow it)."""
+    images = [{"digest": im.digest.hex(), "start": start, "grid": [int(x) for x in im.encoded.grid],
+               "num_tokens": im.encoded.num_tokens} for start, im in export.images]
     return {"version": VERSION, **extra, **geometry(cfg, dtype), "page_size": export.page_size,
             "num_tokens": export.num_tokens, "prompt_token_ids": export.prompt_token_ids,
             "first_token": export.first_token, "seed": export.seed, "logprobs": export.logprobs,
-            "cache_salt": export.cache_salt, "lora": export.lora, "arrays": array_specs(cfg, dtype, export.num_tokens)}
+            "cache_salt": export.cache_salt, "lora": export.lora, "arrays": array_specs(cfg, dtype, export.num_tokens),
+            "images": images, "mrope_delta": export.mrope_delta}
+
+
+def payload_chunks(export: PrefillExport, host: HostKV):
+    """The payload body's pieces in order: each layer's arrays, then the images' encoder outputs (if any)."""
+    yield from host.layer_bytes()
+    if export.images:
+        yield export.image_embeds().tobytes()
 
 
 def encode_payload(export: PrefillExport, cfg, dtype, keys: kv_wire.SigningKeys,
                    extra: Optional[dict] = None) -> bytes:
     """The whole signed payload in memory (the HTTP route streams the same bytes layer by layer)."""
     return kv_wire.sign_payload(keys, payload_header(export, cfg, dtype, extra or {}),
-                                b"".join(export.host_kv().layer_bytes()))
+                                b"".join(payload_chunks(export, export.host_kv())))
 
 
 def max_header_bytes(max_model_len: int) -> int:
@@ -269,8 +326,9 @@ def max_header_bytes(max_model_len: int) -> int:
 
 def max_payload_bytes(cfg, dtype, max_tokens: int) -> int:
     """The largest payload a worker holding at most `max_tokens` tokens per request accepts."""
+    embeds = 4 * cfg.hidden_size if getattr(cfg, "vision", None) is not None else 0  # float32 image rows
     return (kv_wire.PREFIX_BYTES + max_header_bytes(max_tokens) + 2 * kv_wire.TAG_BYTES
-            + kv_bytes_per_token(cfg, dtype) * max_tokens)
+            + (kv_bytes_per_token(cfg, dtype) + embeds) * max_tokens)
 
 
 def body_bytes(header: dict, cfg, dtype, max_tokens: int) -> int:
@@ -299,7 +357,51 @@ def body_bytes(header: dict, cfg, dtype, max_tokens: int) -> int:
     for got, spec in zip(arrays, want):
         if got != spec:
             raise PayloadError(f"KV payload array {spec['name']} is {got}, expected {spec}")
-    return n * kv_bytes_per_token(cfg, dtype)  # what the cache holds per token, scales included
+    # what the cache holds per token, scales included, then the images' encoder outputs
+    return n * kv_bytes_per_token(cfg, dtype) + 4 * cfg.hidden_size * image_tokens(header, cfg)
+
+
+def image_tokens(header: dict, cfg) -> int:
+    """How many encoder output rows the payload's `images` announce; raises PayloadError unless they are
+    well formed, lie inside the prompt in order, and this worker's model takes images."""
+    images = header.get("images", [])
+    if images == []:
+        return 0
+    n = header.get("num_tokens")
+    if not isinstance(images, list):
+        raise PayloadError("KV payload images must be a list")
+    if getattr(cfg, "vision", None) is None:
+        raise PayloadError("the KV payload carries images, but this worker's model does not take images")
+    merge = cfg.vision.spatial_merge_size
+    total, end = 0, 0
+    for i, im in enumerate(images):
+        ok = isinstance(im, dict) and set(im) == {"digest", "start", "grid", "num_tokens"}
+        grid = im.get("grid") if ok else None
+        ok = ok and isinstance(im["digest"], str) and len(im["digest"]) == 32 and _is_hex(im["digest"])
+        ok = ok and isinstance(grid, list) and len(grid) == 3 and all(_is_count(g) and g > 0 for g in grid)
+        ok = ok and _is_count(im["start"]) and _is_count(im["num_tokens"]) and im["num_tokens"] > 0
+        if not ok:
+            raise PayloadError(f"KV payload images[{i}] must be {{digest: 32 hex digits, start, grid: [t, h, w], "
+                               f"num_tokens}}")
+        if im["num_tokens"] * merge * merge != grid[0] * grid[1] * grid[2]:
+            raise PayloadError(f"KV payload images[{i}]: {im['num_tokens']} tokens do not match grid {grid}")
+        if im["start"] < end or im["start"] + im["num_tokens"] > n:
+            raise PayloadError(f"KV payload images[{i}] overlaps another image or lies past the prompt")
+        end = im["start"] + im["num_tokens"]
+        total += im["num_tokens"]
+    return total
+
+
+def _is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _is_hex(s: str) -> bool:
+    try:
+        bytes.fromhex(s)
+    except ValueError:
+        return False
+    return True
 
 
 def decode_payload(data: bytes, keys: kv_wire.SigningKeys, cfg, dtype, max_tokens: int) -> tuple[dict, memoryview]:
@@ -313,7 +415,7 @@ def _host_arrays(body, cfg, dtype, n: int) -> HostKV:
     """The body's arrays as views: per layer, K and V pages, then (int8 / fp8) K and V scales."""
     dtype = np.dtype(jnp.dtype(dtype))
     pages = (2, n, cfg.num_kv_heads, cfg.head_dim)
-    raw = np.frombuffer(body, np.uint8).reshape(cfg.num_layers, -1)
+    raw = np.frombuffer(body, np.uint8, count=n * kv_bytes_per_token(cfg, dtype)).reshape(cfg.num_layers, -1)
     split = int(np.prod(pages)) * dtype.itemsize
     kv = raw[:, :split].view(dtype).reshape((cfg.num_layers,) + pages)
     if not is_quantized_dtype(dtype):
@@ -341,5 +443,27 @@ def to_import(header: dict, body: memoryview, cfg, dtype) -> KVImport:
     if lora is not None and not (isinstance(lora, dict) and set(lora) == {"name", "digest"}
                                  and all(isinstance(v, str) and v for v in lora.values())):
         raise PayloadError("KV payload lora must be null or {\"name\": str, \"digest\": str}")
+    images, delta = _shipped_images(header, body[want - 4 * cfg.hidden_size * image_tokens(header, cfg):], ids, cfg)
     return KVImport(list(ids), first, seed, _host_arrays(body, cfg, dtype, len(ids)), header.get("logprobs"), salt,
-                    lora)
+                    lora, images, delta)
+
+
+def _shipped_images(header: dict, embeds, ids: list[int], cfg) -> tuple[tuple, int]:
+    """((start, `EncodedImage`) of each shipped image, the multimodal-RoPE delta) of a checked payload;
+    `embeds`: the body's encoder output bytes. Each image's placeholders must be image tokens of the prompt."""
+    delta = header.get("mrope_delta", 0)
+    if not isinstance(delta, int) or isinstance(delta, bool):
+        raise PayloadError("KV payload mrope_delta must be an integer")
+    images = header.get("images", [])
+    if not images:
+        return (), delta
+    rows = np.frombuffer(embeds, np.float32).reshape(-1, cfg.hidden_size)
+    out, row = [], 0
+    for i, im in enumerate(images):
+        start, count = im["start"], im["num_tokens"]
+        if any(t != cfg.image_token_id for t in ids[start:start + count]):
+            raise PayloadError(f"KV payload images[{i}] does not cover image placeholder tokens of the prompt")
+        encoded = Encoded(rows[row:row + count], tuple(im["grid"]))
+        out.append((start, EncodedImage(bytes.fromhex(im["digest"]), encoded)))
+        row += count
+    return tuple(out), delta

@@ -6,6 +6,17 @@ and cut into the engine's chained block digests (`serving.core.block_manager.
 block_digest`, the same page size), so a digest the router computed names the
 same KV page a worker registered for that prefix.
 
+Images enter the chain as they enter the workers' (`Sequence.block_extra`):
+a chat's image part is one `IMAGE_MARK` id where the worker puts the image's
+placeholder tokens (`RoutedPrompt`), and the digest of a block holding it also
+covers a digest of the image (`image_digest`: of its URL, so of its bytes for a
+`data:` URL; the router decodes and fetches nothing). Two chats with the same
+text and different images therefore match only up to the first image, and two
+with the same image match past it. These image blocks are the router's own
+names (a worker expands an image into many placeholder tokens and hashes its
+pixels), used only to compare routed prompts with each other; a client that
+sends the same pixels in another encoding misses a hit, never gets a wrong answer.
+
 `PrefixIndex` remembers, per worker, the digests of the full blocks of every
 prompt the router sent there. It is learned only from routing: the router
 cannot see the workers' pools, so it approximates their eviction. A worker's
@@ -42,6 +53,21 @@ from typing import Optional, Sequence
 from serving.core.block_manager import block_digest, salt_digest
 
 POLICIES = ("kv_aware", "round_robin", "least_loaded")
+IMAGE_MARK = -1  # where an image goes in a routed prompt's ids (no token has this id)
+
+
+class RoutedPrompt(list):
+    """A prompt's token ids as the router hashes them, with `images`: the digests of its images in prompt
+    order, the i-th one standing at the i-th `IMAGE_MARK` id."""
+
+    def __init__(self, ids=(), images: Sequence[bytes] = ()):
+        super().__init__(ids)
+        self.images = tuple(images)
+
+
+def image_digest(url: str) -> bytes:
+    """The router's name of an image part: a digest of its URL (for a `data:` URL, of the image's bytes)."""
+    return hashlib.blake2b(b"image\0" + url.encode("utf-8"), digest_size=16).digest()
 
 
 # --- prompts -> block digests ------------------------------------------------------------------
@@ -67,9 +93,16 @@ class PromptEncoder:
                 from serving.api.chat_template import encode_chat
                 from serving.api.http_protocol import ChatCompletionRequest
 
+                from serving.api.chat_template import IMAGE_SENTINEL
+
                 req = ChatCompletionRequest.model_validate(body)
-                messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-                return [encode_chat(messages, self.tokenizer, req.add_generation_prompt)]
+                images = [image_digest(url) for m in req.messages for _, url in m.image_urls()]
+                if not images:
+                    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+                    return [encode_chat(messages, self.tokenizer, req.add_generation_prompt)]
+                messages = [{"role": m.role, "content": m.text(IMAGE_SENTINEL)} for m in req.messages]
+                ids = encode_chat(messages, self.tokenizer, req.add_generation_prompt, image_ids=[IMAGE_MARK])
+                return [RoutedPrompt(ids, images)]
             prompt = body.get("prompt")
             if isinstance(prompt, str):
                 prompt = [prompt]
@@ -89,18 +122,24 @@ def default_model_dir() -> str:
 
 
 def block_hashes(token_ids: Sequence[int], page_size: int, cache_salt: Optional[str] = None,
-                 model: Optional[str] = None) -> list[bytes]:
+                 model: Optional[str] = None, images: Sequence[bytes] = ()) -> list[bytes]:
     """Chained digests of the full blocks of `token_ids`, as `BlockManager` names its pages (a request's
     `cache_salt` starts the chain). `model`, when given (the request's `model`, which names a LoRA adapter
     on the workers), keys the chain after the salt, so an adapter's requests match only each other and
     go where its pages are: these names are the router's own (a worker keys an adapter's pages by a digest
-    of its weights, which the router does not know)."""
+    of its weights, which the router does not know). `images`: the digest of each `IMAGE_MARK` of
+    `token_ids`, in order; a block holding marks is keyed by their images too, as a worker's is."""
     out: list[bytes] = []
     root = salt_digest(cache_salt)
     if model is not None:
         root = hashlib.blake2b(b"model\0" + (root or b"root") + model.encode("utf-8"), digest_size=16).digest()
+    marks = [i for i, t in enumerate(token_ids) if t == IMAGE_MARK] if images else []
+    if len(marks) != len(images):
+        raise ValueError(f"{len(images)} image digests for {len(marks)} image marks")
     for i in range(len(token_ids) // page_size):
-        out.append(block_digest(out[-1] if out else root, token_ids[i * page_size:(i + 1) * page_size]))
+        start, end = i * page_size, (i + 1) * page_size
+        extra = b"".join(d for m, d in zip(marks, images) if start <= m < end)
+        out.append(block_digest(out[-1] if out else root, token_ids[start:end], extra))
     return out
 
 
@@ -201,7 +240,7 @@ class Router:
 
     def hashes(self, prompts: Sequence[Sequence[int]], cache_salt: Optional[str] = None,
                model: Optional[str] = None) -> list[list[bytes]]:
-        return [block_hashes(p, self.page_size, cache_salt, model) for p in prompts]
+        return [block_hashes(p, self.page_size, cache_salt, model, getattr(p, "images", ())) for p in prompts]
 
     def choose(self, workers: Sequence[WorkerLoad], prompts: Sequence[Sequence[int]],
                exclude: Sequence[str] = (), policy: Optional[str] = None,
