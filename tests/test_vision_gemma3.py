@@ -14,7 +14,7 @@ Model layer:
 Engine (`LLM`, 16-token steps, so a chunk would cut the image if the scheduler let it): greedy tokens
 equal transformers' for a batch; the prefix cache shares the pages of a repeated image (a hit that ends
 inside the image, whose rest is then prefilled) and none of an image that differs; nothing recompiles
-after warm-up; an image larger than a step is refused.
+after warm-up; an image larger than a step is refused; TP=2 gives transformers' tokens too.
 """
 
 from __future__ import annotations
@@ -220,13 +220,13 @@ def greedy():
 @pytest.fixture(scope="module")
 def served(built):
     model, processor, _, _, out_dir = built
-    return model, processor, LLM(out_dir, warmup=True, **ENGINE)
+    return model, processor, LLM(out_dir, warmup=True, **ENGINE), out_dir
 
 
 def test_engine_batch_matches_transformers_without_recompiling(served):
     """16-token steps: the first chunk ends before the image (11 tokens, not 16) and the next takes its
     16 tokens whole; with the image of one request in the step of another's decode."""
-    model, processor, llm = served
+    model, processor, llm, _ = served
     a, b, c = make_images()
     before = model_runner.compilation_count()
     outs = llm.generate([request(a), request(c), TEXT + TAIL, request(b)], greedy())
@@ -241,7 +241,7 @@ def test_engine_batch_matches_transformers_without_recompiling(served):
 
 
 def test_prefix_cache_hits_inside_a_shared_image_and_never_across_a_different_one(served):
-    model, processor, llm = served
+    model, processor, llm, _ = served
     a, b, _ = make_images()
     llm.engine.reset_prefix_cache()
     hits = lambda: llm.engine.stats().prefix_cache_hit_tokens  # noqa: E731
@@ -263,9 +263,19 @@ def test_prefix_cache_hits_inside_a_shared_image_and_never_across_a_different_on
 
 
 def test_image_larger_than_a_step_is_refused(served):
-    _, _, llm = served
+    _, _, llm, _ = served
     sp = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=0)  # 4 logit rows per step < 16 tokens
     with pytest.raises(InvalidParameterError, match="prefilled in one step") as e:
         llm.engine.make_request("big", request(make_images()[0]), sp)
     assert e.value.param == "multi_modal_data"
     assert list(llm.generate([request(make_images()[0])], greedy())[0].outputs[0].token_ids)  # still serving
+
+
+def test_tensor_parallel_matches_transformers(served):
+    """TP=2: the decoder sharded (the span ends reach each device's attention), the encoder replicated."""
+    model, processor, _, out_dir = served
+    a, _, c = make_images()
+    tp = LLM(out_dir, tensor_parallel_size=2, **ENGINE)
+    assert len(tp.engine.runner.params.layers[0].wq.sharding.device_set) == 2
+    for image, out in zip((a, c), tp.generate([request(a), request(c)], greedy())):
+        assert list(out.outputs[0].token_ids) == hf_generate(model, processor, [image], list(out.prompt_token_ids))
