@@ -125,3 +125,15 @@ def test_pallas_kernel_matches_reference():
                 assert_attention_close(out, ref, args[5], args[6], jnp.float32)
             except AssertionError as e:
                 raise AssertionError(f"splits={splits} {name} {seqs} window={window}: {e}") from None
+
+
+def test_kernel_with_spans_lowers_for_cuda():
+    """The span ends reach the Triton module as one more input: still one KV loop and two dots."""
+    from test_kernels_lowering import attention_args, lower_for_cuda, op_counts
+
+    args = attention_args(jnp.bfloat16, tokens=64, seqs=8, q_heads=16, kv_heads=8, head_dim=256, page_size=16)
+    spanned = lambda *a: ragged_paged_attention(*a[:-2], window=a[-2], span_end=a[-1], num_kv_splits=2)  # noqa: E731
+    _, kernels = lower_for_cuda(spanned, *args, jax.ShapeDtypeStruct((), jnp.int32),
+                                jax.ShapeDtypeStruct((64,), jnp.int32))
+    counts = op_counts(kernels[0])
+    assert len(kernels) == 1 and counts["tt.dot"] == 2 and counts["scf.for"] == 1

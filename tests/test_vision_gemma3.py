@@ -279,3 +279,17 @@ def test_tensor_parallel_matches_transformers(served):
     assert len(tp.engine.runner.params.layers[0].wq.sharding.device_set) == 2
     for image, out in zip((a, c), tp.generate([request(a), request(c)], greedy())):
         assert list(out.outputs[0].token_ids) == hf_generate(model, processor, [image], list(out.prompt_token_ids))
+
+
+def test_chunk_stop_never_cuts_an_image_attended_both_ways():
+    from serving.core.multimodal import Encoded, PlacedImage, RequestImages
+
+    enc = Encoded(np.zeros((IMAGE_TOKENS, 4), np.float32), (1, 8, 8))
+    images = RequestImages([PlacedImage(b"a", 11, enc), PlacedImage(b"b", 40, enc)], None, 0, bidirectional=True)
+    assert images.chunk_stop(0, 16) == 11  # ends before an image that does not fit
+    assert images.chunk_stop(11, 27) == 27 and images.chunk_stop(11, 30) == 30  # takes it whole
+    assert images.chunk_stop(11, 26) == 11  # at its start without room for it: nothing this step
+    assert images.chunk_stop(24, 30) == 30 and images.chunk_stop(24, 26) == 24  # from inside: its rest, or wait
+    assert images.chunk_stop(20, 45) == 40  # the second image is cut: end before it
+    causal = dataclasses.replace(images, bidirectional=False)
+    assert causal.chunk_stop(0, 16) == 16  # Qwen2.5-VL's causal images may be cut anywhere
