@@ -225,7 +225,7 @@ def served(built):
 
 def test_engine_batch_matches_transformers_without_recompiling(served):
     """16-token steps: the first chunk ends before the image (11 tokens, not 16) and the next takes its
-    16 tokens whole; with the image of one request in the step of another's decode."""
+    16 tokens whole; images in the steps of other requests' decodes."""
     model, processor, llm, _ = served
     a, b, c = make_images()
     before = model_runner.compilation_count()
