@@ -3,8 +3,11 @@ warm, and where the time goes (preprocessing, encoding, language model).
 
     python benchmarks/vision_bench.py                     # 16 requests, 224x224 images, ~20 s on a 2-core CPU
     python benchmarks/vision_bench.py --requests 32 --image_size 448
+    python benchmarks/vision_bench.py --family gemma3       # Gemma 3 multimodal (fixed 224x224 input, 64 soft tokens)
 
-A random Qwen2.5-VL-shaped model (`model.params.init_params`; no download) is served by `LLM` with its
+A random Qwen2.5-VL-shaped model (or, with `--family gemma3`, a Gemma 3 multimodal-shaped one: a
+SigLIP encoder over a fixed 224 x 224 image pooled to 64 soft tokens that the decoder attends both ways;
+`model.params.init_params`; no download) is served by `LLM` with its
 step buckets warmed up and a first batch of other images run beforehand (the encoder compiled for the
 image size, every step shape run once), so no compile or first run lands in the numbers. Each run
 submits every request at once (an offline batch: all are made, i.e. preprocessed and encoded, then
@@ -25,7 +28,7 @@ Recorded per run: requests/s and output tokens/s, TTFT p50 / max (submission to 
 encoding included), and the seconds in preprocessing, encoding and the language model (the rest of
 the wall time), with their shares; and the same-run ratios warm / cold and cold / text.
 
-Writes benchmarks/results/vision_bench_cpu.json (or `--out`).
+Writes benchmarks/results/vision_bench_cpu.json (Gemma 3: vision_bench_gemma3_cpu.json; or `--out`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import numpy as np  # noqa: E402
 
 from model.config import LlamaConfig  # noqa: E402
 from model.params import init_params  # noqa: E402
+from model.families.gemma3_vl import config_from_hf as gemma3_config  # noqa: E402
 from model.vision import encoder  # noqa: E402
 from model.vision.config import QWEN2_5_VL, VisionConfig  # noqa: E402
 from serving import LLM, SamplingParams  # noqa: E402
@@ -62,6 +66,31 @@ def model_config() -> LlamaConfig:
                        num_kv_heads=2, head_dim=64, rope_theta=1e6, dtype="float32", max_position_embeddings=2048,
                        architecture="Qwen2_5_VLForConditionalGeneration", attention_bias=True, vision=vision,
                        image_token_id=IMAGE, mrope_section=(8, 12, 12))
+
+
+def gemma3_model_config() -> LlamaConfig:
+    """Gemma 3 multimodal's structure at the Qwen-shaped model's size: its decoder (q/k norms, sandwich
+    norms, sliding and global layers) and a SigLIP encoder over 224 x 224 images (16 x 16 patches of 14,
+    pooled 2 x 2 to 64 soft tokens)."""
+    return gemma3_config({
+        "architectures": ["Gemma3ForConditionalGeneration"], "image_token_index": IMAGE, "boi_token_index": START,
+        "eoi_token_index": END, "mm_tokens_per_image": 64, "dtype": "float32",
+        "text_config": {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+                        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+                        "max_position_embeddings": 2048, "sliding_window": 128, "query_pre_attn_scalar": 64,
+                        "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention",
+                                        "full_attention"]},
+        "vision_config": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
+                          "num_attention_heads": 4, "image_size": 224, "patch_size": 14}})
+
+
+FAMILIES = {
+    "qwen2_5_vl": (model_config, {"text": "4 layers, hidden 256, 4 heads / 2 kv, head_dim 64, fp32",
+                                  "vision": "4 blocks (2 full-attention), hidden 128, 4 heads, fp32"}),
+    "gemma3": (gemma3_model_config, {"text": "Gemma 3: 4 layers (3 sliding, window 128), hidden 256, 4 heads / 2 kv, "
+                                             "head_dim 64, fp32",
+                                     "vision": "SigLIP: 4 blocks, hidden 128, 4 heads, 224x224 -> 64 soft tokens, fp32"}),
+}
 
 
 def make_images(n: int, size: int, seed: int) -> list[np.ndarray]:
@@ -126,10 +155,15 @@ def main():
     ap.add_argument("--repeats", type=int, default=3, help="runs of each kind; the fastest is recorded")
     ap.add_argument("--encoder_sizes", default="224x224,200x300,300x180,448x336",
                     help="image sizes (HxW) of the padded-vs-exact encoder timing")
-    ap.add_argument("--out", default=os.path.join(RESULTS, "vision_bench_cpu.json"))
+    ap.add_argument("--family", choices=sorted(FAMILIES), default="qwen2_5_vl")
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.out is None:
+        name = "vision_bench_cpu.json" if args.family == "qwen2_5_vl" else f"vision_bench_{args.family}_cpu.json"
+        args.out = os.path.join(RESULTS, name)
 
-    cfg = model_config()
+    make_config, description = FAMILIES[args.family]
+    cfg = make_config()
     params = init_params(cfg, jax.random.PRNGKey(0))
     llm = LLM(config=cfg, params=params, max_num_seqs=16, max_num_batched_tokens=256, page_size=16,
               num_pages=512, max_model_len=512, min_token_bucket=16, warmup=True)
@@ -176,8 +210,7 @@ def main():
               "host": platform.node(), "backend": jax.default_backend(), "cpu_count": os.cpu_count(),
               "load_average_1_5_15": list(os.getloadavg()),  # the machine is shared: others' load is in the numbers
               "command": "python benchmarks/vision_bench.py " + " ".join(sys.argv[1:]),
-              "model": {"text": "4 layers, hidden 256, 4 heads / 2 kv, head_dim 64, fp32",
-                        "vision": "4 blocks (2 full-attention), hidden 128, 4 heads, fp32"},
+              "family": args.family, "model": description,
               "image_size": args.image_size, "image_tokens": cold["prompt_tokens"] - len(text) - 4,
               "max_tokens": args.max_tokens, "cold": cold, "warm": warm, "text_peer": peer, "ratios": ratios,
               "encoder_padding": padding}

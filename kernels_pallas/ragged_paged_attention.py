@@ -91,6 +91,12 @@ wholly before the window are never loaded, and the scores mask keys that
 fall out of the window of a later row. `soft_cap` (static) applies
 cap * tanh(s / cap) to the natural-unit scores before the base-2 softmax.
 
+Bidirectional spans (`span_end`, as in the reference): each row's span end
+travels beside the queries (repeated per padded group row); an item's KV
+loop runs to the largest of its rows' ends (within the sequence's KV length)
+and the scores mask `key < max(pos + 1, span_end)`. Without spans the kernel
+is the causal one it was (a static flag).
+
 Limits (clear errors): head_dim a power of two >= 16; each K/V page array
 below 2**31 elements (Triton computes offsets in int32).
 """
@@ -161,9 +167,11 @@ def _default_splits(programs: int, max_kv_len: int) -> int:
     return max(1, min(want, cap, MAX_SPLITS))
 
 
-def _item_metadata(cu_q_lens, kv_lens, num_seqs, *, num_items, block_q, group_pad, max_kv_len, window=None):
-    """int32 [num_items, 7]: per query block its sequence, first row, valid rows, pos0, KV end,
-    KV start (the first key its first row's window sees; 0 without a window) and the window."""
+def _item_metadata(cu_q_lens, kv_lens, num_seqs, *, num_items, block_q, group_pad, max_kv_len, window=None,
+                   span_end=None):
+    """int32 [num_items, 7]: per query block its sequence, first row, valid rows, pos0, KV end
+    (past its last row, or its rows' latest span end), KV start (the first key its first row's window
+    sees; 0 without a window) and the window."""
     num_slots = kv_lens.shape[0]
     live_seq = jnp.arange(num_slots, dtype=jnp.int32) < num_seqs
     q_lens = jnp.where(live_seq, cu_q_lens[1:] - cu_q_lens[:-1], 0)
@@ -178,7 +186,13 @@ def _item_metadata(cu_q_lens, kv_lens, num_seqs, *, num_items, block_q, group_pa
     tokens = jnp.where(live, jnp.clip(q_lens[seq] - j * block_q, 0, block_q), 0)
     first_token = cu_q_lens[seq] + j * block_q
     pos0 = kv_lens[seq] - q_lens[seq] + j * block_q
-    kv_end = jnp.clip(jnp.minimum(kv_lens[seq], pos0 + tokens), 0, max_kv_len)
+    last = pos0 + tokens
+    if span_end is not None:  # the latest span end among the item's rows
+        r = jnp.arange(block_q, dtype=jnp.int32)
+        idx = jnp.clip(first_token[:, None] + r[None, :], 0, span_end.shape[0] - 1)
+        ends = jnp.where(r[None, :] < tokens[:, None], span_end[idx], 0)
+        last = jnp.maximum(last, jnp.max(ends, axis=1))
+    kv_end = jnp.clip(jnp.minimum(kv_lens[seq], last), 0, max_kv_len)
     kv_end = jnp.where(live, kv_end, 0)
     if window is None:
         kv_start, win = jnp.zeros_like(pos0), jnp.zeros_like(pos0)
@@ -191,9 +205,11 @@ def _item_metadata(cu_q_lens, kv_lens, num_seqs, *, num_items, block_q, group_pa
 
 def _attention_kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, *refs, rows, group_pad, block_kv,
                       page_size, num_pages, pages_per_seq, num_splits, scale_log2, exact, quantized, windowed,
-                      soft_cap):
+                      soft_cap, spans):
     if quantized:
         ks_ref, vs_ref, *refs = refs
+    if spans:
+        span_ref, *refs = refs
     o_ref, *lse_ref = refs
     item, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq = meta_ref[item, 0]
@@ -209,6 +225,9 @@ def _attention_kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, *refs, rows, group_
     q_pos = pos0 + row // group_pad
     head_dim = q_ref.shape[-1]
     q = pltriton.load(q_ref.at[head, pl.ds(row0, rows), :], mask=row_ok[:, None], other=0)
+    q_end = q_pos + 1  # exclusive end of the keys each row sees
+    if spans:
+        q_end = jnp.maximum(q_end, pltriton.load(span_ref.at[pl.ds(row0, rows)], mask=row_ok, other=0))
 
     num_blocks = (kv_end + block_kv - 1) // block_kv
     first_block = kv_start // block_kv if windowed else 0
@@ -239,7 +258,7 @@ def _attention_kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, *refs, rows, group_
             s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32) * scale_log2
         if soft_cap is not None:  # in natural units: s / log2(e) is the score q.k * sm_scale
             s = (soft_cap * _LOG2E) * jnp.tanh(s * (1.0 / (soft_cap * _LOG2E)))
-        visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        visible = (pos[None, :] < q_end[:, None]) & pos_ok[None, :]
         if windowed:
             visible &= pos[None, :] > q_pos[:, None] - window
         s = jnp.where(visible, s, -jnp.inf)
@@ -296,12 +315,13 @@ def check_supported(q, k_pages, v_pages, block_tables):
                                              "num_kv_splits", "num_warps", "num_stages"))
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
                            sm_scale: float | None = None, k_scale=None, v_scale=None, window=None,
-                           soft_cap: float | None = None, interpret: bool = False,
+                           soft_cap: float | None = None, span_end=None, interpret: bool = False,
                            rows: int | None = None, block_kv: int | None = None, num_kv_splits: int | None = None,
                            num_warps: int = 4, num_stages: int = 2):
     """Pallas ragged paged attention; same contract as the reference.
 
     `k_scale` / `v_scale`: per-token scales of int8 / fp8 pages (None: float pages).
+    `span_end` `[T]` int32: bidirectional spans (None: causal), as in the reference.
     Tuning knobs (static): `rows` per query tile (tokens x padded group, a
     power of two >= 16), `block_kv` KV tokens per loop step, `num_kv_splits`
     (None: from shapes), Triton `num_warps` / `num_stages`.
@@ -324,7 +344,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
     cu_q_lens = cu_q_lens.astype(jnp.int32)
     kv_lens = kv_lens.astype(jnp.int32)
     meta = _item_metadata(cu_q_lens, kv_lens, jnp.asarray(num_seqs, jnp.int32), num_items=cfg.num_items,
-                          block_q=cfg.block_q, group_pad=group_pad, max_kv_len=max_kv_len, window=window)
+                          block_q=cfg.block_q, group_pad=group_pad, max_kv_len=max_kv_len, window=window,
+                          span_end=None if span_end is None else span_end.astype(jnp.int32))
     # [T, Hq, D] -> [Hkv, T * group_pad, D]: one tile row per (token, query head of the group).
     qg = q.astype(compute_dtype).reshape(num_tokens, num_kv_heads, group, head_dim)
     if group_pad != group:
@@ -340,8 +361,10 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
         _attention_kernel, rows=cfg.rows, group_pad=group_pad, block_kv=cfg.block_kv, page_size=page_size,
         num_pages=num_pages, pages_per_seq=pages_per_seq, num_splits=splits,
         scale_log2=float(sm_scale) * _LOG2E, exact=bool(exact), quantized=quantized, windowed=window is not None,
-        soft_cap=None if soft_cap is None else float(soft_cap))
+        soft_cap=None if soft_cap is None else float(soft_cap), spans=span_end is not None)
     scales = (k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)) if quantized else ()
+    # One span end per tile row (token x padded group), as the queries are laid out.
+    span_rows = () if span_end is None else (jnp.repeat(span_end.astype(jnp.int32), group_pad),)
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -349,7 +372,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(meta, block_tables.astype(jnp.int32), qg, k_pages, v_pages, *scales)
+    )(meta, block_tables.astype(jnp.int32), qg, k_pages, v_pages, *scales, *span_rows)
 
     out = outs[0][0] if splits == 1 else _merge_splits(outs[0], outs[1])
     out = out.reshape(num_kv_heads, num_tokens, group_pad, head_dim)[:, :, :group]

@@ -26,6 +26,14 @@ Sliding window and soft-capping (optional, for the families that use them):
 position p to keys p - window < j <= p; None means no limit. `soft_cap` (a
 static float) maps every score s = q.k * sm_scale to soft_cap * tanh(s / soft_cap)
 before the softmax (Gemma 2). Both default to None, the plain causal contract.
+
+Bidirectional spans (optional, Gemma 3's images): `span_end` `[T]` int32 gives
+each query row the exclusive end of the span it belongs to; the row also sees
+the keys after itself up to that end (an image's tokens attend to each other
+both ways). A row in no span holds 0 (anything <= its own position does), so
+the mask is `key <= pos OR key < span_end`, still within the window and the
+sequence's KV length. The caller guarantees the whole span is in the cache by
+the end of the step (the scheduler never cuts one). None: causal everywhere.
 """
 
 from __future__ import annotations
@@ -69,6 +77,11 @@ def in_window(key_pos, query_pos, window):
     return key_pos > query_pos - window
 
 
+def query_end(query_pos, span_end):
+    """The exclusive end of the keys a query row may see: itself, or its span's end if later."""
+    return query_pos + 1 if span_end is None else jnp.maximum(query_pos + 1, span_end)
+
+
 def token_sequence_ids(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int):
     """For every row: its sequence, its KV position offset data, and whether it is live."""
     t = jnp.arange(num_tokens, dtype=jnp.int32)
@@ -81,7 +94,7 @@ def token_sequence_ids(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: in
 
 def ragged_paged_attention_reference(
     q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale: float | None = None,
-    k_scale=None, v_scale=None, window=None, soft_cap: float | None = None,
+    k_scale=None, v_scale=None, window=None, soft_cap: float | None = None, span_end=None,
 ):
     T, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
@@ -95,6 +108,7 @@ def ragged_paged_attention_reference(
     seq, live = token_sequence_ids(cu_q_lens, num_seqs, T)
     q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
     q_pos = kv_lens[seq] - q_len + (jnp.arange(T, dtype=jnp.int32) - cu_q_lens[seq])
+    q_end = query_end(q_pos, span_end)
 
     chunk = min(TOKEN_CHUNK, T)
     pad = (-T) % chunk
@@ -102,10 +116,11 @@ def ragged_paged_attention_reference(
     qs = padded(q).reshape(-1, chunk, num_kv_heads, group, head_dim)
     seqs = padded(seq).reshape(-1, chunk)
     poss = padded(q_pos).reshape(-1, chunk)
+    ends = padded(q_end).reshape(-1, chunk)
     lives = padded(live).reshape(-1, chunk)
 
     def one_chunk(args):
-        qc, sc, pc, lc = args
+        qc, sc, pc, ec, lc = args
         pages = block_tables[sc]  # [C, P]
         k = k_pages[pages].reshape(chunk, max_len, num_kv_heads, head_dim)
         v = v_pages[pages].reshape(chunk, max_len, num_kv_heads, head_dim)
@@ -115,7 +130,7 @@ def ragged_paged_attention_reference(
         s = jnp.einsum("ckgd,clkd->ckgl", qc.astype(jnp.float32), k.astype(jnp.float32)) * sm_scale
         s = apply_soft_cap(s, soft_cap)
         j = jnp.arange(max_len, dtype=jnp.int32)
-        visible = (j[None, :] <= pc[:, None]) & (j[None, :] < kv_lens[sc][:, None]) & lc[:, None]
+        visible = (j[None, :] < ec[:, None]) & (j[None, :] < kv_lens[sc][:, None]) & lc[:, None]
         visible &= in_window(j[None, :], pc[:, None], window)
         s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
         m = jnp.max(s, axis=-1, keepdims=True)
@@ -126,7 +141,7 @@ def ragged_paged_attention_reference(
         o = o / jnp.where(denom > 0, denom, 1.0)
         return o.reshape(chunk, num_q_heads, head_dim).astype(q.dtype)
 
-    out = jax.lax.map(one_chunk, (qs, seqs, poss, lives))
+    out = jax.lax.map(one_chunk, (qs, seqs, poss, ends, lives))
     return out.reshape(-1, num_q_heads, head_dim)[:T]
 
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.reference import apply_soft_cap, check_kv_scales, in_window
+from kernels_pallas.reference import apply_soft_cap, check_kv_scales, in_window, query_end
 
 MAX_ROWS_PER_ITEM = 16
 # Gathered K (and again V) per chunk of items: small enough to stay in cache
@@ -80,11 +80,12 @@ def _items(cu_q_lens, kv_lens, num_seqs, num_items: int, b: int):
 
 def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *,
                                sm_scale: float | None = None, k_scale=None, v_scale=None,
-                               window=None, soft_cap: float | None = None,
+                               window=None, soft_cap: float | None = None, span_end=None,
                                rows: int | None = None, chunk_bytes: int | None = None):
     """`k_scale`/`v_scale` `[pages, page_size, kv_heads]`: per-token scales of int8/fp8 pages
-    (None for float pages), applied to the gathered rows as in the reference. `window` / `soft_cap`
-    as in the reference; a one-row item skips the pages wholly before its window."""
+    (None for float pages), applied to the gathered rows as in the reference. `window` / `soft_cap` /
+    `span_end` as in the reference; a one-row item skips the pages wholly before its window and reads
+    the pages up to its span's end."""
     T, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     S, P = block_tables.shape
@@ -97,7 +98,9 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, block_tables, cu_q_
     num_items = min(T, -(-T // b) + S)
     if b == 1:
         seq, row, pos, n_rows = _items(cu_q_lens, kv_lens, num_seqs, num_items, 1)
-        return _attend_by_page(q, k_pages, v_pages, k_scale, v_scale, block_tables, seq, row, pos, n_rows > 0,
+        end = query_end(pos, None if span_end is None else span_end[jnp.minimum(row, T - 1)])
+        end = end if span_end is None else jnp.minimum(end, kv_lens[seq])  # a span never reaches past the cache
+        return _attend_by_page(q, k_pages, v_pages, k_scale, v_scale, block_tables, seq, row, pos, end, n_rows > 0,
                                sm_scale=sm_scale, chunk_bytes=chunk_bytes or PAGE_CHUNK_BYTES, window=window,
                                soft_cap=soft_cap)
 
@@ -107,6 +110,7 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, block_tables, cu_q_
     rows_idx = jnp.where(row_ok, first_row[:, None] + r[None, :], T)  # T: dropped on the way out
     q_items = q[jnp.minimum(rows_idx, T - 1)]  # [I, B, H, D]
     pos = first_pos[:, None] + r[None, :]  # [I, B]
+    ends = query_end(pos, None if span_end is None else span_end[jnp.minimum(rows_idx, T - 1)])  # [I, B]
     tables = block_tables[seq]  # [I, P]
     lens = kv_lens[seq]  # [I]
 
@@ -119,7 +123,7 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, block_tables, cu_q_
         x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
         return x.reshape((num_chunks, per_chunk) + x.shape[1:])
 
-    def attend(qc, tc, pc, okc, lc):
+    def attend(qc, tc, pc, ec, okc, lc):
         n = qc.shape[0]
         k = k_pages[tc].reshape(n, L, num_kv_heads, head_dim).astype(jnp.float32)
         v = v_pages[tc].reshape(n, L, num_kv_heads, head_dim).astype(jnp.float32)
@@ -129,7 +133,7 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, block_tables, cu_q_
         qg = qc.reshape(n, b, num_kv_heads, group, head_dim).astype(jnp.float32)
         s = apply_soft_cap(jnp.einsum("nbkgd,nlkd->nkbgl", qg, k) * sm_scale, soft_cap)
         j = jnp.arange(L, dtype=jnp.int32)
-        visible = (j[None, None, :] <= pc[:, :, None]) & (j[None, None, :] < lc[:, None, None]) & okc[:, :, None]
+        visible = (j[None, None, :] < ec[:, :, None]) & (j[None, None, :] < lc[:, None, None]) & okc[:, :, None]
         visible &= in_window(j[None, None, :], pc[:, :, None], window)
         s = jnp.where(visible[:, None, :, None, :], s, -jnp.inf)
         m = jnp.max(s, axis=-1, keepdims=True)
@@ -142,11 +146,11 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, block_tables, cu_q_
         return o.reshape(n, b, num_q_heads, head_dim).astype(q.dtype)
 
     def one_chunk(args):
-        qc, tc, pc, okc, lc = args
+        qc, tc, pc, ec, okc, lc = args
         empty = jnp.zeros(qc.shape, q.dtype)
-        return jax.lax.cond(jnp.any(okc), lambda: attend(qc, tc, pc, okc, lc), lambda: empty)
+        return jax.lax.cond(jnp.any(okc), lambda: attend(qc, tc, pc, ec, okc, lc), lambda: empty)
 
-    xs = tuple(chunked(x) for x in (q_items, tables, pos, row_ok, lens))
+    xs = tuple(chunked(x) for x in (q_items, tables, pos, ends, row_ok, lens))
     # Always through the loop, even for one chunk: gathering straight from the
     # freshly written pages made XLA CPU copy the whole donated pool per layer
     # (a 1-token step of the 125M shape went from 38 ms to 410 ms).
@@ -156,10 +160,10 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, block_tables, cu_q_
     return out.at[rows_idx.reshape(-1)].set(out_items.reshape(-1, num_q_heads, head_dim), mode="drop")
 
 
-def _attend_by_page(q, k_pages, v_pages, k_scale, v_scale, block_tables, seq, row, pos, live, *, sm_scale,
+def _attend_by_page(q, k_pages, v_pages, k_scale, v_scale, block_tables, seq, row, pos, end, live, *, sm_scale,
                     chunk_bytes, window=None, soft_cap=None):
-    """One query row per item (`row`, at position `pos` of sequence `seq`; `live` marks real items):
-    attention over the item's visible pages, a (row, page) pair at a time."""
+    """One query row per item (`row`, at position `pos` of sequence `seq`, seeing keys before `end`;
+    `live` marks real items): attention over the item's visible pages, a (row, page) pair at a time."""
     T, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     S, P = block_tables.shape
@@ -171,7 +175,7 @@ def _attend_by_page(q, k_pages, v_pages, k_scale, v_scale, block_tables, seq, ro
     # the arrays are sized for the worst case and only the first `num_pairs` are ever read.
     # With a window, a row's pairs start at the page holding its first visible key.
     first_page = None if window is None else jnp.maximum(pos - window + 1, 0) // page_size
-    n_pages = jnp.where(live, jnp.minimum(pos // page_size + 1, P) - (0 if first_page is None else first_page), 0)
+    n_pages = jnp.where(live, jnp.minimum((end - 1) // page_size + 1, P) - (0 if first_page is None else first_page), 0)
     ends = jnp.cumsum(n_pages)
     num_pairs = ends[-1]
     per_chunk = max(1, min(num_items * P, chunk_bytes // (page_size * num_kv_heads * head_dim * 4)))
@@ -202,7 +206,7 @@ def _attend_by_page(q, k_pages, v_pages, k_scale, v_scale, block_tables, seq, ro
         qc = qg[row[safe_item]]  # [C, K, G, D]
         s = apply_soft_cap(jnp.sum(qc[:, None] * k[:, :, :, None, :], axis=-1) * sm_scale, soft_cap)  # [C, page, K, G]
         key_pos = page[:, None] * page_size + token[None, :]
-        visible = (key_pos <= pos[safe_item][:, None]) & (item < num_items)[:, None]
+        visible = (key_pos < end[safe_item][:, None]) & (item < num_items)[:, None]
         visible &= in_window(key_pos, pos[safe_item][:, None], window)
         s = jnp.where(visible[:, :, None, None], s, -jnp.inf)
         m = jnp.max(s, axis=1)  # [C, K, G]; -inf only for dead pairs

@@ -83,8 +83,10 @@ def attention_block(layer: Layer, x, k_pages, v_pages, md: BatchMetadata, inputs
     else:
         angles = md.positions.astype(jnp.float32)[:, None] * inputs.inv_freq[None, :]
     q, k = apply_rope_angles(q, angles), apply_rope_angles(k, angles)
+    # Gemma 3 attends among one image's tokens both ways (each token's span end comes with the batch).
+    span_end = md.span_end if cfg.vision is not None and cfg.vision.bidirectional else None
     o, k_pages, v_pages = paged_attention(backend, q, k, v, k_pages, v_pages, md, cfg, sm_scale=cfg.attention_scale,
-                                          window=inputs.window, soft_cap=cfg.attn_logit_softcap)
+                                          window=inputs.window, soft_cap=cfg.attn_logit_softcap, span_end=span_end)
     out = output_projection(o, layer.wo)
     if cfg.sandwich_norms:
         out = norm(out, layer.post_attn_norm, cfg)

@@ -142,6 +142,9 @@ class BatchMetadata:
     # [3, T] int32 multimodal RoPE positions (temporal, height, width; `model.vision.mrope`) of a
     # config with `mrope_section`; None for every other model (RoPE turns by `positions`).
     rope_positions: Any = None
+    # [T] int32 the exclusive end of the bidirectional span each token is in (an image's tokens, for a
+    # config whose `vision.bidirectional`; 0 for a token in none), or None: attention is causal.
+    span_end: Any = None
 
 
 def pad_slot(num_pages: int, page_size: int) -> int:

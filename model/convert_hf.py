@@ -1,7 +1,7 @@
 """Converts a Hugging Face checkpoint of a supported family into a ridgeline checkpoint.
 
 Families (`model.families`): Llama, Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3 (text),
-Mixtral, Qwen3-MoE and Qwen2.5-VL (its image encoder too, and the image processor's settings from
+Mixtral, Qwen3-MoE, Qwen2.5-VL and Gemma 3 multimodal (their image encoders too, and the image processor's settings from
 `preprocessor_config.json`, which is copied with the tokenizer files).
 
     python -m model.convert_hf --hf_dir=DIR --out_dir=DIR [--dtype=bfloat16] [--weight_dtype=int8|fp8]
@@ -149,7 +149,12 @@ def _open(path: str):
 # Where transformers 4.52 to 4.57 saved a vision-language model's tensors: the decoder under
 # `model.language_model.`, the vision tower under `model.` (the published checkpoints, and transformers
 # 5, write `model.layers...` and `visual....`, the names the families plan).
-NESTED_PREFIXES = (("model.", "model.language_model."), ("visual.", "model.visual."))
+# Gemma 3 multimodal: the published names `language_model.model.`, `vision_tower.vision_model.` and
+# `multi_modal_projector.`; transformers 5 writes the tower without `vision_model.`, 4.52-4.57 all
+# three under `model.`.
+NESTED_PREFIXES = (("model.", "model.language_model."), ("visual.", "model.visual."),
+                   ("language_model.model.", "model.language_model."), ("vision_tower.vision_model.", "vision_tower."),
+                   ("vision_tower.", "model.vision_tower."), ("multi_modal_projector.", "model.multi_modal_projector."))
 
 
 def stored_names(plan: list[TensorPlan], located: dict[str, str]) -> list[TensorPlan]:

@@ -78,15 +78,18 @@ def _constrain(layout, x, logical_axes):
 
 
 def paged_attention(backend, q, k, v, k_pages, v_pages, md: BatchMetadata, cfg: LlamaConfig, *,
-                    sm_scale: float | None = None, window=None, soft_cap: float | None = None):
+                    sm_scale: float | None = None, window=None, soft_cap: float | None = None, span_end=None):
     """Writes this step's K/V into the cache and attends; returns (o, k_pages, v_pages).
 
     Pages are arrays, or `QuantizedArray`s (int8 / fp8 data + per-token scales)
     whose scales travel through the backend's optional `k_scale` / `v_scale`.
     `sm_scale` defaults to head_dim**-0.5; `window` (a traced int32 scalar) and
-    `soft_cap` reach the backend only when given (`kernels_pallas.reference`).
+    `soft_cap` reach the backend only when given (`kernels_pallas.reference`); so does `span_end`
+    `[T]` (bidirectional spans: Gemma 3's image tokens attend to each other both ways).
     """
     extra = {} if window is None and soft_cap is None else dict(window=window, soft_cap=soft_cap)
+    if span_end is not None:
+        extra["span_end"] = span_end
     sm_scale = cfg.head_dim**-0.5 if sm_scale is None else sm_scale
     if not isinstance(k_pages, QuantizedArray):
         k_pages, v_pages = backend.write_kv(k_pages, v_pages, k, v, md.slot_mapping)

@@ -105,10 +105,14 @@ class Layout:
         scale_spec = self.spec(CACHE_AXES[:3], (None, None, cfg.num_kv_heads))
 
         def local_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *rest, sm_scale,
-                            soft_cap, windowed):
-            # rest: (k_scale, v_scale) of a quantized cache, then the window when there is one.
+                            soft_cap, windowed, spans):
+            # rest: (k_scale, v_scale) of a quantized cache, then the window when there is one, then the
+            # span ends when there are.
+            span_end, rest = (rest[-1], rest[:-1]) if spans else (None, rest)
             scales, window = (rest[:-1], rest[-1]) if windowed else (rest, None)
             extra = {} if window is None and soft_cap is None else dict(window=window, soft_cap=soft_cap)
+            if span_end is not None:
+                extra["span_end"] = span_end
             if kv_replicated:
                 kv_head = jax.lax.axis_index(q_axis) // heads_per_kv_copy
                 k_pages = jax.lax.dynamic_slice_in_dim(k_pages, kv_head, 1, axis=2)
@@ -121,17 +125,19 @@ class Layout:
                                   sm_scale=sm_scale, **extra)
 
         def attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale=None,
-                      k_scale=None, v_scale=None, window=None, soft_cap=None):
+                      k_scale=None, v_scale=None, window=None, soft_cap=None, span_end=None):
             # check_vma=False: custom kernels inside need not carry replication rules; the
             # specs below are exact (outputs vary only along the split head axis).
             scales = () if k_scale is None else (k_scale, v_scale)
             windows = () if window is None else (window,)  # a traced per-layer scalar, replicated
+            spans = () if span_end is None else (span_end,)  # per token, replicated like the lengths
             f = jax.shard_map(functools.partial(local_attention, sm_scale=sm_scale, soft_cap=soft_cap,
-                                                windowed=window is not None), mesh=self.mesh,
+                                                windowed=window is not None, spans=span_end is not None),
+                              mesh=self.mesh,
                               in_specs=(q_spec, page_spec, page_spec, rep, rep, rep, rep)
-                              + (scale_spec,) * len(scales) + (rep,) * len(windows),
+                              + (scale_spec,) * len(scales) + (rep,) * len(windows) + (rep,) * len(spans),
                               out_specs=q_spec, check_vma=False)
-            return f(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *scales, *windows)
+            return f(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *scales, *windows, *spans)
 
         def write_kv(k_pages, v_pages, k_new, v_new, slot_mapping, k_scale=None, v_scale=None):
             scales = () if k_scale is None else (k_scale, v_scale)

@@ -19,7 +19,8 @@ Llama came first; Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2 and Gemma 3 (text)
 share its config class (with their own fields set, `model.config`) and its
 weight and cache declarations, and run the decoder blocks of `model.blocks`;
 Mixtral, Qwen2-MoE and Qwen3-MoE share it too, with a mixture-of-experts MLP (`model.moe`);
-Qwen2.5-VL shares it with an image encoder and multimodal RoPE (`model.vision`).
+Qwen2.5-VL shares it with an image encoder and multimodal RoPE, Gemma 3 multimodal with a SigLIP
+encoder and images attended both ways (`model.vision`).
 A new family is a module beside `llama.py` and one entry in `FAMILIES`.
 """
 
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 from model.config import CONFIGS_DIR, LlamaConfig, ModelConfig, UnsupportedModelError
 from model.families.base import ForwardBlocks, ModelFamily, TensorPlan
 from model.families.gemma import GEMMA2, GEMMA3
+from model.families.gemma3_vl import GEMMA3_VL
 from model.families.llama import LLAMA
 from model.families.mistral import MISTRAL
 from model.families.phi3 import PHI3
@@ -52,7 +54,7 @@ __all__ = ["FAMILIES", "ForwardBlocks", "ModelFamily", "TensorPlan", "config_by_
            "active_params", "expert_params", "is_expert_weight", "supported_architectures"]
 
 FAMILIES: tuple[ModelFamily, ...] = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3, MIXTRAL, QWEN2_MOE, QWEN3_MOE,
-                                     QWEN2_5_VL_FAMILY)
+                                     QWEN2_5_VL_FAMILY, GEMMA3_VL)
 
 
 def supported_architectures() -> list[str]:

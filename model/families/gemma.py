@@ -59,8 +59,7 @@ def gemma2_config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> Llama
                        final_logit_softcap=_cap(hf.get("final_logit_softcapping", 30.0)))
 
 
-def gemma3_config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> LlamaConfig:
-    arch = "Gemma3ForCausalLM"
+def gemma3_config_from_hf(hf: dict[str, Any], dtype: str | None = None, arch: str = "Gemma3ForCausalLM") -> LlamaConfig:
     fields = _gemma_fields(hf, arch, pattern=6)
     params = hf.get("rope_parameters") or {}
     if "full_attention" in params:  # transformers 5: one set per layer kind

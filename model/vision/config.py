@@ -11,14 +11,18 @@ This module imports nothing of the model, so `model.config` can import it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 QWEN2_5_VL = "qwen2_5_vl"
-VISION_KINDS = (QWEN2_5_VL,)
+GEMMA3_SIGLIP = "gemma3_siglip"  # Gemma 3's SigLIP encoder and its projector to soft tokens
+VISION_KINDS = (QWEN2_5_VL, GEMMA3_SIGLIP)
 
 # OpenAI CLIP's normalisation, the Qwen2-VL processor's default.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+# ImageNet "standard" normalisation (x - 0.5) / 0.5, the Gemma 3 (SigLIP) processor's default.
+HALF = (0.5, 0.5, 0.5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +51,10 @@ class VisionConfig:
     image_mean: tuple[float, ...] = CLIP_MEAN
     image_std: tuple[float, ...] = CLIP_STD
     rescale_factor: float = 1 / 255
+    # --- fixed-size encoders (Gemma 3's SigLIP): every image is resized to image_size x image_size and
+    # becomes tokens_per_image soft tokens (the patch grid average-pooled); 0 for the others ---
+    image_size: int = 0
+    tokens_per_image: int = 0
 
     def __post_init__(self):
         if self.kind not in VISION_KINDS:
@@ -55,6 +63,20 @@ class VisionConfig:
             raise ValueError(f"vision hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
         if self.hidden_act not in ("silu", "gelu", "gelu_pytorch_tanh", "quick_gelu"):
             raise ValueError(f"unsupported vision hidden_act {self.hidden_act!r}")
+        if self.kind == GEMMA3_SIGLIP:
+            side, per_side = self.image_size // max(self.patch_size, 1), math.isqrt(max(self.tokens_per_image, 0))
+            if (self.image_size <= 0 or self.image_size % self.patch_size or per_side <= 0
+                    or per_side * per_side != self.tokens_per_image or side % per_side):
+                raise ValueError(f"image_size {self.image_size} / patch_size {self.patch_size} must give a square "
+                                 f"patch grid that pools evenly to tokens_per_image {self.tokens_per_image} "
+                                 "(a square number)")
+
+    @property
+    def bidirectional(self) -> bool:
+        """Whether the decoder attends among one image's tokens both ways (Gemma 3), not causally:
+        steps then carry each image token's span end (`kernels_pallas.reference`, `span_end`) and a
+        prefill chunk never ends inside an image (`serving.core.multimodal`)."""
+        return self.kind == GEMMA3_SIGLIP
 
     @property
     def head_dim(self) -> int:
@@ -95,14 +117,20 @@ def with_processor_settings(v: VisionConfig, processor: dict[str, Any]) -> Visio
     """`v` with the preprocessing settings of a checkpoint's `preprocessor_config.json` (or the
     `image_processor` entry of `processor_config.json`): pixel bounds, mean, std, rescale factor."""
     processor = processor.get("image_processor", processor)
+    if v.kind == GEMMA3_SIGLIP and processor.get("do_pan_and_scan"):
+        raise ValueError("the image processor's do_pan_and_scan=True is not implemented (images are taken whole, "
+                         "the processor's default)")
     size = processor.get("size") or {}
     changes: dict[str, Any] = {}
-    min_pixels = processor.get("min_pixels", size.get("shortest_edge", size.get("min_pixels")))
-    max_pixels = processor.get("max_pixels", size.get("longest_edge", size.get("max_pixels")))
-    if min_pixels is not None:
-        changes["min_pixels"] = int(min_pixels)
-    if max_pixels is not None:
-        changes["max_pixels"] = int(max_pixels)
+    if v.kind == QWEN2_5_VL:  # (Gemma 3's size is its encoder's image_size: position embeddings fix it)
+        min_pixels = processor.get("min_pixels", size.get("shortest_edge", size.get("min_pixels")))
+        max_pixels = processor.get("max_pixels", size.get("longest_edge", size.get("max_pixels")))
+        if min_pixels is not None:
+            changes["min_pixels"] = int(min_pixels)
+        if max_pixels is not None:
+            changes["max_pixels"] = int(max_pixels)
+    elif size.get("height") not in (None, v.image_size) or size.get("width") not in (None, v.image_size):
+        raise ValueError(f"the image processor's size {size} differs from the encoder's image_size {v.image_size}")
     for key in ("image_mean", "image_std"):
         if processor.get(key) is not None:
             changes[key] = tuple(float(x) for x in processor[key])

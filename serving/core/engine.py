@@ -227,6 +227,7 @@ class Engine:
         images = self._images(prompt, ids)
         if images is not None:
             ids, images = images
+            self._check_image_fits(images, params)
         if params.n > self.config.max_num_seqs:
             raise InvalidParameterError("n", f"n: {params.n} samples exceed max_num_seqs={self.config.max_num_seqs}")
         limit = self.max_model_len
@@ -322,6 +323,20 @@ class Engine:
         if self.multimodal is None:
             raise InvalidParameterError("multi_modal_data", "multi_modal_data: this model does not take images")
         return self.multimodal.prepare(ids, images)
+
+    def _check_image_fits(self, images, params) -> None:
+        """An image attended both ways is prefilled in one step (`RequestImages.chunk_stop`): refuses one
+        larger than a step's token budget (or, with prompt logprobs, its logit rows), which could never run."""
+        if not images.bidirectional:
+            return
+        limit, what = self.scheduler.config.max_num_batched_tokens, "max_num_batched_tokens"
+        if params.prompt_logprobs is not None and self.scheduler.config.logit_rows < limit:
+            limit, what = self.scheduler.config.logit_rows, "the logit rows of one step (prompt_logprobs)"
+        for i, im in enumerate(images.images):
+            if im.encoded.num_tokens > limit:
+                raise InvalidParameterError("multi_modal_data", f"multi_modal_data.image[{i}]: its "
+                                            f"{im.encoded.num_tokens} tokens are prefilled in one step and exceed "
+                                            f"{what}={limit}")
 
     def _prompt_ids(self, prompt) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):

@@ -113,14 +113,15 @@ class StepShape:
     T: int
     S: int
     P: int
-    # > 0 (a vision-language model's hidden size): the step also carries "rope_positions" [3, T] (int)
+    # > 0 (a vision-language model's hidden size): the step also carries "rope_positions" [3, T] and
+    # "span_end" [T] (int; the end of the image a token is in, read where images are attended both ways)
     # and "image_embeds" [T, image_hidden] (float), filled by `serving.core.multimodal.Multimodal.pack`.
     image_hidden: int = 0
 
     @property
     def int_fields(self):
         T, S, P = self.T, self.S, self.P
-        image = (("rope_positions", 3 * T),) if self.image_hidden else ()
+        image = (("rope_positions", 3 * T), ("span_end", T)) if self.image_hidden else ()
         return image + (
                 ("tokens", T), ("feed_rows", T), ("positions", T), ("slots", T), ("cu_q_lens", S + 1), ("kv_lens", S),
                 ("block_tables", S * P), ("num_seqs", 1), ("logits_indices", S), ("sample_index", S),

@@ -45,7 +45,8 @@ def unpack_step(v: dict) -> tuple[BatchMetadata, SamplingInputs]:
     """The batch metadata and sampling inputs inside a step's split buffers (`StepShape.split`)."""
     md = BatchMetadata(positions=v["positions"], slot_mapping=v["slots"], cu_q_lens=v["cu_q_lens"],
                        kv_lens=v["kv_lens"], block_tables=v["block_tables"], num_seqs=v["num_seqs"][0],
-                       logits_indices=v["logits_indices"], rope_positions=v.get("rope_positions"))
+                       logits_indices=v["logits_indices"], rope_positions=v.get("rope_positions"),
+                       span_end=v.get("span_end"))
     flags = v["flags"]
     params = {p.name: v[p.name] if p.device_dtype is None else jax.lax.bitcast_convert_type(v[p.name], p.device_dtype)
               for p in ROW_PARAMS}

@@ -14,6 +14,15 @@ its images' embeddings that falls inside the chunk, wherever the chunk boundarie
 continues the positions past the prompt. Preemption, prefix hits and recompute need nothing more: the
 rows follow from (request, first position, count) alone.
 
+A model that attends among one image's tokens both ways (Gemma 3, `VisionConfig.bidirectional`) also
+gets each image token's span end (the step's "span_end" rows, `kernels_pallas.reference`), and its
+prefill chunks never end inside an image (`RequestImages.chunk_stop`, asked by the scheduler): an
+image's first tokens attend to its last, so they must be computed in one step. A chunk that would cut
+an image ends before it, or, when it starts inside one (after a prefix hit that ended there), takes the
+image's rest or waits for a step with room. A prefix hit may end inside an image: the cached pages
+were computed with the whole image in view, and the digest chain (below) names that image, so they
+are the same K/V the full prompt would compute.
+
 The image digests also enter the prefix cache's digest chain (`Sequence.block_extra`,
 `block_manager.block_digest`): a block holding any of an image's placeholder tokens is named by the
 image's content too, so two prompts differing only in an image never share a page.
@@ -127,14 +136,27 @@ class RequestImages:
     images: list  # [PlacedImage], in prompt order
     rope_positions: Optional[np.ndarray]  # [3, prompt len] (multimodal RoPE), or None
     delta: int  # positions past the prompt are (index + delta) on every axis
+    bidirectional: bool = False  # an image's tokens attend to each other both ways (Gemma 3)
 
     def digests_between(self, start: int, end: int) -> bytes:
         return b"".join(im.digest for im in self.images
                         if im.start < end and start < im.start + im.encoded.num_tokens)
 
-    def fill(self, rope_rows, embed_rows, start: int, count: int) -> None:
-        """Writes the rows of positions start..start+count: their multimodal positions and the slice of
-        each image's embeddings that falls among them."""
+    def chunk_stop(self, start: int, stop: int) -> int:
+        """The end (<= `stop`) of a prefill chunk from `start` that cuts no image attended both ways:
+        `start` itself when even the first image it meets does not fit."""
+        if not self.bidirectional:
+            return stop
+        for im in self.images:
+            end = im.start + im.encoded.num_tokens
+            if im.start < stop < end:
+                return im.start if im.start >= start else start
+        return stop
+
+    def fill(self, rope_rows, embed_rows, start: int, count: int, span_rows=None) -> None:
+        """Writes the rows of positions start..start+count: their multimodal positions, the slice of
+        each image's embeddings that falls among them and, for images attended both ways, each image
+        row's span end (`span_rows`, zero elsewhere)."""
         if self.rope_positions is not None:
             idx = np.arange(start, start + count)
             inside = idx < self.rope_positions.shape[1]
@@ -144,6 +166,8 @@ class RequestImages:
             lo, hi = max(start, im.start), min(start + count, im.start + im.encoded.num_tokens)
             if lo < hi:
                 embed_rows[lo - start:hi - start] = im.encoded.embeds[lo - im.start:hi - im.start]
+                if span_rows is not None and self.bidirectional:
+                    span_rows[lo - start:hi - start] = im.start + im.encoded.num_tokens
 
 
 class Multimodal(StepPart):
@@ -204,7 +228,7 @@ class Multimodal(StepPart):
         ids, starts = expand_placeholders(token_ids, self.cfg.image_token_id, [e.num_tokens for _, e in encoded])
         rope, delta = encoder.prompt_positions(self.cfg, ids, [e for _, e in encoded])
         placed = [PlacedImage(d, s, e) for (d, e), s in zip(encoded, starts)]
-        return ids, RequestImages(placed, rope, delta)
+        return ids, RequestImages(placed, rope, delta, bidirectional=self.cfg.vision.bidirectional)
 
     def pack(self, batch) -> None:
         if not batch.shape.image_hidden:
@@ -212,10 +236,12 @@ class Multimodal(StepPart):
         v = batch.shape.split(batch.ibuf, batch.fbuf)
         rope, embeds = v["rope_positions"], v["image_embeds"]
         rope[:] = v["positions"][None, :]  # text: the three axes are the token's position
+        spans = v["span_end"]
+        spans[:] = 0  # text: causal
         for seq, row, start, count in batch.token_spans:
             images = seq.request.images
             if images is not None:
-                images.fill(rope[:, row:row + count], embeds[row:row + count], start, count)
+                images.fill(rope[:, row:row + count], embeds[row:row + count], start, count, spans[row:row + count])
 
 
 def expand_placeholders(token_ids: list[int], image_token_id: int, counts: list[int]) -> tuple[list[int], list[int]]:

@@ -236,6 +236,9 @@ class Scheduler:
             if start + n == end and rows(n) > rows_left:
                 n = remaining - 1  # not enough rows to sample yet: stop one short
                 n = min(n, rows_left) if rows(n) > rows_left else n
+        images = getattr(seq.request, "images", None)
+        if images is not None and n > 0:  # a chunk never ends inside an image attended both ways
+            n = images.chunk_stop(start, start + n) - start
         if n <= 0:
             return None
         complete = start + n == end
