@@ -123,7 +123,7 @@ class StepPrograms:
         shape)`: whether a step of `shape` may pad into `holder` under `start_as_needed`."""
         self._lower = lower
         self._holds_cheaply = holds_cheaply
-        self._ready: set = set()  # every bucket whose executable this runner holds (compiled, found or loaded)
+        self._ready: set = set()  # buckets whose executable this runner holds (or, wanted, loads from the store)
         self._as_needed = False  # `start_as_needed`: pad only cheaply, compile what calls `want`
         self._wanted: list = []  # buckets a call asked for, compiled first by the thread
         self._wake = threading.Condition()
@@ -318,6 +318,7 @@ class StepPrograms:
             return
         new = [s for s in shapes if not self.is_compiled(s) and not self._is_stored(s)]
         self._compiled.update(s for s in shapes if s not in new)
+        self._ready.update(s for s in shapes if s not in new)  # (a stored one loads when a step first runs in it)
         with self._wake:
             self._warm_set += [s for s in shapes if s not in self._warm_set]
             self._wanted = new + [s for s in self._wanted if s not in new]
