@@ -603,8 +603,8 @@ class Engine:
         return info
 
     def warm_up_as_needed(self) -> None:
-        """Compiles in the background what calls will need (`expect`); returns at once (`StepPrograms.start_as_needed`). A draft model's drafting programs compile on
-        first use."""
+        """Compiles in the background what calls will need (`expect`); returns at once
+        (`StepPrograms.start_as_needed`). A draft model's drafting programs compile on first use."""
         self.runner.warm_up_as_needed()
 
     def expect(self, requests) -> None:

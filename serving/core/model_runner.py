@@ -570,7 +570,7 @@ class ModelRunner:
             calls = self._small_program_calls()
             self.programs.first_in_background(
                 lambda: [executable_store.prepare(jitted, name, self._small_programs, *args) for jitted, name, args in calls])
-        self.programs.start_as_needed(self.warm_up_order())
+        self.programs.start_as_needed()
 
     def expect(self, requests) -> None:
         """Requests ((prompt tokens, new tokens at most, sequences) each) are about to run: their buckets

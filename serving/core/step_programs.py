@@ -300,11 +300,10 @@ class StepPrograms:
                 self._thread.start()
         return info
 
-    def start_as_needed(self, shapes: list) -> None:
+    def start_as_needed(self) -> None:
         """Starts a thread that compiles, one at a time, the buckets calls `want`; nothing compiles before
-        this returns (`first_in_background` work runs first in the thread). `shapes` are every bucket there
-        is; only those wanted compile ahead, the others on first use when no wanted one holds them cheaply.
-        On XLA CPU a compile takes the cores the steps run on, so compiling buckets nobody asked for beside
+        this returns (`first_in_background` work runs first in the thread). Other buckets compile on first
+        use, when no wanted one holds their step cheaply. On XLA CPU a compile takes the cores the steps run on, so compiling buckets nobody asked for beside
         (or between) a script's calls would slow it more than their steps' padding costs; on a GPU it would
         not, but the same few programs serve there too."""
         self._warm_set = []  # the buckets calls asked for (what `stats` counts)
