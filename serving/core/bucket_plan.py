@@ -3,10 +3,11 @@
 `LLM`'s default warm-up (`StepPrograms.start_as_needed`) compiles nothing before the first
 `generate`; that call knows its prompts and output lengths, so it asks for the few buckets its
 steps will run in (`expected_shapes`) and every other step pads into one of those, as long as the
-padding is cheap (`holds_cheaply`). Measured on the 125M Llama shape's mixed workload (32
-requests, 2 CPU cores): the steps reached 8 buckets (two prefill page buckets, decodes of 32, 16,
-8, 4, 2 and 1 rows), the expected set is 2 (the full prefill chunk at the largest context's
-pages, and the decode of every request at once), and every other step padded into one of them.
+padding is cheap (`holds_cheaply`). The mixed workload of `benchmarks/first_generate.py` (32
+requests, prompts and outputs of 16-256 tokens, `LLM`'s default limits) reaches 8 buckets when
+each compiles its own (two prefill page buckets; decodes of 32, 16, 8, 4, 2 and 1 rows); it
+expects 2 (the full prefill chunk at the longest context's pages, and the decode of all 32
+requests), which hold all 8.
 
 Pure functions of the bucket set and the requests' lengths: no engine state.
 """
