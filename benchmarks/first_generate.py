@@ -13,7 +13,14 @@ contender in its own fresh process, one after the other, all in one run:
   * ridgeline, cold: a fresh process with an empty persistent compilation
     cache (`compilation_cache_dir` a new empty directory);
   * ridgeline, warm: the same script again over the cache the cold run left;
-  * in the cold process, a second `generate` of the same workload (steady state).
+  * in the cold process, a second `generate` of the same workload (steady state);
+  * with `--baseline_warmup off` (the default), ridgeline again over an empty
+    cache with `LLM(warmup=False)`: every bucket compiled on first use, as
+    `LLM` did before it compiled as needed (a same-run before/after).
+
+Ratios are of useful output tokens per second of the first `generate` call, and,
+"with construction", of the tokens over `LLM(...)` plus that call against
+transformers' model load plus its generate.
 
 For the cold process it also prints where the first call's time went, from
 JAX's own monitoring events: tracing, lowering to StableHLO, XLA compiling,
@@ -44,6 +51,11 @@ COMPILE_EVENTS = {
     "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
     "/jax/core/compile/backend_compile_duration": "xla_compile",
 }
+
+
+def _uptime() -> str:
+    """`uptime`'s line: the machine is shared, and its load is part of every number here."""
+    return subprocess.run(["uptime"], stdout=subprocess.PIPE, text=True).stdout.strip()
 
 
 def log(msg):
@@ -165,6 +177,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="8 requests, 2 layers: checks the script runs")
     ap.add_argument("--num_requests", type=int, default=32)
     ap.add_argument("--llm_options", default="{}", help="JSON of extra LLM(...) keywords for ridgeline")
+    ap.add_argument("--baseline_warmup", default="off", choices=("off", "full", "background", "as_needed", ""),
+                    help="also run ridgeline cold with LLM(warmup=...) of this mode ('' skips it)")
     ap.add_argument("--child", choices=("transformers", "ridgeline"), help=argparse.SUPPRESS)
     ap.add_argument("--checkpoint", help=argparse.SUPPRESS)
     ap.add_argument("--cache_dir", help=argparse.SUPPRESS)
@@ -186,7 +200,7 @@ def main():
     cfg = LlamaConfig(**shape)
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
-                          "loadavg_before": os.getloadavg()},
+                          "loadavg_before": os.getloadavg(), "uptime_before": _uptime()},
               "model": {k: v for k, v in shape.items() if k != "eos_token_ids"},
               "requests": args.num_requests, "llm_options": json.loads(args.llm_options)}
     with tempfile.TemporaryDirectory() as tmp:
@@ -200,17 +214,44 @@ def main():
         cold = run_child("ridgeline", args, cache)
         log("ridgeline, the compilation cache the first run left ...")
         warm = run_child("ridgeline", args, cache)
+        baseline = None
+        if args.baseline_warmup:
+            log(f"ridgeline, warmup={args.baseline_warmup}, empty compilation cache ...")
+            empty = os.path.join(tmp, "compilation-cache-baseline")
+            os.makedirs(empty)
+            args.llm_options = json.dumps({**json.loads(args.llm_options),
+                                           "warmup": {"off": False, "full": True}.get(args.baseline_warmup,
+                                                                                       args.baseline_warmup)})
+            baseline = run_child("ridgeline", args, empty)
     base = hf["useful_output_tok_per_s"]
+    hf_total = hf["load_seconds"] + hf["runs"][hf["best"]]["seconds"]
+
+    def with_construction(r):
+        return hf_total / (r["construct_seconds"] + r["first_generate_seconds"])
+
     ratios = {"first_generate_cold_cache": cold["first_output_tok_per_s"] / base,
               "first_generate_warm_cache": warm["first_output_tok_per_s"] / base,
-              "second_generate_same_process": cold["second_output_tok_per_s"] / base}
-    result.update(transformers=hf, ridgeline_cold=cold, ridgeline_warm=warm, ratio_vs_transformers=ratios)
+              "second_generate_same_process": cold["second_output_tok_per_s"] / base,
+              "with_construction_cold_cache": with_construction(cold),
+              "with_construction_warm_cache": with_construction(warm)}
+    if baseline is not None:
+        ratios["first_generate_cold_cache_baseline_warmup"] = baseline["first_output_tok_per_s"] / base
+        ratios["with_construction_cold_cache_baseline_warmup"] = with_construction(baseline)
+    result.update(transformers=hf, ridgeline_cold=cold, ridgeline_warm=warm, ratio_vs_transformers=ratios,
+                  baseline_warmup=args.baseline_warmup or None, ridgeline_cold_baseline_warmup=baseline)
     result["machine"]["loadavg_after"] = os.getloadavg()
-    print(f"transformers ({hf['best']}): {base:.1f} useful tok/s")
-    for name, r in (("cold", cold), ("warm", warm)):
+    result["machine"]["uptime_after"] = _uptime()
+    result["command"] = " ".join([os.path.relpath(sys.argv[0], os.path.dirname(HERE))] + sys.argv[1:])
+    print(f"transformers ({hf['best']}): {base:.1f} useful tok/s (model load {hf['load_seconds']:.1f}s)")
+    rows = [("cold", cold, "_cache"), ("warm", warm, "_cache")]
+    if baseline is not None:
+        rows.append((f"cold, warmup={args.baseline_warmup}", baseline, "_cache_baseline_warmup"))
+    for name, r, suffix in rows:
         c = r["first_generate_compile"]
+        key = name.split(",")[0] + suffix
         print(f"ridgeline {name}: LLM() {r['construct_seconds']:.1f}s, first generate {r['first_generate_seconds']:.1f}s "
-              f"({r['first_output_tok_per_s']:.1f} tok/s, {ratios['first_generate_' + name + '_cache']:.2f}x), "
+              f"({r['first_output_tok_per_s']:.1f} tok/s, {ratios['first_generate_' + key]:.2f}x; with LLM() "
+              f"{ratios['with_construction_' + key]:.2f}x), "
               f"second {r['second_generate_seconds']:.1f}s ({r['second_output_tok_per_s']:.1f} tok/s); in the first "
               f"call: trace {c['seconds']['trace']:.1f}s lower {c['seconds']['lower']:.1f}s "
               f"XLA {c['seconds']['xla_compile']:.1f}s, {c['xla_compiled']} compiled, "

@@ -8,11 +8,13 @@ methods: process 0 schedules and runs, the others replay its device calls
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import functools
 import logging
 import os
 import time
+import weakref
 from typing import Optional, Sequence, Union
 
 from model.checkpoint import load_checkpoint, load_config
@@ -75,10 +77,22 @@ class LLM:
 
     `config`/`params` (and optionally `tokenizer`) serve an in-memory model
     instead of a checkpoint directory, e.g. random weights in tests and
-    benchmarks. `warmup=True` compiles every step shape up front (a short
-    script usually does not want that); `warmup="background"` compiles the
-    smallest and the largest now and the rest in a background thread while
-    the engine already serves (what the server does). `compilation_cache_dir`
+    benchmarks. How the step programs compile (`warmup`):
+
+    * "as_needed" (the default): nothing before this returns; a background
+      thread compiles the buckets each `generate` says it will need
+      (`serving.core.bucket_plan`: a typical batch needs two, its prefill
+      and its decode), while that call's other steps pad into one of them
+      when that costs at most about twice the work, and compile their own
+      only when none holds them so cheaply. A script's first `generate`
+      thus compiles two programs instead of one per bucket it reaches.
+    * True: every step shape up front.
+    * "background": the smallest and the largest now and the rest in a
+      background thread while the engine already serves (what the server does).
+    * False: each bucket on first use.
+
+    The environment variable `RIDGELINE_WARMUP` (off, full, background,
+    as_needed) sets the default (the test suite turns it off). `compilation_cache_dir`
     points JAX's persistent compilation cache somewhere (None: the default
     location, see `serving.core.compile_cache`; "": off), so a second start loads
     its executables instead of compiling them.
@@ -105,7 +119,7 @@ class LLM:
 
     @engine_args.with_option_keywords
     def __init__(self, checkpoint: Optional[str] = None, *, config=None, params=None, tokenizer=None,
-                 warmup: Union[bool, str] = False, speculative_draft=None, **options):
+                 warmup: Union[bool, str, None] = None, speculative_draft=None, **options):
         """Every option of `serving.core.engine_args.OPTIONS` is a keyword here, with its declared default (the
         signature lists them); `EngineConfig` gets those it holds. The options:
         """
@@ -161,9 +175,14 @@ class LLM:
                  self.compilation_cache_dir or "off")
         self.multihost = multihost.attach(self.engine)  # None when this process runs alone
         self.warmup_info = None
-        if warmup not in (False, True, "background"):
-            raise ValueError(f"warmup must be False, True or 'background', got {warmup!r}")
-        if warmup:
+        warmup = resolve_warmup(warmup)
+        if warmup == "as_needed":
+            if self.multihost is None:  # processes compile together, in step order
+                self.engine.warm_up_as_needed()
+                programs = weakref.ref(self.engine.runner.programs)
+                # A process must not exit in the middle of an XLA compile: the one under way ends first.
+                atexit.register(lambda: programs() is not None and programs().stop())
+        elif warmup:
             before = compile_cache.compile_counts()
             if self.multihost is not None:  # processes compile every shape together
                 self.warmup_info = self.multihost.warm_up()
@@ -310,6 +329,7 @@ class LLM:
             for r in reqs:  # made, never queued: they let go of their adapters
                 engine.release_lora(r)
             raise
+        engine.expect(reqs)  # under warmup="as_needed", their buckets start compiling now
         for r in reqs:
             engine.enqueue(r)
         done: dict[str, RequestOutput] = {}
@@ -319,6 +339,23 @@ class LLM:
                 if out.finished:
                     done[out.request_id] = out
         return [done[r.request_id] for r in reqs]
+
+
+WARMUP_ENV_VAR = "RIDGELINE_WARMUP"
+_WARMUP_NAMES = {"off": False, "full": True, "background": "background", "as_needed": "as_needed"}
+
+
+def resolve_warmup(warmup):
+    """`LLM`'s `warmup` argument: False, True, "background" or "as_needed"; None: `RIDGELINE_WARMUP`
+    (off, full, background, as_needed), else "as_needed"."""
+    if warmup is None:
+        name = os.environ.get(WARMUP_ENV_VAR, "as_needed")
+        if name not in _WARMUP_NAMES:
+            raise ValueError(f"{WARMUP_ENV_VAR} must be one of {', '.join(_WARMUP_NAMES)}, got {name!r}")
+        return _WARMUP_NAMES[name]
+    if warmup not in (False, True, "background", "as_needed"):
+        raise ValueError(f"warmup must be False, True, 'background' or 'as_needed', got {warmup!r}")
+    return warmup
 
 
 def _chat_message(m: dict, images: list, image_text: str = "") -> dict:

@@ -10,6 +10,10 @@ if _flag not in os.environ.get("XLA_FLAGS", ""):
 
 # Engines started by the tests cache compilations in a fresh directory, never the user's.
 os.environ.setdefault("RIDGELINE_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="ridgeline-jax-cache-"))
+# `LLM()` compiles each step bucket on first use here, with no background thread: tests that count compiles or
+# drive a warm-up themselves start from nothing, and engines do not compile beside other tests. Tests of the
+# default (`warmup="as_needed"`) ask for it by name.
+os.environ.setdefault("RIDGELINE_WARMUP", "off")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -23,6 +23,7 @@ START = r"""
 import json, sys
 sys.path.insert(0, "tests")
 cache_dir = sys.argv[1]
+warmup = json.loads(sys.argv[2]) if len(sys.argv) > 2 else True
 from serving.core import compile_cache
 compile_cache.enable(cache_dir)  # before anything compiles, so the whole process is counted
 before = compile_cache.compile_counts()
@@ -38,7 +39,7 @@ ModelRunner._lower_step = lambda self, shape: lowered.append(shape) or _lower(se
 cfg = tiny_config()
 llm = LLM(config=cfg, params=init_params(cfg, jax.random.key(3)), max_num_seqs=4, max_num_batched_tokens=16,
           min_token_bucket=16, page_size=8, num_pages=8, max_model_len=16, attention_backend="reference",
-          compilation_cache_dir=cache_dir, warmup=True)
+          compilation_cache_dir=cache_dir, warmup=warmup)
 outs = llm.generate([[1, 5, 9, 4], [1] + list(range(10, 19))],
                     SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
 total = compile_cache.compile_counts() - before
@@ -52,12 +53,12 @@ print("RESULT " + json.dumps({
 """
 
 
-def start(cache_dir: str) -> dict:
+def start(cache_dir: str, warmup=True) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)  # one CPU device: a quicker start
     env.pop(compile_cache.ENV_VAR, None)
-    proc = subprocess.run([sys.executable, "-c", START, cache_dir], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", START, cache_dir, json.dumps(warmup)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
@@ -232,6 +233,17 @@ executable_store._TABLE.clear()  # as a later process: only the store (or JAX's 
 zeros, ones = executable_store.call(jax.jit(build), "zeros-and-ones", {})
 print("RESULT", float(zeros.sum()), float(ones.sum()))
 """
+
+
+def test_llms_default_warm_up_loads_what_it_compiled_from_a_warm_cache_without_tracing(tmp_path):
+    """`LLM`'s as-needed warm-up stores the buckets a call compiled; the same script again loads them from the
+    executable store: nothing traced, lowered or compiled, the same tokens."""
+    cache_dir = str(tmp_path / "jax-cache")
+    cold = start(cache_dir, "as_needed")
+    assert cold["xla_compiled"] > 0 and cold["lowered"] == cold["stored_steps"] > 0
+    warm = start(cache_dir, "as_needed")
+    assert warm["xla_compiled"] == 0 and warm["lowered"] == 0
+    assert warm["tokens"] == cold["tokens"]
 
 
 def test_an_executable_from_jaxs_cache_is_not_stored_where_it_could_not_run(tmp_path):

@@ -614,6 +614,15 @@ class Engine:
                         shapes=info["shapes"] + own["shapes"])
         return info
 
+    def warm_up_as_needed(self) -> None:
+        """Compiles in the background what calls will need (`expect`); returns at once
+        (`StepPrograms.start_as_needed`). A draft model's drafting programs compile on first use."""
+        self.runner.warm_up_as_needed()
+
+    def expect(self, requests) -> None:
+        """`requests` are about to run together: their step buckets compile first (`warm_up_as_needed`)."""
+        self.runner.expect([(len(r.prompt_token_ids), r.params.max_tokens or 1, r.params.n) for r in requests])
+
     def stop_warm_up(self) -> None:
         """Ends a background warm-up after the compile under way (before the process exits)."""
         self.runner.stop_warm_up()

@@ -34,7 +34,7 @@ from model.layer_select import selects_layers
 from model import lora as lora_model
 from model.params import param_bytes, stack_layers
 from serving.core.input_batch import Buckets, StepShape, StepBatch
-from serving.core import executable_store, rejection_sampler, sampling_controls
+from serving.core import bucket_plan, executable_store, rejection_sampler, sampling_controls
 from serving.core.sampler import SamplingInputs, logprobs_of, sample, sample_ids
 from serving.core.sampling_table import ROW_PARAMS
 from serving.core.step_programs import StepPrograms, compiled_total
@@ -256,7 +256,8 @@ class ModelRunner:
         self.max_copy_pairs = buckets.max_num_seqs  # copy-on-write pairs per call of the page copy (`_copy_pages`)
         self._all_allowed_masks: dict = {}  # rows -> resident all-ones token bitmask (`_all_allowed`)
         self.programs = StepPrograms(self._lower_step, self._program_key, platform=jax.default_backend(),
-                                     key_fields=PROGRAM_KEY_FIELDS)
+                                     key_fields=PROGRAM_KEY_FIELDS,
+                                     holds_cheaply=functools.partial(bucket_plan.holds_cheaply, buckets=buckets))
         self.controls = None  # sampling_controls.ControlState, threaded through every step
         # The draft distributions a step without them reads (the draft model's output has this shape).
         self.no_drafts = None if draft_rows == 0 else self._place_feed(np.zeros((draft_rows, cfg.vocab_size),
@@ -570,6 +571,25 @@ class ModelRunner:
         info.update(seconds=time.perf_counter() - t0, compiled=self.compilation_count() - before,
                     shapes=info["shapes"] + 1)  # and the page copy
         return info
+
+    def warm_up_as_needed(self) -> None:
+        """Starts compiling in the background what calls will need (`StepPrograms.start_as_needed`,
+        `expect`); returns at once. The small programs compile first in that thread when the executable
+        store is on, otherwise on first use (a fraction of a second each). A mesh over several processes
+        compiles in step order instead (every process must compile the same programs together)."""
+        if self._spans_processes():
+            return
+        self._program_key(self.warm_up_order()[0])  # the argument specs, taken here before any step donates
+        if executable_store.current(executable_store.FUNCTION_SUFFIX) is not None:
+            calls = self._small_program_calls()
+            self.programs.first_in_background(
+                lambda: [executable_store.prepare(jitted, name, self._small_programs, *args) for jitted, name, args in calls])
+        self.programs.start_as_needed()
+
+    def expect(self, requests) -> None:
+        """Requests ((prompt tokens, new tokens at most, sequences) each) are about to run: their buckets
+        (`bucket_plan.expected_shapes`) compile first under `warm_up_as_needed`; otherwise a no-op."""
+        self.programs.want(bucket_plan.expected_shapes(self.buckets, self.page_size, requests))
 
     def _warm_up_small_programs(self) -> None:
         """Runs the page copy (all padding, so nothing moves) and the control row load once."""

@@ -25,7 +25,14 @@ directly, which lets startup be split:
   on are the expensive ones, and at -O0 a deep model's first prefill took
   twice as long. Only full compiles are saved whole (`executable_store`), so
   a warm restart loads full programs.
-* A bucket nobody compiled yet (no warm-up: scripts, tests) compiles on first
+* `start_as_needed` (`LLM`'s default) compiles nothing up front: a thread
+  waits for the buckets a call says it will need (`want`, from
+  `serving.core.bucket_plan.expected_shapes`) and compiles those, while the
+  call's steps pad into whichever compiled (or coming) bucket holds them
+  cheaply (`bucket_plan.holds_cheaply`: at most about twice the work) and
+  compile their own bucket only when none does. Buckets no call needs are
+  never compiled: on XLA CPU a compile takes the cores the steps run on.
+* A bucket nobody compiled yet (no warm-up: tests) compiles on first
   use, as `jit` would. After a warm-up such a compile is counted
   (`stats().compiles_after_ready`): it means a shape escaped the bucket set.
   `why(key)` is the one place that says why a program compiles: the fields
@@ -110,9 +117,16 @@ class StepPrograms:
     `key(shape)` the table key of its executable.
     """
 
-    def __init__(self, lower: Callable, key: Callable, platform: Optional[str] = None, key_fields: tuple = ()):
-        """`key_fields`: a name for each position of the tuples `key` returns (for `why`)."""
+    def __init__(self, lower: Callable, key: Callable, platform: Optional[str] = None, key_fields: tuple = (),
+                 holds_cheaply: Optional[Callable] = None):
+        """`key_fields`: a name for each position of the tuples `key` returns (for `why`). `holds_cheaply(holder,
+        shape)`: whether a step of `shape` may pad into `holder` under `start_as_needed`."""
         self._lower = lower
+        self._holds_cheaply = holds_cheaply
+        self._ready: set = set()  # buckets whose executable this runner holds (or, wanted, loads from the store)
+        self._as_needed = False  # `start_as_needed`: pad only cheaply, compile what calls `want`
+        self._wanted: list = []  # buckets a call asked for, compiled first by the thread
+        self._wake = threading.Condition()
         self._key = key
         self._key_fields = key_fields
         self._quick_options = QUICK_COMPILE_OPTIONS.get(platform)
@@ -137,6 +151,8 @@ class StepPrograms:
         exe = self._own.get(key)
         if exe is None:
             exe, _ = self._compile(shape, key, on_demand=True)
+            if shape in self._warm_set:
+                self._compiled.add(shape)
         return exe
 
     def _compile(self, shape, key, on_demand: bool, quick: bool = False, lowered=None):
@@ -148,6 +164,7 @@ class StepPrograms:
                 exe = _TABLE.get(key)
                 if exe is not None:
                     self._own[key] = exe
+                    self._ready.add(shape)
                     return exe, "found"
                 pending = _IN_PROGRESS.get(key)
                 if pending is None:
@@ -170,6 +187,7 @@ class StepPrograms:
                 else:
                     exe, how = self._full_compile(shape, key, lowered), "compiled"
             self._keep(key, exe)
+            self._ready.add(shape)
             return exe, how
         finally:
             with _LOCK:
@@ -239,12 +257,20 @@ class StepPrograms:
 
     # --- choosing a bucket ----------------------------------------------------------------------
     def shape_for(self, shape):
-        """`shape`, or while warm-up is still compiling it, the smallest compiled bucket that holds it."""
+        """`shape`, or while warm-up is still compiling it, the smallest compiled bucket that holds it. Under
+        `start_as_needed` only a bucket that holds it cheaply, compiled or asked for by a call (the step then
+        waits for that compile, which is under way or due anyway); none: its own, compiled now."""
         if self._thread is None or shape in self._compiled or self.is_compiled(shape) or self._is_stored(shape):
             return shape  # (a stored executable loads on demand in a fraction of a second: no reason to pad)
-        holders = [s for s in list(self._compiled) if s.T >= shape.T and s.S >= shape.S and s.P >= shape.P]
+        if self._as_needed:
+            def fits(s):
+                return self._holds_cheaply(s, shape)
+            holders = [s for s in list(self._ready) if fits(s)] or [s for s in list(self._wanted) if fits(s)]
+        else:
+            holders = [s for s in list(self._compiled | self._ready) if s.T >= shape.T and s.S >= shape.S
+                       and s.P >= shape.P]
         if not holders:
-            return shape  # compiles on demand (counted)
+            return shape  # compiles on demand (counted once warm-up is done)
         self.steps_in_larger_bucket += 1
         return min(holders, key=lambda s: (s.T, s.P))
 
@@ -273,6 +299,53 @@ class StepPrograms:
             if start_thread:
                 self._thread.start()
         return info
+
+    def start_as_needed(self) -> None:
+        """Starts a thread that compiles, one at a time, the buckets calls `want`; nothing compiles before
+        this returns (`first_in_background` work runs first in the thread). Other buckets compile on first
+        use, when no wanted one holds their step cheaply. On XLA CPU a compile takes the cores the steps run on, so compiling buckets nobody asked for beside
+        (or between) a script's calls would slow it more than their steps' padding costs; on a GPU it would
+        not, but the same few programs serve there too."""
+        self._warm_set = []  # the buckets calls asked for (what `stats` counts)
+        self._as_needed = True
+        self._thread = threading.Thread(target=self._as_needed_loop, name="ridgeline-warmup", daemon=True)
+        self._thread.start()
+
+    def want(self, shapes: list) -> None:
+        """Has the thread compile `shapes` next, in this order (a call's `bucket_plan.expected_shapes`)."""
+        if not self._as_needed:
+            return
+        new = [s for s in shapes if not self.is_compiled(s) and not self._is_stored(s)]
+        self._compiled.update(s for s in shapes if s not in new)
+        self._ready.update(s for s in shapes if s not in new)  # (a stored one loads when a step first runs in it)
+        with self._wake:
+            self._warm_set += [s for s in shapes if s not in self._warm_set]
+            self._wanted = new + [s for s in self._wanted if s not in new]
+            self._wake.notify_all()
+
+    def _next_wanted(self):
+        """The next bucket a call wants compiled, waiting for one; None once stopping."""
+        with self._wake:
+            while not self._stopping:
+                if self._wanted:
+                    return self._wanted[0]
+                self._wake.wait()
+            return None
+
+    def _as_needed_loop(self) -> None:
+        for work in self._first:
+            if not self._stopping:
+                work()
+        while (shape := self._next_wanted()) is not None:
+            t = time.perf_counter()
+            _, how = self._compile(shape, self._key(shape), on_demand=False)  # the table's when found
+            with self._wake:  # off the list once ready, so `shape_for` picks it from `_ready` meanwhile
+                self._wanted = [s for s in self._wanted if s != shape]
+                self._wake.notify_all()
+            if shape in self._warm_set:
+                self._compiled.add(shape)
+            log.info("step executable (T=%d, S=%d, P=%d) %s in %.1f s, as a call asked", shape.T, shape.S, shape.P,
+                     how, time.perf_counter() - t)
 
     def start_background(self) -> None:
         """Starts compiling the buckets a `warm_up(background=True, start_thread=False)` left."""
@@ -349,7 +422,12 @@ class StepPrograms:
                 finish(*in_flight)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        """Blocks until the background compiles end; True when none is left."""
+        """Blocks until the background compiles end (under `start_as_needed`: those asked for so far); True
+        when none is left."""
+        if self._as_needed:
+            with self._wake:
+                self._wake.wait_for(lambda: not self._wanted or self._stopping, timeout)
+            return self.stats().ready
         if self._thread is not None:
             if self._thread.ident is not None:  # started
                 self._thread.join(timeout)
@@ -358,6 +436,8 @@ class StepPrograms:
     def stop(self, timeout: float = 120.0) -> None:
         """Ends the background compiles after the one under way (a process should not exit mid-compile)."""
         self._stopping = True
+        with self._wake:
+            self._wake.notify_all()
         if self._thread is not None and self._thread.ident is not None:
             self._thread.join(timeout)
 

@@ -1,0 +1,135 @@
+"""`LLM`'s default warm-up: a call compiles the few buckets its batch needs and pads the rest into them.
+
+The engines here have KV pool sizes no other test uses, so their step executables are their own (the
+executable table is shared by engines over the same model and pool) and compile counts are exact.
+"""
+
+import random
+
+import jax
+import pytest
+
+from serving import LLM, SamplingParams
+from serving.core import step_programs
+from serving.core.bucket_plan import expected_shapes, holds_cheaply
+from serving.core.input_batch import Buckets, StepShape
+from serving.llm import resolve_warmup
+from tests.conftest import tiny_config
+
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, page_size=8, max_model_len=128,
+              attention_backend="reference", compilation_cache_dir="")
+
+
+def test_the_workload_of_the_first_generate_expects_its_prefill_and_its_decode():
+    """The 125M benchmark's engine (512-token steps, 32 rows, 16-token pages, 512-token contexts) on
+    prompts and outputs of 16-256 tokens: the full prefill chunk at the pages of the longest context,
+    and the decode of all 32 rows in the one page bucket decode-sized steps share."""
+    buckets = Buckets(512, 32, 32)
+    rng = random.Random(0)
+    requests = [(rng.randint(16, 256), rng.randint(16, 256), 1) for _ in range(32)]
+    longest = max(p + n for p, n, _ in requests)
+    assert longest > 256  # so the context's page bucket is the prompt's doubled
+    assert expected_shapes(buckets, 16, requests) == [StepShape(512, 32, 32), StepShape(32, 32, 32)]
+    # One short prompt: a prefill of its own size, then a one-row decode at its context's pages.
+    assert expected_shapes(buckets, 16, [(20, 40, 1)]) == [StepShape(32, 32, 4), StepShape(1, 1, 4)]
+    # n > 1 decodes every sample; one new token decodes nothing; no requests, no buckets.
+    assert expected_shapes(buckets, 16, [(20, 40, 3)])[1] == StepShape(4, 4, 4)
+    assert expected_shapes(buckets, 16, [(20, 1, 1)]) == [StepShape(32, 32, 2)]
+    assert expected_shapes(buckets, 16, []) == []
+
+
+def test_every_bucket_the_benchmark_workload_reached_pads_into_one_it_expects():
+    """The 8 buckets the steps of `benchmarks/first_generate.py`'s workload reached under `LLM`'s default
+    limits (512-token steps, 64 rows, 128 pages of 16 tokens), recorded from a run: the 2 expected
+    buckets hold every one of them cheaply."""
+    from benchmarks.offline_throughput import workload
+
+    buckets = Buckets(512, 64, 128)
+    expected = expected_shapes(buckets, 16, [(len(p), n, 1) for p, n in workload(32, 1234, 32000)])
+    assert expected == [StepShape(512, 64, 32), StepShape(32, 32, 128)]
+    reached = [(512, 64, 16), (512, 64, 32), (32, 32, 128), (16, 16, 128), (8, 8, 32), (4, 4, 32), (2, 2, 32),
+               (1, 1, 32)]
+    for T, S, P in reached:
+        assert any(holds_cheaply(h, StepShape(T, S, P), buckets) for h in expected), (T, S, P)
+
+
+def test_padding_is_allowed_only_where_it_costs_at_most_about_twice():
+    buckets = Buckets(512, 32, 32)
+    decode32 = StepShape(32, 32, 32)
+    assert holds_cheaply(decode32, StepShape(1, 1, 2), buckets)  # decode-sized, one page bucket for all rows
+    assert holds_cheaply(StepShape(512, 32, 32), StepShape(512, 32, 16), buckets)  # pages doubled
+    assert not holds_cheaply(StepShape(512, 32, 32), StepShape(512, 32, 8), buckets)  # pages x4
+    assert not holds_cheaply(StepShape(512, 32, 32), StepShape(128, 32, 32), buckets)  # tokens x4
+    assert holds_cheaply(StepShape(512, 32, 32), StepShape(256, 32, 32), buckets)
+    assert not holds_cheaply(StepShape(8, 8, 4), StepShape(8, 8, 8), buckets)  # smaller: never
+    assert not holds_cheaply(StepShape(4, 4, 32), StepShape(2, 2, 4), Buckets(64, 4, 32))  # x8 pages, not shared
+
+
+def test_the_warmup_default_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv("RIDGELINE_WARMUP", raising=False)
+    assert resolve_warmup(None) == "as_needed"
+    for name, value in (("off", False), ("full", True), ("background", "background"), ("as_needed", "as_needed")):
+        monkeypatch.setenv("RIDGELINE_WARMUP", name)
+        assert resolve_warmup(None) == value
+    assert resolve_warmup(True) is True
+    monkeypatch.setenv("RIDGELINE_WARMUP", "eager")
+    with pytest.raises(ValueError, match="RIDGELINE_WARMUP"):
+        resolve_warmup(None)
+    with pytest.raises(ValueError, match="warmup"):
+        resolve_warmup("sometimes")
+
+
+@pytest.fixture(scope="module")
+def model():
+    from model.params import init_params
+
+    cfg = tiny_config()
+    return cfg, init_params(cfg, jax.random.key(3))
+
+
+def _workload(vocab):
+    rng = random.Random(5)
+    prompts = [[1] + [rng.randrange(3, vocab) for _ in range(rng.randint(4, 40))] for _ in range(4)]
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(2, 30), ignore_eos=True, logprobs=1)
+              for _ in prompts]
+    return prompts, params
+
+
+def _run(llm, prompts, params):
+    outs = llm.generate(prompts, params)
+    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
+
+
+def test_a_first_generate_compiles_what_it_expects_pads_the_rest_and_matches_compiling_every_bucket(model):
+    cfg, weights = model
+    prompts, params = _workload(cfg.vocab_size)
+
+    every = LLM(config=cfg, params=weights, num_pages=71, warmup=False, **ENGINE)
+    before = step_programs.compiled_total()
+    exact_tokens, exact_logprobs = _run(every, prompts, params)
+    buckets_reached = step_programs.compiled_total() - before
+
+    llm = LLM(config=cfg, params=weights, num_pages=73, **ENGINE, warmup="as_needed")
+    try:
+        runner = llm.engine.runner
+        assert step_programs.compiled_total() == before + buckets_reached  # nothing compiles at construction
+        expected = expected_shapes(runner.buckets, runner.page_size,
+                                   [(len(p), sp.max_tokens, 1) for p, sp in zip(prompts, params)])
+        before = step_programs.compiled_total()
+        tokens, logprobs = _run(llm, prompts, params)
+        compiled = step_programs.compiled_total() - before
+        stats = runner.warmup_stats()
+        assert all(runner.programs.is_compiled(s) for s in expected)
+        assert len(expected) <= compiled < buckets_reached and stats.steps_in_larger_bucket > 0
+        assert stats.total == stats.compiled == len(expected) and stats.compiles_after_ready == 0
+        assert tokens == exact_tokens  # padding rows and tokens are inert
+        for padded, exact in zip(logprobs, exact_logprobs):
+            for p, e in zip(padded, exact):
+                assert p.keys() == e.keys() and all(abs(p[t].logprob - e[t].logprob) < 1e-4 for t in p)
+
+        # The same calls again compile nothing.
+        before = step_programs.compiled_total()
+        assert _run(llm, prompts, params)[0] == exact_tokens
+        assert step_programs.compiled_total() == before
+    finally:
+        llm.shutdown()
