@@ -27,14 +27,16 @@ def _step(q_lens, kv_lens, bucket, seconds=1.0, generated=None):
 
 
 def test_the_engine_records_each_steps_bucket_and_sequences():
-    llm = LLM(config=CFG, params=init_params(CFG, jax.random.key(0)), max_num_seqs=4, max_num_batched_tokens=16,
-              page_size=PAGE, max_model_len=64, num_pages=32, min_token_bucket=4, attention_backend="reference",
+    # One bucket (8 tokens, 4 rows, 8 pages): a single compile.
+    llm = LLM(config=CFG, params=init_params(CFG, jax.random.key(0)), max_num_seqs=4, max_num_batched_tokens=8,
+              page_size=PAGE, max_model_len=64, num_pages=32, min_token_bucket=8, attention_backend="reference",
               async_scheduling=False)
-    prompts = [[1] + list(range(5, 5 + n)) for n in (20, 3)]
+    prompts = [[1] + list(range(5, 5 + n)) for n in (19, 3)]  # 20 and 4 tokens
     llm.engine.stats_log.drain()
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     steps = [s for s in llm.engine.stats_log.drain() if s.num_tokens]
-    assert steps[0].q_lens[0] == 16 and steps[0].kv_lens[0] == 16  # the long prompt's first chunk fills the budget
+    assert steps[0].q_lens == (8,) and steps[0].kv_lens == (8,)  # the long prompt's first chunk fills the budget
+    assert {s.bucket for s in steps} == {(8, 4, 8)}
     for s in steps:
         T, S, P = s.bucket
         assert sum(s.q_lens) == s.num_tokens <= T and len(s.q_lens) == s.num_seqs <= S
