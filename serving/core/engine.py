@@ -479,6 +479,9 @@ class Engine:
         for part in self.parts:
             part.pack(batch)
         it.kv_tokens_read = batch.kv_tokens
+        it.bucket = (batch.shape.T, batch.shape.S, batch.shape.P)
+        it.q_lens = tuple(n for _, _, _, n in batch.token_spans)
+        it.kv_lens = tuple(start + n for _, _, start, n in batch.token_spans)
         return _StepInFlight(out, batch, None)
 
     def _run(self, step: "_StepInFlight") -> "_StepInFlight":

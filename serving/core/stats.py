@@ -55,6 +55,14 @@ class IterationStats:
     time_to_first_tokens: list[float] = dataclasses.field(default_factory=list)
     inter_token_latencies: list[float] = dataclasses.field(default_factory=list)
     finished: list[FinishedRequestStats] = dataclasses.field(default_factory=list)
+    # The shape of the step dispatched in this iteration, for accounting what padding costs
+    # (benchmarks/offline_throughput.py's breakdown): its bucket (T tokens, S rows, P pages per
+    # sequence) and, per scheduled sequence in row order, its new tokens and its context length
+    # after the step. With overlapped scheduling `device_seconds` is the wait for the step
+    # dispatched one iteration earlier, so attribute times to shapes one step at a time.
+    bucket: Optional[tuple[int, int, int]] = None
+    q_lens: tuple[int, ...] = ()
+    kv_lens: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
