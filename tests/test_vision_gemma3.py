@@ -293,3 +293,17 @@ def test_chunk_stop_never_cuts_an_image_attended_both_ways():
     assert images.chunk_stop(20, 45) == 40  # the second image is cut: end before it
     causal = dataclasses.replace(images, bidirectional=False)
     assert causal.chunk_stop(0, 16) == 16  # Qwen2.5-VL's causal images may be cut anywhere
+
+
+def test_chat_takes_images(served):
+    """`LLM.chat` puts begin-of-image, the soft tokens and end-of-image where an image part is."""
+    model, processor, llm, _ = served
+    a, _, c = make_images()
+    conv = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image", "image": a},
+                                         {"type": "text", "text": "and"}, {"type": "image", "image": c}]}]
+    out = llm.chat(conv, greedy())[0]
+    ids = list(out.prompt_token_ids)
+    assert ids.count(IMAGE_ID) == 2 * IMAGE_TOKENS and ids.count(BOI) == ids.count(EOI) == 2
+    first = ids.index(BOI)
+    assert ids[first + 1:first + 2 + IMAGE_TOKENS] == [IMAGE_ID] * IMAGE_TOKENS + [EOI]
+    assert list(out.outputs[0].token_ids) == hf_generate(model, processor, [a, c], ids)
