@@ -350,7 +350,8 @@ def microbatch_metadata(md: BatchMetadata, num_microbatches: int, microbatch_tok
     rope = None if md.rope_positions is None else md.rope_positions.reshape(3, m, n).transpose(1, 0, 2)
     return BatchMetadata(positions=md.positions.reshape(m, n), slot_mapping=md.slot_mapping.reshape(m, n),
                          cu_q_lens=cu, kv_lens=kv, block_tables=md.block_tables, num_seqs=md.num_seqs,
-                         logits_indices=md.logits_indices, rope_positions=rope)
+                         logits_indices=md.logits_indices, rope_positions=rope,
+                         span_end=None if md.span_end is None else md.span_end.reshape(m, n))
 
 
 def _pad_to(x, length: int, value):
@@ -389,12 +390,16 @@ def pipeline_forward(params: StagedWeights, cache: KVCache, tokens, md: BatchMet
 
     A vision-language model's image rows (`image_embeds` `[T, embed]`) replace the placeholder tokens'
     embeddings before the first stage (as `model.forward` does), and its multimodal RoPE positions
-    (`md.rope_positions` `[3, T]`) are cut into microbatches like the positions, for every stage.
+    (`md.rope_positions` `[3, T]`) are cut into microbatches like the positions, for every stage. Where
+    image tokens attend both ways (`md.span_end`, Gemma 3) the step runs as one microbatch.
     """
     blocks = family_for_config(cfg).blocks
     T = tokens.shape[0]
-    # More microbatches than tokens would only add empty ticks (small decode buckets).
-    p, m = layout.pipeline_parallel_size, min(layout.num_microbatches, T)
+    # More microbatches than tokens would only add empty ticks (small decode buckets). A model whose image
+    # tokens attend both ways (Gemma 3) runs each step as one microbatch: a microbatch boundary inside an
+    # image would run the image's first tokens before its last ones exist, so they could not see them.
+    both_ways = cfg.vision is not None and getattr(cfg.vision, "bidirectional", False) and md.span_end is not None
+    p, m = layout.pipeline_parallel_size, 1 if both_ways else min(layout.num_microbatches, T)
     ticks = m + p - 1 if num_ticks is None else num_ticks
     tp = layout.tensor_layout
     mb_tokens = -(-T // m)
@@ -411,7 +416,8 @@ def pipeline_forward(params: StagedWeights, cache: KVCache, tokens, md: BatchMet
     x = jnp.pad(x, ((0, padded - T), (0, 0)))
     rope = None if md.rope_positions is None else jnp.pad(md.rope_positions, ((0, 0), (0, padded - T)))
     md = dataclasses.replace(md, positions=_pad_to(md.positions, padded, 0),
-                             slot_mapping=_pad_to(md.slot_mapping, padded, drop_slot), rope_positions=rope)
+                             slot_mapping=_pad_to(md.slot_mapping, padded, drop_slot), rope_positions=rope,
+                             span_end=_pad_to(md.span_end, padded, 0) if both_ways else None)
     mmd = microbatch_metadata(md, m, mb_tokens)
     x = x.reshape(m, mb_tokens, cfg.hidden_size)
 
@@ -431,7 +437,8 @@ def pipeline_forward(params: StagedWeights, cache: KVCache, tokens, md: BatchMet
                                  slot_mapping=jnp.where(valid, mmd.slot_mapping[i], drop_slot),
                                  cu_q_lens=mmd.cu_q_lens[i], kv_lens=mmd.kv_lens[i],
                                  block_tables=mmd.block_tables, num_seqs=mmd.num_seqs, logits_indices=None,
-                                 rope_positions=None if mmd.rope_positions is None else mmd.rope_positions[i])
+                                 rope_positions=None if mmd.rope_positions is None else mmd.rope_positions[i],
+                                 span_end=None if mmd.span_end is None else mmd.span_end[i])
             h = jnp.where(stage == 0, x_in[i], state)
             new_ks, new_vs = [], []
             for j, (layer, k_pages, v_pages) in enumerate(zip(layers, ks, vs)):

@@ -281,6 +281,22 @@ def test_tensor_parallel_matches_transformers(served):
         assert list(out.outputs[0].token_ids) == hf_generate(model, processor, [image], list(out.prompt_token_ids))
 
 
+def test_pipeline_stages_match_transformers(served):
+    """PP=2 with three microbatches asked for: a step whose image tokens attend both ways runs as one
+    microbatch (a boundary inside an image would hide its last tokens from its first), so the spans
+    reach every stage and the tokens are transformers' ones."""
+    model, processor, llm, out_dir = served
+    a, _, c = make_images()
+    pp = LLM(out_dir, pipeline_parallel_size=2, num_microbatches=3, **ENGINE)
+    assert pp.engine.runner.layout.pipeline_parallel_size == 2
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    one = llm.generate([request(a), request(c)], sp)
+    for image, out, ref in zip((a, c), pp.generate([request(a), request(c)], sp), one):
+        assert list(out.outputs[0].token_ids) == hf_generate(model, processor, [image], list(out.prompt_token_ids))
+        # Greedy tokens of a tiny model can survive a wrong mask; their log-probabilities cannot.
+        assert out.outputs[0].cumulative_logprob == pytest.approx(ref.outputs[0].cumulative_logprob, abs=1e-4)
+
+
 def test_chunk_stop_never_cuts_an_image_attended_both_ways():
     from serving.core.multimodal import Encoded, PlacedImage, RequestImages
 
