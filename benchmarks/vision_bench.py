@@ -4,6 +4,7 @@ warm, and where the time goes (preprocessing, encoding, language model).
     python benchmarks/vision_bench.py                     # 16 requests, 224x224 images, ~20 s on a 2-core CPU
     python benchmarks/vision_bench.py --requests 32 --image_size 448
     python benchmarks/vision_bench.py --family gemma3       # Gemma 3 multimodal (fixed 224x224 input, 64 soft tokens)
+    python benchmarks/vision_bench.py --encoder_only --out benchmarks/results/vision_encoder_padding_cpu.json
 
 A random Qwen2.5-VL-shaped model (or, with `--family gemma3`, a Gemma 3 multimodal-shaped one: a
 SigLIP encoder over a fixed 224 x 224 image pooled to 64 soft tokens that the decoder attends both ways;
@@ -147,6 +148,28 @@ def encoder_padding(llm, sizes: list[tuple[int, int]], repeats: int) -> list[dic
     return out
 
 
+def print_padding(padding: list[dict]) -> None:
+    for e in padding:
+        print(f"encoder {e['image'][0]}x{e['image'][1]}: {e['patches']} patches -> bucket {e['bucket']}: "
+              f"padded {e['padded_s'] * 1e3:.1f} ms exact {e['exact_s'] * 1e3:.1f} ms "
+              f"(x{e['padded_over_exact']:.2f})")
+
+
+def record_encoder_padding(args, padding: list[dict]) -> None:
+    """`--encoder_only`: prints and records the encoder timing alone."""
+    print_padding(padding)
+    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "host": platform.node(), "backend": jax.default_backend(), "cpu_count": os.cpu_count(),
+              "load_average_1_5_15": list(os.getloadavg()),  # the machine is shared: others' load is in the numbers
+              "command": "python benchmarks/vision_bench.py " + " ".join(sys.argv[1:]),
+              "vision": "4 blocks (2 full-attention), hidden 128, 4 heads, fp32", "repeats": args.repeats,
+              "encoder_padding": padding}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=2)
+    print("wrote", args.out)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=16)
@@ -156,17 +179,23 @@ def main():
     ap.add_argument("--encoder_sizes", default="224x224,200x300,300x180,448x336",
                     help="image sizes (HxW) of the padded-vs-exact encoder timing")
     ap.add_argument("--family", choices=sorted(FAMILIES), default="qwen2_5_vl")
+    ap.add_argument("--encoder_only", action="store_true", help="only the padded-vs-exact encoder timing")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.out is None:
         name = "vision_bench_cpu.json" if args.family == "qwen2_5_vl" else f"vision_bench_{args.family}_cpu.json"
         args.out = os.path.join(RESULTS, name)
+    sizes = [tuple(int(x) for x in s.split("x")) for s in args.encoder_sizes.split(",") if s]
+    if args.family != "qwen2_5_vl":
+        sizes = []  # a fixed-size encoder (Gemma 3's SigLIP) has nothing to pad
 
     make_config, description = FAMILIES[args.family]
     cfg = make_config()
     params = init_params(cfg, jax.random.PRNGKey(0))
     llm = LLM(config=cfg, params=params, max_num_seqs=16, max_num_batched_tokens=256, page_size=16,
-              num_pages=512, max_model_len=512, min_token_bucket=16, warmup=True)
+              num_pages=512, max_model_len=512, min_token_bucket=16, warmup=not args.encoder_only)
+    if args.encoder_only:
+        return record_encoder_padding(args, encoder_padding(llm, sizes, args.repeats))
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     text = [7, 8, 9, 10]
 
@@ -200,12 +229,8 @@ def main():
               f"TTFT p50 {r['ttft_p50_s']:.3f} s max {r['ttft_max_s']:.3f} s  "
               f"preprocess {s['preprocess']:.0%} encode {s['encode']:.0%} LM {s['language_model']:.0%}")
     print("ratios:", {k: round(v, 2) for k, v in ratios.items()})
-    sizes = [tuple(int(x) for x in s.split("x")) for s in args.encoder_sizes.split(",") if s]
     padding = encoder_padding(llm, sizes, args.repeats)
-    for e in padding:
-        print(f"encoder {e['image'][0]}x{e['image'][1]}: {e['patches']} patches -> bucket {e['bucket']}: "
-              f"padded {e['padded_s'] * 1e3:.1f} ms exact {e['exact_s'] * 1e3:.1f} ms "
-              f"(x{e['padded_over_exact']:.2f})")
+    print_padding(padding)
     record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "host": platform.node(), "backend": jax.default_backend(), "cpu_count": os.cpu_count(),
               "load_average_1_5_15": list(os.getloadavg()),  # the machine is shared: others' load is in the numbers
