@@ -4,7 +4,9 @@ The engines here have KV pool sizes no other test uses, so their step executable
 executable table is shared by engines over the same model and pool) and compile counts are exact.
 """
 
+import gc
 import random
+import weakref
 
 import jax
 import pytest
@@ -133,3 +135,15 @@ def test_a_first_generate_compiles_what_it_expects_pads_the_rest_and_matches_com
         assert step_programs.compiled_total() == before
     finally:
         llm.shutdown()
+
+
+def test_an_llm_let_go_of_ends_its_warm_up_thread_and_frees_its_kv_pool(model):
+    """The thread waits holding its programs only weakly: a script that drops an `LLM` gets its memory back."""
+    cfg, weights = model
+    llm = LLM(config=cfg, params=weights, num_pages=75, **ENGINE, warmup="as_needed")
+    thread, runner = llm.engine.runner.programs._thread, weakref.ref(llm.engine.runner)
+    assert thread.is_alive()
+    del llm
+    gc.collect()
+    thread.join(timeout=60)
+    assert not thread.is_alive() and runner() is None
