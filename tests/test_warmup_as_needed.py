@@ -36,6 +36,8 @@ def test_the_workload_of_the_first_generate_expects_its_prefill_and_its_decode()
     assert expected_shapes(buckets, 16, [(20, 40, 1)]) == [StepShape(32, 32, 4), StepShape(1, 1, 4)]
     # n > 1 decodes every sample; one new token decodes nothing; no requests, no buckets.
     assert expected_shapes(buckets, 16, [(20, 40, 3)])[1] == StepShape(4, 4, 4)
+    # Speculative decoding with 2 drafts: each decoding sequence verifies 3 rows a step.
+    assert expected_shapes(buckets, 16, [(20, 40, 3)], rows_per_seq=3)[1] == StepShape(16, 16, 32)
     assert expected_shapes(buckets, 16, [(20, 1, 1)]) == [StepShape(32, 32, 2)]
     assert expected_shapes(buckets, 16, []) == []
 
