@@ -4,7 +4,9 @@ The engines here have KV pool sizes no other test uses, so their step executable
 executable table is shared by engines over the same model and pool) and compile counts are exact.
 """
 
+import gc
 import random
+import weakref
 
 import jax
 import pytest
@@ -34,6 +36,8 @@ def test_the_workload_of_the_first_generate_expects_its_prefill_and_its_decode()
     assert expected_shapes(buckets, 16, [(20, 40, 1)]) == [StepShape(32, 32, 4), StepShape(1, 1, 4)]
     # n > 1 decodes every sample; one new token decodes nothing; no requests, no buckets.
     assert expected_shapes(buckets, 16, [(20, 40, 3)])[1] == StepShape(4, 4, 4)
+    # Speculative decoding with 2 drafts: each decoding sequence verifies 3 rows a step.
+    assert expected_shapes(buckets, 16, [(20, 40, 3)], rows_per_seq=3)[1] == StepShape(16, 16, 32)
     assert expected_shapes(buckets, 16, [(20, 1, 1)]) == [StepShape(32, 32, 2)]
     assert expected_shapes(buckets, 16, []) == []
 
@@ -133,3 +137,15 @@ def test_a_first_generate_compiles_what_it_expects_pads_the_rest_and_matches_com
         assert step_programs.compiled_total() == before
     finally:
         llm.shutdown()
+
+
+def test_an_llm_let_go_of_ends_its_warm_up_thread_and_frees_its_kv_pool(model):
+    """The thread waits holding its programs only weakly: a script that drops an `LLM` gets its memory back."""
+    cfg, weights = model
+    llm = LLM(config=cfg, params=weights, num_pages=75, **ENGINE, warmup="as_needed")
+    thread, runner = llm.engine.runner.programs._thread, weakref.ref(llm.engine.runner)
+    assert thread.is_alive()
+    del llm
+    gc.collect()
+    thread.join(timeout=60)
+    assert not thread.is_alive() and runner() is None

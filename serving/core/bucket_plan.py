@@ -42,12 +42,14 @@ def _pages(tokens: int, page_size: int) -> int:
     return max(1, -(-tokens // page_size))
 
 
-def expected_shapes(buckets: Buckets, page_size: int, requests: Iterable[tuple[int, int, int]]) -> list[StepShape]:
+def expected_shapes(buckets: Buckets, page_size: int, requests: Iterable[tuple[int, int, int]],
+                    rows_per_seq: int = 1) -> list[StepShape]:
     """The buckets the steps of `requests` ((prompt tokens, new tokens at most, sequences) each, all
     arriving together) will mostly run in, in the order the steps reach them: the prefill (as many of
     the prompts' tokens as fit one step, at the page bucket of the longest context the run reaches when
     that holds the prompts' own cheaply, so the mixed steps late in the prefill fit too) and the decode
-    of every sequence at once. A step outside them pads into one of them when `holds_cheaply` allows,
+    of every sequence at once (`rows_per_seq` token rows each: 1 + the drafts a speculative decode
+    verifies per step). A step outside them pads into one of them when `holds_cheaply` allows,
     and otherwise compiles its own bucket. Empty for no requests."""
     requests = list(requests)
     if not requests:
@@ -63,6 +65,6 @@ def expected_shapes(buckets: Buckets, page_size: int, requests: Iterable[tuple[i
     shapes = [StepShape(T, buckets.seqs_for(T), P, buckets.image_hidden)]
     if any(n > 1 for _, n, _ in requests):  # something decodes
         seqs = min(sum(s for _, _, s in requests), buckets.max_num_seqs)
-        T = buckets.tokens_for(seqs)
+        T = buckets.tokens_for(min(seqs * rows_per_seq, buckets.max_num_batched_tokens))
         shapes.append(StepShape(T, buckets.seqs_for(T), buckets.step_pages(T, context_pages), buckets.image_hidden))
     return list(dict.fromkeys(shapes))

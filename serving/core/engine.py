@@ -624,7 +624,9 @@ class Engine:
 
     def expect(self, requests) -> None:
         """`requests` are about to run together: their step buckets compile first (`warm_up_as_needed`)."""
-        self.runner.expect([(len(r.prompt_token_ids), r.params.max_tokens or 1, r.params.n) for r in requests])
+        drafts = self.config.num_speculative_tokens if self.spec is not None else 0  # rows a decode verifies
+        self.runner.expect([(len(r.prompt_token_ids), r.params.max_tokens or 1, r.params.n) for r in requests],
+                           rows_per_seq=1 + drafts)
 
     def stop_warm_up(self) -> None:
         """Ends a background warm-up after the compile under way (before the process exits)."""

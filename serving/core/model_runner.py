@@ -586,10 +586,10 @@ class ModelRunner:
                 lambda: [executable_store.prepare(jitted, name, self._small_programs, *args) for jitted, name, args in calls])
         self.programs.start_as_needed()
 
-    def expect(self, requests) -> None:
+    def expect(self, requests, rows_per_seq: int = 1) -> None:
         """Requests ((prompt tokens, new tokens at most, sequences) each) are about to run: their buckets
         (`bucket_plan.expected_shapes`) compile first under `warm_up_as_needed`; otherwise a no-op."""
-        self.programs.want(bucket_plan.expected_shapes(self.buckets, self.page_size, requests))
+        self.programs.want(bucket_plan.expected_shapes(self.buckets, self.page_size, requests, rows_per_seq))
 
     def _warm_up_small_programs(self) -> None:
         """Runs the page copy (all padding, so nothing moves) and the control row load once."""

@@ -90,6 +90,27 @@ def _first_difference(new, old) -> str:
     return f"{new!r}, closest compiled {old!r}"
 
 
+def _serve_wants(ref, wake: threading.Condition) -> None:
+    """The thread of `StepPrograms.start_as_needed`: compiles each bucket calls want, in order, until the
+    programs stop or nothing refers to them any more (checked every few seconds while idle)."""
+    programs = ref()
+    if programs is not None:
+        for work in programs._first:
+            if not programs._stopping:
+                work()
+    while True:
+        with wake:
+            if programs is None or programs._stopping:
+                return
+            if not programs._wanted:
+                programs = None  # while waiting, only the weak reference
+                wake.wait(timeout=5.0)
+                programs = ref()
+                continue
+            shape = programs._wanted[0]
+        programs._compile_wanted(shape)
+
+
 def compiled_total() -> int:
     """Executables compiled here so far (what `model_runner.compilation_count` adds to jit's caches)."""
     return _compiled_total
@@ -308,7 +329,10 @@ class StepPrograms:
         not, but the same few programs serve there too."""
         self._warm_set = []  # the buckets calls asked for (what `stats` counts)
         self._as_needed = True
-        self._thread = threading.Thread(target=self._as_needed_loop, name="ridgeline-warmup", daemon=True)
+        # The thread holds this object only weakly while it waits: an `LLM` a script lets go of frees its weights
+        # and KV pool, and its thread ends.
+        self._thread = threading.Thread(target=_serve_wants, args=(weakref.ref(self), self._wake),
+                                        name="ridgeline-warmup", daemon=True)
         self._thread.start()
 
     def want(self, shapes: list) -> None:
@@ -323,29 +347,17 @@ class StepPrograms:
             self._wanted = new + [s for s in self._wanted if s not in new]
             self._wake.notify_all()
 
-    def _next_wanted(self):
-        """The next bucket a call wants compiled, waiting for one; None once stopping."""
+    def _compile_wanted(self, shape) -> None:
+        """The thread's compile of a wanted bucket; then off the list (steps pick it from `_ready`)."""
+        t = time.perf_counter()
+        _, how = self._compile(shape, self._key(shape), on_demand=False)  # the table's when found
         with self._wake:
-            while not self._stopping:
-                if self._wanted:
-                    return self._wanted[0]
-                self._wake.wait()
-            return None
-
-    def _as_needed_loop(self) -> None:
-        for work in self._first:
-            if not self._stopping:
-                work()
-        while (shape := self._next_wanted()) is not None:
-            t = time.perf_counter()
-            _, how = self._compile(shape, self._key(shape), on_demand=False)  # the table's when found
-            with self._wake:  # off the list once ready, so `shape_for` picks it from `_ready` meanwhile
-                self._wanted = [s for s in self._wanted if s != shape]
-                self._wake.notify_all()
-            if shape in self._warm_set:
-                self._compiled.add(shape)
-            log.info("step executable (T=%d, S=%d, P=%d) %s in %.1f s, as a call asked", shape.T, shape.S, shape.P,
-                     how, time.perf_counter() - t)
+            self._wanted = [s for s in self._wanted if s != shape]
+            self._wake.notify_all()
+        if shape in self._warm_set:
+            self._compiled.add(shape)
+        log.info("step executable (T=%d, S=%d, P=%d) %s in %.1f s, as a call asked", shape.T, shape.S, shape.P,
+                 how, time.perf_counter() - t)
 
     def start_background(self) -> None:
         """Starts compiling the buckets a `warm_up(background=True, start_thread=False)` left."""
