@@ -45,6 +45,7 @@ before and after.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -365,7 +366,8 @@ def main():
             "transformers": hf_runs, "transformers_best": best, "ratio_vs_best_transformers": ratio}
 
         # Where the time went: the one-step-at-a-time engine's steps, whose device times are their own.
-        table = breakdown(sync_steps, ModelCosts.of(cfg, params), page_size=16, matmul_rate=mm_rate, read_bw=bw,
+        costs = ModelCosts.of(cfg, params)
+        table = breakdown(sync_steps, costs, page_size=16, matmul_rate=mm_rate, read_bw=bw,
                           rows_per_item=rows_per_item, tail_seqs=max(1, n_req // 4))
         log("breakdown of the one-step-at-a-time run (roof: useful FLOPs at the matmul rate or bytes at the "
             "read bandwidth, whichever is longer; pad tok: padded share of computed tokens; pad kv: masked-off "
@@ -375,7 +377,7 @@ def main():
         overlapped_frac = frac * table["total"]["seconds"] / wall
         log(f"useful FLOPs over the run: {frac:.2f} of the matmul rate one step at a time, {overlapped_frac:.2f} "
             "overlapped (target >= 0.5)")
-        result["mixed_workload"]["breakdown_one_step_at_a_time"] = table
+        result["mixed_workload"]["breakdown_one_step_at_a_time"] = {"model_costs": dataclasses.asdict(costs), **table}
         result["mixed_workload"]["useful_flops_fraction_of_matmul_rate"] = {
             "overlapped": overlapped_frac, "one_step_at_a_time": frac}
     else:
