@@ -63,13 +63,16 @@ timeout 95 "$PY" -u benchmarks/gpu_quant_decode.py "${SMOKE[@]}" --out "$OUT_DIR
 timeout 40 "$PY" -u benchmarks/moe_layer_bench.py "${SMOKE[@]}" --out "$OUT_DIR" --budget-s 25 2>&1 | tee "$OUT_DIR/moe_layer${SMOKE:+_smoke}.log"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
 timeout 170 "$PY" -u benchmarks/gpu_model_bench.py "${SMOKE[@]}" --out "$OUT_DIR" --budget-s 140 2>&1 | tee "$OUT_DIR/gpu_model_bench${SMOKE:+_smoke}.log" || status=1
 # LoRA: the same workload through the plain engine and four adapters' engine (random 1B weights; the
-# embedded model in --smoke). JAX_PLATFORMS empty: the script would otherwise default to CPU.
+# embedded model in --smoke, which has the startup part's time: CPU compiles are slow on a shared machine).
+# JAX_PLATFORMS empty: the script would otherwise default to CPU.
 if [ ${#SMOKE[@]} -eq 0 ]; then
   LORA_ARGS=(--model llama3-1b --no_warmup --rounds 2 --out "$OUT_DIR/lora_bench_gpu.json")
+  LORA_TIMEOUT=45
 else
   LORA_ARGS=(--smoke --out "$OUT_DIR/lora_bench_smoke.json")
+  LORA_TIMEOUT=150
 fi
-JAX_PLATFORMS="${JAX_PLATFORMS-}" timeout 45 "$PY" -u benchmarks/lora_bench.py "${LORA_ARGS[@]}" 2>&1 |
+JAX_PLATFORMS="${JAX_PLATFORMS-}" timeout "$LORA_TIMEOUT" "$PY" -u benchmarks/lora_bench.py "${LORA_ARGS[@]}" 2>&1 |
   tee "$OUT_DIR/lora_bench${SMOKE:+_smoke}.log"; [ "${PIPESTATUS[0]}" = 0 ] || status=1
 # Server startup of the 8B shape, cold and warm (not in --smoke: it starts real servers).
 if [ ${#SMOKE[@]} -eq 0 ]; then

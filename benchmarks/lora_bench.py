@@ -105,6 +105,7 @@ def main() -> None:
         cfg = config_by_name(args.model)
         model = dict(config=cfg, params=init_params(cfg, jax.random.key(0)))
     warmup = not args.no_warmup
+    t_start = time.perf_counter()
     plain = LLM(**engine, **model, warmup=warmup)
     with tempfile.TemporaryDirectory() as tmp:
         names = [f"adapter{i}" for i in range(args.max_loras)]
@@ -112,6 +113,7 @@ def main() -> None:
                            for i, n in enumerate(names))
         lora = LLM(**engine, **model, warmup=warmup, enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.rank,
                    lora_modules=modules)
+    print(f"engines built in {time.perf_counter() - t_start:.1f} s", flush=True)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(32, 127, args.prompt_len).tolist() for _ in range(args.requests)]
     sp = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
@@ -123,6 +125,7 @@ def main() -> None:
     first = SamplingParams(temperature=0.0, max_tokens=min(4, args.new_tokens), ignore_eos=True)
     for llm, loras in cases.values():
         llm.generate(prompts, first, lora_request=loras)
+    print(f"first pass (compiles) done at {time.perf_counter() - t_start:.1f} s", flush=True)
     rates = {name: [] for name in cases}
     cpu_rates = {name: [] for name in cases}
     for _ in range(args.rounds):
