@@ -288,6 +288,21 @@ def test_engine_batch_matches_transformers_without_recompiling(served):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.num_pages
 
 
+def test_preempted_requests_match_their_runs_alone(served):
+    """Four image requests of 33 prompt and 40 new tokens need 40 pages of the pool's 24: some are
+    preempted and recomputed (the image prefilled whole again and attended both ways, from its cached
+    encoder output), and each gets the greedy tokens it gets alone."""
+    _, _, llm, _, _ = served
+    a, b, c = make_images()
+    reqs = [request(im) for im in (a, b, c, np.ascontiguousarray(a[::-1]))]
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    alone = [llm.generate([r], sp)[0].outputs[0].token_ids for r in reqs]
+    before = llm.engine.scheduler.num_preemptions
+    together = [o.outputs[0].token_ids for o in llm.generate(reqs, sp)]
+    assert llm.engine.scheduler.num_preemptions > before
+    assert together == alone
+
+
 def test_prefix_cache_hits_inside_a_shared_image_and_never_across_a_different_one(served):
     model, processor, llm, _, _ = served
     a, b, _ = make_images()
