@@ -344,6 +344,24 @@ def test_tensor_parallel_matches_transformers(served):
         assert list(out.outputs[0].token_ids) == hf_generate(model, processor, [image], list(out.prompt_token_ids))
 
 
+def test_int8_weights_stay_near_transformers(served):
+    """int8 weights (the decoder's linear layers; the encoder stays float): prompt log-probabilities
+    within hundredths of transformers' float ones, not the units a misplaced or causal image moves them."""
+    model, processor, _, out_dir, _ = served
+    a = make_images()[0]
+    # 16 sequences: a step has 16 logit rows, so the prompt log-probabilities of a whole image fit in one
+    llm = LLM(out_dir, weight_dtype="int8", **dict(ENGINE, max_num_seqs=16))
+    assert llm.config.weight_dtype == "int8" and llm.engine.runner.params.vision.projection.dtype == np.float32
+    out = llm.generate([request(a)], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                                                    prompt_logprobs=0))[0]
+    ids = list(out.prompt_token_ids)
+    want = hf_logprobs(model, processor, a, ids)
+    got = np.array([e[t].logprob for e, t in zip(out.prompt_logprobs[1:], ids[1:])])
+    diffs = np.abs(got - want[np.arange(len(ids) - 1), ids[1:]])
+    assert 0 < diffs.mean() < 0.2
+    assert len(out.outputs[0].token_ids) == NEW_TOKENS
+
+
 def test_pipeline_stages_match_transformers(served):
     """PP=2 with three microbatches asked for: a step whose image tokens attend both ways runs as one
     microbatch (a boundary inside an image would hide its last tokens from its first), so the spans
