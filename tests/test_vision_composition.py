@@ -4,7 +4,8 @@ multimodal positions on every stage), int8 weights (the decoder's linear layers 
 kept in float), warm-up (image steps run in the compiled buckets: nothing recompiles), and
 disaggregated prefill (the prefill engine encodes the images and ships their outputs with the K/V; the
 decode engine never runs the encoder, and its prefix cache tells the images apart), n-gram and
-text-only draft-model speculation (greedy tokens unchanged); and the encoder
+text-only draft-model speculation (greedy tokens unchanged), an int8 KV cache swapped to the host tier
+on preemption; and the encoder
 itself runs padded to a few patch counts, exactly, every one compiled at warm-up.
 
 The reference is the float TP=1 engine, itself matched against transformers in `test_vision_engine`.
@@ -120,6 +121,24 @@ def test_text_draft_model_drafts_for_the_vision_target(reference):
     assert llm.engine.spec.stats.num_accepted_tokens > 0
     with pytest.raises(ValueError, match="draft model takes images"):
         LLM(out_dir, speculative_method="draft", num_speculative_tokens=3, speculative_draft=(cfg, params), **ENGINE)
+
+
+def test_int8_kv_pages_swapped_to_the_host_tier(reference):
+    """An int8 KV cache with the host tier and swap preemption: the pool cannot hold the batch, so image
+    requests' pages (int8 values and their scales) go to the host and come back; each request gets the
+    greedy tokens it gets alone, and its prompt log-probabilities stay within hundredths of the float
+    cache's."""
+    out_dir, prompts, sp, want = reference
+    llm = LLM(out_dir, kv_cache_dtype="int8", kv_offload_bytes=2**20, preemption_mode="swap", **ENGINE)
+    sp = sp.clone()
+    sp.max_tokens = 40  # 28 pages for the three requests, of the pool's 18
+    alone = [llm.generate([p], sp)[0] for p in prompts]
+    together = llm.generate(prompts, sp)
+    st = llm.engine.stats().host_kv
+    assert st.preemptions_swap > 0 and st.preemptions_recompute == 0 and st.pages_restored > 0
+    assert _greedy(together) == _greedy(alone)
+    diffs = np.concatenate([np.abs(_prompt_logprobs(g) - _prompt_logprobs(w)) for g, w in zip(together, want)])
+    assert diffs.mean() < 0.1  # a misplaced image moves them by units
 
 
 KEYS = kv_wire.SigningKeys("shared by both workers")
