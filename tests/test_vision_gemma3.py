@@ -14,7 +14,10 @@ Model layer:
 Engine (`LLM`, 16-token steps, so a chunk would cut the image if the scheduler let it): greedy tokens
 equal transformers' for a batch; the prefix cache shares the pages of a repeated image (a hit that ends
 inside the image, whose rest is then prefilled) and none of an image that differs; nothing recompiles
-after warm-up; an image larger than a step is refused; TP=2 gives transformers' tokens too.
+after warm-up; preempted requests get the tokens of their runs alone; an image larger than a step is
+refused; TP=2 gives transformers' tokens too, and int8 weights prompt log-probabilities near them;
+`LLM.chat`'s prompt ids are those of transformers' `Gemma3Processor` (with a Gemma 3-style tokenizer
+and chat template written beside the checkpoint).
 """
 
 from __future__ import annotations
@@ -417,3 +420,44 @@ def test_chat_prompt_is_the_hf_processors(served):
     assert list(out.prompt_token_ids) == want_ids
     np.testing.assert_array_equal(hf_pixels(image_processor, [a, c]), want["pixel_values"])
     assert list(out.outputs[0].token_ids) == hf_generate(model, image_processor, [a, c], want_ids)
+
+
+def test_http_chat_prompt_is_the_hf_processors(served):
+    """The chat route with two `data:` URL image parts counts the processor's prompt ids (the blank lines
+    included) and answers with transformers' greedy tokens. Last in the file: the server takes over the
+    shared engine."""
+    import base64
+    import io
+    import json
+    import urllib.request
+
+    from serving.server import ServerThread
+
+    model, image_processor, llm, _, hf_dir = served
+    a, _, c = make_images()
+
+    def data_url(image):
+        buf = io.BytesIO()
+        (image if isinstance(image, Image.Image) else Image.fromarray(image)).save(buf, "PNG")
+        return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+    processor = transformers.Gemma3Processor(image_processor=image_processor,
+                                             tokenizer=transformers.AutoTokenizer.from_pretrained(hf_dir),
+                                             chat_template=CHAT_TEMPLATE, image_seq_length=IMAGE_TOKENS)
+    text = processor.apply_chat_template([{"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]}],
+        add_generation_prompt=True, tokenize=False)
+    want_ids = processor(text=text, images=[a, c])["input_ids"][0]
+    want = hf_generate(model, image_processor, [a, c], want_ids)
+    body = {"model": "g3", "temperature": 0, "max_tokens": NEW_TOKENS, "ignore_eos": True,
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": data_url(a)}},
+                {"type": "text", "text": "and"}, {"type": "image_url", "image_url": {"url": data_url(c)}}]}]}
+    with ServerThread(llm, model_name="g3") as srv:
+        req = urllib.request.Request(srv.url + "/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            reply = json.loads(r.read())
+    assert reply["usage"]["prompt_tokens"] == len(want_ids)
+    assert reply["choices"][0]["message"]["content"] == llm.tokenizer.decode(want)
+    assert reply["usage"]["completion_tokens"] == NEW_TOKENS
