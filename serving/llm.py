@@ -291,7 +291,7 @@ class LLM:
             if images and vision is None:
                 raise InvalidParameterError("multi_modal_data", "multi_modal_data: this model does not take images")
             ids = encode_chat(rendered, self.tokenizer, add_generation_prompt, tools, chat_template_kwargs,
-                              image_ids if images else None)
+                              image_ids if images else None, vision.image_text_margin if images else "")
             prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids)
         return self.generate(prompts, sampling_params)
 

@@ -3,7 +3,9 @@ sharded, the encoder replicated), pipeline stages (PP=2: image rows merged befor
 multimodal positions on every stage), int8 weights (the decoder's linear layers quantized, the encoder
 kept in float), warm-up (image steps run in the compiled buckets: nothing recompiles), and
 disaggregated prefill (the prefill engine encodes the images and ships their outputs with the K/V; the
-decode engine never runs the encoder, and its prefix cache tells the images apart); and the encoder
+decode engine never runs the encoder, and its prefix cache tells the images apart), n-gram and
+text-only draft-model speculation (greedy tokens unchanged), an int8 KV cache swapped to the host tier
+on preemption; and the encoder
 itself runs padded to a few patch counts, exactly, every one compiled at warm-up.
 
 The reference is the float TP=1 engine, itself matched against transformers in `test_vision_engine`.
@@ -85,6 +87,58 @@ def test_nothing_recompiles_after_warm_up(reference):
     got = llm.generate(prompts, sp)
     assert model_runner.compilation_count() == before
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def _greedy(out):
+    return [o.outputs[0].token_ids for o in out]
+
+
+def test_ngram_speculation_keeps_the_greedy_tokens(reference):
+    """Prompt lookup over prompts holding image placeholders: verification with multimodal positions
+    past the image keeps every greedy token."""
+    out_dir, prompts, _, want = reference
+    llm = LLM(out_dir, speculative_method="ngram", num_speculative_tokens=3, **ENGINE)
+    assert _greedy(llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                                                        ignore_eos=True))) == _greedy(want)
+    assert llm.engine.spec.stats.num_draft_tokens > 0
+
+
+def test_text_draft_model_drafts_for_the_vision_target(reference):
+    """A text-only draft (here the target's own decoder without its encoder) reads an image's placeholder
+    ids as text at plain positions; it only proposes, so the target's greedy tokens stay, and its drafts
+    are accepted often. A draft that takes images is refused: drafting gives it no image rows."""
+    import dataclasses
+
+    from model.checkpoint import load_checkpoint
+
+    out_dir, prompts, _, want = reference
+    cfg, params = load_checkpoint(out_dir)
+    text_draft = (cfg.replace(vision=None, image_token_id=None, mrope_section=None),
+                  dataclasses.replace(params, vision=None))
+    llm = LLM(out_dir, speculative_method="draft", num_speculative_tokens=3, speculative_draft=text_draft, **ENGINE)
+    assert _greedy(llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                                                        ignore_eos=True))) == _greedy(want)
+    assert llm.engine.spec.stats.num_accepted_tokens > 0
+    with pytest.raises(ValueError, match="draft model takes images"):
+        LLM(out_dir, speculative_method="draft", num_speculative_tokens=3, speculative_draft=(cfg, params), **ENGINE)
+
+
+def test_int8_kv_pages_swapped_to_the_host_tier(reference):
+    """An int8 KV cache with the host tier and swap preemption: the pool cannot hold the batch, so image
+    requests' pages (int8 values and their scales) go to the host and come back; each request gets the
+    greedy tokens it gets alone, and its prompt log-probabilities stay within hundredths of the float
+    cache's."""
+    out_dir, prompts, sp, want = reference
+    llm = LLM(out_dir, kv_cache_dtype="int8", kv_offload_bytes=2**20, preemption_mode="swap", **ENGINE)
+    sp = sp.clone()
+    sp.max_tokens = 40  # 28 pages for the three requests, of the pool's 18
+    alone = [llm.generate([p], sp)[0] for p in prompts]
+    together = llm.generate(prompts, sp)
+    st = llm.engine.stats().host_kv
+    assert st.preemptions_swap > 0 and st.preemptions_recompute == 0 and st.pages_restored > 0
+    assert _greedy(together) == _greedy(alone)
+    diffs = np.concatenate([np.abs(_prompt_logprobs(g) - _prompt_logprobs(w)) for g, w in zip(together, want)])
+    assert diffs.mean() < 0.1  # a misplaced image moves them by units
 
 
 KEYS = kv_wire.SigningKeys("shared by both workers")

@@ -14,7 +14,10 @@ Model layer:
 Engine (`LLM`, 16-token steps, so a chunk would cut the image if the scheduler let it): greedy tokens
 equal transformers' for a batch; the prefix cache shares the pages of a repeated image (a hit that ends
 inside the image, whose rest is then prefilled) and none of an image that differs; nothing recompiles
-after warm-up; an image larger than a step is refused; TP=2 gives transformers' tokens too.
+after warm-up; preempted requests get the tokens of their runs alone; an image larger than a step is
+refused; TP=2 gives transformers' tokens too, and int8 weights prompt log-probabilities near them;
+`LLM.chat`'s prompt ids are those of transformers' `Gemma3Processor` (with a Gemma 3-style tokenizer
+and chat template written beside the checkpoint).
 """
 
 from __future__ import annotations
@@ -74,9 +77,57 @@ def built(tmp_path_factory):
     # repeat the prompt's last token whatever the image.
     scale_weights_(model, norm_center=0.0, bias_std=0.5, embed_std=0.05)
     processor = transformers.Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
-    hf_dir, out_dir, ours_cfg, params = save_and_convert(model, tmp_path_factory, "gemma3_vl",
-                                                         after_save=lambda d: processor.save_pretrained(d))
-    return model, processor, ours_cfg, params, out_dir
+
+    def after_save(directory):
+        processor.save_pretrained(directory)
+        save_tokenizer(directory)
+
+    hf_dir, out_dir, ours_cfg, params = save_and_convert(model, tmp_path_factory, "gemma3_vl", after_save=after_save)
+    return model, processor, ours_cfg, params, out_dir, hf_dir
+
+
+# A Gemma 3-style chat template: an image part is `<start_of_image>`, each text part trimmed.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' }}"
+    "{% if m['content'] is string %}{{ m['content'] | trim }}{% else %}{% for item in m['content'] %}"
+    "{% if item['type'] == 'image' %}{{ '<start_of_image>' }}{% elif item['type'] == 'text' %}"
+    "{{ item['text'] | trim }}{% endif %}{% endfor %}{% endif %}{{ '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+
+
+def save_tokenizer(directory):
+    """A Gemma 3-style tokenizer that fits the model's 300 ids: Gemma's first specials, the 256 byte
+    tokens, a few letters and merges (one of them the blank line, "\n\n", so where the processor's
+    blank lines are tokenized shows), then begin-of-image, end-of-image and the soft token at 288-290."""
+    import json
+    import os
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    vocab = {t: i for i, t in enumerate(specials)}
+    vocab.update({f"<0x{b:02X}>": len(vocab) + b for b in range(256)})
+    for ch in "\n\u2581adehilmnorsuw":
+        vocab[ch] = len(vocab)
+    merges = [("\n", "\n"), ("h", "i"), ("a", "n"), ("an", "d"), ("u", "s"), ("us", "e"), ("use", "r"),
+              ("m", "o"), ("mo", "d"), ("mod", "e"), ("mode", "l")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    images = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+    assert len(vocab) == BOI
+    vocab.update({t: BOI + i for i, t in enumerate(images)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in specials + images])
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    conf = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
+            "add_bos_token": True, "add_eos_token": False, "chat_template": CHAT_TEMPLATE,
+            "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096,
+            "extra_special_tokens": dict(zip(("boi_token", "eoi_token", "image_token"), images))}
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump(conf, f)
 
 
 def hf_pixels(processor, images):
@@ -84,7 +135,7 @@ def hf_pixels(processor, images):
 
 
 def test_config_reads_vision_and_tokens(built):
-    _, _, cfg, _, _ = built
+    _, _, cfg, _, _, _ = built
     assert cfg.architecture == "Gemma3ForConditionalGeneration" and cfg.image_token_id == IMAGE_ID
     v = cfg.vision
     assert v.bidirectional and v.tokens_per_image == IMAGE_TOKENS and v.image_size == 56 and v.depth == 2
@@ -93,7 +144,7 @@ def test_config_reads_vision_and_tokens(built):
 
 
 def test_pixel_values_equal_processor(built):
-    _, processor, cfg, _, _ = built
+    _, processor, cfg, _, _, _ = built
     for image in make_images():
         got = preprocess(image, cfg.vision)
         np.testing.assert_array_equal(got.patches, hf_pixels(processor, [image])[0])
@@ -105,7 +156,7 @@ def our_features(cfg, params, image):
 
 
 def test_image_features_match(built):
-    model, processor, cfg, params, _ = built
+    model, processor, cfg, params, _, _ = built
     for image in make_images():
         with torch.no_grad():
             want = model.model.get_image_features(torch.tensor(hf_pixels(processor, [image]))).pooler_output[0].numpy()
@@ -163,7 +214,7 @@ def _log_softmax(x):
 def test_prompt_logprobs_match(built, chunks):
     """In chunks as the scheduler cuts them: up to the image, the image whole with a few tokens after it,
     the rest."""
-    model, processor, cfg, params, _ = built
+    model, processor, cfg, params, _, _ = built
     image = make_images()[0]
     prompt = make_prompt()
     want = hf_logprobs(model, processor, image, prompt)
@@ -192,7 +243,7 @@ def hf_generate(model, processor, images, ids):
 
 
 def test_greedy_tokens_match_generate(built):
-    model, processor, cfg, params, _ = built
+    model, processor, cfg, params, _, _ = built
     image = make_images()[2]
     prompt = make_prompt()
     want = hf_generate(model, processor, [image], prompt)
@@ -219,14 +270,14 @@ def greedy():
 
 @pytest.fixture(scope="module")
 def served(built):
-    model, processor, _, _, out_dir = built
-    return model, processor, LLM(out_dir, warmup=True, **ENGINE), out_dir
+    model, processor, _, _, out_dir, hf_dir = built
+    return model, processor, LLM(out_dir, warmup=True, **ENGINE), out_dir, hf_dir
 
 
 def test_engine_batch_matches_transformers_without_recompiling(served):
     """16-token steps: the first chunk ends before the image (11 tokens, not 16) and the next takes its
     16 tokens whole; images in the steps of other requests' decodes."""
-    model, processor, llm, _ = served
+    model, processor, llm, _, _ = served
     a, b, c = make_images()
     before = model_runner.compilation_count()
     outs = llm.generate([request(a), request(c), TEXT + TAIL, request(b)], greedy())
@@ -240,8 +291,23 @@ def test_engine_batch_matches_transformers_without_recompiling(served):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.num_pages
 
 
+def test_preempted_requests_match_their_runs_alone(served):
+    """Four image requests of 33 prompt and 40 new tokens need 40 pages of the pool's 24: some are
+    preempted and recomputed (the image prefilled whole again and attended both ways, from its cached
+    encoder output), and each gets the greedy tokens it gets alone."""
+    _, _, llm, _, _ = served
+    a, b, c = make_images()
+    reqs = [request(im) for im in (a, b, c, np.ascontiguousarray(a[::-1]))]
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    alone = [llm.generate([r], sp)[0].outputs[0].token_ids for r in reqs]
+    before = llm.engine.scheduler.num_preemptions
+    together = [o.outputs[0].token_ids for o in llm.generate(reqs, sp)]
+    assert llm.engine.scheduler.num_preemptions > before
+    assert together == alone
+
+
 def test_prefix_cache_hits_inside_a_shared_image_and_never_across_a_different_one(served):
-    model, processor, llm, _ = served
+    model, processor, llm, _, _ = served
     a, b, _ = make_images()
     llm.engine.reset_prefix_cache()
     hits = lambda: llm.engine.stats().prefix_cache_hit_tokens  # noqa: E731
@@ -263,7 +329,7 @@ def test_prefix_cache_hits_inside_a_shared_image_and_never_across_a_different_on
 
 
 def test_image_larger_than_a_step_is_refused(served):
-    _, _, llm, _ = served
+    _, _, llm, _, _ = served
     sp = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=0)  # 4 logit rows per step < 16 tokens
     with pytest.raises(InvalidParameterError, match="prefilled in one step") as e:
         llm.engine.make_request("big", request(make_images()[0]), sp)
@@ -273,7 +339,7 @@ def test_image_larger_than_a_step_is_refused(served):
 
 def test_tensor_parallel_matches_transformers(served):
     """TP=2: the decoder sharded (the span ends reach each device's attention), the encoder replicated."""
-    model, processor, _, out_dir = served
+    model, processor, _, out_dir, _ = served
     a, _, c = make_images()
     tp = LLM(out_dir, tensor_parallel_size=2, **ENGINE)
     assert len(tp.engine.runner.params.layers[0].wq.sharding.device_set) == 2
@@ -281,11 +347,29 @@ def test_tensor_parallel_matches_transformers(served):
         assert list(out.outputs[0].token_ids) == hf_generate(model, processor, [image], list(out.prompt_token_ids))
 
 
+def test_int8_weights_stay_near_transformers(served):
+    """int8 weights (the decoder's linear layers; the encoder stays float): prompt log-probabilities
+    within hundredths of transformers' float ones, not the units a misplaced or causal image moves them."""
+    model, processor, _, out_dir, _ = served
+    a = make_images()[0]
+    # 16 sequences: a step has 16 logit rows, so the prompt log-probabilities of a whole image fit in one
+    llm = LLM(out_dir, weight_dtype="int8", **dict(ENGINE, max_num_seqs=16))
+    assert llm.config.weight_dtype == "int8" and llm.engine.runner.params.vision.projection.dtype == np.float32
+    out = llm.generate([request(a)], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                                                    prompt_logprobs=0))[0]
+    ids = list(out.prompt_token_ids)
+    want = hf_logprobs(model, processor, a, ids)
+    got = np.array([e[t].logprob for e, t in zip(out.prompt_logprobs[1:], ids[1:])])
+    diffs = np.abs(got - want[np.arange(len(ids) - 1), ids[1:]])
+    assert 0 < diffs.mean() < 0.2
+    assert len(out.outputs[0].token_ids) == NEW_TOKENS
+
+
 def test_pipeline_stages_match_transformers(served):
     """PP=2 with three microbatches asked for: a step whose image tokens attend both ways runs as one
     microbatch (a boundary inside an image would hide its last tokens from its first), so the spans
     reach every stage and the tokens are transformers' ones."""
-    model, processor, llm, out_dir = served
+    model, processor, llm, out_dir, _ = served
     a, _, c = make_images()
     pp = LLM(out_dir, pipeline_parallel_size=2, num_microbatches=3, **ENGINE)
     assert pp.engine.runner.layout.pipeline_parallel_size == 2
@@ -311,15 +395,69 @@ def test_chunk_stop_never_cuts_an_image_attended_both_ways():
     assert causal.chunk_stop(0, 16) == 16  # Qwen2.5-VL's causal images may be cut anywhere
 
 
-def test_chat_takes_images(served):
-    """`LLM.chat` puts begin-of-image, the soft tokens and end-of-image where an image part is."""
-    model, processor, llm, _ = served
+def test_chat_prompt_is_the_hf_processors(served):
+    """`LLM.chat` with two images and text around them gives the ids of transformers' Gemma3Processor
+    (the chat template applied, each `<start_of_image>` rewritten to a blank line, begin-of-image, the
+    soft tokens, end-of-image and a blank line, then tokenized), and transformers' greedy tokens."""
+    model, image_processor, llm, _, hf_dir = served
     a, _, c = make_images()
     conv = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image", "image": a},
-                                         {"type": "text", "text": "and"}, {"type": "image", "image": c}]}]
+                                         {"type": "text", "text": "and"}, {"type": "image", "image": c},
+                                         {"type": "text", "text": "model"}]}]
+    processor = transformers.Gemma3Processor(image_processor=image_processor,
+                                             tokenizer=transformers.AutoTokenizer.from_pretrained(hf_dir),
+                                             chat_template=CHAT_TEMPLATE, image_seq_length=IMAGE_TOKENS)
+    hf_conv = [{**conv[0], "content": [p if p["type"] == "text" or not isinstance(p["image"], np.ndarray)
+                                       else {"type": "image", "image": Image.fromarray(p["image"])}
+                                       for p in conv[0]["content"]]}]
+    want = processor.apply_chat_template(hf_conv, add_generation_prompt=True, tokenize=True, return_dict=True)
+    want_ids = [int(i) for i in want["input_ids"][0]]
+    text = processor.apply_chat_template(hf_conv, add_generation_prompt=True, tokenize=False)
+    assert processor(text=text, images=[a, c])["input_ids"][0] == want_ids
+    assert want_ids.count(BOI) == 2 and want_ids[want_ids.index(BOI) - 1] == llm.tokenizer.encode(
+        "\n\n", add_special_tokens=False)[0]  # the blank line is a token of its own here
     out = llm.chat(conv, greedy())[0]
-    ids = list(out.prompt_token_ids)
-    assert ids.count(IMAGE_ID) == 2 * IMAGE_TOKENS and ids.count(BOI) == ids.count(EOI) == 2
-    first = ids.index(BOI)
-    assert ids[first + 1:first + 2 + IMAGE_TOKENS] == [IMAGE_ID] * IMAGE_TOKENS + [EOI]
-    assert list(out.outputs[0].token_ids) == hf_generate(model, processor, [a, c], ids)
+    assert list(out.prompt_token_ids) == want_ids
+    np.testing.assert_array_equal(hf_pixels(image_processor, [a, c]), want["pixel_values"])
+    assert list(out.outputs[0].token_ids) == hf_generate(model, image_processor, [a, c], want_ids)
+
+
+def test_http_chat_prompt_is_the_hf_processors(served):
+    """The chat route with two `data:` URL image parts counts the processor's prompt ids (the blank lines
+    included) and answers with transformers' greedy tokens. Last in the file: the server takes over the
+    shared engine."""
+    import base64
+    import io
+    import json
+    import urllib.request
+
+    from serving.server import ServerThread
+
+    model, image_processor, llm, _, hf_dir = served
+    a, _, c = make_images()
+
+    def data_url(image):
+        buf = io.BytesIO()
+        (image if isinstance(image, Image.Image) else Image.fromarray(image)).save(buf, "PNG")
+        return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+    processor = transformers.Gemma3Processor(image_processor=image_processor,
+                                             tokenizer=transformers.AutoTokenizer.from_pretrained(hf_dir),
+                                             chat_template=CHAT_TEMPLATE, image_seq_length=IMAGE_TOKENS)
+    text = processor.apply_chat_template([{"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]}],
+        add_generation_prompt=True, tokenize=False)
+    want_ids = processor(text=text, images=[a, c])["input_ids"][0]
+    want = hf_generate(model, image_processor, [a, c], want_ids)
+    body = {"model": "g3", "temperature": 0, "max_tokens": NEW_TOKENS, "ignore_eos": True,
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": data_url(a)}},
+                {"type": "text", "text": "and"}, {"type": "image_url", "image_url": {"url": data_url(c)}}]}]}
+    with ServerThread(llm, model_name="g3") as srv:
+        req = urllib.request.Request(srv.url + "/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            reply = json.loads(r.read())
+    assert reply["usage"]["prompt_tokens"] == len(want_ids)
+    assert reply["choices"][0]["message"]["content"] == llm.tokenizer.decode(want)
+    assert reply["usage"]["completion_tokens"] == NEW_TOKENS

@@ -32,6 +32,9 @@ from model.vision.gemma3_siglip import SiglipWeights
 from model.vision.gemma3_siglip import checkpoint_tensors as vision_tensors
 
 ARCH = "Gemma3ForConditionalGeneration"
+# What transformers' Gemma3Processor writes on each side of an image's begin / soft tokens / end in the
+# rendered text (its `full_image_sequence`), before tokenizing: a blank line.
+GEMMA3_IMAGE_MARGIN = "\n\n"
 
 
 def vision_config_from_hf(hf: dict[str, Any], out_hidden: int) -> VisionConfig:
@@ -46,7 +49,8 @@ def vision_config_from_hf(hf: dict[str, Any], out_hidden: int) -> VisionConfig:
                         hidden_act=v.get("hidden_act", "gelu_pytorch_tanh"),
                         norm_eps=float(v.get("layer_norm_eps", 1e-6)), image_size=int(v.get("image_size", 896)),
                         tokens_per_image=int(hf.get("mm_tokens_per_image", 256)), image_mean=HALF, image_std=HALF,
-                        image_prompt_ids=(int(boi), int(image), int(eoi)) if boi is not None and eoi is not None else ())
+                        image_prompt_ids=(int(boi), int(image), int(eoi)) if boi is not None and eoi is not None else (),
+                        image_text_margin=GEMMA3_IMAGE_MARGIN)
 
 
 def config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> LlamaConfig:

@@ -44,6 +44,9 @@ class VisionConfig:
     # The ids one image occupies in a prompt before its placeholder is expanded (Qwen2.5-VL: vision
     # start, the image pad, vision end): what a chat's image part becomes. Empty: the image token alone.
     image_prompt_ids: tuple[int, ...] = ()
+    # Text a chat's image part gets on each side of those ids, as the checkpoint's processor writes it
+    # (Gemma 3's processor: a blank line, "\n\n", before and after); tokenized with the text around it.
+    image_text_margin: str = ""
     norm_eps: float = 1e-6
     # --- preprocessing (the checkpoint processor's settings) ---
     min_pixels: int = 56 * 56

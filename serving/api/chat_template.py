@@ -110,7 +110,7 @@ IMAGE_SENTINEL = "\x00<image>\x00"
 
 def encode_chat(messages: Sequence[dict[str, Any]], tokenizer, add_generation_prompt: bool = True,
                 tools: Sequence[dict] | None = None, template_kwargs: dict | None = None,
-                image_ids: Sequence[int] | None = None) -> list[int]:
+                image_ids: Sequence[int] | None = None, image_margin: str = "") -> list[int]:
     """Token ids of the rendered chat.
 
     The text is encoded without the tokenizer's special tokens (a template
@@ -121,9 +121,14 @@ def encode_chat(messages: Sequence[dict[str, Any]], tokenizer, add_generation_pr
 
     `image_ids`: the ids each `IMAGE_SENTINEL` in the messages becomes (a vision-language model's image
     prompt, `VisionConfig.image_prompt_ids`); the text between images is encoded piece by piece, as
-    the special tokens around an image split it in a whole-text encoding too.
+    the special tokens around an image split it in a whole-text encoding too. `image_margin`: text written
+    on each side of every image (`VisionConfig.image_text_margin`, Gemma 3's blank lines), part of the
+    text pieces around it, so it is tokenized together with their text as the HF processor, which
+    rewrites the rendered text before tokenizing it, does.
     """
     text = render_chat(messages, tokenizer, add_generation_prompt, tools, template_kwargs)
+    if image_ids is not None and image_margin:
+        text = text.replace(IMAGE_SENTINEL, image_margin + IMAGE_SENTINEL + image_margin)
     if image_ids is None:
         ids = tokenizer.encode(text, add_special_tokens=False)
     else:

@@ -107,26 +107,30 @@ class ServingContext:
     def chat_prompt(self, req: P.ChatCompletionRequest, plan: "T.ToolPlan | None" = None) -> list[int]:
         openai_fields.check_roles(req.messages)
         messages = [T.template_message(m) for m in req.messages]
-        image_ids = None
+        image_ids, image_margin = None, ""
         if any(m.image_urls() for m in req.messages):  # image parts: the model's image prompt goes there
             vision = getattr(self.engine_core().cfg, "vision", None)
             if vision is None:  # (the chat route said so in `chat_images`; /tokenize comes straight here)
                 raise self._no_vision(req)
             image_ids = list(vision.image_prompt_ids or (self.engine_core().cfg.image_token_id,))
+            image_margin = vision.image_text_margin
             for out, m in zip(messages, req.messages):
                 out["content"] = m.text(IMAGE_SENTINEL)
         return self.encode_messages(messages, plan and plan.tools, req.add_generation_prompt,
-                                    req.chat_template_kwargs, image_ids)
+                                    req.chat_template_kwargs, image_ids, image_margin)
 
     def encode_messages(self, messages: list[dict], tools, add_generation_prompt: bool = True,
-                        template_kwargs: dict | None = None, image_ids: list[int] | None = None) -> list[int]:
+                        template_kwargs: dict | None = None, image_ids: list[int] | None = None,
+                        image_margin: str = "") -> list[int]:
         """Token ids of template messages (400 naming `messages`, or `chat_template_kwargs`, when the
-        template cannot render them); `image_ids` replace each image part (`IMAGE_SENTINEL`)."""
+        template cannot render them); `image_ids` replace each image part (`IMAGE_SENTINEL`), with
+        `image_margin` text on each side."""
         if template_kwargs is not None and not isinstance(template_kwargs, dict):
             raise P.APIError("chat_template_kwargs must be an object", param="chat_template_kwargs",
                              code="invalid_value")
         try:
-            return encode_chat(messages, self.tokenizer, add_generation_prompt, tools, template_kwargs, image_ids)
+            return encode_chat(messages, self.tokenizer, add_generation_prompt, tools, template_kwargs, image_ids,
+                               image_margin)
         except ChatTemplateError as e:
             param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
             raise P.APIError(str(e), param=param, code="invalid_value") from e

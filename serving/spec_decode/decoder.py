@@ -96,6 +96,15 @@ class SpecDecoder(StepPart):
                 dcfg, dparams = load_checkpoint(directory, None, load_config(directory))
             else:
                 dcfg, dparams = draft
+            if dcfg.vision is not None:
+                # Drafting runs the draft's decoder on the target's token ids alone: no image rows and no
+                # multimodal positions reach it, so a vision-language draft would read an image as its
+                # placeholder embeddings at the wrong positions. A text-only draft reads the placeholder
+                # ids as the text they are, which is all a proposer needs (verification keeps the output
+                # exact).
+                raise ValueError("the draft model takes images (its config has a vision encoder); drafting "
+                                 "feeds it token ids only, without image rows or multimodal positions: use a "
+                                 "text-only draft model with the target's vocabulary")
             # The target's `dtype` option holds for the draft too (on CPU "auto" makes a bf16 draft float32).
             dcfg, dparams = compute_dtype.apply(dcfg, dparams, dtype, what="the draft model")
             if dcfg.vocab_size != cfg.vocab_size:
