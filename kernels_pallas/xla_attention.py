@@ -29,6 +29,14 @@ partial softmax (max, sum, weighted V) is merged into its row's running
 result, flash-decoding style with the split at page boundaries. (The same
 pairs with B > 1 rows were measured too: no faster than items for prefill.)
 
+Two cases go around the pairs. When all one-row items' page tables fit in
+one chunk (batch-1 decode, small decode batches) each item gathers its pages
+as one block and the partial softmaxes merge elementwise, without the pairs'
+scatter-merges (`_attend_by_row_blocks`). And in a step with B > 1, the
+sequences of one query row (the decodes of a mixed step) get no B-row item,
+which would gather a whole page table for one live row: they are one-row
+items of their own, through the same one-row path.
+
 Measured on the 2-core CPU against the reference, one layer of the 125M shape
 (4 KV heads x 3, head_dim 64, fp32): a 512-token prefill over 1,000 cached
 tokens 5x faster, two 256-token prompts ~4x, 31 decodes plus a 225-token
