@@ -29,6 +29,14 @@ partial softmax (max, sum, weighted V) is merged into its row's running
 result, flash-decoding style with the split at page boundaries. (The same
 pairs with B > 1 rows were measured too: no faster than items for prefill.)
 
+Two cases go around the pairs. When all one-row items' page tables fit in
+one chunk (batch-1 decode, small decode batches) each item gathers its pages
+as one block and the partial softmaxes merge elementwise, without the pairs'
+scatter-merges (`_attend_by_row_blocks`). And in a step with B > 1, the
+sequences of one query row (the decodes of a mixed step) get no B-row item,
+which would gather a whole page table for one live row: they are one-row
+items of their own, through the same one-row path.
+
 Measured on the 2-core CPU against the reference, one layer of the 125M shape
 (4 KV heads x 3, head_dim 64, fp32): a 512-token prefill over 1,000 cached
 tokens 5x faster, two 256-token prompts ~4x, 31 decodes plus a 225-token
@@ -60,12 +68,15 @@ def rows_per_item(num_tokens: int, num_seqs: int) -> int:
     return b
 
 
-def _items(cu_q_lens, kv_lens, num_seqs, num_items: int, b: int):
-    """Per item: its sequence, first row, first query position and live-row count."""
+def _items(cu_q_lens, kv_lens, num_seqs, num_items: int, b: int, skip_one_row: bool = False):
+    """Per item: its sequence, first row, first query position and live-row count. With
+    `skip_one_row`, sequences of one query row (decodes) get no item."""
     num_slots = kv_lens.shape[0]
     q_len = cu_q_lens[1:] - cu_q_lens[:-1]
     q_len = jnp.where(jnp.arange(num_slots) < num_seqs, q_len, 0)
     blocks = (q_len + b - 1) // b
+    if skip_one_row:
+        blocks = jnp.where(q_len == 1, 0, blocks)
     ends = jnp.cumsum(blocks)
     j = jnp.arange(num_items, dtype=jnp.int32)
     seq = jnp.clip(jnp.searchsorted(ends, j, side="right"), 0, num_slots - 1).astype(jnp.int32)
@@ -100,11 +111,15 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, block_tables, cu_q_
         seq, row, pos, n_rows = _items(cu_q_lens, kv_lens, num_seqs, num_items, 1)
         end = query_end(pos, None if span_end is None else span_end[jnp.minimum(row, T - 1)])
         end = end if span_end is None else jnp.minimum(end, kv_lens[seq])  # a span never reaches past the cache
-        return _attend_by_page(q, k_pages, v_pages, k_scale, v_scale, block_tables, seq, row, pos, end, n_rows > 0,
-                               sm_scale=sm_scale, chunk_bytes=chunk_bytes or PAGE_CHUNK_BYTES, window=window,
-                               soft_cap=soft_cap)
+        o = _attend_one_row_items(q, k_pages, v_pages, k_scale, v_scale, block_tables, seq, row, pos, end, n_rows > 0,
+                                  sm_scale=sm_scale, chunk_bytes=chunk_bytes or PAGE_CHUNK_BYTES, window=window,
+                                  soft_cap=soft_cap)
+        out = jnp.zeros((T, num_q_heads, head_dim), q.dtype)
+        return out.at[jnp.where(n_rows > 0, row, T)].set(o, mode="drop")  # T: dropped
 
-    seq, first_row, first_pos, n_rows = _items(cu_q_lens, kv_lens, num_seqs, num_items, b)
+    # The decodes of a mixed step are one-row items of their own (below): in a B-row item a
+    # decode would gather its whole page table for one live row of B.
+    seq, first_row, first_pos, n_rows = _items(cu_q_lens, kv_lens, num_seqs, num_items, b, skip_one_row=True)
     r = jnp.arange(b, dtype=jnp.int32)
     row_ok = r[None, :] < n_rows[:, None]  # [I, B]
     rows_idx = jnp.where(row_ok, first_row[:, None] + r[None, :], T)  # T: dropped on the way out
@@ -157,7 +172,35 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, block_tables, cu_q_
     out_items = jax.lax.map(one_chunk, xs).reshape((num_chunks * per_chunk, b, num_q_heads, head_dim))
     out_items = out_items[:num_items]
     out = jnp.zeros((T, num_q_heads, head_dim), q.dtype)
-    return out.at[rows_idx.reshape(-1)].set(out_items.reshape(-1, num_q_heads, head_dim), mode="drop")
+    out = out.at[rows_idx.reshape(-1)].set(out_items.reshape(-1, num_q_heads, head_dim), mode="drop")
+
+    num_one = min(S, T)
+    q_len = cu_q_lens[1:] - cu_q_lens[:-1]
+    one_row = (q_len == 1) & (jnp.arange(S) < num_seqs)
+    (seq1,) = jnp.nonzero(one_row, size=num_one, fill_value=0)
+    seq1 = seq1.astype(jnp.int32)
+    live1 = jnp.arange(num_one) < jnp.sum(one_row)
+    row1 = jnp.minimum(cu_q_lens[seq1], T - 1)
+    pos1 = kv_lens[seq1] - 1
+    end1 = query_end(pos1, None if span_end is None else span_end[row1])
+    end1 = end1 if span_end is None else jnp.minimum(end1, kv_lens[seq1])
+    o1 = _attend_one_row_items(q, k_pages, v_pages, k_scale, v_scale, block_tables, seq1, row1, pos1, end1, live1,
+                               sm_scale=sm_scale, chunk_bytes=chunk_bytes or PAGE_CHUNK_BYTES, window=window,
+                               soft_cap=soft_cap)
+    return out.at[jnp.where(live1, row1, T)].set(o1, mode="drop")
+
+
+def _attend_one_row_items(q, k_pages, v_pages, k_scale, v_scale, block_tables, seq, row, pos, end, live, *,
+                          sm_scale, chunk_bytes, window=None, soft_cap=None):
+    """Attention of one-row items -> `[items, q_heads, head_dim]`: all of them in one block of pages
+    when every item's page table fits in `chunk_bytes` (batch-1 decode, small batches), by (row, page)
+    pairs otherwise, whose work follows the live contexts. Within one block both compute the same
+    products; the block saves the pairs' scatter-merges."""
+    _, page_size, num_kv_heads, head_dim = k_pages.shape
+    page_bytes = page_size * num_kv_heads * head_dim * 4
+    fn = _attend_by_row_blocks if seq.shape[0] * block_tables.shape[1] * page_bytes <= chunk_bytes else _attend_by_page
+    return fn(q, k_pages, v_pages, k_scale, v_scale, block_tables, seq, row, pos, end, live,
+              sm_scale=sm_scale, chunk_bytes=chunk_bytes, window=window, soft_cap=soft_cap)
 
 
 def _attend_by_page(q, k_pages, v_pages, k_scale, v_scale, block_tables, seq, row, pos, end, live, *, sm_scale,
@@ -233,6 +276,61 @@ def _attend_by_page(q, k_pages, v_pages, k_scale, v_scale, block_tables, seq, ro
     # Reading the pages inside the loop also keeps it from copying the pool.
     _, l_run, o_run = jax.lax.fori_loop(0, cap // per_chunk, maybe_body, init)
     o = o_run[:num_items] / jnp.where(l_run[:num_items] > 0, l_run[:num_items], 1.0)[..., None]
-    rows_idx = jnp.where(live, row, T)  # T: dropped
-    out = jnp.zeros((T, num_q_heads, head_dim), q.dtype)
-    return out.at[rows_idx].set(o.reshape(num_items, num_q_heads, head_dim).astype(q.dtype), mode="drop")
+    return o.reshape(num_items, num_q_heads, head_dim).astype(q.dtype)
+
+
+def _attend_by_row_blocks(q, k_pages, v_pages, k_scale, v_scale, block_tables, seq, row, pos, end, live, *,
+                          sm_scale, chunk_bytes, window=None, soft_cap=None):
+    """One query row per item, as `_attend_by_page`, but a block of `W` pages of every item at a time."""
+    T, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    S, P = block_tables.shape
+    group = num_q_heads // num_kv_heads
+    num_items = seq.shape[0]
+    quantized = k_scale is not None
+
+    first_page = jnp.zeros_like(pos) if window is None else jnp.maximum(pos - window + 1, 0) // page_size
+    last_page = jnp.minimum((end - 1) // page_size, P - 1)  # inclusive
+    n_pages = jnp.where(live, last_page - first_page + 1, 0)
+    page_bytes = page_size * num_kv_heads * head_dim * 4
+    w = max(1, min(P, chunk_bytes // (num_items * page_bytes)))
+    num_blocks = -(-P // w)
+    L = w * page_size
+    tables = block_tables[seq]  # [I, P]
+    qg = q[row].reshape(num_items, num_kv_heads, group, head_dim).astype(jnp.float32)
+    token = jnp.arange(L, dtype=jnp.int32)
+    most = jnp.max(n_pages)
+
+    def body(c, carry):
+        m_run, l_run, o_run = carry  # [I, K, G], [I, K, G], [I, K, G, D]
+        page = first_page[:, None] + c * w + jnp.arange(w, dtype=jnp.int32)[None, :]  # [I, W]
+        # Pages past an item's last one re-read its last page (cached) and are masked off.
+        ids = jnp.take_along_axis(tables, jnp.minimum(page, last_page[:, None]).clip(0, P - 1), axis=1)
+        k = k_pages[ids].reshape(num_items, L, num_kv_heads, head_dim).astype(jnp.float32)
+        v = v_pages[ids].reshape(num_items, L, num_kv_heads, head_dim).astype(jnp.float32)
+        if quantized:
+            k = k * k_scale[ids].reshape(num_items, L, num_kv_heads, 1)
+            v = v * v_scale[ids].reshape(num_items, L, num_kv_heads, 1)
+        s = apply_soft_cap(jnp.einsum("ikgd,ilkd->ikgl", qg, k) * sm_scale, soft_cap)
+        key_pos = (first_page[:, None] + c * w) * page_size + token[None, :]  # [I, L]
+        visible = (key_pos < end[:, None]) & live[:, None]
+        visible &= in_window(key_pos, pos[:, None], window)
+        s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m_run, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - m_safe[..., None])
+        alpha = jnp.exp(jnp.where(jnp.isfinite(m_run), m_run - m_safe, -jnp.inf))
+        l_run = l_run * alpha + jnp.sum(p, axis=-1)
+        o_run = o_run * alpha[..., None] + jnp.einsum("ikgl,ilkd->ikgd", p, v)
+        return m_new, l_run, o_run
+
+    init = (jnp.full((num_items, num_kv_heads, group), -jnp.inf, jnp.float32),
+            jnp.zeros((num_items, num_kv_heads, group), jnp.float32),
+            jnp.zeros((num_items, num_kv_heads, group, head_dim), jnp.float32))
+
+    def maybe_body(c, carry):
+        return jax.lax.cond(c * w < most, body, lambda c, carry: carry, c, carry)
+
+    _, l_run, o_run = jax.lax.fori_loop(0, num_blocks, maybe_body, init)
+    o = o_run / jnp.where(l_run > 0, l_run, 1.0)[..., None]
+    return o.reshape(num_items, num_q_heads, head_dim).astype(q.dtype)

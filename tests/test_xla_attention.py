@@ -3,8 +3,9 @@
 Same batches as the Pallas kernel tests (random normals, scattered pages,
 random unused table entries, ragged and partial-page lengths, empty and
 padding sequences), run through every way the backend can cut the work:
-one row per item (the multiply-and-reduce form), several rows per item, and
-chunk sizes that force the chunk loop with skipped all-padding chunks.
+one row per item (in one block of pages, or by (row, page) pairs), several
+rows per item with the step's decodes as one-row items beside them, and chunk
+sizes that force the chunk loop with skipped all-padding chunks.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ CONFIGS = [
 ]
 # (rows per item, chunk bytes): None = what the backend picks for the shape. Chunk bytes 1
 # means one item (or, for one-row items, one (row, page) pair) per chunk, so results are
-# merged across many chunks.
-CUTS = [(None, None), (1, None), (1, 1), (2, 1), (16, 1)]
+# merged across many chunks; the default chunk holds these small batches' one-row items in
+# one block of pages.
+CUTS = [(None, None), (1, None), (1, 1), (2, 1), (4, None), (16, 1)]
 
 
 @pytest.mark.parametrize("dtype,hq,hkv,page_size,head_dim", CONFIGS)
