@@ -22,7 +22,7 @@ stepped to completion, as `LLM.generate` does):
 Each kind runs `--repeats` times (new images for each cold run) and the fastest is recorded.
 
 `encoder_padding`: the encoder alone on images of `--encoder_sizes`, padded to its bucket
-(`serving.core.encoder_buckets`, what the engine runs) against the exact encoder (one program per
+(`model.vision.encoder_buckets`, what the engine runs) against the exact encoder (one program per
 grid), both compiled beforehand, fastest of `--repeats` each; the same-run ratio padded / exact is what
 padding costs (at most a doubling of the patches, nothing for an image whose patch count is a bucket).
 Recorded per run: requests/s and output tokens/s, TTFT p50 / max (submission to first token, the
@@ -53,7 +53,7 @@ from model.families.gemma3_vl import config_from_hf as gemma3_config  # noqa: E4
 from model.vision import encoder  # noqa: E402
 from model.vision.config import QWEN2_5_VL, VisionConfig  # noqa: E402
 from serving import LLM, SamplingParams  # noqa: E402
-from serving.core import encoder_buckets  # noqa: E402
+from model.vision import encoder_buckets  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")

@@ -35,6 +35,11 @@ def ones_init(key, shape, dtype):
     return jnp.ones(shape, dtype)
 
 
+def zeros_init(key, shape, dtype):
+    del key
+    return jnp.zeros(shape, dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class ArrayInfo:
     """The one declaration of a weight (or cache array)."""
@@ -47,6 +52,12 @@ class ArrayInfo:
     def __post_init__(self):
         if len(self.shape) != len(self.logical_axes):
             raise ValueError(f"shape {self.shape} and logical axes {self.logical_axes} differ in rank")
+
+
+def replicated(shape, dtype, init) -> ArrayInfo:
+    """A weight no mesh axis splits (every logical axis None): the vision encoders' weights, a small share of
+    a model's bytes that runs once per image, off the decode path."""
+    return ArrayInfo(tuple(shape), dtype, (None,) * len(shape), init)
 
 
 def is_array_info(x) -> bool:

@@ -22,7 +22,8 @@ pytest.importorskip("transformers")
 from serving import LLM, SamplingParams  # noqa: E402
 from conftest import run_to_completion  # noqa: E402
 from model.vision import encoder  # noqa: E402
-from serving.core import encoder_buckets, model_runner, multimodal  # noqa: E402
+from model.vision import encoder_buckets  # noqa: E402
+from serving.core import model_runner, multimodal  # noqa: E402
 from serving.core.sampling_params import InvalidParameterError  # noqa: E402
 from serving.disaggregation import kv_transfer as kt  # noqa: E402
 from serving.disaggregation import kv_wire  # noqa: E402

@@ -3,6 +3,7 @@
 one per placeholder token) and `prompt_positions` (host: the decoder's positions of a prompt holding
 images, for a model with multimodal RoPE). The serving layer calls only these, so a new encoder is a
 branch here and a module beside `qwen2_5_vl` (Gemma 3's: `gemma3_siglip`, `gemma3_processor`).
+`encoder_buckets` runs `encode` padded to a few sizes, so a new image size compiles nothing.
 """
 
 from __future__ import annotations

@@ -21,18 +21,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from model.declarations import ArrayInfo, normal_init, ones_init, pytree_dataclass
+from model.declarations import normal_init, ones_init, pytree_dataclass, replicated, zeros_init
 from model.layers import rms_norm
 from model.vision.config import VisionConfig
-
-
-def _zeros_init(key, shape, dtype):
-    del key
-    return jnp.zeros(shape, dtype)
-
-
-def _replicated(shape, dtype, init) -> ArrayInfo:
-    return ArrayInfo(tuple(shape), dtype, (None,) * len(shape), init)
 
 
 @pytree_dataclass
@@ -57,12 +48,12 @@ class SiglipBlock:
     @classmethod
     def declare(cls, v: VisionConfig, dtype) -> "SiglipBlock":
         h, f = v.hidden_size, v.intermediate_size
-        square = lambda: _replicated((h, h), dtype, normal_init(h))  # noqa: E731
-        vec = lambda init=_zeros_init: _replicated((h,), dtype, init)  # noqa: E731
+        square = lambda: replicated((h, h), dtype, normal_init(h))  # noqa: E731
+        vec = lambda init=zeros_init: replicated((h,), dtype, init)  # noqa: E731
         return cls(norm1=vec(ones_init), norm1_bias=vec(), wq=square(), q_bias=vec(), wk=square(), k_bias=vec(),
                    wv=square(), v_bias=vec(), wo=square(), o_bias=vec(), norm2=vec(ones_init), norm2_bias=vec(),
-                   fc1=_replicated((f, h), dtype, normal_init(h)), fc1_bias=_replicated((f,), dtype, _zeros_init),
-                   fc2=_replicated((h, f), dtype, normal_init(f)), fc2_bias=vec())
+                   fc1=replicated((f, h), dtype, normal_init(h)), fc1_bias=replicated((f,), dtype, zeros_init),
+                   fc2=replicated((h, f), dtype, normal_init(f)), fc2_bias=vec())
 
 
 @pytree_dataclass
@@ -79,13 +70,13 @@ class SiglipWeights:
     @classmethod
     def declare(cls, v: VisionConfig, dtype) -> "SiglipWeights":
         h, pd = v.hidden_size, v.in_channels * v.patch_size ** 2
-        return cls(patch_embed=_replicated((h, pd), dtype, normal_init(pd)),
-                   patch_bias=_replicated((h,), dtype, _zeros_init),
-                   positions=_replicated((num_patches(v), h), dtype, normal_init(h)),
+        return cls(patch_embed=replicated((h, pd), dtype, normal_init(pd)),
+                   patch_bias=replicated((h,), dtype, zeros_init),
+                   positions=replicated((num_patches(v), h), dtype, normal_init(h)),
                    blocks=[SiglipBlock.declare(v, dtype) for _ in range(v.depth)],
-                   post_norm=_replicated((h,), dtype, ones_init), post_norm_bias=_replicated((h,), dtype, _zeros_init),
-                   soft_norm=_replicated((h,), dtype, _zeros_init),
-                   projection=_replicated((h, v.out_hidden_size), dtype, normal_init(h)))
+                   post_norm=replicated((h,), dtype, ones_init), post_norm_bias=replicated((h,), dtype, zeros_init),
+                   soft_norm=replicated((h,), dtype, zeros_init),
+                   projection=replicated((h, v.out_hidden_size), dtype, normal_init(h)))
 
 
 def num_patches(v: VisionConfig) -> int:

@@ -23,19 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.declarations import ArrayInfo, normal_init, ones_init, pytree_dataclass
+from model.declarations import normal_init, ones_init, pytree_dataclass, replicated, zeros_init
 from model.vision.config import VisionConfig
-
-
-def _zeros_init(key, shape, dtype):
-    del key
-    return jnp.zeros(shape, dtype)
-
-
-def _replicated(shape, dtype, init) -> ArrayInfo:
-    # The encoder is replicated under tensor parallelism: it is a small share of the model's
-    # weights and runs once per image, off the decode path.
-    return ArrayInfo(tuple(shape), dtype, (None,) * len(shape), init)
 
 
 @pytree_dataclass
@@ -56,12 +45,12 @@ class VisionBlock:
     @classmethod
     def declare(cls, v: VisionConfig, dtype) -> "VisionBlock":
         h, f = v.hidden_size, v.intermediate_size
-        return cls(norm1=_replicated((h,), dtype, ones_init), qkv=_replicated((3 * h, h), dtype, normal_init(h)),
-                   qkv_bias=_replicated((3 * h,), dtype, _zeros_init), proj=_replicated((h, h), dtype, normal_init(h)),
-                   proj_bias=_replicated((h,), dtype, _zeros_init), norm2=_replicated((h,), dtype, ones_init),
-                   gate=_replicated((f, h), dtype, normal_init(h)), gate_bias=_replicated((f,), dtype, _zeros_init),
-                   up=_replicated((f, h), dtype, normal_init(h)), up_bias=_replicated((f,), dtype, _zeros_init),
-                   down=_replicated((h, f), dtype, normal_init(f)), down_bias=_replicated((h,), dtype, _zeros_init))
+        return cls(norm1=replicated((h,), dtype, ones_init), qkv=replicated((3 * h, h), dtype, normal_init(h)),
+                   qkv_bias=replicated((3 * h,), dtype, zeros_init), proj=replicated((h, h), dtype, normal_init(h)),
+                   proj_bias=replicated((h,), dtype, zeros_init), norm2=replicated((h,), dtype, ones_init),
+                   gate=replicated((f, h), dtype, normal_init(h)), gate_bias=replicated((f,), dtype, zeros_init),
+                   up=replicated((f, h), dtype, normal_init(h)), up_bias=replicated((f,), dtype, zeros_init),
+                   down=replicated((h, f), dtype, normal_init(f)), down_bias=replicated((h,), dtype, zeros_init))
 
 
 @pytree_dataclass
@@ -77,13 +66,13 @@ class VisionWeights:
     @classmethod
     def declare(cls, v: VisionConfig, dtype) -> "VisionWeights":
         h, m = v.hidden_size, v.hidden_size * v.merge_unit
-        return cls(patch_embed=_replicated((h, v.patch_dim), dtype, normal_init(v.patch_dim)),
+        return cls(patch_embed=replicated((h, v.patch_dim), dtype, normal_init(v.patch_dim)),
                    blocks=[VisionBlock.declare(v, dtype) for _ in range(v.depth)],
-                   merger_norm=_replicated((h,), dtype, ones_init),
-                   merger_fc1=_replicated((m, m), dtype, normal_init(m)),
-                   merger_fc1_bias=_replicated((m,), dtype, _zeros_init),
-                   merger_fc2=_replicated((v.out_hidden_size, m), dtype, normal_init(m)),
-                   merger_fc2_bias=_replicated((v.out_hidden_size,), dtype, _zeros_init))
+                   merger_norm=replicated((h,), dtype, ones_init),
+                   merger_fc1=replicated((m, m), dtype, normal_init(m)),
+                   merger_fc1_bias=replicated((m,), dtype, zeros_init),
+                   merger_fc2=replicated((v.out_hidden_size, m), dtype, normal_init(m)),
+                   merger_fc2_bias=replicated((v.out_hidden_size,), dtype, zeros_init))
 
 
 def checkpoint_tensors(v: VisionConfig, prefix: str = "model.visual."):

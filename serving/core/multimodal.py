@@ -48,7 +48,7 @@ import numpy as np
 
 from model.vision import encoder
 from model.vision.qwen2_5_vl_processor import to_rgb
-from serving.core import encoder_buckets
+from model.vision import encoder_buckets
 from serving.core.sampling_params import InvalidParameterError
 from serving.core.step_parts import StepPart
 

@@ -1,6 +1,6 @@
 """The image encoder run on a few padded patch counts, so an image of a new size compiles nothing.
 
-`model.vision.encoder.encode` compiles one program per patch grid: every new image size a client
+`encoder.encode` compiles one program per patch grid: every new image size a client
 sends would compile an encoder (seconds on a CPU, during a request). Here an image's patches are
 padded up to the next of a few sizes (`bucket_sizes`: powers of two from the smallest image the
 processor makes to its largest, then that largest), and the encoder runs on the padded arrays. The
