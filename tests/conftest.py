@@ -4,9 +4,16 @@ import os
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-_flag = "--xla_force_host_platform_device_count=8"
-if _flag not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+# The tests compile far more than they run, on tiny shapes: XLA CPU at LLVM -O0 without its expensive
+# passes compiles a step program in about half the time (tests/test_scan_layers.py: 250 -> 152 CPU
+# seconds), and the tiny steps still run quickly. Results do not change (neither level allows
+# fast-math). Processes the tests start inherit it; those that need one CPU device set
+# `SUBPROCESS_XLA_FLAGS` instead.
+TEST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+SUBPROCESS_XLA_FLAGS = " ".join(TEST_COMPILE_FLAGS)
+for _flag in ("--xla_force_host_platform_device_count=8",) + TEST_COMPILE_FLAGS:
+    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
 # Engines started by the tests cache compilations in a fresh directory, never the user's.
 os.environ.setdefault("RIDGELINE_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="ridgeline-jax-cache-"))
@@ -30,6 +37,19 @@ def tiny_config(**overrides):
                 bos_token_id=1, eos_token_ids=(2,))
     base.update(overrides)
     return LlamaConfig(**base)
+
+
+# Files that take minutes run first: under the README's `-n 2 --dist loadfile` each file goes to one
+# worker, and a long file handed out last would leave the other worker idle at the end.
+SLOW_FILES_FIRST = ("test_multihost.py", "test_gpu_check_smoke.py", "test_composition.py", "test_lora_engine.py",
+                    "test_vision_composition.py", "test_vision_gemma3.py", "test_pipeline.py", "test_startup.py",
+                    "test_spec_decode.py", "test_scan_layers.py", "test_disagg_engine.py", "test_engine_tp.py",
+                    "test_xla_attention.py", "test_quant.py", "test_async_scheduling.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES_FIRST)))  # stable: files stay whole
 
 
 @pytest.fixture

@@ -35,6 +35,7 @@ from serving.api.http_auth import APIKeys  # noqa: E402
 from serving.api.responses_store import ResponseStore, owner_of  # noqa: E402
 from serving.core.model_runner import compilation_count  # noqa: E402
 from serving.server import ServerThread, free_port  # noqa: E402
+from conftest import SUBPROCESS_XLA_FLAGS  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "tiny-thinker"
@@ -391,7 +392,7 @@ def test_messages_errors_are_anthropics_envelope_and_x_api_key_is_accepted(serve
 def test_the_binary_serves_the_three_apis_and_refuses_an_unknown_parser(checkpoint, tmp_path):
     anthropic = pytest.importorskip("anthropic")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = SUBPROCESS_XLA_FLAGS  # one CPU device
     base = [sys.executable, "-m", "serving.server", f"--checkpoint={checkpoint}"]
     bad = subprocess.run(base + ["--reasoning_parser=qwen4"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=120)

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from conftest import SUBPROCESS_XLA_FLAGS
 from serving.core import compile_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,7 +56,7 @@ print("RESULT " + json.dumps({
 
 def start(cache_dir: str, warmup=True) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # one CPU device: a quicker start
+    env["XLA_FLAGS"] = SUBPROCESS_XLA_FLAGS  # one CPU device: a quicker start
     env.pop(compile_cache.ENV_VAR, None)
     proc = subprocess.run([sys.executable, "-c", START, cache_dir, json.dumps(warmup)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
@@ -251,7 +252,7 @@ def test_an_executable_from_jaxs_cache_is_not_stored_where_it_could_not_run(tmp_
     but fails on its first run ("Function wrapped_broadcast not found"); the store must not keep it, so
     the program a later start gets always runs."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = SUBPROCESS_XLA_FLAGS  # one CPU device
     env.pop(compile_cache.ENV_VAR, None)
     proc = subprocess.run([sys.executable, "-c", FROM_JAX_CACHE, str(tmp_path)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)

@@ -17,6 +17,7 @@ import time
 import httpx
 
 from serving.server import free_port
+from conftest import SUBPROCESS_XLA_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 2.0
@@ -43,7 +44,7 @@ def test_sigterm_during_8_streams_drains_and_exits_0(tmp_path):
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "server.log"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = SUBPROCESS_XLA_FLAGS  # one CPU device
     cmd = [sys.executable, "-m", "serving.server", f"--port={port}", "--served_model_name=drained",
            "--max_num_seqs=8", "--max_num_batched_tokens=16", "--min_token_bucket=16", "--max_model_len=512",
            "--attention_backend=reference", f"--shutdown_timeout_s={TIMEOUT_S}"]

@@ -11,13 +11,14 @@ import json
 import os
 import subprocess
 import sys
+from conftest import SUBPROCESS_XLA_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_gpu_check_smoke_writes_every_result(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as the script sees it
-    env.update(PYTHON=sys.executable, JAX_PLATFORMS="cpu")
+    env.update(PYTHON=sys.executable, JAX_PLATFORMS="cpu", XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
     proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), "--smoke", str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

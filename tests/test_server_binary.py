@@ -11,6 +11,7 @@ import time
 import httpx
 
 from serving.server import free_port
+from conftest import SUBPROCESS_XLA_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,7 +20,7 @@ def test_the_binary_starts_logs_its_setup_serves_and_stops(tmp_path):
     port = free_port()
     log_path = tmp_path / "server.log"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's machine would have
+    env["XLA_FLAGS"] = SUBPROCESS_XLA_FLAGS  # one CPU device, as a user's machine would have
     cmd = [sys.executable, "-m", "serving.server", f"--port={port}", "--served_model_name=tiny-server",
            "--max_num_seqs=4", "--max_num_batched_tokens=16", "--min_token_bucket=16", "--max_model_len=32",
            "--attention_backend=reference", "--peak_bandwidth_gbps=100", "--peak_tflops=1"]
