@@ -1,8 +1,10 @@
-"""Batch-1 decode's weight streaming on XLA CPU: how close the matrix-vector products of the 125M
-Llama shape come to the machine's read bandwidth, by formulation and by XLA flags.
+"""Batch-1 decode's weight streaming on XLA CPU: the 125M shape's matvecs against the read bandwidth.
+
+How close the matrix-vector products of the 125M Llama shape come to the
+machine's read bandwidth, by formulation, compiler option and XLA flags.
 
     python benchmarks/matvec_cpu_bench.py [--rounds 5] [--out benchmarks/results/matvec_cpu.json]
-    python benchmarks/matvec_cpu_bench.py --flag_variants "" "--xla_cpu_use_xnnpack=false" ...
+    python benchmarks/matvec_cpu_bench.py --flag_variant= --flag_variant=--xla_cpu_multi_thread_eigen=false ...
 
 Why: batch-1 decode reads every weight once per token (~400 MB fp32) and does
 almost nothing else, so its ceiling is the read bandwidth. `offline_throughput.py`
@@ -23,7 +25,10 @@ backend start, so each variant is a child process; the variants alternate
     compiled with XLA CPU's experimental library fusions for dots (`OPTIONS`:
     XNNPACK, YNNPACK; per-program `compiler_options`);
   * its parts in the current formulation: the layers alone and the logits head
-    alone (32000 x 768, a quarter of the bytes).
+    alone (32000 x 768, a quarter of the bytes);
+  * with `--out_sizes`, one shape at a time: chains of distinct [out, 768]
+    weights (~100 MB each), e.g. the layers' 256 and 2048 rows against a fused
+    q/k/v's 1280 and a fused gate/up's 4096.
 
 Each figure is the best (minimum) wall time of the round's repeats, turned
 into GB/s of weights read, and reported as a ratio to the same round's best
@@ -152,9 +157,27 @@ def child(args) -> dict:
     cases["layers_einsum"] = (jax.jit(lambda p, x: layers_chain("einsum", p, x)), (params, x0), layer_bytes)
     for form in FORMS:
         cases[f"head_{form}"] = (jax.jit(lambda p, x, f=form: head(f, p, x)), (params, x0), params.lm_head.nbytes)
-    ref = None
-    for name, (f, a, _) in cases.items():
-        out = jax.block_until_ready(f(*a))
+    # One matvec shape at a time: a chain of distinct [out, 768] weights, ~100 MB in all (past the L3
+    # cache), at the layers' output sizes and at those of fused q/k/v (1280) and gate/up (4096):
+    # whether a bigger product per call gets the second core.
+    def shape_chain(ws, x):
+        for w in ws:
+            x = x + 1e-3 * jnp.tanh(jnp.sum(jnp.einsum("te,fe->tf", x, w)))
+        return x
+    for out in args.out_sizes:
+        ws = [jax.random.normal(jax.random.key(i), (out, cfg.hidden_size), jnp.float32)
+              for i in range(max(1, 100 * 2**20 // (out * cfg.hidden_size * 4)))]
+        cases[f"shape_{out}x{cfg.hidden_size}"] = (jax.jit(shape_chain), (ws, x0), sum(w.nbytes for w in ws))
+    ref, skipped = None, {}
+    for name, (f, a, _) in list(cases.items()):
+        try:
+            out = jax.block_until_ready(f(*a))
+        except Exception as e:  # an experimental option another jax / XLA version names differently
+            if not any(name.endswith(o) for o in OPTIONS):
+                raise
+            skipped[name] = str(e).splitlines()[0]
+            del cases[name]
+            continue
         if name.startswith("chain_"):
             ref = out if ref is None else ref
             assert int(out[0]) == int(ref[0]), f"{name} picks token {int(out[0])}, einsum {int(ref[0])}"
@@ -189,7 +212,8 @@ def child(args) -> dict:
         for v in r.values():
             v["of_read_bandwidth"] = v["GBps"] / ref_bw
         rounds.append(r)
-    return {"xla_flags": os.environ.get("XLA_FLAGS", ""), "jax": jax.__version__, "rounds": rounds}
+    return {"xla_flags": os.environ.get("XLA_FLAGS", ""), "jax": jax.__version__, "rounds": rounds,
+            "skipped": skipped}
 
 
 def summarize(variant: dict) -> dict:
@@ -209,8 +233,12 @@ def main():
     ap.add_argument("--rounds", type=int, default=5, help="alternations of the flag variants (one child each)")
     ap.add_argument("--child_rounds", type=int, default=2, help="rounds of every case inside one child")
     ap.add_argument("--repeats", type=int, default=5, help="timed calls per case and round (the best counts)")
-    ap.add_argument("--flag_variants", nargs="*", default=[""],
-                    help="XLA_FLAGS values to compare, each in its own child process ('' = the defaults)")
+    ap.add_argument("--flag_variant", action="append", default=None,
+                    help="an XLA_FLAGS value to compare, in its own child process ('' = the defaults); repeat it, "
+                         "written with '=' (--flag_variant=--xla_cpu_use_onednn=true)")
+    ap.add_argument("--out_sizes", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
+                    help="comma-separated output sizes of [out, hidden] matvec chains to time one shape at a time "
+                         "(e.g. 256,2048,4096; default none)")
     ap.add_argument("--out", default=None, help="JSON results (default: print only)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -219,15 +247,20 @@ def main():
         print(json.dumps(child(args)))
         return
 
+    args.flag_variants = args.flag_variant or [""]
     load_before = os.getloadavg()
     results = {v: [] for v in args.flag_variants}
     for rnd in range(args.rounds):
         for v in args.flag_variants:
             env = dict(os.environ, XLA_FLAGS=v)
             out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--child_rounds",
-                                  str(args.child_rounds), "--repeats", str(args.repeats)],
+                                  str(args.child_rounds), "--repeats", str(args.repeats),
+                                  "--out_sizes", ",".join(map(str, args.out_sizes))],
                                  env=env, capture_output=True, text=True, check=True)
-            results[v].extend(json.loads(out.stdout.strip().splitlines()[-1])["rounds"])
+            record = json.loads(out.stdout.strip().splitlines()[-1])
+            results[v].extend(record["rounds"])
+            for name, why in record["skipped"].items():
+                print(f"  {name} skipped: {why}")
             print(f"round {rnd} {v or '(default flags)'}: done, load {os.getloadavg()[0]:.1f}", flush=True)
     summary = {v: summarize({"rounds": rs}) for v, rs in results.items()}
     for v, s in summary.items():
