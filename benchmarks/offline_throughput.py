@@ -290,7 +290,8 @@ def main():
     load_before = os.getloadavg()
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": {
         "cpus": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
-        "device": str(jax.devices()[0]), "loadavg_before": load_before},
+        "device": str(jax.devices()[0]), "loadavg_before": load_before,
+        "xla_flags": os.environ.get("XLA_FLAGS", "")},
         "attention_backend": get_backend("auto").name}
     import torch
     import transformers
