@@ -307,7 +307,8 @@ def main():
         args.rounds = 1
     cfg = LlamaConfig(**shape)
     load_before = os.getloadavg()
-    result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": {
+    result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "command": "python benchmarks/offline_throughput.py " + " ".join(sys.argv[1:]), "machine": {
         "cpus": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
         "device": str(jax.devices()[0]), "loadavg_before": load_before},
         "attention_backend": get_backend("auto").name}
