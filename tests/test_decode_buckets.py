@@ -64,8 +64,9 @@ def test_the_planner_expects_the_decode_in_its_own_finer_bucket():
     assert not holds_cheaply(decode24, StepShape(32, 32, 32), b)  # smaller: never
 
 
-ENGINE = dict(max_num_seqs=24, max_num_batched_tokens=32, page_size=8, max_model_len=64, min_context_bucket=64,
-              num_pages=211, attention_backend="reference", compilation_cache_dir="", enable_prefix_caching=False)
+# Few programs: token buckets 8, 16, (24,) 32, one page bucket.
+ENGINE = dict(max_num_seqs=24, max_num_batched_tokens=32, min_token_bucket=8, page_size=8, max_model_len=64,
+              min_context_bucket=64, num_pages=211, attention_backend="reference", compilation_cache_dir="", enable_prefix_caching=False)
 
 
 def test_decodes_run_in_the_finer_bucket_after_a_full_warm_up_with_the_same_greedy_tokens():
@@ -76,8 +77,10 @@ def test_decodes_run_in_the_finer_bucket_after_a_full_warm_up_with_the_same_gree
     cfg = tiny_config()
     weights = init_params(cfg, jax.random.key(7))
     rng = random.Random(3)
-    prompts = [[1] + [rng.randrange(3, cfg.vocab_size) for _ in range(rng.randint(2, 12))] for _ in range(20)]
-    params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(4, 12), ignore_eos=True, logprobs=1)
+    # Outputs longer than the prefill phase (~4 steps of the 32-token budget), so that 17-20 sequences decode
+    # together for a while.
+    prompts = [[1] + [rng.randrange(3, cfg.vocab_size) for _ in range(rng.randint(1, 5))] for _ in range(20)]
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(14, 20), ignore_eos=True, logprobs=1)
               for _ in prompts]
 
     def run(llm):
@@ -93,7 +96,7 @@ def test_decodes_run_in_the_finer_bucket_after_a_full_warm_up_with_the_same_gree
     llm = LLM(config=cfg, params=weights, decode_bucket_step=8, warmup=True, **ENGINE)
     try:
         runner = llm.engine.runner
-        assert runner.buckets.token_sizes == [1, 2, 4, 8, 16, 24, 32]
+        assert runner.buckets.token_sizes == [8, 16, 24, 32]
         tokens, logprobs, buckets = run(llm)
         assert buckets == {24}
         assert runner.warmup_stats().compiles_after_ready == 0
