@@ -3,10 +3,11 @@
 Shapes are padded to buckets so the jitted step compiles once per bucket:
 T tokens (powers of two from `min_tokens` up to `max_num_batched_tokens`, and
 with `decode_step` every multiple of it up to `max_num_seqs` as well: finer
-decode-sized buckets, `Buckets.token_sizes`), S = min(T, `max_num_seqs`) sequences and logit rows, P pages per sequence
-(powers of two from `min_pages` up to the pages of `max_model_len`). S is
-tied to T because padding sequences costs almost nothing; P is a bucket of
-its own because the jnp attention reads P pages for every token.
+decode-sized buckets, `Buckets.token_sizes`), S = min(T, `max_num_seqs`)
+sequences and logit rows, P pages per sequence (powers of two from
+`min_pages` up to the pages of `max_model_len`). S is tied to T because
+padding sequences costs almost nothing; P is a bucket of its own because the
+jnp attention reads P pages for every token.
 
 Everything integer goes into ONE int32 buffer and everything float into ONE
 float32 buffer (offsets fixed by (T, S, P)), so a step costs two host-to-device
@@ -71,8 +72,8 @@ class Buckets:
         """The padded token counts of a step: powers of two from `min_tokens` up to `max_num_batched_tokens`,
         and with `decode_step` also every multiple of it from `min_tokens` up to `max_num_seqs` (vLLM's CUDA
         graph sizes are 1, 2, 4, then multiples of 8). A decode step has one row per running sequence, so
-        with powers of two alone 17 running sequences compute 32 rows; the multiples cap a decode's
-        padding at `decode_step - 1` rows. Larger (prefill-sized) steps keep the powers of two:
+        with powers of two alone 17 running sequences compute 32 rows; the multiples cap the padding of
+        a decode of more than `decode_step` rows at `decode_step - 1` rows. Larger (prefill-sized) steps keep the powers of two:
         their tokens come from a budget the scheduler fills, and each such bucket has every page bucket
         (`all_shapes`), while a decode-sized bucket of at least `ONE_PAGE_BUCKET_FROM` rows adds one."""
         sizes = set(powers_of_two(self.max_num_batched_tokens, self.min_tokens))
