@@ -241,14 +241,30 @@ def hf_run(hf, jobs, batch_size, sort):
 
 # --- ridgeline ------------------------------------------------------------------------------------
 
-def ridgeline_run(llm, jobs):
+def ridgeline_run(llm, jobs, cpu_seconds=None):
+    """Runs `jobs` through `llm`; (wall seconds, outputs, the steps' stats). `cpu_seconds`: a list the
+    process's CPU time over the call is appended to (steadier than wall time on a loaded machine)."""
     sps = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in jobs]
     llm.engine.stats_log.drain()
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     outs = llm.generate([p for p, _ in jobs], sps)
     wall = time.perf_counter() - t
+    if cpu_seconds is not None:
+        cpu_seconds.append(time.process_time() - c)
     assert [len(o.outputs[0].token_ids) for o in outs] == [o for _, o in jobs]
     return wall, outs, llm.engine.stats_log.drain()
+
+
+def decode_padding(steps) -> dict:
+    """Padding of the decode-only steps (one token per scheduled sequence): the share of their computed
+    tokens (the bucket's T) that were padding, and how many steps ran in each token bucket."""
+    dec = [s for s in steps if s.bucket is not None and s.num_tokens == s.num_seqs]
+    computed = sum(s.bucket[0] for s in dec)
+    per_bucket = {}
+    for s in dec:
+        per_bucket[s.bucket[0]] = per_bucket.get(s.bucket[0], 0) + 1
+    return {"decode_steps": len(dec), "pad_token_share": 1 - sum(s.num_tokens for s in dec) / max(1, computed),
+            "steps_per_token_bucket": dict(sorted(per_bucket.items()))}
 
 
 def steady_decode(llm, n, prompt_len=16, max_tokens=24, seed=0):
@@ -273,6 +289,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=2, help="alternating timed runs per contender; best counts")
     ap.add_argument("--skip_transformers", action="store_true",
                     help="ridgeline alone in the mixed and batch-1 sections (no ratios): the breakdown on a busy machine")
+    ap.add_argument("--peer_decode_bucket_step", type=int, default=None,
+                    help="mixed section: also time an engine with this decode_bucket_step (0: powers of two "
+                         "only), alternating with the default one every round, and print the same-run ratios")
     ap.add_argument("--sections", default="mixed,batch1,host",
                     help="comma-separated subset of mixed, batch1, host (the JSON marks the others skipped)")
     args = ap.parse_args()
@@ -288,7 +307,8 @@ def main():
         args.rounds = 1
     cfg = LlamaConfig(**shape)
     load_before = os.getloadavg()
-    result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": {
+    result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "command": "python benchmarks/offline_throughput.py " + " ".join(sys.argv[1:]), "machine": {
         "cpus": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
         "device": str(jax.devices()[0]), "loadavg_before": load_before,
         "xla_flags": os.environ.get("XLA_FLAGS", "")},
@@ -337,13 +357,29 @@ def main():
                             num_pages=n_req * 512 // 16, max_model_len=512, enable_prefix_caching=False,
                             async_scheduling=False, warmup=False)
         sync_times, sync_steps = [], None
+        ours_cpu, peer, peer_times, peer_cpu, peer_steps = [], None, [], [], None
+        if args.peer_decode_bucket_step is not None:
+            peer = LLM(config=cfg, params=params, max_num_seqs=n_req, max_num_batched_tokens=512, page_size=16,
+                       num_pages=n_req * 512 // 16, max_model_len=512, enable_prefix_caching=False,
+                       decode_bucket_step=args.peer_decode_bucket_step, warmup=False)
+            t = time.perf_counter()
+            ridgeline_run(peer, jobs)
+            log(f"peer (decode_bucket_step={args.peer_decode_bucket_step}): untimed first run "
+                f"{time.perf_counter() - t:.1f}s")
         for r in range(args.rounds):
-            wall, _, round_steps = ridgeline_run(llm, jobs)
-            if not ours_times or wall < min(ours_times):
-                steps = round_steps
-            ours_times.append(wall)
-            log(f"round {r}: ridgeline {useful} tokens in {wall:.1f}s = {useful / wall:.1f} output tok/s "
-                f"over {len(round_steps)} steps")
+            # With a peer, the order within a round alternates, so neither always runs first.
+            order = [("ours", llm), ("peer", peer)] if peer is not None else [("ours", llm)]
+            for who, engine in (order if r % 2 == 0 else order[::-1]):
+                times, cpus = (ours_times, ours_cpu) if who == "ours" else (peer_times, peer_cpu)
+                wall, _, round_steps = ridgeline_run(engine, jobs, cpus)
+                if who == "ours" and (not ours_times or wall < min(ours_times)):
+                    steps = round_steps
+                if who == "peer" and (not peer_times or wall < min(peer_times)):
+                    peer_steps = round_steps
+                times.append(wall)
+                name = "ridgeline" if who == "ours" else f"peer (decode_bucket_step={args.peer_decode_bucket_step})"
+                log(f"round {r}: {name} {useful} tokens in {wall:.1f}s (CPU {cpus[-1]:.1f}s) = "
+                    f"{useful / wall:.1f} output tok/s over {len(round_steps)} steps")
             sync_wall, _, round_sync_steps = ridgeline_run(one_at_a_time, jobs)
             if not sync_times or sync_wall < min(sync_times):
                 sync_steps = round_sync_steps
@@ -375,6 +411,22 @@ def main():
             "ridgeline_one_step_at_a_time": {"seconds": min(sync_times), "seconds_all_rounds": sync_times,
                                              "output_tok_per_s": useful / min(sync_times)},
             "transformers": hf_runs, "transformers_best": best, "ratio_vs_best_transformers": ratio}
+        result["mixed_workload"]["ridgeline"].update(
+            cpu_seconds_all_rounds=ours_cpu, decode_bucket_step=llm.engine.config.decode_bucket_step,
+            decode_padding=decode_padding(steps))
+        log(f"decode-only steps (decode_bucket_step={llm.engine.config.decode_bucket_step}): "
+            f"{100 * decode_padding(steps)['pad_token_share']:.1f}% of their tokens padding")
+        if peer is not None:
+            pad = decode_padding(peer_steps)
+            result["mixed_workload"]["peer"] = {
+                "decode_bucket_step": args.peer_decode_bucket_step, "seconds": min(peer_times),
+                "seconds_all_rounds": peer_times, "cpu_seconds_all_rounds": peer_cpu,
+                "output_tok_per_s": useful / min(peer_times), "steps": len(peer_steps), "decode_padding": pad,
+                "ours_vs_peer_best_wall": min(peer_times) / wall,
+                "ours_vs_peer_median_cpu": statistics.median(peer_cpu) / statistics.median(ours_cpu)}
+            log(f"peer decode_bucket_step={args.peer_decode_bucket_step}: {100 * pad['pad_token_share']:.1f}% of "
+                f"decode tokens padding; ours vs peer: best wall x{min(peer_times) / wall:.3f}, median CPU "
+                f"x{statistics.median(peer_cpu) / statistics.median(ours_cpu):.3f} (>1: ours faster)")
 
         # Where the time went: the one-step-at-a-time engine's steps, whose device times are their own.
         costs = ModelCosts.of(cfg, params)

@@ -200,11 +200,15 @@ def test_decode_sized_steps_share_the_largest_page_bucket():
     """Fewer step shapes: a decode-sized step of 16 or more rows always takes the largest page bucket (its
     attention visits each row's live pages whatever the bucket); the smallest steps and the prefill-sized
     ones keep a bucket per page count."""
+    from serving.core.engine_args import BY_NAME
     from serving.core.input_batch import Buckets
 
-    b = Buckets(max_num_batched_tokens=512, max_num_seqs=64, max_pages_per_seq=128, min_pages=4)
+    b = Buckets(max_num_batched_tokens=512, max_num_seqs=64, max_pages_per_seq=128, min_pages=4,
+                decode_step=BY_NAME["decode_bucket_step"].default)
     shapes = b.all_shapes()
-    assert len(shapes) == 4 * 6 + 3 + 3 * 6  # was 10 token sizes x 6 page counts = 60
+    # 1-8 tokens x 6 page counts, 16-64 tokens (multiples of 8) x 1, 128-512 x 6; 45 with powers of two alone
+    # (`decode_bucket_step=0`), 60 without the one page bucket of decode-sized steps.
+    assert len(shapes) == 4 * 6 + 7 + 3 * 6
     assert {p for t, _, p in shapes if 16 <= t <= 64} == {128}
     assert {p for t, _, p in shapes if t <= 8 or t > 64} == {4, 8, 16, 32, 64, 128}
     assert (b.step_pages(8, 3), b.step_pages(16, 3), b.step_pages(64, 3), b.step_pages(128, 3)) == (4, 128, 128, 4)

@@ -44,15 +44,17 @@ def test_the_workload_of_the_first_generate_expects_its_prefill_and_its_decode()
 
 def test_every_bucket_the_benchmark_workload_reached_pads_into_one_it_expects():
     """The 8 buckets the steps of `benchmarks/first_generate.py`'s workload reached under `LLM`'s default
-    limits (512-token steps, 64 rows, 128 pages of 16 tokens), recorded from a run: the 2 expected
+    limits (512-token steps, 64 rows, 128 pages of 16 tokens) with powers of two alone, recorded from a
+    run, and the 24-row decode bucket the default `decode_bucket_step` adds among them: the 2 expected
     buckets hold every one of them cheaply."""
     from benchmarks.offline_throughput import workload
+    from serving.core.engine_args import BY_NAME
 
-    buckets = Buckets(512, 64, 128)
+    buckets = Buckets(512, 64, 128, decode_step=BY_NAME["decode_bucket_step"].default)
     expected = expected_shapes(buckets, 16, [(len(p), n, 1) for p, n in workload(32, 1234, 32000)])
     assert expected == [StepShape(512, 64, 32), StepShape(32, 32, 128)]
-    reached = [(512, 64, 16), (512, 64, 32), (32, 32, 128), (16, 16, 128), (8, 8, 32), (4, 4, 32), (2, 2, 32),
-               (1, 1, 32)]
+    reached = [(512, 64, 16), (512, 64, 32), (32, 32, 128), (24, 24, 128), (16, 16, 128), (8, 8, 32), (4, 4, 32),
+               (2, 2, 32), (1, 1, 32)]
     for T, S, P in reached:
         assert any(holds_cheaply(h, StepShape(T, S, P), buckets) for h in expected), (T, S, P)
 

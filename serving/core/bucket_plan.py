@@ -4,10 +4,13 @@
 `generate`; that call knows its prompts and output lengths, so it asks for the few buckets its
 steps will run in (`expected_shapes`) and every other step pads into one of those, as long as the
 padding is cheap (`holds_cheaply`). The mixed workload of `benchmarks/first_generate.py` (32
-requests, prompts and outputs of 16-256 tokens, `LLM`'s default limits) reaches 8 buckets when
-each compiles its own (two prefill page buckets; decodes of 32, 16, 8, 4, 2 and 1 rows); it
+requests, prompts and outputs of 16-256 tokens, `LLM`'s default limits) reaches 9 buckets when
+each compiles its own (two prefill page buckets; decodes of 32, 24, 16, 8, 4, 2 and 1 rows); it
 expects 2 (the full prefill chunk at the longest context's pages, and the decode of all 32
-requests), which hold all 8.
+requests), which hold all 9 cheaply: a decode of 17-24 rows then runs in the 32-row bucket
+rather than compiling its own. The finer decode buckets (`Buckets.token_sizes`) are used where
+every bucket is compiled up front for many calls (a full or background warm-up: the server) or
+where a step compiles its own bucket (`warmup=False`).
 
 Pure functions of the bucket set and the requests' lengths: no engine state.
 """

@@ -102,7 +102,8 @@ class Engine:
             rows = spec_logit_rows(config.max_num_seqs, config.max_num_batched_tokens, config.num_speculative_tokens)
         self.buckets = Buckets(config.max_num_batched_tokens, rows, -(-model_len // ps),
                                config.min_token_bucket, -(-config.min_context_bucket // ps),
-                               image_hidden=cfg.hidden_size if cfg.vision is not None else 0)
+                               image_hidden=cfg.hidden_size if cfg.vision is not None else 0,
+                               decode_step=config.decode_bucket_step)
         runner_class = ModelRunner
         if getattr(layout, "pipeline_parallel_size", 1) > 1:  # staged params and KV cache
             from serving.core.pipeline_runner import PipelineRunner as runner_class

@@ -97,6 +97,11 @@ OPTIONS: tuple[EngineOption, ...] = (
                  "Smallest padded token count of a step (raising it compiles fewer shapes, but pads every small "
                  "step up to it). Measured: batch-1 greedy decode of the embedded model through LLM.generate "
                  "on a 2-core CPU, 1: 1000-1100 tok/s, 16: 240-250 tok/s."),
+    EngineOption("decode_bucket_step", int, 8,
+                 "Decode-sized token buckets (up to max_num_seqs) at every multiple of this besides the powers of "
+                 "two, as vLLM's CUDA graph sizes (0: powers of two only). Each adds one step program (more "
+                 "compiles at warm-up) and cuts a decode step's padding rows to fewer than this many; "
+                 "docs/performance.md has the measurement."),
     EngineOption("min_context_bucket", int, 64, "Smallest padded context (tokens) attention reads per sequence."),
     EngineOption("dtype", str, "auto",
                  "Float dtype the model computes in: the checkpoint's (auto), except on CPU, where a bfloat16 / "

@@ -1,11 +1,13 @@
 """Host-side packing of one scheduled step into the step function's padded inputs.
 
 Shapes are padded to buckets so the jitted step compiles once per bucket:
-T tokens (powers of two from `min_tokens` up to `max_num_batched_tokens`),
-S = min(T, `max_num_seqs`) sequences and logit rows, P pages per sequence
-(powers of two from `min_pages` up to the pages of `max_model_len`). S is
-tied to T because padding sequences costs almost nothing; P is a bucket of
-its own because the jnp attention reads P pages for every token.
+T tokens (powers of two from `min_tokens` up to `max_num_batched_tokens`, and
+with `decode_step` every multiple of it up to `max_num_seqs` as well: finer
+decode-sized buckets, `Buckets.token_sizes`), S = min(T, `max_num_seqs`)
+sequences and logit rows, P pages per sequence (powers of two from
+`min_pages` up to the pages of `max_model_len`). S is tied to T because
+padding sequences costs almost nothing; P is a bucket of its own because the
+jnp attention reads P pages for every token.
 
 Everything integer goes into ONE int32 buffer and everything float into ONE
 float32 buffer (offsets fixed by (T, S, P)), so a step costs two host-to-device
@@ -54,15 +56,31 @@ class Buckets:
     # A vision-language model's hidden size: every step then carries image embeddings and multimodal
     # RoPE positions (`StepShape.image_hidden`, `serving.core.multimodal`); 0 for a text model.
     image_hidden: int = 0
+    # > 0: decode-sized token buckets at every multiple of this, besides the powers of two
+    # (`token_sizes`; the engine option `decode_bucket_step`); 0: powers of two only.
+    decode_step: int = 0
 
     def __post_init__(self):
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                              f"max_num_seqs ({self.max_num_seqs})")
+        if self.decode_step < 0:
+            raise ValueError(f"decode_bucket_step must be >= 0 (0: powers of two only), got {self.decode_step}")
 
     @functools.cached_property
     def token_sizes(self) -> list[int]:
-        return powers_of_two(self.max_num_batched_tokens, self.min_tokens)
+        """The padded token counts of a step: powers of two from `min_tokens` up to `max_num_batched_tokens`,
+        and with `decode_step` also every multiple of it from `min_tokens` up to `max_num_seqs` (vLLM's CUDA
+        graph sizes are 1, 2, 4, then multiples of 8). A decode step has one row per running sequence, so
+        with powers of two alone 17 running sequences compute 32 rows; the multiples cap the padding of
+        a decode of more than `decode_step` rows at `decode_step - 1` rows. Larger (prefill-sized) steps keep the powers of two:
+        their tokens come from a budget the scheduler fills, and each such bucket has every page bucket
+        (`all_shapes`), while a decode-sized bucket of at least `ONE_PAGE_BUCKET_FROM` rows adds one."""
+        sizes = set(powers_of_two(self.max_num_batched_tokens, self.min_tokens))
+        if self.decode_step:
+            first = max(self.decode_step, -(-self.min_tokens // self.decode_step) * self.decode_step)
+            sizes.update(range(first, self.max_num_seqs + 1, self.decode_step))
+        return sorted(sizes)
 
     @functools.cached_property
     def page_sizes(self) -> list[int]:

@@ -133,7 +133,7 @@ class DraftModelProposer:
         self.num_pages = num_pages
         # The catch-up forward has the target's token buckets; one row per sequence.
         self.buckets = Buckets(buckets.max_num_batched_tokens, max_num_seqs, buckets.max_pages_per_seq,
-                               buckets.min_tokens, buckets.min_pages)
+                               buckets.min_tokens, buckets.min_pages, decode_step=buckets.decode_step)
         self.max_num_seqs = max_num_seqs
         self.backend = backend
         placement = jax.devices()[0] if placement is None else placement
