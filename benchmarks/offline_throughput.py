@@ -340,9 +340,10 @@ def main():
     # --- 2. mixed workload -------------------------------------------------------------------
     jobs = workload(n_req, 1234, cfg.vocab_size, *lengths)
     useful = sum(o for _, o in jobs)
-    llm = LLM(config=cfg, params=params, max_num_seqs=n_req, max_num_batched_tokens=512, page_size=16,
-              num_pages=n_req * 512 // 16, max_model_len=512, enable_prefix_caching=False,
-              warmup=False)  # every shape the workload reaches compiles exactly (in the untimed run)
+    # Every engine of this section: every shape the workload reaches compiles exactly (in the untimed run).
+    mixed_engine = dict(config=cfg, params=params, max_num_seqs=n_req, max_num_batched_tokens=512, page_size=16,
+                        num_pages=n_req * 512 // 16, max_model_len=512, enable_prefix_caching=False, warmup=False)
+    llm = LLM(**mixed_engine)
     if "mixed" in sections:
         t = time.perf_counter()
         ridgeline_run(llm, jobs)
@@ -353,15 +354,11 @@ def main():
         if args.skip_transformers:
             configs = ()
         ours_times, hf_times, steps = [], {name: [] for name, _, _ in configs}, None
-        one_at_a_time = LLM(config=cfg, params=params, max_num_seqs=n_req, max_num_batched_tokens=512, page_size=16,
-                            num_pages=n_req * 512 // 16, max_model_len=512, enable_prefix_caching=False,
-                            async_scheduling=False, warmup=False)
+        one_at_a_time = LLM(**mixed_engine, async_scheduling=False)
         sync_times, sync_steps = [], None
         ours_cpu, peer, peer_times, peer_cpu, peer_steps = [], None, [], [], None
         if args.peer_decode_bucket_step is not None:
-            peer = LLM(config=cfg, params=params, max_num_seqs=n_req, max_num_batched_tokens=512, page_size=16,
-                       num_pages=n_req * 512 // 16, max_model_len=512, enable_prefix_caching=False,
-                       decode_bucket_step=args.peer_decode_bucket_step, warmup=False)
+            peer = LLM(**mixed_engine, decode_bucket_step=args.peer_decode_bucket_step)
             t = time.perf_counter()
             ridgeline_run(peer, jobs)
             log(f"peer (decode_bucket_step={args.peer_decode_bucket_step}): untimed first run "
@@ -411,11 +408,12 @@ def main():
             "ridgeline_one_step_at_a_time": {"seconds": min(sync_times), "seconds_all_rounds": sync_times,
                                              "output_tok_per_s": useful / min(sync_times)},
             "transformers": hf_runs, "transformers_best": best, "ratio_vs_best_transformers": ratio}
+        ours_pad = decode_padding(steps)
         result["mixed_workload"]["ridgeline"].update(
             cpu_seconds_all_rounds=ours_cpu, decode_bucket_step=llm.engine.config.decode_bucket_step,
-            decode_padding=decode_padding(steps))
+            decode_padding=ours_pad)
         log(f"decode-only steps (decode_bucket_step={llm.engine.config.decode_bucket_step}): "
-            f"{100 * decode_padding(steps)['pad_token_share']:.1f}% of their tokens padding")
+            f"{100 * ours_pad['pad_token_share']:.1f}% of their tokens padding")
         if peer is not None:
             pad = decode_padding(peer_steps)
             result["mixed_workload"]["peer"] = {

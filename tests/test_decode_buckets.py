@@ -15,7 +15,7 @@ from serving import LLM, SamplingParams
 from serving.core import engine_args
 from serving.core.bucket_plan import expected_shapes, holds_cheaply
 from serving.core.input_batch import Buckets, StepShape
-from tests.conftest import tiny_config
+from conftest import tiny_config
 
 DEFAULT_STEP = engine_args.BY_NAME["decode_bucket_step"].default
 
@@ -66,7 +66,8 @@ def test_the_planner_expects_the_decode_in_its_own_finer_bucket():
 
 # Few programs: token buckets 8, 16, (24,) 32, one page bucket.
 ENGINE = dict(max_num_seqs=24, max_num_batched_tokens=32, min_token_bucket=8, page_size=8, max_model_len=64,
-              min_context_bucket=64, num_pages=211, attention_backend="reference", compilation_cache_dir="", enable_prefix_caching=False)
+              min_context_bucket=64, num_pages=211, attention_backend="reference", compilation_cache_dir="",
+              enable_prefix_caching=False)
 
 
 def test_decodes_run_in_the_finer_bucket_after_a_full_warm_up_with_the_same_greedy_tokens():

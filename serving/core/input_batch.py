@@ -73,9 +73,10 @@ class Buckets:
         and with `decode_step` also every multiple of it from `min_tokens` up to `max_num_seqs` (vLLM's CUDA
         graph sizes are 1, 2, 4, then multiples of 8). A decode step has one row per running sequence, so
         with powers of two alone 17 running sequences compute 32 rows; the multiples cap the padding of
-        a decode of more than `decode_step` rows at `decode_step - 1` rows. Larger (prefill-sized) steps keep the powers of two:
-        their tokens come from a budget the scheduler fills, and each such bucket has every page bucket
-        (`all_shapes`), while a decode-sized bucket of at least `ONE_PAGE_BUCKET_FROM` rows adds one."""
+        a decode of more than `decode_step` rows at `decode_step - 1` rows. Larger (prefill-sized) steps
+        keep the powers of two: their tokens come from a budget the scheduler fills, and each such bucket
+        has every page bucket (`all_shapes`), while a decode-sized bucket of at least
+        `ONE_PAGE_BUCKET_FROM` rows adds one."""
         sizes = set(powers_of_two(self.max_num_batched_tokens, self.min_tokens))
         if self.decode_step:
             first = max(self.decode_step, -(-self.min_tokens // self.decode_step) * self.decode_step)
