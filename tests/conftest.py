@@ -43,8 +43,8 @@ def tiny_config(**overrides):
 # worker, and a long file handed out last would leave the other worker idle at the end.
 SLOW_FILES_FIRST = ("test_multihost.py", "test_gpu_check_smoke.py", "test_composition.py", "test_lora_engine.py",
                     "test_vision_composition.py", "test_vision_gemma3.py", "test_pipeline.py", "test_startup.py",
-                    "test_spec_decode.py", "test_scan_layers.py", "test_disagg_engine.py", "test_engine_tp.py",
-                    "test_xla_attention.py", "test_quant.py", "test_async_scheduling.py")
+                    "test_spec_decode.py", "test_scan_layers.py", "test_quant.py", "test_engine_tp.py",
+                    "test_xla_attention.py", "test_disagg_engine.py", "test_async_scheduling.py")
 
 
 def pytest_collection_modifyitems(config, items):
