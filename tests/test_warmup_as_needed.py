@@ -8,6 +8,7 @@ import gc
 import os
 import random
 import sys
+import threading
 import time
 import weakref
 
@@ -15,7 +16,7 @@ import jax
 import pytest
 
 from serving import LLM, SamplingParams
-from serving.core import step_programs
+from serving.core import executable_store, step_programs
 from serving.core.bucket_plan import expected_shapes, holds_cheaply
 from serving.core.input_batch import Buckets, StepShape
 from serving.llm import resolve_warmup
@@ -196,3 +197,38 @@ def test_once_idle_the_buckets_steps_were_padded_out_of_compile_and_later_calls_
     finally:
         llm.shutdown()
     assert not programs._fill_thread.is_alive()  # `shutdown` ends it
+
+
+def test_a_warm_start_loads_its_stored_buckets_in_the_background_before_steps_need_them(model, monkeypatch):
+    """The buckets an earlier `LLM` saved whole (`executable_store`, here the suite's cache directory) load
+    in the warm-up thread as soon as an `LLM` over the same model and pool is built, so no step waits for a
+    load; the call then compiles nothing and gives the same tokens."""
+    cfg, weights = model
+    prompts, params = _workload(cfg.vocab_size)
+    engine = dict(ENGINE, compilation_cache_dir=None, num_pages=81)  # the suite's cache; a pool of its own
+    first = LLM(config=cfg, params=weights, **engine, warmup="as_needed")
+    tokens, _ = _run(first, prompts, params)
+    store, key = executable_store.current(), first.engine.runner.programs._key
+    stored = [s for s in first.engine.runner.warm_up_order() if os.path.exists(store.path(key(s)))]
+    assert stored
+    first.shutdown()
+    del first, key
+    gc.collect()  # its executables leave the process-wide table with it
+
+    loads = []  # the thread each load from the store ran on
+    load = step_programs.StepPrograms._load_stored
+    monkeypatch.setattr(step_programs.StepPrograms, "_load_stored",
+                        staticmethod(lambda key: loads.append(threading.current_thread().name) or load(key)))
+    second = LLM(config=cfg, params=weights, **engine, warmup="as_needed")
+    try:
+        programs = second.engine.runner.programs
+        deadline = time.monotonic() + 120
+        while not all(programs.is_compiled(s) for s in stored) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(programs.is_compiled(s) for s in stored)  # loaded before any call
+        before = step_programs.compiled_total()
+        assert _run(second, prompts, params)[0] == tokens
+        assert step_programs.compiled_total() == before
+        assert len(loads) == len(stored) and set(loads) == {"ridgeline-warmup"}
+    finally:
+        second.shutdown()

@@ -585,6 +585,9 @@ class ModelRunner:
             self.programs.first_in_background(
                 lambda: [executable_store.prepare(jitted, name, self._small_programs, *args) for jitted, name, args in calls])
         self.programs.start_as_needed()
+        # What an earlier process saved whole loads in that thread before the steps get to it (largest first:
+        # a call's first steps are its prefill).
+        self.programs.preload_stored(self.warm_up_order()[::-1])
 
     def expect(self, requests, rows_per_seq: int = 1) -> None:
         """Requests ((prompt tokens, new tokens at most, sequences) each) are about to run: their buckets
