@@ -13,7 +13,12 @@ contender in its own fresh process, one after the other, all in one run:
   * ridgeline, cold: a fresh process with an empty persistent compilation
     cache (`compilation_cache_dir` a new empty directory);
   * ridgeline, warm: the same script again over the cache the cold run left;
-  * in the cold process, a second `generate` of the same workload (steady state);
+    this process then idles until the buckets its steps were padded out of
+    have compiled (`StepPrograms.end_call`: what a notebook or a long job
+    does between calls, and a script that exits at once does not);
+  * ridgeline, warm after an idle: the same script over the cache that left;
+  * in each process, a second `generate` of the same workload with the prefix
+    cache reset first, so it recomputes every prompt (the process's steady state);
   * with `--baseline_warmup off` (the default), ridgeline again over an empty
     cache with `LLM(warmup=False)`: every bucket compiled on first use, as
     `LLM` did before it compiled as needed (a same-run before/after).
@@ -138,9 +143,19 @@ def child_ridgeline(args) -> dict:
     first, first_tokens = run()
     after_first = snapshot()
     warmup = llm.engine.runner.warmup_stats()
+    llm.engine.reset_prefix_cache()  # the second call recomputes every prompt, as the first did
     second, second_tokens = run()
     after_second = snapshot()
     assert first_tokens == second_tokens, "the first and second generate disagree"
+    idle = None
+    if args.idle_fill:
+        from serving.core import step_programs
+
+        programs = llm.engine.runner.programs
+        t = time.perf_counter()
+        programs.wait_filled()
+        idle = {"seconds": time.perf_counter() - t, "idle_before_first_fill": step_programs.FILL_AFTER_IDLE_SECONDS,
+                "buckets_filled": programs.stats().filled}
 
     def parts(before, after):
         (s0, c0, k0), (s1, c1, k1) = before, after
@@ -159,12 +174,15 @@ def child_ridgeline(args) -> dict:
             "warmup_after_first_generate": {"total": warmup.total, "compiled": warmup.compiled,
                                             "steps_in_larger_bucket": warmup.steps_in_larger_bucket,
                                             "compiles_after_ready": warmup.compiles_after_ready},
+            "idle_fill": idle,
             "useful_output_tokens": useful}
 
 
-def run_child(mode: str, args, cache_dir: str | None = None) -> dict:
+def run_child(mode: str, args, cache_dir: str | None = None, idle_fill: bool = False) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--checkpoint", args.checkpoint,
            "--num_requests", str(args.num_requests), "--llm_options", args.llm_options]
+    if idle_fill:
+        cmd.append("--idle_fill")
     if cache_dir is not None:
         cmd += ["--cache_dir", cache_dir]
     t = time.perf_counter()
@@ -185,6 +203,7 @@ def main():
     ap.add_argument("--child", choices=("transformers", "ridgeline"), help=argparse.SUPPRESS)
     ap.add_argument("--checkpoint", help=argparse.SUPPRESS)
     ap.add_argument("--cache_dir", help=argparse.SUPPRESS)
+    ap.add_argument("--idle_fill", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         result = child_transformers(args) if args.child == "transformers" else child_ridgeline(args)
@@ -216,7 +235,9 @@ def main():
         log("ridgeline, empty compilation cache ...")
         cold = run_child("ridgeline", args, cache)
         log("ridgeline, the compilation cache the first run left ...")
-        warm = run_child("ridgeline", args, cache)
+        warm = run_child("ridgeline", args, cache, idle_fill=True)
+        log("ridgeline, the compilation cache the warm run left after idling ...")
+        filled = run_child("ridgeline", args, cache)
         baseline = None
         if args.baseline_warmup:
             log(f"ridgeline, warmup={args.baseline_warmup}, empty compilation cache ...")
@@ -234,19 +255,23 @@ def main():
 
     ratios = {"first_generate_cold_cache": cold["first_output_tok_per_s"] / base,
               "first_generate_warm_cache": warm["first_output_tok_per_s"] / base,
+              "first_generate_warm_filled_cache": filled["first_output_tok_per_s"] / base,
               "second_generate_same_process": cold["second_output_tok_per_s"] / base,
+              "second_generate_same_process_filled_cache": filled["second_output_tok_per_s"] / base,
               "with_construction_cold_cache": with_construction(cold),
-              "with_construction_warm_cache": with_construction(warm)}
+              "with_construction_warm_cache": with_construction(warm),
+              "with_construction_warm_filled_cache": with_construction(filled)}
     if baseline is not None:
         ratios["first_generate_cold_cache_baseline_warmup"] = baseline["first_output_tok_per_s"] / base
         ratios["with_construction_cold_cache_baseline_warmup"] = with_construction(baseline)
-    result.update(transformers=hf, ridgeline_cold=cold, ridgeline_warm=warm, ratio_vs_transformers=ratios,
+    result.update(transformers=hf, ridgeline_cold=cold, ridgeline_warm=warm, ridgeline_warm_filled=filled,
+                  ratio_vs_transformers=ratios,
                   baseline_warmup=args.baseline_warmup or None, ridgeline_cold_baseline_warmup=baseline)
     result["machine"]["loadavg_after"] = os.getloadavg()
     result["machine"]["uptime_after"] = _uptime()
     result["command"] = " ".join([os.path.relpath(sys.argv[0], os.path.dirname(HERE))] + sys.argv[1:])
     print(f"transformers ({hf['best']}): {base:.1f} useful tok/s (model load {hf['load_seconds']:.1f}s)")
-    rows = [("cold", cold, "_cache"), ("warm", warm, "_cache")]
+    rows = [("cold", cold, "_cache"), ("warm", warm, "_cache"), ("warm_filled", filled, "_cache")]
     if baseline is not None:
         rows.append((f"cold, warmup={args.baseline_warmup}", baseline, "_cache_baseline_warmup"))
     for name, r, suffix in rows:
@@ -259,6 +284,9 @@ def main():
               f"call: trace {c['seconds']['trace']:.1f}s lower {c['seconds']['lower']:.1f}s "
               f"XLA {c['seconds']['xla_compile']:.1f}s, {c['xla_compiled']} compiled, "
               f"{c['persistent_cache_hits']} cache hits")
+    fill = warm["idle_fill"]
+    print(f"the warm process then idled {fill['seconds']:.1f}s more (fills start after "
+          f"{fill['idle_before_first_fill']:.0f}s idle) while {fill['buckets_filled']} padded-out buckets compiled")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -86,6 +86,9 @@ class LLM:
       when that costs at most about twice the work, and compile their own
       only when none holds them so cheaply. A script's first `generate`
       thus compiles two programs instead of one per bucket it reaches.
+      Once no call has run for a couple of seconds, the buckets steps were
+      padded out of compile at the lowest CPU priority and are saved, so
+      later calls and later processes run those steps in their own.
     * True: every step shape up front.
     * "background": the smallest and the largest now and the rest in a
       background thread while the engine already serves (what the server does).
@@ -330,14 +333,17 @@ class LLM:
                 engine.release_lora(r)
             raise
         engine.expect(reqs)  # under warmup="as_needed", their buckets start compiling now
-        for r in reqs:
-            engine.enqueue(r)
-        done: dict[str, RequestOutput] = {}
-        want = {r.request_id for r in reqs}
-        while want - done.keys():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out
+        try:
+            for r in reqs:
+                engine.enqueue(r)
+            done: dict[str, RequestOutput] = {}
+            want = {r.request_id for r in reqs}
+            while want - done.keys():
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+        finally:
+            engine.end_call()  # once idle, what its steps were padded out of may compile
         return [done[r.request_id] for r in reqs]
 
 

@@ -5,14 +5,18 @@ executable table is shared by engines over the same model and pool) and compile 
 """
 
 import gc
+import os
 import random
+import sys
+import threading
+import time
 import weakref
 
 import jax
 import pytest
 
 from serving import LLM, SamplingParams
-from serving.core import step_programs
+from serving.core import executable_store, step_programs
 from serving.core.bucket_plan import expected_shapes, holds_cheaply
 from serving.core.input_batch import Buckets, StepShape
 from serving.llm import resolve_warmup
@@ -106,7 +110,9 @@ def _run(llm, prompts, params):
     return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
 
 
-def test_a_first_generate_compiles_what_it_expects_pads_the_rest_and_matches_compiling_every_bucket(model):
+def test_a_first_generate_compiles_what_it_expects_pads_the_rest_and_matches_compiling_every_bucket(model,
+                                                                                                 monkeypatch):
+    monkeypatch.setattr(step_programs, "FILL_AFTER_IDLE_SECONDS", 1e9)  # no idle compiles between these calls
     cfg, weights = model
     prompts, params = _workload(cfg.vocab_size)
 
@@ -151,3 +157,78 @@ def test_an_llm_let_go_of_ends_its_warm_up_thread_and_frees_its_kv_pool(model):
     gc.collect()
     thread.join(timeout=60)
     assert not thread.is_alive() and runner() is None
+
+
+def test_once_idle_the_buckets_steps_were_padded_out_of_compile_and_later_calls_run_in_them(model, monkeypatch):
+    """After a call, nothing compiles until the engine has idled `FILL_AFTER_IDLE_SECONDS`; then the buckets its
+    steps were padded out of compile (the thread's own priority lowered), and the same call again runs every
+    step in its own bucket, compiles nothing and gives the same tokens and logprobs."""
+    monkeypatch.setattr(step_programs, "FILL_AFTER_IDLE_SECONDS", 0.5)
+    cfg, weights = model
+    prompts, params = _workload(cfg.vocab_size)
+    llm = LLM(config=cfg, params=weights, num_pages=77, **ENGINE, warmup="as_needed")
+    try:
+        programs = llm.engine.runner.programs
+        tokens, logprobs = _run(llm, prompts, params)
+        padded = dict(programs._padded_out)
+        assert padded and programs.stats().steps_in_larger_bucket == sum(padded.values())
+        assert not any(programs.is_compiled(s) for s in padded)
+
+        # A call that starts before the idle time is up holds the fills back while it runs.
+        programs.begin_call()
+        time.sleep(1.0)
+        assert programs._fill_thread.is_alive() and programs.filled == 0
+        assert not any(programs.is_compiled(s) for s in padded)
+        programs.end_call()
+
+        assert programs.wait_filled(timeout=300)
+        assert all(programs.is_compiled(s) for s in padded) and programs.stats().filled == len(padded)
+        if sys.platform == "linux":
+            assert os.getpriority(os.PRIO_PROCESS, programs._fill_thread.native_id) == 19
+
+        steps_before, compiled_before = programs.steps_in_larger_bucket, step_programs.compiled_total()
+        again_tokens, again_logprobs = _run(llm, prompts, params)
+        assert programs.steps_in_larger_bucket == steps_before  # every step in its own bucket now
+        assert step_programs.compiled_total() == compiled_before
+        assert again_tokens == tokens
+        for a, b in zip(again_logprobs, logprobs):
+            for x, y in zip(a, b):
+                assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+    finally:
+        llm.shutdown()
+    assert not programs._fill_thread.is_alive()  # `shutdown` ends it
+
+
+def test_a_warm_start_loads_its_stored_buckets_in_the_background_before_steps_need_them(model, monkeypatch):
+    """The buckets an earlier `LLM` saved whole (`executable_store`, here the suite's cache directory) load
+    in the warm-up thread as soon as an `LLM` over the same model and pool is built, so no step waits for a
+    load; the call then compiles nothing and gives the same tokens."""
+    cfg, weights = model
+    prompts, params = _workload(cfg.vocab_size)
+    engine = dict(ENGINE, compilation_cache_dir=None, num_pages=81)  # the suite's cache; a pool of its own
+    first = LLM(config=cfg, params=weights, **engine, warmup="as_needed")
+    tokens, _ = _run(first, prompts, params)
+    store, key = executable_store.current(), first.engine.runner.programs._key
+    stored = [s for s in first.engine.runner.warm_up_order() if os.path.exists(store.path(key(s)))]
+    assert stored
+    first.shutdown()
+    del first, key
+    gc.collect()  # its executables leave the process-wide table with it
+
+    loads = []  # the thread each load from the store ran on
+    load = step_programs.StepPrograms._load_stored
+    monkeypatch.setattr(step_programs.StepPrograms, "_load_stored",
+                        staticmethod(lambda key: loads.append(threading.current_thread().name) or load(key)))
+    second = LLM(config=cfg, params=weights, **engine, warmup="as_needed")
+    try:
+        programs = second.engine.runner.programs
+        deadline = time.monotonic() + 120
+        while not all(programs.is_compiled(s) for s in stored) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(programs.is_compiled(s) for s in stored)  # loaded before any call
+        before = step_programs.compiled_total()
+        assert _run(second, prompts, params)[0] == tokens
+        assert step_programs.compiled_total() == before
+        assert len(loads) == len(stored) and set(loads) == {"ridgeline-warmup"}
+    finally:
+        second.shutdown()

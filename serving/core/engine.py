@@ -629,6 +629,11 @@ class Engine:
         self.runner.expect([(len(r.prompt_token_ids), r.params.max_tokens or 1, r.params.n) for r in requests],
                            rows_per_seq=1 + drafts)
 
+    def end_call(self) -> None:
+        """The requests of the last `expect` are done: under `warm_up_as_needed` the buckets their steps were
+        padded out of compile once the engine idles (`StepPrograms.end_call`)."""
+        self.runner.end_call()
+
     def stop_warm_up(self) -> None:
         """Ends a background warm-up after the compile under way (before the process exits)."""
         self.runner.stop_warm_up()

@@ -585,11 +585,21 @@ class ModelRunner:
             self.programs.first_in_background(
                 lambda: [executable_store.prepare(jitted, name, self._small_programs, *args) for jitted, name, args in calls])
         self.programs.start_as_needed()
+        # What an earlier process saved whole loads in that thread before the steps get to it (largest first:
+        # a call's first steps are its prefill).
+        self.programs.preload_stored(self.warm_up_order()[::-1])
 
     def expect(self, requests, rows_per_seq: int = 1) -> None:
         """Requests ((prompt tokens, new tokens at most, sequences) each) are about to run: their buckets
-        (`bucket_plan.expected_shapes`) compile first under `warm_up_as_needed`; otherwise a no-op."""
+        (`bucket_plan.expected_shapes`) compile first under `warm_up_as_needed`; otherwise a no-op. The call
+        lasts until `end_call`."""
+        self.programs.begin_call()
         self.programs.want(bucket_plan.expected_shapes(self.buckets, self.page_size, requests, rows_per_seq))
+
+    def end_call(self) -> None:
+        """The requests of the last `expect` are done (`StepPrograms.end_call`: what was padded may compile
+        once the runner idles)."""
+        self.programs.end_call()
 
     def _warm_up_small_programs(self) -> None:
         """Runs the page copy (all padding, so nothing moves) and the control row load once."""

@@ -31,7 +31,18 @@ directly, which lets startup be split:
   call's steps pad into whichever compiled (or coming) bucket holds them
   cheaply (`bucket_plan.holds_cheaply`: at most about twice the work) and
   compile their own bucket only when none does. Buckets no call needs are
-  never compiled: on XLA CPU a compile takes the cores the steps run on.
+  not compiled while a call runs: on XLA CPU a compile takes the cores the
+  steps run on. Buckets an earlier process saved whole load in the same
+  thread as soon as it starts (`preload_stored`), so that no step waits for
+  its load.
+* Once no call has run for `FILL_AFTER_IDLE_SECONDS`, a second thread, at the
+  lowest CPU priority, compiles the buckets steps were padded out of, the
+  most padded first (`end_call`). Each is used from the next step that fits
+  it and saved whole like any full compile, so a process's later calls, and
+  the next process over the same store, run their steps in their own buckets:
+  without it an `LLM` would pad the same steps into the same larger buckets
+  for as long as it lives. A script that exits as soon as its last call
+  returns starts no such compile, so its exit does not wait for one.
 * A bucket nobody compiled yet (no warm-up: tests) compiles on first
   use, as `jit` would. After a warm-up such a compile is counted
   (`stats().compiles_after_ready`): it means a shape escaped the bucket set.
@@ -91,8 +102,9 @@ def _first_difference(new, old) -> str:
 
 
 def _serve_wants(ref, wake: threading.Condition) -> None:
-    """The thread of `StepPrograms.start_as_needed`: compiles each bucket calls want, in order, until the
-    programs stop or nothing refers to them any more (checked every few seconds while idle)."""
+    """The thread of `StepPrograms.start_as_needed`: compiles each bucket calls want, in order, and when none
+    waits loads the stored ones (`preload_stored`), until the programs stop or nothing refers to them any
+    more (checked every few seconds while idle)."""
     programs = ref()
     if programs is not None:
         for work in programs._first:
@@ -102,13 +114,56 @@ def _serve_wants(ref, wake: threading.Condition) -> None:
         with wake:
             if programs is None or programs._stopping:
                 return
-            if not programs._wanted:
+            wanted = bool(programs._wanted)
+            shape = programs._wanted[0] if wanted else programs._next_preload()
+            if shape is None:
                 programs = None  # while waiting, only the weak reference
                 wake.wait(timeout=5.0)
                 programs = ref()
                 continue
-            shape = programs._wanted[0]
-        programs._compile_wanted(shape)
+        if wanted:
+            programs._compile_wanted(shape)
+        else:
+            programs._compile(shape, programs._key(shape), on_demand=False)  # loads it from the store
+
+
+# Under `start_as_needed`, how long no call must have run before the buckets steps were padded out of start
+# compiling (`StepPrograms.end_call`). Long enough that a script's next call, or its exit, usually comes first
+# (a process exits only after a compile under way ends), short enough that an interactive session's pause fills.
+FILL_AFTER_IDLE_SECONDS = 2.0
+
+
+def _lower_this_threads_priority() -> None:
+    """The calling thread at the lowest CPU priority (Linux: a thread's own nice value), so that its compiles
+    take only the cores' idle time. Elsewhere a no-op."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
+
+
+def _fill_when_idle(ref, wake: threading.Condition) -> None:
+    """The thread of `StepPrograms.end_call`: compiles, one at a time and at the lowest priority, the buckets
+    steps were padded out of, while no call runs; holds its programs only weakly while it waits."""
+    _lower_this_threads_priority()
+    programs = ref()
+    while True:
+        with wake:
+            if programs is None or programs._stopping:
+                return
+            shape, wait = programs._next_fill()
+            if shape is None:
+                programs = None  # while waiting, only the weak reference
+                wake.wait(timeout=wait)
+                programs = ref()
+                continue
+            programs._filling = shape
+        try:
+            programs._compile_fill(shape)
+        finally:
+            with wake:
+                programs._filling = None
+                wake.notify_all()
 
 
 def compiled_total() -> int:
@@ -125,6 +180,7 @@ class WarmupStats:
     steps_in_larger_bucket: int  # steps run in a bigger bucket than their own, its own not compiled yet
     compiles_after_ready: int  # buckets compiled on demand after the minimal set was ready
     quick: int = 0  # of the compiled, buckets still running a quick compile (their full one is on its way)
+    filled: int = 0  # buckets compiled while idle because steps had been padded out of them (`end_call`)
 
     @property
     def ready(self) -> bool:
@@ -161,6 +217,13 @@ class StepPrograms:
         self._rest: list = []  # the buckets left to the background
         self._first: list = []  # callables the background thread runs before its compiles
         self._stopping = False
+        self._calls = 0  # calls running (`begin_call` .. `end_call`)
+        self._idle_since = time.monotonic()  # when the last call ended
+        self._padded_out: dict = {}  # bucket -> steps padded out of it, not compiled yet (`start_as_needed`)
+        self._filling = None  # the bucket the fill thread is compiling
+        self._preload: list = []  # buckets to load from the store when no wanted compile waits
+        self._fill_thread: Optional[threading.Thread] = None
+        self.filled = 0
         self.steps_in_larger_bucket = 0
         self.compiles_after_ready = 0
         self.recompile_reasons: list[str] = []  # `why` of the last compiles after warm-up (at most 8)
@@ -292,8 +355,14 @@ class StepPrograms:
                        and s.P >= shape.P]
         if not holders:
             return shape  # compiles on demand (counted once warm-up is done)
+        holder = min(holders, key=lambda s: (s.T, s.P))
+        if holder == shape:
+            return shape  # a call asked for this very bucket: the step waits for its compile
         self.steps_in_larger_bucket += 1
-        return min(holders, key=lambda s: (s.T, s.P))
+        if self._as_needed:
+            with self._wake:
+                self._padded_out[shape] = self._padded_out.get(shape, 0) + 1
+        return holder
 
     # --- warm-up --------------------------------------------------------------------------------
     def warm_up(self, shapes: list, *, background: bool, start_thread: bool = True, quick: bool = False) -> dict:
@@ -347,6 +416,23 @@ class StepPrograms:
             self._wanted = new + [s for s in self._wanted if s not in new]
             self._wake.notify_all()
 
+    def preload_stored(self, shapes: list) -> None:
+        """Under `start_as_needed`: those of `shapes` an earlier process saved whole (`executable_store`)
+        load in the thread, in this order, whenever no wanted compile waits, rather than inside the first
+        step that runs in each (about 0.3 s apiece for the 125M model's steps on CPU, a step's host
+        time many times over)."""
+        with self._wake:
+            self._preload += [s for s in shapes if s not in self._preload]
+            self._wake.notify_all()
+
+    def _next_preload(self):
+        """The next bucket `preload_stored` left that is stored and not loaded yet, or None; under `_wake`."""
+        while self._preload:
+            shape = self._preload.pop(0)
+            if self._is_stored(shape) and not self.is_compiled(shape):
+                return shape
+        return None
+
     def _compile_wanted(self, shape) -> None:
         """The thread's compile of a wanted bucket; then off the list (steps pick it from `_ready`)."""
         t = time.perf_counter()
@@ -358,6 +444,52 @@ class StepPrograms:
             self._compiled.add(shape)
         log.info("step executable (T=%d, S=%d, P=%d) %s in %.1f s, as a call asked", shape.T, shape.S, shape.P,
                  how, time.perf_counter() - t)
+
+    def begin_call(self) -> None:
+        """A call starts running steps: no fill compile starts until it ends (one under way finishes)."""
+        with self._wake:
+            self._calls += 1
+
+    def end_call(self) -> None:
+        """A call's steps are done. Under `start_as_needed`, once no call has run for
+        `FILL_AFTER_IDLE_SECONDS`, the buckets its steps were padded out of compile in a thread at the
+        lowest CPU priority, the most padded first."""
+        with self._wake:
+            self._calls = max(0, self._calls - 1)
+            if self._calls:
+                return
+            self._idle_since = time.monotonic()
+            if self._padded_out and self._fill_thread is None and not self._stopping:
+                self._fill_thread = threading.Thread(target=_fill_when_idle, args=(weakref.ref(self), self._wake),
+                                                     name="ridgeline-fill", daemon=True)
+                self._fill_thread.start()
+            self._wake.notify_all()
+
+    def _next_fill(self):
+        """(the bucket to fill now, None) or (None, seconds to wait before asking again); under `_wake`."""
+        if self._calls or not self._padded_out:
+            return None, 5.0
+        idle = time.monotonic() - self._idle_since
+        if idle < FILL_AFTER_IDLE_SECONDS:
+            return None, FILL_AFTER_IDLE_SECONDS - idle
+        shape = max(self._padded_out, key=self._padded_out.get)
+        del self._padded_out[shape]
+        if self.is_compiled(shape) or self._is_stored(shape):
+            return None, 0.0  # (asked again at once)
+        return shape, 0.0
+
+    def _compile_fill(self, shape) -> None:
+        t = time.perf_counter()
+        _, how = self._compile(shape, self._key(shape), on_demand=False)
+        self.filled += 1
+        log.info("step executable (T=%d, S=%d, P=%d) %s in %.1f s while idle: steps had been padded out of it",
+                 shape.T, shape.S, shape.P, how, time.perf_counter() - t)
+
+    def wait_filled(self, timeout: Optional[float] = None) -> bool:
+        """Blocks until every bucket steps were padded out of is compiled (or the programs stop); True then."""
+        with self._wake:
+            return self._wake.wait_for(lambda: self._stopping or (not self._padded_out and self._filling is None),
+                                       timeout)
 
     def start_background(self) -> None:
         """Starts compiling the buckets a `warm_up(background=True, start_thread=False)` left."""
@@ -450,10 +582,12 @@ class StepPrograms:
         self._stopping = True
         with self._wake:
             self._wake.notify_all()
-        if self._thread is not None and self._thread.ident is not None:
-            self._thread.join(timeout)
+        for thread in (self._thread, self._fill_thread):
+            if thread is not None and thread.ident is not None:
+                thread.join(timeout)
 
     def stats(self) -> WarmupStats:
         return WarmupStats(total=len(self._warm_set), compiled=len(self._compiled),
                            steps_in_larger_bucket=self.steps_in_larger_bucket,
-                           compiles_after_ready=self.compiles_after_ready, quick=len(self._quick))
+                           compiles_after_ready=self.compiles_after_ready, quick=len(self._quick),
+                           filled=self.filled)
