@@ -76,6 +76,14 @@ def _release_compiled_programs():
 # --- helpers shared by several test files ------------------------------------------------------------
 
 
+def assert_same_logprobs(got, want, tol: float) -> None:
+    """Per request, per position: the same candidate tokens, each logprob within `tol` (outputs'
+    `logprobs` lists of {token: Logprob})."""
+    for got_request, want_request in zip(got, want, strict=True):
+        for g, w in zip(got_request, want_request, strict=True):
+            assert g.keys() == w.keys() and all(abs(g[t].logprob - w[t].logprob) < tol for t in g)
+
+
 def ragged_prompts(vocab: int, n: int = 6, seed: int = 0, max_len: int = 40) -> list[list[int]]:
     """`n` prompts of BOS plus 2..`max_len` random token ids (seeded), ragged so batches mix lengths."""
     import random

@@ -15,7 +15,7 @@ from serving import LLM, SamplingParams
 from serving.core import engine_args
 from serving.core.bucket_plan import expected_shapes, holds_cheaply
 from serving.core.input_batch import Buckets, StepShape
-from conftest import tiny_config
+from conftest import assert_same_logprobs, tiny_config
 
 DEFAULT_STEP = engine_args.BY_NAME["decode_bucket_step"].default
 
@@ -102,9 +102,7 @@ def test_decodes_run_in_the_finer_bucket_after_a_full_warm_up_with_the_same_gree
         assert buckets == {24}
         assert runner.warmup_stats().compiles_after_ready == 0
         assert tokens == exact_tokens
-        for fine, exact in zip(logprobs, exact_logprobs):
-            for p, e in zip(fine, exact):
-                assert p.keys() == e.keys() and all(abs(p[t].logprob - e[t].logprob) < 1e-5 for t in p)
+        assert_same_logprobs(logprobs, exact_logprobs, 1e-5)
     finally:
         llm.shutdown()
         pow2.shutdown()

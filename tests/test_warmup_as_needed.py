@@ -20,7 +20,7 @@ from serving.core import executable_store, step_programs
 from serving.core.bucket_plan import expected_shapes, holds_cheaply
 from serving.core.input_batch import Buckets, StepShape
 from serving.llm import resolve_warmup
-from tests.conftest import tiny_config
+from tests.conftest import assert_same_logprobs, tiny_config
 
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, page_size=8, max_model_len=128,
               attention_backend="reference", compilation_cache_dir="")
@@ -135,9 +135,7 @@ def test_a_first_generate_compiles_what_it_expects_pads_the_rest_and_matches_com
         assert len(expected) <= compiled < buckets_reached and stats.steps_in_larger_bucket > 0
         assert stats.total == stats.compiled == len(expected) and stats.compiles_after_ready == 0
         assert tokens == exact_tokens  # padding rows and tokens are inert
-        for padded, exact in zip(logprobs, exact_logprobs):
-            for p, e in zip(padded, exact):
-                assert p.keys() == e.keys() and all(abs(p[t].logprob - e[t].logprob) < 1e-4 for t in p)
+        assert_same_logprobs(logprobs, exact_logprobs, 1e-4)
 
         # The same calls again compile nothing.
         before = step_programs.compiled_total()
@@ -191,9 +189,7 @@ def test_once_idle_the_buckets_steps_were_padded_out_of_compile_and_later_calls_
         assert programs.steps_in_larger_bucket == steps_before  # every step in its own bucket now
         assert step_programs.compiled_total() == compiled_before
         assert again_tokens == tokens
-        for a, b in zip(again_logprobs, logprobs):
-            for x, y in zip(a, b):
-                assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+        assert_same_logprobs(again_logprobs, logprobs, 1e-4)
     finally:
         llm.shutdown()
     assert not programs._fill_thread.is_alive()  # `shutdown` ends it
