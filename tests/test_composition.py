@@ -17,7 +17,8 @@ features is in at least one of them. Each configuration serves a workload with o
 pair of request features (and one per feature), so every engine x request pair and every request
 pair is exercised too. The test of each configuration is equivalence: every request's greedy
 tokens equal those of the plain engine with the same model-changing settings (family, weight and
-KV dtypes; `MODEL_FEATURES`) on one device, without speculation, one step at a time. Equality
+KV dtypes; `MODEL_FEATURES`) on one device (on two where TP meets a quantized KV cache:
+`TP_WITH_QUANTIZED_KV` names the physical reason), without speculation, one step at a time. Equality
 alone cannot see a feature whose handling both engines lost, so each request feature is also
 checked for its own effect (and the adapters for theirs: jobs change tokens when run without one): only allowed ids and no bad word, the grammar matched, logprobs
 reported and equal, two samples, pages hit or kept apart by the salt, the shipped prefill decoded,
@@ -78,6 +79,24 @@ ENGINE_FEATURES = {
 }
 # Features that change the model's numbers: the plain engine a configuration is compared with has them too.
 MODEL_FEATURES = ("int8_weights", "int8_kv", "fp8_kv", "sliding", "moe", "lora")
+# Tensor parallelism sums partial products across devices in another order than one device does, so a
+# value can move by an ulp; a quantized KV cache rounds values onto a coarse grid (fp8 keeps 3 mantissa
+# bits), and a value near a grid midpoint then lands one step away. That difference, about 1e-3 in a
+# logprob, parts greedy tokens wherever the top two are closer (with int8 weights, LoRA and an fp8 cache
+# the first logprob moved by 4e-3 and a top-two gap of 6e-4 flipped). With a quantized cache, a
+# configuration with TP is therefore compared with the plain engine on as many devices: every other
+# feature is still held to identical tokens. TP against one device with a quantized cache is tested
+# on a workload without such near-ties (test_quant.py).
+TP_WITH_QUANTIZED_KV = ("tp2", ("int8_kv", "fp8_kv"))
+
+
+def reference_features(config) -> tuple[str, ...]:
+    """The features of the plain engine `config` is compared with (`MODEL_FEATURES`, `TP_WITH_QUANTIZED_KV`)."""
+    key = tuple(f for f in config if f in MODEL_FEATURES)
+    tp, kv_dtypes = TP_WITH_QUANTIZED_KV
+    if tp in config and any(k in config for k in kv_dtypes):
+        key = (tp,) + key
+    return key
 OVERLAP_WITH_SPECULATION = (
     "steps run one at a time: the next step's drafts, query positions and KV slots follow from how many "
     "drafts this step accepts, which only its verification decides")
@@ -288,7 +307,7 @@ _REFERENCES: dict = {}
 def reference(weights, adapters, config):
     """The plain engine with `config`'s model-changing features, and its outputs of the workload (cached).
     With adapters, the jobs run again on the base model: some of those that use an adapter must change."""
-    key = tuple(f for f in config if f in MODEL_FEATURES)
+    key = reference_features(config)
     if key not in _REFERENCES:
         llm = build(weights, adapters, key)
         outs = run_jobs(llm.engine, JOBS, wave=1)
