@@ -9,7 +9,11 @@ contender in its own fresh process, one after the other, all in one run:
 
   * transformers: the model loaded from the same weights, its best static
     setting (one batch of 32, or batches of 8 sorted by length), useful
-    tokens per second of its generate calls;
+    tokens per second of its generate calls; run first and again, in that
+    best setting, after the ridgeline processes, and compared by the mean of
+    the two (the machine's load drifts over a run of several minutes, and
+    transformers' one large batch has swung by 1.7x between runs: the two
+    figures show how far it moved within this one);
   * ridgeline, cold: a fresh process with an empty persistent compilation
     cache (`compilation_cache_dir` a new empty directory);
   * ridgeline, warm: the same script again over the cache the cold run left;
@@ -94,7 +98,8 @@ def child_transformers(args) -> dict:
     jobs = _jobs(args, cfg.vocab_size)
     useful = sum(o for _, o in jobs)
     runs = {}
-    for name, bs, sort in ((f"one_batch_of_{len(jobs)}", len(jobs), False), ("batches_of_8_sorted", 8, True)):
+    settings = ((f"one_batch_of_{len(jobs)}", len(jobs), False), ("batches_of_8_sorted", 8, True))
+    for name, bs, sort in [s for s in settings if args.hf_setting in (None, s[0])]:
         w = hf_run(hf, jobs, bs, sort)
         runs[name] = {"seconds": w, "useful_output_tok_per_s": useful / w}
         log(f"transformers {name}: {w:.1f}s = {useful / w:.1f} useful tok/s")
@@ -178,9 +183,12 @@ def child_ridgeline(args) -> dict:
             "useful_output_tokens": useful}
 
 
-def run_child(mode: str, args, cache_dir: str | None = None, idle_fill: bool = False) -> dict:
+def run_child(mode: str, args, cache_dir: str | None = None, idle_fill: bool = False,
+              hf_setting: str | None = None) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--checkpoint", args.checkpoint,
            "--num_requests", str(args.num_requests), "--llm_options", args.llm_options]
+    if hf_setting is not None:
+        cmd += ["--hf_setting", hf_setting]
     if idle_fill:
         cmd.append("--idle_fill")
     if cache_dir is not None:
@@ -204,6 +212,7 @@ def main():
     ap.add_argument("--checkpoint", help=argparse.SUPPRESS)
     ap.add_argument("--cache_dir", help=argparse.SUPPRESS)
     ap.add_argument("--idle_fill", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--hf_setting", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         result = child_transformers(args) if args.child == "transformers" else child_ridgeline(args)
@@ -247,8 +256,11 @@ def main():
                                            "warmup": {"off": False, "full": True}.get(args.baseline_warmup,
                                                                                        args.baseline_warmup)})
             baseline = run_child("ridgeline", args, empty)
-    base = hf["useful_output_tok_per_s"]
-    hf_total = hf["load_seconds"] + hf["runs"][hf["best"]]["seconds"]
+        log(f"transformers again, {hf['best']} ...")
+        hf_after = run_child("transformers", args, hf_setting=hf["best"])
+    peers = (hf, hf_after)
+    base = sum(p["useful_output_tok_per_s"] for p in peers) / 2
+    hf_total = sum(p["load_seconds"] + p["runs"][hf["best"]]["seconds"] for p in peers) / 2
 
     def with_construction(r):
         return hf_total / (r["construct_seconds"] + r["first_generate_seconds"])
@@ -264,13 +276,15 @@ def main():
     if baseline is not None:
         ratios["first_generate_cold_cache_baseline_warmup"] = baseline["first_output_tok_per_s"] / base
         ratios["with_construction_cold_cache_baseline_warmup"] = with_construction(baseline)
-    result.update(transformers=hf, ridgeline_cold=cold, ridgeline_warm=warm, ridgeline_warm_filled=filled,
+    result.update(transformers=hf, transformers_after=hf_after, transformers_mean_tok_per_s=base,
+                  ridgeline_cold=cold, ridgeline_warm=warm, ridgeline_warm_filled=filled,
                   ratio_vs_transformers=ratios,
                   baseline_warmup=args.baseline_warmup or None, ridgeline_cold_baseline_warmup=baseline)
     result["machine"]["loadavg_after"] = os.getloadavg()
     result["machine"]["uptime_after"] = _uptime()
     result["command"] = " ".join([os.path.relpath(sys.argv[0], os.path.dirname(HERE))] + sys.argv[1:])
-    print(f"transformers ({hf['best']}): {base:.1f} useful tok/s (model load {hf['load_seconds']:.1f}s)")
+    print(f"transformers ({hf['best']}): {base:.1f} useful tok/s, the mean of {hf['useful_output_tok_per_s']:.1f} "
+          f"first and {hf_after['useful_output_tok_per_s']:.1f} last (model load {hf['load_seconds']:.1f}s)")
     rows = [("cold", cold, "_cache"), ("warm", warm, "_cache"), ("warm_filled", filled, "_cache")]
     if baseline is not None:
         rows.append((f"cold, warmup={args.baseline_warmup}", baseline, "_cache_baseline_warmup"))
