@@ -41,7 +41,6 @@ import json
 import os
 import platform
 import sys
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -51,6 +50,7 @@ sys.path.insert(0, HERE)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from attention_cpu_bench import best_of_rotating_rounds  # noqa: E402
 from kernels_pallas import AttentionBackend, register_backend  # noqa: E402
 from kernels_pallas.reference import write_kv_reference  # noqa: E402
 from model.cache import init_cache, pack_batch  # noqa: E402
@@ -132,14 +132,7 @@ def main():
             for run in runs.values():  # compile, then one warm run each
                 run()
                 run()
-            best = {name: float("inf") for name in runs}
-            order = list(runs)
-            for r in range(args.rounds):  # each round starts one contender later: none always runs first
-                for name in order[r % len(order):] + order[:r % len(order)]:
-                    run = runs[name]
-                    t = time.perf_counter()
-                    run()
-                    best[name] = min(best[name], time.perf_counter() - t)
+            best = best_of_rotating_rounds(runs, args.rounds)
             ms = {name: best[name] * 1e3 for name in names}
             attention = ms["forward"] - ms["forward, no attention"]
             beyond = ms["forward, no attention"] - ms["matmuls"]
