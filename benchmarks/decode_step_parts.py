@@ -12,7 +12,7 @@ For each number of rows M and context length, in one process, timed in
 alternation (`--rounds` times, best of each; each round starts with the next
 contender, since the first program of a round was measured to run faster):
 
-  * `matmuls`: `offline_throughput.plain_decode` on M tokens: every projection
+  * `matmuls`: `products_ceiling.products` on M tokens: every projection
     of every layer, the norms and the LM head with its argmax, jitted, with no
     attention over a cache and no K/V write: the step's weight-bound part;
   * `forward, no attention`: `model.forward` with the step's real inputs
@@ -57,7 +57,8 @@ from model.cache import init_cache, pack_batch  # noqa: E402
 from model.config import LlamaConfig  # noqa: E402
 from model.forward import forward  # noqa: E402
 from model.params import init_params  # noqa: E402
-from offline_throughput import SHAPE_125M, plain_decode  # noqa: E402
+from offline_throughput import SHAPE_125M  # noqa: E402
+from products_ceiling import products  # noqa: E402
 
 PAGE_SIZE = 16
 MAX_ROWS = 32  # the step's S, as in offline_throughput's mixed engine (max_num_seqs 32)
@@ -85,7 +86,7 @@ def contenders(cfg: LlamaConfig, params, rows: int, context: int):
     """name -> a function running the program once (inputs bound, cache threaded through)."""
     pages_per_seq = max(1, -(-context // PAGE_SIZE))
     tokens, md, num_pages = step_inputs(rows, context, pages_per_seq)
-    chain = jax.jit(plain_decode, static_argnames="eps")
+    chain = jax.jit(products, static_argnames=("eps", "head_rows", "argmax"))
     chain_tokens = jnp.arange(7, 7 + rows, dtype=jnp.int32)
     runs = {"matmuls": lambda: chain(params, chain_tokens, eps=cfg.rms_norm_eps).block_until_ready()}
 

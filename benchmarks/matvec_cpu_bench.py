@@ -18,7 +18,7 @@ backend start, so each variant is a child process; the variants alternate
   * the read-bandwidth references `offline_throughput.read_bandwidth` uses: a
     jitted sum over a 512 MiB fp32 array and a matvec over it as [N, 1024];
   * the whole chain (every layer's seven projections, norms, SiLU, the logits
-    head and the argmax; no attention, as `offline_throughput.plain_decode`)
+    head and the argmax; no attention, as `products_ceiling.products`)
     in each formulation of the projections (`FORMS`: the current einsum, the
     weight as the dot's left operand, multiply-and-reduce, the output dim split
     in two independent dots, a zero second row), and the current formulation

@@ -67,11 +67,11 @@ from model.cache import init_cache, pack_batch  # noqa: E402
 from model.config import LlamaConfig  # noqa: E402
 from model.families import num_params  # noqa: E402
 from model.forward import forward_jit  # noqa: E402
-from model.layers import head_projection, output_projection, rms_norm  # noqa: E402
 from kernels_pallas import get_backend  # noqa: E402
 from model.params import init_params, param_bytes  # noqa: E402
 from serving import LLM, SamplingParams  # noqa: E402
 from kernels_pallas.xla_attention import rows_per_item  # noqa: E402
+from products_ceiling import products, schedule_products  # noqa: E402
 from step_breakdown import ModelCosts, breakdown, format_table  # noqa: E402
 
 SHAPE_125M = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12, num_heads=12,
@@ -135,24 +135,8 @@ def workload(n: int, seed: int, vocab: int, lo: int = 16, hi: int = 256):
     return jobs
 
 
-def plain_decode(params, token, eps):
-    """One token through every weight as plain jitted matrix-vector products (no attention
-    over a cache, no sampling): what the same weights cost jitted with nothing else."""
-    x = params.embed[token]
-    for L in params.layers:
-        h = rms_norm(x, L.attn_norm, eps)
-        q = head_projection(h, L.wq)
-        kv = head_projection(h, L.wk) + head_projection(h, L.wv)
-        o = q + jnp.repeat(kv, q.shape[1] // kv.shape[1], axis=1)  # stands in for attention
-        x = x + output_projection(o, L.wo)
-        h = rms_norm(x, L.mlp_norm, eps)
-        gate, up = jnp.einsum("te,fe->tf", h, L.w_gate), jnp.einsum("te,fe->tf", h, L.w_up)
-        x = x + jnp.einsum("tf,ef->te", jax.nn.silu(gate) * up, L.w_down)
-    return jnp.argmax(jnp.einsum("te,ve->tv", rms_norm(x, params.final_norm, eps), params.lm_head), axis=-1)
-
-
 def plain_decode_step_seconds(cfg, params, steps: int) -> float:
-    f = jax.jit(plain_decode, static_argnames="eps")
+    f = jax.jit(products, static_argnames=("eps", "head_rows", "argmax"))
     token = jnp.array([5], jnp.int32)
     np.asarray(f(params, token, eps=cfg.rms_norm_eps))
     times = []
@@ -441,6 +425,23 @@ def main():
         result["mixed_workload"]["breakdown_one_step_at_a_time"] = {"model_costs": dataclasses.asdict(costs), **table}
         result["mixed_workload"]["useful_flops_fraction_of_matmul_rate"] = {
             "overlapped": overlapped_frac, "one_step_at_a_time": frac}
+
+        # The same steps as nothing but their products: the most a run of this schedule could gain
+        # from attention, sampling and the host, with XLA's products and with torch's.
+        ceiling = schedule_products(sync_steps, params, cfg.rms_norm_eps, hf, rounds=args.rounds + 1)
+        useful_flops = table["total"]["useful_GFLOP"] * 1e9
+        ceiling["useful_flops_fraction_of_matmul_rate"] = useful_flops / ceiling["xla_seconds"] / mm_rate
+        msg = (f"the products alone of those {table['total']['steps']} steps, at their buckets: XLA "
+               f"{ceiling['xla_seconds']:.1f}s")
+        if hf_runs:
+            ceiling["ratio_vs_best_transformers"] = hf_runs[best]["seconds"] / ceiling["xla_seconds"]
+            ceiling["torch_ratio_vs_best_transformers"] = hf_runs[best]["seconds"] / ceiling["torch_seconds"]
+            msg += (f", torch through transformers' modules {ceiling['torch_seconds']:.1f}s. A run that cost only "
+                    f"its products would be {ceiling['ratio_vs_best_transformers']:.2f}x transformers with XLA's, "
+                    f"{ceiling['torch_ratio_vs_best_transformers']:.2f}x with torch's (target >= 2.5x)")
+        log(msg + f"; useful FLOPs at XLA's products alone: {ceiling['useful_flops_fraction_of_matmul_rate']:.2f} "
+            "of the matmul rate (target >= 0.5)")
+        result["mixed_workload"]["products_only"] = ceiling
     else:
         result["mixed_workload"] = {"skipped": "not in --sections"}
 

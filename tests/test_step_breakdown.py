@@ -75,3 +75,22 @@ def test_breakdown_accounts_padding_roofs_and_the_tail():
     assert decode["bound"] == "memory" and decode["roof_seconds"] == pytest.approx((100_000 + 240) / 1e7)
     assert decode["host_seconds"] == pytest.approx(0.1) and table["tail"]["steps"] == 1  # the one-sequence step
     assert table["total"]["seconds"] == pytest.approx(3.0) and prefill["share_of_wall"] == pytest.approx(2 / 3)
+
+
+def test_products_alone_of_a_schedule_with_xla_and_with_torch():
+    """`products_ceiling`: each bucket's products timed once per library, summed over the steps; the torch
+    chain (a transformers model's own modules on the same weights) gives the XLA chain's tokens."""
+    from offline_throughput import hf_model_from
+    from products_ceiling import products, schedule_products
+
+    params = init_params(CFG, jax.random.key(1))
+    tokens = jax.numpy.array([5, 9], jax.numpy.int32)
+    alone = products(params, tokens, CFG.rms_norm_eps).tolist()
+    assert products(params, tokens, CFG.rms_norm_eps, head_rows=4).tolist() == alone + [alone[-1]] * 2
+    steps = [_step((1, 1), (3, 4), (2, 2, 1)), _step((1, 1), (4, 5), (2, 2, 1)), _step((6,), (6,), (8, 2, 1))]
+    idle = _step((), (), (2, 2, 1))
+    idle.bucket = None
+    out = schedule_products(steps + [idle], params, CFG.rms_norm_eps, hf_model_from(CFG, params), rounds=2)
+    assert [(b["tokens"], b["rows"], b["steps"]) for b in out["buckets"]] == [(2, 2, 2), (8, 2, 1)]
+    for lib in ("xla", "torch"):
+        assert out[f"{lib}_seconds"] == pytest.approx(sum(b["steps"] * b[f"{lib}_ms"] for b in out["buckets"]) / 1e3)
