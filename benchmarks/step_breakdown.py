@@ -75,19 +75,27 @@ def visible_pairs(q_len: int, kv_len: int) -> int:
     return q_len * kv_len - q_len * (q_len - 1) // 2
 
 
-def attention_positions(q_lens, kv_lens, bucket, page_size: int, rows_per_item: Callable[[int, int], int]) -> int:
+def attention_positions(q_lens, kv_lens, bucket, page_size: int, rows_per_item: Callable[[int, int], int],
+                        item_block_pages: Optional[int] = None) -> int:
     """Query-key positions attention computes for a step: `kernels_pallas.xla_attention`'s work.
 
-    One-row items (decode buckets) visit each row's live pages, page by page; larger items
-    (`rows_per_item(T, S)` query rows each) gather their sequence's whole P-page table and compute
-    every row of the item against all of it."""
+    One-row items (every sequence of a decode bucket, and the decodes of a mixed step) visit their
+    row's live pages, page by page. Larger items (`rows_per_item(T, S)` query rows each) read their
+    sequence's page table `item_block_pages` pages at a time (the whole P-page table when None), up to
+    the block holding the key their last row sees, and compute every row of the item against each
+    block they read."""
     T, S, P = bucket
     b = rows_per_item(T, S)
-    if b == 1:
-        return sum(sum((kv - n + i) // page_size + 1 for i in range(n)) * page_size  # row i at position kv - n + i
-                   for n, kv in zip(q_lens, kv_lens))
-    items = sum(-(-n // b) for n in q_lens)
-    return items * b * P * page_size
+    block = (item_block_pages or P) * page_size
+    total = 0
+    for n, kv in zip(q_lens, kv_lens):
+        if b == 1 or n == 1:  # row i at position kv - n + i
+            total += sum((kv - n + i) // page_size + 1 for i in range(n)) * page_size
+            continue
+        for first in range(0, n, b):
+            end = kv - n + min(first + b, n)  # keys before this are visible to the item's last row
+            total += b * -(-end // block) * block
+    return total
 
 
 @dataclasses.dataclass
@@ -108,10 +116,12 @@ class _Totals:
     byte_seconds: float = 0.0
     running: int = 0
 
-    def add(self, s, costs: ModelCosts, page_size: int, matmul_rate: float, read_bw: float, rows_per_item):
+    def add(self, s, costs: ModelCosts, page_size: int, matmul_rate: float, read_bw: float, rows_per_item,
+            item_block_pages):
         T, S, P = s.bucket
         pairs = sum(visible_pairs(n, kv) for n, kv in zip(s.q_lens, s.kv_lens))
-        computed_pairs = attention_positions(s.q_lens, s.kv_lens, s.bucket, page_size, rows_per_item)
+        computed_pairs = attention_positions(s.q_lens, s.kv_lens, s.bucket, page_size, rows_per_item,
+                                             item_block_pages)
         rows = s.num_generation_tokens
         useful = 2 * costs.matmul_params * s.num_tokens + 2 * costs.head_params * rows \
             + costs.attention_flops_per_pair * pairs
@@ -159,13 +169,15 @@ def _kind_order(kind: str):
 
 
 def breakdown(steps, costs: ModelCosts, page_size: int, matmul_rate: float, read_bw: float,
-              rows_per_item: Callable[[int, int], int], tail_seqs: int) -> dict:
+              rows_per_item: Callable[[int, int], int], tail_seqs: int, item_block_pages: Optional[int] = None) -> dict:
     """The per-kind table, the tail (steps with at most `tail_seqs` running sequences) and the run's
-    totals, over the steps that computed something (`IterationStats` with a bucket)."""
+    totals, over the steps that computed something (`IterationStats` with a bucket).
+    `rows_per_item` / `item_block_pages`: how the attention backend cuts its work
+    (`attention_positions`)."""
     steps = [s for s in steps if s.bucket is not None and s.num_tokens > 0]
     kinds: dict[str, _Totals] = {}
     tail, total = _Totals(), _Totals()
-    args = (costs, page_size, matmul_rate, read_bw, rows_per_item)
+    args = (costs, page_size, matmul_rate, read_bw, rows_per_item, item_block_pages)
     for s in steps:
         kinds.setdefault(kind_of(s.q_lens, s.bucket), _Totals()).add(s, *args)
         total.add(s, *args)

@@ -94,13 +94,14 @@ def test_reference_matches_dense_oracle_and_spans_change_the_output():
                                   np.asarray(reference(*args, sm_scale=SCALE)))
 
 
-XLA_CUTS = [(1, 1), (4, None)]
+# (rows per item, chunk bytes, pages per block of a multi-row item)
+XLA_CUTS = [(1, 1, None), (4, None, None), (4, None, 1)]
 
 
-@pytest.mark.parametrize("rows,chunk_bytes", XLA_CUTS)
-def test_xla_backend_matches_reference(rows, chunk_bytes):
-    kw = {} if chunk_bytes is None else dict(chunk_bytes=chunk_bytes)
-    fast = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=SCALE, rows=rows, **kw))
+@pytest.mark.parametrize("rows,chunk_bytes,block_pages", XLA_CUTS)
+def test_xla_backend_matches_reference(rows, chunk_bytes, block_pages):
+    fast = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=SCALE, rows=rows, chunk_bytes=chunk_bytes,
+                                     block_pages=block_pages))
     for name, (seqs, args, spans) in _batches(3).items():
         for window in (None, 3):
             win = None if window is None else jnp.int32(window)
@@ -109,7 +110,7 @@ def test_xla_backend_matches_reference(rows, chunk_bytes):
             try:
                 assert_attention_close(out, ref, args[5], args[6], jnp.float32)
             except AssertionError as e:
-                raise AssertionError(f"rows={rows} {name} {seqs} window={window}: {e}") from None
+                raise AssertionError(f"rows={rows} block_pages={block_pages} {name} {seqs} window={window}: {e}") from None
 
 
 def test_pallas_kernel_matches_reference():

@@ -94,15 +94,15 @@ def _poison_skipped_pages(args, window, granule):
     return (q, jnp.asarray(k), jnp.asarray(v), kv_lens, tables, cu, num_seqs), poisoned
 
 
-# (rows per item, chunk bytes, soft cap): one row per item reads (row, page) pairs from the window's first
-# page; several rows per item read the sequence's pages and mask.
-XLA_CUTS = [(1, None, None), (1, 1, 2.0), (4, None, 2.0), (16, 1, None)]
+# (rows per item, chunk bytes, soft cap, pages per block): one row per item reads (row, page) pairs from the
+# window's first page; several rows per item read the sequence's pages, a block at a time, and mask.
+XLA_CUTS = [(1, None, None, None), (1, 1, 2.0, None), (4, None, 2.0, None), (16, 1, None, 3)]
 
 
-@pytest.mark.parametrize("rows,chunk_bytes,soft_cap", XLA_CUTS)
-def test_xla_backend_matches_reference(rows, chunk_bytes, soft_cap):
-    kw = {} if chunk_bytes is None else dict(chunk_bytes=chunk_bytes)
-    fast = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=SCALE, rows=rows, soft_cap=soft_cap, **kw))
+@pytest.mark.parametrize("rows,chunk_bytes,soft_cap,block_pages", XLA_CUTS)
+def test_xla_backend_matches_reference(rows, chunk_bytes, soft_cap, block_pages):
+    fast = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=SCALE, rows=rows, soft_cap=soft_cap,
+                                     chunk_bytes=chunk_bytes, block_pages=block_pages))
     total_poisoned = 0
     for name, (seqs, args) in _batches(3).items():
         for window in WINDOWS:

@@ -55,6 +55,13 @@ def test_kinds_and_the_positions_attention_computes():
     assert attention_positions((1, 1), (9, 16), (2, 2, 4), PAGE, one_row) == 2 * (2 * PAGE)
     # Items of 4 rows gather the whole 4-page table: 6 rows are 2 items.
     assert attention_positions((6,), (6,), (8, 2, 4), PAGE, lambda T, S: 4) == 2 * 4 * 4 * PAGE
+    # ... or their table a block of pages at a time, up to the block of their last row's key: rows 0-3
+    # see keys < 4 and rows 4-5 keys < 6, one 1-page block each.
+    assert attention_positions((6,), (6,), (8, 2, 4), PAGE, lambda T, S: 4, item_block_pages=1) == 2 * 4 * PAGE
+    # 12 rows over a context of 20 (positions 8-19): keys < 12, < 16 and < 20 -> 2, 2 and 3 pages.
+    assert attention_positions((12,), (20,), (16, 2, 4), PAGE, lambda T, S: 4, item_block_pages=1) == 4 * 7 * PAGE
+    # The decode of a mixed step is a one-row item: 3 pages at position 19, whatever the item size.
+    assert attention_positions((6, 1), (6, 20), (8, 2, 4), PAGE, lambda T, S: 4) == 2 * 4 * 4 * PAGE + 3 * PAGE
 
 
 def test_breakdown_accounts_padding_roofs_and_the_tail():

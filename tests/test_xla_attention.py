@@ -29,11 +29,12 @@ CONFIGS = [
     pytest.param(jnp.float32, 6, 2, 16, 16, id="f32-g3-ps16"),
     pytest.param(jnp.bfloat16, 8, 2, 8, 32, id="bf16-g4-ps8"),
 ]
-# (rows per item, chunk bytes): None = what the backend picks for the shape. Chunk bytes 1
-# means one item (or, for one-row items, one (row, page) pair) per chunk, so results are
-# merged across many chunks; the default chunk holds these small batches' one-row items in
-# one block of pages.
-CUTS = [(None, None), (1, None), (1, 1), (2, 1), (4, None), (16, 1)]
+# (rows per item, chunk bytes, pages per block of a multi-row item): None = what the backend
+# picks for the shape. Chunk bytes 1 means one item (or, for one-row items, one (row, page)
+# pair) per chunk, so results are merged across many chunks; the default chunk holds these
+# small batches' one-row items in one block of pages. Blocks of 1 or 3 of the 4-page tables
+# merge a multi-row item's softmax across blocks (3: the last block padded past the table).
+CUTS = [(None, None, None), (1, None, None), (1, 1, None), (2, 1, 1), (4, None, None), (16, 1, 3)]
 
 
 @pytest.mark.parametrize("dtype,hq,hkv,page_size,head_dim", CONFIGS)
@@ -43,16 +44,17 @@ def test_xla_attention_matches_reference(dtype, hq, hkv, page_size, head_dim):
     cases = dict(mixes(page_size), random=random_mix(rng, page_size), random2=random_mix(rng, page_size))
     batches = {name: ragged_batch(rng, seqs, page_size=page_size, num_pages=num_pages, num_q_heads=hq,
                                   num_kv_heads=hkv, head_dim=head_dim, dtype=dtype) for name, seqs in cases.items()}
-    for rows, chunk_bytes in CUTS:
-        kw = {} if chunk_bytes is None else dict(chunk_bytes=chunk_bytes)
-        fast = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=head_dim**-0.5, rows=rows, **kw))
+    for rows, chunk_bytes, block_pages in CUTS:
+        fast = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=head_dim**-0.5, rows=rows,
+                                         chunk_bytes=chunk_bytes, block_pages=block_pages))
         for name, args in batches.items():
             out = fast(*args)
             ref = reference_attention(*args, sm_scale=head_dim**-0.5)
             try:
                 assert_attention_close(out, ref, args[5], args[6], dtype)
             except AssertionError as e:
-                raise AssertionError(f"rows={rows} chunk_bytes={chunk_bytes} mix {name!r} {cases[name]}: {e}") \
+                raise AssertionError(f"rows={rows} chunk_bytes={chunk_bytes} block_pages={block_pages} mix {name!r} "
+                                     f"{cases[name]}: {e}") \
                     from None
 
 
@@ -116,9 +118,9 @@ def test_xla_attention_with_quantized_kv_matches_reference(kv_dtype):
 
     rng = np.random.RandomState(11)
     d, ps = 32, 8
-    for rows, chunk_bytes in ((None, None), (1, 1), (4, None)):
+    for rows, chunk_bytes, block_pages in ((None, None, None), (1, 1, None), (4, None, None), (4, None, 3)):
         fast = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=d**-0.5, rows=rows,
-                                         chunk_bytes=chunk_bytes))
+                                         chunk_bytes=chunk_bytes, block_pages=block_pages))
         for name, seqs in quant_mixes(ps).items():
             q, (k, v, ks, vs), meta = quantized_batch(rng, seqs, page_size=ps, num_q_heads=6, num_kv_heads=2,
                                                       head_dim=d, q_dtype=jnp.float32, kv_dtype=kv_dtype)
@@ -126,6 +128,6 @@ def test_xla_attention_with_quantized_kv_matches_reference(kv_dtype):
                 q, k, v, *meta, k_scale=ks, v_scale=vs))
             got = np.asarray(fast(q, k, v, *meta, k_scale=ks, v_scale=vs))
             tol = 1e-5 * max(1.0, float(np.std(want)))
-            np.testing.assert_allclose(got, want, atol=tol, rtol=1e-5, err_msg=f"rows={rows} mix {name}")
+            np.testing.assert_allclose(got, want, atol=tol, rtol=1e-5, err_msg=f"rows={rows} block_pages={block_pages} mix {name}")
     with pytest.raises(ValueError, match="need their scales"):
         ragged_paged_attention_xla(q, k, v, *meta)
