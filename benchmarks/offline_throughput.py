@@ -35,6 +35,11 @@ Sections, all in one process:
      scheduling on (the default: the host prepares step t+1 while step t
      runs) and off (one step at a time), and the step time of each.
 
+`--peer_decode_bucket_step` / `--peer_attention_rev` add a second ridgeline
+engine to the mixed section (another decode bucket step, or the xla attention
+backend of an earlier git revision), alternating with the default one, with
+the same-run ratios: a before/after of an engine change on one machine state.
+
 `--quick` (2 layers, vocab 4096, 8 requests of 16-64 tokens, one round) checks
 that every section runs, in a few minutes on a quiet machine.
 
@@ -67,10 +72,11 @@ from model.cache import init_cache, pack_batch  # noqa: E402
 from model.config import LlamaConfig  # noqa: E402
 from model.families import num_params  # noqa: E402
 from model.forward import forward_jit  # noqa: E402
-from kernels_pallas import get_backend  # noqa: E402
+from kernels_pallas import AttentionBackend, get_backend, register_backend  # noqa: E402
+from kernels_pallas.reference import write_kv_reference  # noqa: E402
 from model.params import init_params, param_bytes  # noqa: E402
 from serving import LLM, SamplingParams  # noqa: E402
-from kernels_pallas.xla_attention import rows_per_item  # noqa: E402
+from kernels_pallas.xla_attention import ITEM_BLOCK_PAGES, rows_per_item  # noqa: E402
 from products_ceiling import products, schedule_products  # noqa: E402
 from step_breakdown import ModelCosts, breakdown, format_table  # noqa: E402
 
@@ -276,6 +282,9 @@ def main():
     ap.add_argument("--peer_decode_bucket_step", type=int, default=None,
                     help="mixed section: also time an engine with this decode_bucket_step (0: powers of two "
                          "only), alternating with the default one every round, and print the same-run ratios")
+    ap.add_argument("--peer_attention_rev", default=None,
+                    help="mixed section: the peer engine (as --peer_decode_bucket_step; both may be given) runs the "
+                         "xla attention backend as it was at this git revision: a before/after of a change to it")
     ap.add_argument("--sections", default="mixed,batch1,host",
                     help="comma-separated subset of mixed, batch1, host (the JSON marks the others skipped)")
     args = ap.parse_args()
@@ -341,12 +350,26 @@ def main():
         one_at_a_time = LLM(**mixed_engine, async_scheduling=False)
         sync_times, sync_steps = [], None
         ours_cpu, peer, peer_times, peer_cpu, peer_steps = [], None, [], [], None
+        peer_options, described = {}, []
         if args.peer_decode_bucket_step is not None:
-            peer = LLM(**mixed_engine, decode_bucket_step=args.peer_decode_bucket_step)
+            peer_options["decode_bucket_step"] = args.peer_decode_bucket_step
+            described.append(f"decode_bucket_step={args.peer_decode_bucket_step}")
+        if args.peer_attention_rev:
+            from attention_cpu_bench import baseline_attention
+
+            backend = f"xla@{args.peer_attention_rev}"
+            fn = baseline_attention(args.peer_attention_rev)
+            register_backend(backend, lambda: AttentionBackend(backend, fn, write_kv_reference, quantized_kv=True))
+            peer_options["attention_backend"] = backend
+            described.append(f"xla attention at {args.peer_attention_rev}")
+        peer_name = f"peer ({', '.join(described)})"
+        if peer_options:
+            peer = LLM(**mixed_engine, **peer_options)
             t = time.perf_counter()
-            ridgeline_run(peer, jobs)
-            log(f"peer (decode_bucket_step={args.peer_decode_bucket_step}): untimed first run "
-                f"{time.perf_counter() - t:.1f}s")
+            _, peer_outs, _ = ridgeline_run(peer, jobs)
+            _, ours_outs, _ = ridgeline_run(llm, jobs)
+            same = [o.outputs[0].token_ids for o in peer_outs] == [o.outputs[0].token_ids for o in ours_outs]
+            log(f"{peer_name}: untimed first run {time.perf_counter() - t:.1f}s; same greedy tokens as ours: {same}")
         for r in range(args.rounds):
             # With a peer, the order within a round alternates, so neither always runs first.
             order = [("ours", llm), ("peer", peer)] if peer is not None else [("ours", llm)]
@@ -358,7 +381,7 @@ def main():
                 if who == "peer" and (not peer_times or wall < min(peer_times)):
                     peer_steps = round_steps
                 times.append(wall)
-                name = "ridgeline" if who == "ours" else f"peer (decode_bucket_step={args.peer_decode_bucket_step})"
+                name = "ridgeline" if who == "ours" else peer_name
                 log(f"round {r}: {name} {useful} tokens in {wall:.1f}s (CPU {cpus[-1]:.1f}s) = "
                     f"{useful / wall:.1f} output tok/s over {len(round_steps)} steps")
             sync_wall, _, round_sync_steps = ridgeline_run(one_at_a_time, jobs)
@@ -401,19 +424,20 @@ def main():
         if peer is not None:
             pad = decode_padding(peer_steps)
             result["mixed_workload"]["peer"] = {
-                "decode_bucket_step": args.peer_decode_bucket_step, "seconds": min(peer_times),
+                **peer_options, "same_greedy_tokens": same, "seconds": min(peer_times),
                 "seconds_all_rounds": peer_times, "cpu_seconds_all_rounds": peer_cpu,
                 "output_tok_per_s": useful / min(peer_times), "steps": len(peer_steps), "decode_padding": pad,
                 "ours_vs_peer_best_wall": min(peer_times) / wall,
                 "ours_vs_peer_median_cpu": statistics.median(peer_cpu) / statistics.median(ours_cpu)}
-            log(f"peer decode_bucket_step={args.peer_decode_bucket_step}: {100 * pad['pad_token_share']:.1f}% of "
+            log(f"{peer_name}: {100 * pad['pad_token_share']:.1f}% of "
                 f"decode tokens padding; ours vs peer: best wall x{min(peer_times) / wall:.3f}, median CPU "
                 f"x{statistics.median(peer_cpu) / statistics.median(ours_cpu):.3f} (>1: ours faster)")
 
         # Where the time went: the one-step-at-a-time engine's steps, whose device times are their own.
         costs = ModelCosts.of(cfg, params)
         table = breakdown(sync_steps, costs, page_size=16, matmul_rate=mm_rate, read_bw=bw,
-                          rows_per_item=rows_per_item, tail_seqs=max(1, n_req // 4))
+                          rows_per_item=rows_per_item, tail_seqs=max(1, n_req // 4),
+                          item_block_pages=ITEM_BLOCK_PAGES)
         log("breakdown of the one-step-at-a-time run (roof: useful FLOPs at the matmul rate or bytes at the "
             "read bandwidth, whichever is longer; pad tok: padded share of computed tokens; pad kv: masked-off "
             "share of attention's computed query-key positions; attn: attention's share of computed FLOPs; "
