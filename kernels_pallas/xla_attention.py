@@ -67,6 +67,16 @@ PAGE_CHUNK_BYTES = 2**20
 ITEM_BLOCK_PAGES = 8
 
 
+def _merge_block(m_run, l_run, o_run, s, weighted_values):
+    """One block of keys into a running softmax: scores `s` [..., L] (-inf where masked), the running
+    max and sum [...] and weighted values [..., D]; `weighted_values(p)` is the block's p @ V."""
+    m_new = jnp.maximum(m_run, jnp.max(s, axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows with nothing visible yet
+    p = jnp.exp(s - m_safe[..., None])
+    alpha = jnp.exp(jnp.where(jnp.isfinite(m_run), m_run - m_safe, -jnp.inf))
+    return m_new, l_run * alpha + jnp.sum(p, axis=-1), o_run * alpha[..., None] + weighted_values(p)
+
+
 def rows_per_item(num_tokens: int, num_seqs: int) -> int:
     """Query rows per item for a step of `num_tokens` rows and `num_seqs` sequence slots."""
     b = 1
@@ -172,13 +182,7 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, block_tables, cu_q_
             j = c * w * page_size + jnp.arange(w * page_size, dtype=jnp.int32)
             visible = (j[None, None, :] < ok_end[:, :, None]) & in_window(j[None, None, :], pc[:, :, None], window)
             s = jnp.where(visible[:, None, :, None, :], s, -jnp.inf)
-            m_new = jnp.maximum(m_run, jnp.max(s, axis=-1))
-            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-            p = jnp.exp(s - m_safe[..., None])
-            alpha = jnp.exp(jnp.where(jnp.isfinite(m_run), m_run - m_safe, -jnp.inf))
-            l_run = l_run * alpha + jnp.sum(p, axis=-1)
-            o_run = o_run * alpha[..., None] + jnp.einsum("nkbgl,nlkd->nkbgd", p, v)
-            return m_new, l_run, o_run
+            return _merge_block(m_run, l_run, o_run, s, lambda p: jnp.einsum("nkbgl,nlkd->nkbgd", p, v))
 
         init = (jnp.full((n, num_kv_heads, b, group), -jnp.inf, jnp.float32),
                 jnp.zeros((n, num_kv_heads, b, group), jnp.float32),
@@ -345,13 +349,7 @@ def _attend_by_row_blocks(q, k_pages, v_pages, k_scale, v_scale, block_tables, s
         visible = (key_pos < end[:, None]) & live[:, None]
         visible &= in_window(key_pos, pos[:, None], window)
         s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
-        m_new = jnp.maximum(m_run, jnp.max(s, axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.exp(s - m_safe[..., None])
-        alpha = jnp.exp(jnp.where(jnp.isfinite(m_run), m_run - m_safe, -jnp.inf))
-        l_run = l_run * alpha + jnp.sum(p, axis=-1)
-        o_run = o_run * alpha[..., None] + jnp.einsum("ikgl,ilkd->ikgd", p, v)
-        return m_new, l_run, o_run
+        return _merge_block(m_run, l_run, o_run, s, lambda p: jnp.einsum("ikgl,ilkd->ikgd", p, v))
 
     init = (jnp.full((num_items, num_kv_heads, group), -jnp.inf, jnp.float32),
             jnp.zeros((num_items, num_kv_heads, group), jnp.float32),
