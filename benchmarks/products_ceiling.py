@@ -10,9 +10,10 @@ projection of every layer on T rows, the norms, the LM head on S rows and its
 argmax, no attention, no K/V cache, no sampling, no host -- with two
 libraries:
 
-  * XLA (`products`, the same chain as `offline_throughput.plain_decode`,
-    jitted): what this stack's products cost, so the sum over the steps is
-    what a run of that schedule would take if everything else were free;
+  * XLA (`products`, jitted as `products_jit`, which is also batch-1
+    decode's plain chain in `offline_throughput.py`): what this stack's
+    products cost, so the sum over the steps is what a run of that schedule
+    would take if everything else were free;
   * torch, through the transformers model's own modules (`torch_products`):
     the peer's products on the same weights, which says whether a better
     matrix library would move that figure.
@@ -27,6 +28,7 @@ import collections
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from attention_cpu_bench import best_of_rotating_rounds
 from model.layers import head_projection, output_projection, rms_norm
@@ -50,6 +52,9 @@ def products(params, tokens, eps, head_rows: int | None = None, argmax: bool = T
         x = x[jnp.minimum(jnp.arange(head_rows), x.shape[0] - 1)]
     logits = jnp.einsum("te,ve->tv", rms_norm(x, params.final_norm, eps), params.lm_head)
     return jnp.argmax(logits, axis=-1) if argmax else logits
+
+
+products_jit = jax.jit(products, static_argnames=("eps", "head_rows", "argmax"))
 
 
 def torch_products(hf, tokens, head_rows: int, argmax: bool = True):
@@ -77,25 +82,21 @@ def schedule_products(steps, params, eps: float, hf=None, rounds: int = 3) -> di
     """For the steps that computed something (`IterationStats` with a bucket): each bucket's products
     timed with XLA (and with torch through `hf`, when given), and their sums over the steps."""
     counts = collections.Counter(s.bucket[:2] for s in steps if s.bucket is not None and s.num_tokens > 0)
-    chain = jax.jit(products, static_argnames=("eps", "head_rows", "argmax"))
+    if hf is not None:
+        import torch
     runs = {}
     for T, S in counts:
         tokens = jnp.arange(7, 7 + T, dtype=jnp.int32)
-        runs[("xla", T, S)] = lambda t=tokens, s=S: chain(params, t, eps=eps, head_rows=s).block_until_ready()
+        runs[("xla", T, S)] = lambda t=tokens, s=S: products_jit(params, t, eps=eps, head_rows=s).block_until_ready()
         if hf is not None:
-            import torch
-
             torch_tokens = torch.arange(7, 7 + T)
             runs[("torch", T, S)] = lambda t=torch_tokens, s=S: torch_products(hf, t, s)
     for run in runs.values():  # compile, then one warm run each
         run()
         run()
     if hf is not None:  # the same chain in both: the same logits, for the first bucket
-        import numpy as np
-        import torch
-
         T, S = next(iter(counts))
-        ours = np.asarray(chain(params, jnp.arange(7, 7 + T, dtype=jnp.int32), eps=eps, head_rows=S, argmax=False))
+        ours = np.asarray(products_jit(params, jnp.arange(7, 7 + T, dtype=jnp.int32), eps=eps, head_rows=S, argmax=False))
         theirs = torch_products(hf, torch.arange(7, 7 + T), S, argmax=False).numpy()
         np.testing.assert_allclose(theirs, ours, rtol=1e-3, atol=1e-3 * float(np.abs(ours).max()))
     best = best_of_rotating_rounds(runs, rounds)
