@@ -280,7 +280,8 @@ def _attend_by_page(q, k_pages, v_pages, k_scale, v_scale, block_tables, seq, ro
             k = k * k_scale[ids][..., None]
             v = v * v_scale[ids][..., None]
         qc = qg[row[safe_item]]  # [C, K, G, D]
-        s = apply_soft_cap(jnp.sum(qc[:, None] * k[:, :, :, None, :], axis=-1) * sm_scale, soft_cap)  # [C, page, K, G]
+        s = jnp.einsum("ckgd,ctkd->ctkg", qc, k)
+        s = apply_soft_cap(s * sm_scale, soft_cap)  # [C, page, K, G]
         key_pos = page[:, None] * page_size + token[None, :]
         visible = (key_pos < end[safe_item][:, None]) & (item < num_items)[:, None]
         visible &= in_window(key_pos, pos[safe_item][:, None], window)
