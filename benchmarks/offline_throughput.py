@@ -76,7 +76,7 @@ from kernels_pallas import AttentionBackend, get_backend, register_backend  # no
 from kernels_pallas.reference import write_kv_reference  # noqa: E402
 from model.params import init_params, param_bytes  # noqa: E402
 from serving import LLM, SamplingParams  # noqa: E402
-from kernels_pallas.xla_attention import ITEM_BLOCK_PAGES, rows_per_item  # noqa: E402
+from kernels_pallas.xla_attention import ITEM_BLOCK_PAGES, PAIR_PAGES, rows_per_item  # noqa: E402
 from products_ceiling import products_jit, schedule_products  # noqa: E402
 from step_breakdown import ModelCosts, breakdown, format_table  # noqa: E402
 
@@ -436,7 +436,7 @@ def main():
         costs = ModelCosts.of(cfg, params)
         table = breakdown(sync_steps, costs, page_size=16, matmul_rate=mm_rate, read_bw=bw,
                           rows_per_item=rows_per_item, tail_seqs=max(1, n_req // 4),
-                          item_block_pages=ITEM_BLOCK_PAGES)
+                          item_block_pages=ITEM_BLOCK_PAGES, pair_pages=PAIR_PAGES)
         log("breakdown of the one-step-at-a-time run (roof: useful FLOPs at the matmul rate or bytes at the "
             "read bandwidth, whichever is longer; pad tok: padded share of computed tokens; pad kv: masked-off "
             "share of attention's computed query-key positions; attn: attention's share of computed FLOPs; "

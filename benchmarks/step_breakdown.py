@@ -76,21 +76,22 @@ def visible_pairs(q_len: int, kv_len: int) -> int:
 
 
 def attention_positions(q_lens, kv_lens, bucket, page_size: int, rows_per_item: Callable[[int, int], int],
-                        item_block_pages: Optional[int] = None) -> int:
+                        item_block_pages: Optional[int] = None, pair_pages: int = 1) -> int:
     """Query-key positions attention computes for a step: `kernels_pallas.xla_attention`'s work.
 
     One-row items (every sequence of a decode bucket, and the decodes of a mixed step) visit their
-    row's live pages, page by page. Larger items (`rows_per_item(T, S)` query rows each) read their
-    sequence's page table `item_block_pages` pages at a time (the whole P-page table when None), up to
-    the block holding the key their last row sees, and compute every row of the item against each
-    block they read."""
+    row's live pages `pair_pages` at a time (the last block masked past the row's last page). Larger
+    items (`rows_per_item(T, S)` query rows each) read their sequence's page table `item_block_pages`
+    pages at a time (the whole P-page table when None), up to the block holding the key their last row
+    sees, and compute every row of the item against each block they read."""
     T, S, P = bucket
     b = rows_per_item(T, S)
     block = (item_block_pages or P) * page_size
+    pair = min(pair_pages, P)
     total = 0
     for n, kv in zip(q_lens, kv_lens):
-        if b == 1 or n == 1:  # row i at position kv - n + i
-            total += sum((kv - n + i) // page_size + 1 for i in range(n)) * page_size
+        if b == 1 or n == 1:  # row i at position kv - n + i sees (kv - n + i) // page_size + 1 pages
+            total += sum(-(-((kv - n + i) // page_size + 1) // pair) * pair for i in range(n)) * page_size
             continue
         for first in range(0, n, b):
             end = kv - n + min(first + b, n)  # keys before this are visible to the item's last row
@@ -117,11 +118,11 @@ class _Totals:
     running: int = 0
 
     def add(self, s, costs: ModelCosts, page_size: int, matmul_rate: float, read_bw: float, rows_per_item,
-            item_block_pages):
+            item_block_pages, pair_pages):
         T, S, P = s.bucket
         pairs = sum(visible_pairs(n, kv) for n, kv in zip(s.q_lens, s.kv_lens))
         computed_pairs = attention_positions(s.q_lens, s.kv_lens, s.bucket, page_size, rows_per_item,
-                                             item_block_pages)
+                                             item_block_pages, pair_pages)
         rows = s.num_generation_tokens
         useful = 2 * costs.matmul_params * s.num_tokens + 2 * costs.head_params * rows \
             + costs.attention_flops_per_pair * pairs
@@ -169,15 +170,16 @@ def _kind_order(kind: str):
 
 
 def breakdown(steps, costs: ModelCosts, page_size: int, matmul_rate: float, read_bw: float,
-              rows_per_item: Callable[[int, int], int], tail_seqs: int, item_block_pages: Optional[int] = None) -> dict:
+              rows_per_item: Callable[[int, int], int], tail_seqs: int, item_block_pages: Optional[int] = None,
+              pair_pages: int = 1) -> dict:
     """The per-kind table, the tail (steps with at most `tail_seqs` running sequences) and the run's
     totals, over the steps that computed something (`IterationStats` with a bucket).
-    `rows_per_item` / `item_block_pages`: how the attention backend cuts its work
+    `rows_per_item` / `item_block_pages` / `pair_pages`: how the attention backend cuts its work
     (`attention_positions`)."""
     steps = [s for s in steps if s.bucket is not None and s.num_tokens > 0]
     kinds: dict[str, _Totals] = {}
     tail, total = _Totals(), _Totals()
-    args = (costs, page_size, matmul_rate, read_bw, rows_per_item, item_block_pages)
+    args = (costs, page_size, matmul_rate, read_bw, rows_per_item, item_block_pages, pair_pages)
     for s in steps:
         kinds.setdefault(kind_of(s.q_lens, s.bucket), _Totals()).add(s, *args)
         total.add(s, *args)

@@ -94,9 +94,9 @@ def _poison_skipped_pages(args, window, granule):
     return (q, jnp.asarray(k), jnp.asarray(v), kv_lens, tables, cu, num_seqs), poisoned
 
 
-# (rows per item, chunk bytes, soft cap, pages per block): one row per item reads (row, page) pairs from the
+# (rows per item, chunk bytes, soft cap, pages per block): one row per item reads (row, block) pairs from the
 # window's first page; several rows per item read the sequence's pages, a block at a time, and mask.
-XLA_CUTS = [(1, None, None, None), (1, 1, 2.0, None), (4, None, 2.0, None), (16, 1, None, 3)]
+XLA_CUTS = [(1, None, None, None), (1, 1, 2.0, 3), (4, None, 2.0, None), (16, 1, None, 3)]
 
 
 @pytest.mark.parametrize("rows,chunk_bytes,soft_cap,block_pages", XLA_CUTS)

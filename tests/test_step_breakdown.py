@@ -53,6 +53,8 @@ def test_kinds_and_the_positions_attention_computes():
     one_row = lambda T, S: 1  # noqa: E731
     # One-row items read their live pages: contexts 9 and 16 are 2 pages each.
     assert attention_positions((1, 1), (9, 16), (2, 2, 4), PAGE, one_row) == 2 * (2 * PAGE)
+    # ... or their live pages 3 at a time (the last block masked past the row's last page): 2 pages -> 3.
+    assert attention_positions((1, 1), (9, 16), (2, 2, 4), PAGE, one_row, pair_pages=3) == 2 * (3 * PAGE)
     # Items of 4 rows gather the whole 4-page table: 6 rows are 2 items.
     assert attention_positions((6,), (6,), (8, 2, 4), PAGE, lambda T, S: 4) == 2 * 4 * 4 * PAGE
     # ... or their table a block of pages at a time, up to the block of their last row's key: rows 0-3

@@ -29,12 +29,13 @@ CONFIGS = [
     pytest.param(jnp.float32, 6, 2, 16, 16, id="f32-g3-ps16"),
     pytest.param(jnp.bfloat16, 8, 2, 8, 32, id="bf16-g4-ps8"),
 ]
-# (rows per item, chunk bytes, pages per block of a multi-row item): None = what the backend
-# picks for the shape. Chunk bytes 1 means one item (or, for one-row items, one (row, page)
-# pair) per chunk, so results are merged across many chunks; the default chunk holds these
-# small batches' one-row items in one block of pages. Blocks of 1 or 3 of the 4-page tables
-# merge a multi-row item's softmax across blocks (3: the last block padded past the table).
-CUTS = [(None, None, None), (1, None, None), (1, 1, None), (2, 1, 1), (4, None, None), (16, 1, 3)]
+# (rows per item, chunk bytes, pages per block of a multi-row item or of a one-row item's pairs):
+# None = what the backend picks for the shape. Chunk bytes 1 means one item (or, for one-row items,
+# one (row, block) pair) per chunk, so results are merged across many chunks; the default chunk holds
+# these small batches' one-row items in one block of pages. Blocks of 1 or 3 of the 4-page tables
+# merge a softmax across blocks (3: the last block padded past the table, or a pair's last block
+# re-reading the row's last page).
+CUTS = [(None, None, None), (1, None, None), (1, 1, 3), (2, 1, 1), (4, None, None), (16, 1, 3)]
 
 
 @pytest.mark.parametrize("dtype,hq,hkv,page_size,head_dim", CONFIGS)
