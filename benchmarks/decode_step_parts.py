@@ -1,7 +1,7 @@
 """Where a decode step's time goes on XLA CPU: its matrix products, attention, and the rest.
 
     python benchmarks/decode_step_parts.py [--rows 1,4,16,32] [--contexts 16,256] [--rounds 12]
-        [--out benchmarks/results/decode_step_parts_cpu.json]
+        [--baseline_rev GIT_REV] [--out benchmarks/results/decode_step_parts_cpu.json]
 
 Why: decode steps of 16-32 rows are most of the mixed workload's time in
 `offline_throughput.py`, at a fifth to a third of their roof. That breakdown
@@ -25,6 +25,10 @@ contender, since the first program of a round was measured to run faster):
   * `forward, scanned`: the same as one `lax.scan` over layers with a stacked
     cache and each layer's matrices picked by `lax.switch`
     (`model.layer_select`): what the engine runs on CPU (`layer_loop="auto"`).
+
+With `--baseline_rev REV`, `forward, xla at REV` is the same unrolled step with
+the `xla` attention as it was at that git revision, in the same rounds: a
+before/after of an attention change inside the whole step.
 
 Attention's part is `forward` - `forward, no attention`; the part beyond the
 products is `forward, no attention` - `matmuls` (the K/V write, RoPE, the
@@ -50,7 +54,7 @@ sys.path.insert(0, HERE)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from attention_cpu_bench import best_of_rotating_rounds  # noqa: E402
+from attention_cpu_bench import baseline_attention, best_of_rotating_rounds  # noqa: E402
 from kernels_pallas import AttentionBackend, register_backend  # noqa: E402
 from kernels_pallas.reference import write_kv_reference  # noqa: E402
 from model.cache import init_cache, pack_batch  # noqa: E402
@@ -82,8 +86,16 @@ def step_inputs(rows: int, context: int, pages_per_seq: int):
     return tokens, md, num_pages
 
 
-def contenders(cfg: LlamaConfig, params, rows: int, context: int):
-    """name -> a function running the program once (inputs bound, cache threaded through)."""
+def register_baseline(rev: str) -> str:
+    """Registers the `xla` attention of git revision `rev` as a backend; returns its contender's name."""
+    register_backend("xla_baseline", lambda: AttentionBackend("xla_baseline", baseline_attention(rev),
+                                                              write_kv_reference, quantized_kv=True))
+    return f"forward, xla at {rev}"
+
+
+def contenders(cfg: LlamaConfig, params, rows: int, context: int, baseline: str | None = None):
+    """name -> a function running the program once (inputs bound, cache threaded through); `baseline`:
+    the name of a registered baseline's contender (`register_baseline`)."""
     pages_per_seq = max(1, -(-context // PAGE_SIZE))
     tokens, md, num_pages = step_inputs(rows, context, pages_per_seq)
     chain = products_jit
@@ -95,8 +107,11 @@ def contenders(cfg: LlamaConfig, params, rows: int, context: int):
         return jnp.argmax(logits, axis=-1), cache
 
     jitted = jax.jit(step, static_argnames="backend", donate_argnums=1)
-    for name, backend, stacked in (("forward, no attention", "no_attention", False), ("forward", "xla", False),
-                                   ("forward, scanned", "xla", True)):
+    programs = [("forward, no attention", "no_attention", False), ("forward", "xla", False),
+                ("forward, scanned", "xla", True)]
+    if baseline:
+        programs.append((baseline, "xla_baseline", False))
+    for name, backend, stacked in programs:
         state = {"cache": init_cache(cfg, num_pages, PAGE_SIZE, stacked=stacked)}
 
         def run(backend=backend, state=state):
@@ -113,6 +128,8 @@ def main():
     ap.add_argument("--contexts", default="16,256")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--num_layers", type=int, default=None, help="fewer layers (a quick check of the script)")
+    ap.add_argument("--baseline_rev", default=None,
+                    help="also time the unrolled step with the xla attention of this git revision, same rounds")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "decode_step_parts_cpu.json"))
     args = ap.parse_args()
     shape = dict(SHAPE_125M)
@@ -125,11 +142,14 @@ def main():
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
                           "loadavg_before": os.getloadavg()},
               "shape": {k: v for k, v in shape.items() if k != "eos_token_ids"}, "rows": []}
-    names = ("matmuls", "forward, no attention", "forward", "forward, scanned")
-    print(f"{'rows':>4} {'context':>7} " + " ".join(f"{n:>21}" for n in names) + "   attention   beyond products")
+    baseline = register_baseline(args.baseline_rev) if args.baseline_rev else None
+    result["baseline_rev"] = args.baseline_rev
+    names = ("matmuls", "forward, no attention", "forward", "forward, scanned") + ((baseline,) if baseline else ())
+    print(f"{'rows':>4} {'context':>7} " + " ".join(f"{n:>21}" for n in names) + "   attention   beyond products"
+          + ("   baseline's attention" if baseline else ""))
     for context in [int(c) for c in args.contexts.split(",")]:
         for rows in [int(r) for r in args.rows.split(",")]:
-            runs = contenders(cfg, params, rows, context)
+            runs = contenders(cfg, params, rows, context, baseline)
             for run in runs.values():  # compile, then one warm run each
                 run()
                 run()
@@ -137,10 +157,15 @@ def main():
             ms = {name: best[name] * 1e3 for name in names}
             attention = ms["forward"] - ms["forward, no attention"]
             beyond = ms["forward, no attention"] - ms["matmuls"]
-            result["rows"].append({"rows": rows, "context": context, "ms": ms, "attention_ms": attention,
-                                   "beyond_products_ms": beyond})
-            print(f"{rows:>4} {context:>7} " + " ".join(f"{ms[n]:>18.1f} ms" for n in names)
-                  + f" {attention:>8.1f} ms {beyond:>12.1f} ms", flush=True)
+            row = {"rows": rows, "context": context, "ms": ms, "attention_ms": attention, "beyond_products_ms": beyond}
+            line = (f"{rows:>4} {context:>7} " + " ".join(f"{ms[n]:>18.1f} ms" for n in names)
+                    + f" {attention:>8.1f} ms {beyond:>12.1f} ms")
+            if baseline:
+                row["baseline_attention_ms"] = ms[baseline] - ms["forward, no attention"]
+                row["forward_vs_baseline"] = ms[baseline] / ms["forward"]
+                line += f" {row['baseline_attention_ms']:>15.1f} ms (step x{row['forward_vs_baseline']:.3f})"
+            result["rows"].append(row)
+            print(line, flush=True)
     result["machine"]["loadavg_after"] = os.getloadavg()
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
