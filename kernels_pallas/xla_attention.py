@@ -82,6 +82,26 @@ def _merge_block(m_run, l_run, o_run, s, weighted_values, key_axis: int = -1):
     return m_new, l_run * alpha + jnp.sum(p, axis=key_axis), o_run * alpha[..., None] + weighted_values(p)
 
 
+def _gather_pages(k_pages, v_pages, k_scale, v_scale, ids):
+    """K and V of the pages `ids` [n, w], as float32 `[n, w * page_size, kv_heads, head_dim]`, int8/fp8
+    pages multiplied by their per-token scales (None for float pages)."""
+    n, w = ids.shape
+    _, page_size, num_kv_heads, head_dim = k_pages.shape
+    k = k_pages[ids].reshape(n, w * page_size, num_kv_heads, head_dim).astype(jnp.float32)
+    v = v_pages[ids].reshape(n, w * page_size, num_kv_heads, head_dim).astype(jnp.float32)
+    if k_scale is not None:
+        k = k * k_scale[ids].reshape(n, w * page_size, num_kv_heads, 1)
+        v = v * v_scale[ids].reshape(n, w * page_size, num_kv_heads, 1)
+    return k, v
+
+
+def _visible_pages(pos, end, window, page_size: int, num_pages: int):
+    """First and last (inclusive) page a one-row item at `pos` reads: from the page of its window's
+    first key (page 0 without a window) to the page of its last visible key, `end - 1`."""
+    first = jnp.zeros_like(pos) if window is None else jnp.maximum(pos - window + 1, 0) // page_size
+    return first, jnp.minimum((end - 1) // page_size, num_pages - 1)
+
+
 def rows_per_item(num_tokens: int, num_seqs: int) -> int:
     """Query rows per item for a step of `num_tokens` rows and `num_seqs` sequence slots."""
     b = 1
@@ -129,7 +149,7 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, block_tables, cu_q_
     L = P * page_size
     if sm_scale is None:
         sm_scale = head_dim**-0.5
-    quantized = check_kv_scales(k_pages, v_pages, k_scale, v_scale, "attention")
+    check_kv_scales(k_pages, v_pages, k_scale, v_scale, "attention")
     b = rows or rows_per_item(T, S)
     num_items = min(T, -(-T // b) + S)
     if b == 1:
@@ -178,11 +198,7 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, block_tables, cu_q_
         def block(c, carry):
             m_run, l_run, o_run = carry  # [n, K, B, G] twice, [n, K, B, G, D]
             ids = jax.lax.dynamic_slice_in_dim(tc, c * w, w, axis=1)  # [n, w]
-            k = k_pages[ids].reshape(n, w * page_size, num_kv_heads, head_dim).astype(jnp.float32)
-            v = v_pages[ids].reshape(n, w * page_size, num_kv_heads, head_dim).astype(jnp.float32)
-            if quantized:
-                k = k * k_scale[ids].reshape(n, w * page_size, num_kv_heads, 1)
-                v = v * v_scale[ids].reshape(n, w * page_size, num_kv_heads, 1)
+            k, v = _gather_pages(k_pages, v_pages, k_scale, v_scale, ids)
             s = apply_soft_cap(jnp.einsum("nbkgd,nlkd->nkbgl", qg, k) * sm_scale, soft_cap)
             j = c * w * page_size + jnp.arange(w * page_size, dtype=jnp.int32)
             visible = (j[None, None, :] < ok_end[:, :, None]) & in_window(j[None, None, :], pc[:, :, None], window)
@@ -244,7 +260,7 @@ def _attend_one_row_items(q, k_pages, v_pages, k_scale, v_scale, block_tables, s
 
 
 def _attend_by_pairs(q, k_pages, v_pages, k_scale, v_scale, block_tables, seq, row, pos, end, live, *, sm_scale,
-                    chunk_bytes, window=None, soft_cap=None, pair_pages=PAIR_PAGES):
+                     chunk_bytes, window=None, soft_cap=None, pair_pages=PAIR_PAGES):
     """One query row per item (`row`, at position `pos` of sequence `seq`, seeing keys before `end`;
     `live` marks real items): attention over the item's visible pages, a (row, block of `pair_pages`
     pages) pair at a time."""
@@ -253,20 +269,18 @@ def _attend_by_pairs(q, k_pages, v_pages, k_scale, v_scale, block_tables, seq, r
     S, P = block_tables.shape
     group = num_q_heads // num_kv_heads
     num_items = seq.shape[0]
-    quantized = k_scale is not None
     u = min(pair_pages, P)
     L = u * page_size
 
     # Pairs, item-major: item i owns pairs [ends[i] - n_pairs[i], ends[i]). Their count is dynamic;
     # the arrays are sized for the worst case and only the first `num_pairs` are ever read.
-    # A row's pairs start at the page holding its first visible key (page 0 without a window).
-    first_page = jnp.zeros_like(pos) if window is None else jnp.maximum(pos - window + 1, 0) // page_size
-    last_page = jnp.minimum((end - 1) // page_size, P - 1)  # inclusive
+    first_page, last_page = _visible_pages(pos, end, window, page_size, P)
     n_pairs = jnp.where(live, (last_page - first_page) // u + 1, 0)
     ends = jnp.cumsum(n_pairs)
     num_pairs = ends[-1]
-    per_chunk = max(1, min(num_items * -(-P // u), chunk_bytes // (L * num_kv_heads * head_dim * 4)))
-    cap = -(-(num_items * -(-P // u)) // per_chunk) * per_chunk
+    max_pairs = num_items * -(-P // u)
+    per_chunk = max(1, min(max_pairs, chunk_bytes // (L * num_kv_heads * head_dim * 4)))
+    cap = -(-max_pairs // per_chunk) * per_chunk
     j = jnp.arange(cap, dtype=jnp.int32)
     pair_item = jnp.minimum(jnp.searchsorted(ends, j, side="right"), num_items - 1).astype(jnp.int32)
     pair_page = first_page[pair_item] + (j - (ends[pair_item] - n_pairs[pair_item])) * u  # the block's first page
@@ -285,11 +299,7 @@ def _attend_by_pairs(q, k_pages, v_pages, k_scale, v_scale, block_tables, seq, r
         item = jax.lax.dynamic_slice_in_dim(pair_item, start, per_chunk)
         page = jax.lax.dynamic_slice_in_dim(pair_page, start, per_chunk)
         safe_item = jnp.minimum(item, num_items - 1)
-        k = k_pages[ids].reshape(per_chunk, L, num_kv_heads, head_dim).astype(jnp.float32)
-        v = v_pages[ids].reshape(per_chunk, L, num_kv_heads, head_dim).astype(jnp.float32)
-        if quantized:
-            k = k * k_scale[ids].reshape(per_chunk, L, num_kv_heads, 1)
-            v = v * v_scale[ids].reshape(per_chunk, L, num_kv_heads, 1)
+        k, v = _gather_pages(k_pages, v_pages, k_scale, v_scale, ids)
         qc = qg[row[safe_item]]  # [C, K, G, D]
         # Products, not multiply-and-reduce: XLA CPU runs these as batched dots, 10-30% faster.
         s = apply_soft_cap(jnp.einsum("ckgd,ctkd->ctkg", qc, k) * sm_scale, soft_cap)  # [C, L, K, G]
@@ -332,10 +342,8 @@ def _attend_by_row_blocks(q, k_pages, v_pages, k_scale, v_scale, block_tables, s
     S, P = block_tables.shape
     group = num_q_heads // num_kv_heads
     num_items = seq.shape[0]
-    quantized = k_scale is not None
 
-    first_page = jnp.zeros_like(pos) if window is None else jnp.maximum(pos - window + 1, 0) // page_size
-    last_page = jnp.minimum((end - 1) // page_size, P - 1)  # inclusive
+    first_page, last_page = _visible_pages(pos, end, window, page_size, P)
     n_pages = jnp.where(live, last_page - first_page + 1, 0)
     page_bytes = page_size * num_kv_heads * head_dim * 4
     w = max(1, min(P, chunk_bytes // (num_items * page_bytes)))
@@ -351,11 +359,7 @@ def _attend_by_row_blocks(q, k_pages, v_pages, k_scale, v_scale, block_tables, s
         page = first_page[:, None] + c * w + jnp.arange(w, dtype=jnp.int32)[None, :]  # [I, W]
         # Pages past an item's last one re-read its last page (cached) and are masked off.
         ids = jnp.take_along_axis(tables, jnp.minimum(page, last_page[:, None]).clip(0, P - 1), axis=1)
-        k = k_pages[ids].reshape(num_items, L, num_kv_heads, head_dim).astype(jnp.float32)
-        v = v_pages[ids].reshape(num_items, L, num_kv_heads, head_dim).astype(jnp.float32)
-        if quantized:
-            k = k * k_scale[ids].reshape(num_items, L, num_kv_heads, 1)
-            v = v * v_scale[ids].reshape(num_items, L, num_kv_heads, 1)
+        k, v = _gather_pages(k_pages, v_pages, k_scale, v_scale, ids)
         # Keys before heads in the scores, as in the pairs: XLA CPU's product is faster that way.
         s = apply_soft_cap(jnp.einsum("ikgd,ilkd->ilkg", qg, k) * sm_scale, soft_cap)
         key_pos = (first_page[:, None] + c * w) * page_size + token[None, :]  # [I, L]
