@@ -21,7 +21,8 @@ backend start, so each variant is a child process; the variants alternate
     head and the argmax; no attention, as `products_ceiling.products`)
     in each formulation of the projections (`FORMS`: the current einsum, the
     weight as the dot's left operand, multiply-and-reduce, the output dim split
-    in two independent dots, a zero second row), and the current formulation
+    in two independent dots, a zero second row, the halves stored as two arrays
+    beforehand), and the current formulation
     compiled with XLA CPU's experimental library fusions for dots (`OPTIONS`:
     XNNPACK, YNNPACK; per-program `compiler_options`);
   * its parts in the current formulation: the layers alone and the logits head
@@ -111,6 +112,9 @@ def child(args) -> dict:
                                                    for h in jnp.split(w, 2, axis=0)], axis=-1),
         # a second (zero) row: a 2-row product, which XLA hands to a matrix-matrix kernel
         "two_rows": lambda x, w: jnp.einsum("te,fe->tf", jnp.concatenate([x, jnp.zeros_like(x)]), w)[:1],
+        # the output dim in two halves stored as two arrays before the call (`presplit` below), so neither
+        # dot reads a slice: whether XLA CPU's runtime runs two independent matvecs on both cores
+        "presplit_out": lambda x, w: jnp.concatenate([jnp.einsum("te,fe->tf", x, h) for h in w], axis=-1),
     }
     # Per-program XLA CPU options (`jax.jit(..., compiler_options=...)`): the dots handed to XNNPACK /
     # YNNPACK instead of XLA's Eigen dot thunk (the experimental library fusions of jax 0.10's XLA).
@@ -118,45 +122,59 @@ def child(args) -> dict:
                "ynn_dot": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}}
 
     cfg = LlamaConfig(**SHAPE_125M)
-    params = init_params(cfg, jax.random.key(0))
     eps = cfg.rms_norm_eps
+
+    def projections(params):
+        """Each layer's seven [out, in] weights and two norms, the model's linear layers as `FORMS` take them."""
+        return [dict(wq=L.wq.reshape(-1, L.wq.shape[-1]), wk=L.wk.reshape(-1, L.wk.shape[-1]),
+                     wv=L.wv.reshape(-1, L.wv.shape[-1]), wo=L.wo.reshape(L.wo.shape[0], -1), w_gate=L.w_gate,
+                     w_up=L.w_up, w_down=L.w_down, attn_norm=L.attn_norm, mlp_norm=L.mlp_norm)
+                for L in params.layers]
 
     def layers_chain(form, params, x):
         lin = FORMS[form]
-        for L in params.layers:
-            h = rms_norm(x, L.attn_norm, eps)
-            q = lin(h, L.wq.reshape(-1, L.wq.shape[-1]))
-            k = lin(h, L.wk.reshape(-1, L.wk.shape[-1]))
-            v = lin(h, L.wv.reshape(-1, L.wv.shape[-1]))
+        for L in params["layers"]:
+            h = rms_norm(x, L["attn_norm"], eps)
+            q, k, v = lin(h, L["wq"]), lin(h, L["wk"]), lin(h, L["wv"])
             o = q + jnp.tile(k + v, (1, q.shape[1] // k.shape[1]))  # stands in for attention
-            x = x + lin(o, L.wo.reshape(L.wo.shape[0], -1))
-            h = rms_norm(x, L.mlp_norm, eps)
-            x = x + lin(jax.nn.silu(lin(h, L.w_gate)) * lin(h, L.w_up), L.w_down)
+            x = x + lin(o, L["wo"])
+            h = rms_norm(x, L["mlp_norm"], eps)
+            x = x + lin(jax.nn.silu(lin(h, L["w_gate"])) * lin(h, L["w_up"]), L["w_down"])
         return x
 
     def head(form, params, x):
-        return jnp.argmax(FORMS[form](rms_norm(x, params.final_norm, eps), params.lm_head), axis=-1)
+        return jnp.argmax(FORMS[form](rms_norm(x, params["final_norm"], eps), params["lm_head"]), axis=-1)
 
     def whole(form, params, token):
-        return head(form, params, layers_chain(form, params, params.embed[token]))
+        return head(form, params, layers_chain(form, params, params["embed"][token]))
 
-    weight_bytes = sum(a.nbytes for a in jax.tree.leaves(params)) - params.embed.nbytes + cfg.hidden_size * 4
-    layer_bytes = weight_bytes - params.lm_head.nbytes - cfg.hidden_size * 4
+    model_params = init_params(cfg, jax.random.key(0))
+    params = dict(layers=projections(model_params), final_norm=model_params.final_norm,
+                  lm_head=model_params.lm_head, embed=model_params.embed)
+    halves = lambda w: tuple(jnp.array(h) for h in jnp.split(w, 2, axis=0))  # noqa: E731
+    presplit = dict(params, layers=[{k: (halves(w) if k.startswith("w") else w) for k, w in L.items()}
+                                    for L in params["layers"]], lm_head=halves(params["lm_head"]))
+    form_params = {form: presplit if form == "presplit_out" else params for form in FORMS}
+
+    weight_bytes = sum(a.nbytes for a in jax.tree.leaves(params)) - params["embed"].nbytes + cfg.hidden_size * 4
+    layer_bytes = weight_bytes - params["lm_head"].nbytes - cfg.hidden_size * 4
     n = 512 * 2**20 // 4
     big = jnp.ones((n,), jnp.float32)
     vec = jnp.ones((1024,), jnp.float32)
     token = jnp.array([5], jnp.int32)
-    x0 = params.embed[token]
+    x0 = params["embed"][token]
     cases = {"ref_sum_512MiB": (jax.jit(jnp.sum), (big,), big.nbytes),
              "ref_matvec_512MiB": (jax.jit(lambda a, b: a.reshape(-1, 1024) @ b), (big, vec), big.nbytes)}
     for form in FORMS:
-        cases[f"chain_{form}"] = (jax.jit(lambda p, t, f=form: whole(f, p, t)), (params, token), weight_bytes)
+        cases[f"chain_{form}"] = (jax.jit(lambda p, t, f=form: whole(f, p, t)), (form_params[form], token),
+                                  weight_bytes)
     for name, opts in OPTIONS.items():
         cases[f"chain_einsum_{name}"] = (jax.jit(lambda p, t: whole("einsum", p, t), compiler_options=opts),
                                          (params, token), weight_bytes)
     cases["layers_einsum"] = (jax.jit(lambda p, x: layers_chain("einsum", p, x)), (params, x0), layer_bytes)
     for form in FORMS:
-        cases[f"head_{form}"] = (jax.jit(lambda p, x, f=form: head(f, p, x)), (params, x0), params.lm_head.nbytes)
+        cases[f"head_{form}"] = (jax.jit(lambda p, x, f=form: head(f, p, x)), (form_params[form], x0),
+                                 params["lm_head"].nbytes)
     # One matvec shape at a time: a chain of distinct [out, 768] weights, ~100 MB in all (past the L3
     # cache), at the layers' output sizes and at those of fused q/k/v (1280) and gate/up (4096):
     # whether a bigger product per call gets the second core.
