@@ -151,7 +151,10 @@ def child(args) -> dict:
     model_params = init_params(cfg, jax.random.key(0))
     params = dict(layers=projections(model_params), final_norm=model_params.final_norm,
                   lm_head=model_params.lm_head, embed=model_params.embed)
-    halves = lambda w: tuple(jnp.array(h) for h in jnp.split(w, 2, axis=0))  # noqa: E731
+    def halves(w):
+        """The weight's two output halves as arrays of their own (copied once, here)."""
+        return tuple(jnp.array(h) for h in jnp.split(w, 2, axis=0))
+
     presplit = dict(params, layers=[{k: (halves(w) if k.startswith("w") else w) for k, w in L.items()}
                                     for L in params["layers"]], lm_head=halves(params["lm_head"]))
     form_params = {form: presplit if form == "presplit_out" else params for form in FORMS}
