@@ -18,6 +18,7 @@ import pytest
 from conftest import metric_value
 from serving.disaggregation import kv_wire
 from serving.disaggregation.disagg import run_disaggregated
+from serving.router import RouterService, create_router_app
 from serving.cluster.local_fleet import LocalFleet
 
 MODEL = "fleet"  # the --served_model_name LocalFleet gives its workers
@@ -129,6 +130,54 @@ def test_disaggregated_equals_one_worker(workers):
     asyncio.run(_disagg(workers, "/v1/completions", {**seeded, "prompt": turn + "second turn\n"}))
     assert _metric(decode, "prefix_cache_hits") - hits == 32
     assert _metric(decode, "kv_cache_pages_used") == 0 and _metric(prefill, "kv_cache_pages_used") == 0
+
+
+# Short names: the embedded model's template lists each tool's name, and its context is 64 tokens here.
+TOOLS = [{"type": "function", "function": {"name": "wx", "parameters": {
+    "type": "object", "properties": {"c": {"type": "string"}}, "required": ["c"]}}},
+         {"type": "function", "function": {"name": "t", "parameters": {"type": "object", "properties": {}}}}]
+
+
+async def _through_router(urls, body):
+    """(status, JSON or SSE lines) of a chat sent to an in-process router over the prefill/decode pair."""
+    service = RouterService(prefill_workers=[urls[0]], decode_workers=[urls[1]], page_size=16)
+    app = create_router_app(service)
+    await service.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router",
+                                     timeout=120) as client:
+            r = await client.post("/v1/chat/completions", json=body, headers=AUTH)
+            return r.status_code, (r.text.splitlines() if body.get("stream") else r.json())
+    finally:
+        await service.stop()
+
+
+def _without_call_ids(message: dict) -> dict:
+    """A chat message with its tool calls' ids (fresh on every answer) left out."""
+    calls = [{k: v for k, v in c.items() if k != "id"} for c in message.get("tool_calls") or []]
+    return {**message, "tool_calls": calls}
+
+
+@pytest.mark.parametrize("tool_choice", ["none", "required", {"type": "function", "function": {"name": "t"}}],
+                         ids=["none", "required", "named"])
+def test_a_tool_chat_through_the_router_is_prompted_as_on_one_server(workers, tool_choice):
+    """The tools are part of the prompt (the template lists them) and, when a call is forced, of the first
+    token's grammar: the prefill worker must render and constrain them as the single server does."""
+    decode = workers[1]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Oslo?"}], "tools": TOOLS,
+            "tool_choice": tool_choice, "max_tokens": 8, "temperature": 0}
+    want = _direct(decode, "/v1/chat/completions", chat)
+    status, got = asyncio.run(_through_router(workers, chat))
+    assert status == 200, got
+    assert _without_call_ids(got["choices"][0]["message"]) == _without_call_ids(want["choices"][0]["message"])
+    assert got["choices"][0]["finish_reason"] == want["choices"][0]["finish_reason"]
+    assert got["usage"] == want["usage"]
+    status, lines = asyncio.run(_through_router(workers, {**chat, "stream": True}))
+    assert status == 200, lines
+    assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
+    want_lines = _direct(decode, "/v1/chat/completions", {**chat, "stream": True})
+    strip = re.compile(r'"(id|created)":\s*("[^"]*"|\d+)')
+    assert [strip.sub("", x) for x in lines if x] == [strip.sub("", x) for x in want_lines if x]
 
 
 def prefill_payload(prefill, body, headers=AUTH) -> bytes:

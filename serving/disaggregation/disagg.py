@@ -101,6 +101,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serving.api import http_protocol as P
 from serving.api import lora_routes, openai_fields
+from serving.api import tool_calls as T
 from serving.disaggregation import kv_wire
 from serving.core.sampling_params import InvalidParameterError
 
@@ -213,10 +214,13 @@ def _first_token_request(ctx, kind: str, req):
         if req.top_logprobs is not None and not req.logprobs:
             raise P.APIError("top_logprobs requires logprobs to be true", param="top_logprobs",
                              code="invalid_value")
-        ids = ctx.chat_prompt(req)
-        _, reasoning = ctx.chat_reasoning(req, None, req.requested_max_tokens())  # a budget forces the end tag
+        # The tool plan as the chat route makes it: the template lists the tools, and a forced call's
+        # grammar constrains the first token too, so the decode worker resumes the prompt it would build.
+        plan = T.plan_tools(req, ctx.tool_call_parser)
+        ids = ctx.chat_prompt(req, plan)
+        _, reasoning = ctx.chat_reasoning(req, plan, req.requested_max_tokens())  # a budget forces the end tag
         params = ctx.sampling_params(req, req.requested_max_tokens(), (req.top_logprobs or 0) if req.logprobs
-                                     else None, None, None, reasoning)
+                                     else None, None, plan, reasoning)
     try:
         ctx.engine.engine.make_request("check", ids, params)
     except InvalidParameterError as e:
