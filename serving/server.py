@@ -194,13 +194,17 @@ def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window
                                  streamed_weight_bytes=_streamed_weight_bytes(runner, llm.config),
                                  kv_bytes_per_token=_kv_bytes_per_token(engine))
     async_engine = AsyncEngine(engine)
-    metrics = ServerMetrics(async_engine, model_name, cost, peak, metrics_window_s,
-                            max_model_len=engine.max_model_len).attach()
-    fastapi_app = create_app(async_engine, llm.tokenizer, model_name, engine.max_model_len, metrics,
-                             vocab_size=llm.config.vocab_size, profile_dir=profile_dir, api_keys=api_keys,
-                             kv_transfer_secret=kv_transfer_secret, tool_call_parser=tool_call_parser,
-                             reasoning_parser=reasoning_parser, responses_store=responses_store, media=media,
-                             allow_lora_updates=allow_lora_updates)
+    try:
+        metrics = ServerMetrics(async_engine, model_name, cost, peak, metrics_window_s,
+                                max_model_len=engine.max_model_len).attach()
+        fastapi_app = create_app(async_engine, llm.tokenizer, model_name, engine.max_model_len, metrics,
+                                 vocab_size=llm.config.vocab_size, profile_dir=profile_dir, api_keys=api_keys,
+                                 kv_transfer_secret=kv_transfer_secret, tool_call_parser=tool_call_parser,
+                                 reasoning_parser=reasoning_parser, responses_store=responses_store, media=media,
+                                 allow_lora_updates=allow_lora_updates)
+    except BaseException:  # an option create_app refuses: no engine thread is left running behind the error
+        async_engine.shutdown()
+        raise
     add_request_limits(fastapi_app, limits or RequestLimits())
     drain = fastapi_app.state.drain = Drain(async_engine, shutdown_timeout_s)
     fastapi_app.add_middleware(DrainGate, drain=drain)  # outermost: a draining server reads no body
@@ -374,90 +378,169 @@ def _limits_from_flags():
                          max_concurrent_per_key=FLAGS.max_concurrent_requests_per_key)
 
 
-def main(argv) -> None:
-    del argv
-    import uvicorn
+# What a start is refused with: an option or flag value the code checks (ValueError), or a checkpoint or file
+# that is missing or unusable (OSError); `main` also takes a `SystemExit` carrying a message (`check_port_free`).
+REFUSALS = (ValueError, OSError)
 
+
+def refuse(problem) -> None:
+    """Ends a start that cannot go on: one line on stderr naming the problem, exit status 2 (a usage error,
+    as argparse exits), no traceback. The caller has stopped every thread it started first: a background
+    XLA compile still running when the interpreter exits aborts it."""
+    line = " ".join(str(problem).split()) or type(problem).__name__
+    for handler in logging.getLogger().handlers:  # the log lines before it reach stderr first
+        handler.flush()
+    sys.stderr.write(f"error: {line}\n")
+    sys.stderr.flush()
+    sys.exit(2)
+
+
+def _parse_flags(argv):
+    """absl's flag parsing, with a bad flag refused as any other start is (`refuse`) instead of absl's
+    'FATAL Flags parsing error' and exit status 1."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        refuse(f"{e} (--helpfull lists the flags)")
+
+
+def _set_log_level() -> None:
     level = getattr(logging, FLAGS.log_level.upper())
     logging.getLogger().setLevel(level)
     if level > logging.DEBUG:  # checkpoint and backend chatter only when debugging
         for noisy in ("absl", "jax", "orbax"):
             logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
-    from serving.core import compile_cache
 
-    from serving.cluster import distributed
 
-    join_from_flags()
-    joined = distributed.current()
-    if joined is None or not joined.process_id:  # the process that will listen (process 0)
-        check_port_free(FLAGS.host, FLAGS.port)
-    cache_dir = compile_cache.enable(FLAGS.compilation_cache_dir)  # before anything compiles
-    log.info("persistent compilation cache: %s", cache_dir or "off")
-    # The HTTP stack is imported before the model loads: once the engine exists, its background warm-up
-    # competes with whatever the main thread still does, and these imports are a second of it.
-    import serving.api.http_app  # noqa: F401
-    import serving.api.http_auth  # noqa: F401
+def _media_from_flags():
     from serving.api.media import MediaOptions
-    import serving.api.http_metrics  # noqa: F401
-    import serving.core.async_engine  # noqa: F401
 
-    log.info("loading %s", FLAGS.checkpoint or "the embedded default model")
-    llm = make_llm_from_flags()
-    for line in describe_startup(llm):
-        log.info("%s", line)
-    if llm.multihost is not None and not llm.multihost.is_leader:
-        sys.exit(llm.multihost.serve())  # process 0 serves HTTP; this one replays its device calls
-    from serving.api.http_auth import APIKeys
+    return MediaOptions(allowed_domains=tuple(d.strip().lower() for d in FLAGS.allowed_media_domains if d.strip()),
+                        max_bytes=FLAGS.media_max_bytes, fetch_timeout_s=FLAGS.media_fetch_timeout_s)
 
-    secret = FLAGS.kv_transfer_secret or os.environ.get(SECRET_ENV) or None
-    api_keys = APIKeys.parse(FLAGS.api_key or os.environ.get(API_KEY_ENV), FLAGS.cache_salt_per_api_key)
-    log.info("API keys: %s; disaggregated serving routes (/internal/*): %s",
-             f"{len(api_keys.keys)} accepted" if api_keys.enabled else "none (the API is open)",
-             "on (signed payloads)" if secret else f"off (set --kv_transfer_secret or ${SECRET_ENV})")
-    if FLAGS.kv_transfer_warmup and secret:
-        from serving.disaggregation import kv_transfer
 
-        log.info("KV transfer warm-up: %d executables", kv_transfer.warm_up(llm.engine))
-    elif FLAGS.kv_transfer_warmup:
-        log.warning("--kv_transfer_warmup ignored: the KV transfer routes are off without a secret")
-    fastapi_app, async_engine, _ = build_stack(llm, FLAGS.served_model_name, peak=_peak_from_flags(),
-                                               metrics_window_s=FLAGS.metrics_window_s,
-                                               num_devices=FLAGS.tensor_parallel_size * FLAGS.pipeline_parallel_size,
-                                               profile_dir=FLAGS.profile_dir, api_keys=api_keys,
-                                               kv_transfer_secret=secret, tool_call_parser=FLAGS.tool_call_parser,
-                                               limits=_limits_from_flags(),
-                                               shutdown_timeout_s=FLAGS.shutdown_timeout_s,
-                                               reasoning_parser=FLAGS.reasoning_parser,
-                                               responses_store=responses_store_from_flags(),
-                                               media=MediaOptions(allowed_domains=tuple(
-                                                   d.strip().lower() for d in FLAGS.allowed_media_domains if d.strip()),
-                                                   max_bytes=FLAGS.media_max_bytes,
-                                                   fetch_timeout_s=FLAGS.media_fetch_timeout_s),
-                                               allow_lora_updates=FLAGS.allow_runtime_lora_updating)
-    if FLAGS.profile_dir:
-        log.info("profiling: POST /start_profile and /stop_profile write traces under %s", FLAGS.profile_dir)
-    if llm.multihost is not None:
-        llm.multihost.watch(async_engine)  # a failed engine loop ends every process, not just HTTP
-    name = FLAGS.served_model_name or default_model_name(llm)
-    log.info("serving %r on http://%s:%d (OpenAI API under /v1, metrics at /metrics)", name, FLAGS.host, FLAGS.port)
-    from serving.api.drain import DrainingServer
+class _Start:
+    """The server's start, phase by phase, keeping what each phase started so that a refusal in a later
+    one (`create_app` refusing an option while the background warm-up compiles) stops it before exiting."""
 
-    try:
-        config = uvicorn.Config(fastapi_app, host=FLAGS.host, port=FLAGS.port, log_level=FLAGS.log_level,
-                                lifespan="off", timeout_keep_alive=30)
+    def __init__(self):
+        self.llm = None
+        self.app = None
+        self.async_engine = None
+
+    def prepare(self) -> None:
+        """Before anything loads: the multi-process runtime, the port, the compilation cache."""
+        from serving.cluster import distributed
+        from serving.core import compile_cache
+
+        join_from_flags()
+        joined = distributed.current()
+        if joined is None or not joined.process_id:  # the process that will listen (process 0)
+            check_port_free(FLAGS.host, FLAGS.port)
+        cache_dir = compile_cache.enable(FLAGS.compilation_cache_dir)  # before anything compiles
+        log.info("persistent compilation cache: %s", cache_dir or "off")
+        # The HTTP stack is imported before the model loads: once the engine exists, its background warm-up
+        # competes with whatever the main thread still does, and these imports are a second of it.
+        import uvicorn  # noqa: F401
+
+        import serving.api.drain  # noqa: F401
+        import serving.api.http_app  # noqa: F401
+        import serving.api.http_auth  # noqa: F401
+        import serving.api.media  # noqa: F401
+        import serving.api.http_metrics  # noqa: F401
+        import serving.core.async_engine  # noqa: F401
+
+    def load(self) -> None:
+        """The `LLM` (the engine built, the first step shapes compiled, the rest compiling meanwhile)."""
+        log.info("loading %s", FLAGS.checkpoint or "the embedded default model")
+        self.llm = make_llm_from_flags()
+        for line in describe_startup(self.llm):
+            log.info("%s", line)
+
+    def build_app(self) -> None:
+        """The HTTP app over the engine (process 0 only); the engine loop starts here."""
+        from serving.api.http_auth import APIKeys
+
+        llm = self.llm
+        secret = FLAGS.kv_transfer_secret or os.environ.get(SECRET_ENV) or None
+        api_keys = APIKeys.parse(FLAGS.api_key or os.environ.get(API_KEY_ENV), FLAGS.cache_salt_per_api_key)
+        log.info("API keys: %s; disaggregated serving routes (/internal/*): %s",
+                 f"{len(api_keys.keys)} accepted" if api_keys.enabled else "none (the API is open)",
+                 "on (signed payloads)" if secret else f"off (set --kv_transfer_secret or ${SECRET_ENV})")
+        if FLAGS.kv_transfer_warmup and secret:
+            from serving.disaggregation import kv_transfer
+
+            log.info("KV transfer warm-up: %d executables", kv_transfer.warm_up(llm.engine))
+        elif FLAGS.kv_transfer_warmup:
+            log.warning("--kv_transfer_warmup ignored: the KV transfer routes are off without a secret")
+        self.app, self.async_engine, _ = build_stack(
+            llm, FLAGS.served_model_name, peak=_peak_from_flags(), metrics_window_s=FLAGS.metrics_window_s,
+            num_devices=FLAGS.tensor_parallel_size * FLAGS.pipeline_parallel_size, profile_dir=FLAGS.profile_dir,
+            api_keys=api_keys, kv_transfer_secret=secret, tool_call_parser=FLAGS.tool_call_parser,
+            limits=_limits_from_flags(), shutdown_timeout_s=FLAGS.shutdown_timeout_s,
+            reasoning_parser=FLAGS.reasoning_parser, responses_store=responses_store_from_flags(),
+            media=_media_from_flags(), allow_lora_updates=FLAGS.allow_runtime_lora_updating)
+        if FLAGS.profile_dir:
+            log.info("profiling: POST /start_profile and /stop_profile write traces under %s", FLAGS.profile_dir)
+        if llm.multihost is not None:
+            llm.multihost.watch(self.async_engine)  # a failed engine loop ends every process, not just HTTP
+
+    def serve(self) -> None:
+        """uvicorn until SIGINT or a drained SIGTERM; then the engine loop and the warm-up stop."""
+        import uvicorn
+
+        from serving.api.drain import DrainingServer
+
+        name = FLAGS.served_model_name or default_model_name(self.llm)
+        log.info("serving %r on http://%s:%d (OpenAI API under /v1, metrics at /metrics)", name, FLAGS.host,
+                 FLAGS.port)
         try:
-            DrainingServer(config, fastapi_app.state.drain).run()  # the first SIGTERM drains (serving.api.drain)
-        except KeyboardInterrupt:  # SIGINT, re-raised by uvicorn once it has shut down (as uvicorn.run does)
-            pass
-    finally:
-        fastapi_app.state.profiler.stop_if_running()
-        async_engine.shutdown()
-        llm.shutdown()  # multi-host: the other processes stop following
+            config = uvicorn.Config(self.app, host=FLAGS.host, port=FLAGS.port, log_level=FLAGS.log_level,
+                                    lifespan="off", timeout_keep_alive=30)
+            try:
+                DrainingServer(config, self.app.state.drain).run()  # the first SIGTERM drains (serving.api.drain)
+            except KeyboardInterrupt:  # SIGINT, re-raised by uvicorn once it has shut down (as uvicorn.run does)
+                pass
+        finally:
+            self.app.state.profiler.stop_if_running()
+            self.stop()
+
+    def stop(self) -> None:
+        """Stops what the phases so far started: the engine loop, and the background warm-up after the
+        compile under way (multi-host: the other processes stop following)."""
+        if self.async_engine is not None:
+            self.async_engine.shutdown()
+        if self.llm is not None:
+            self.llm.shutdown()
+
+
+def main(argv) -> None:
+    del argv
+    _set_log_level()
+    start = _Start()
+    try:
+        start.prepare()
+        start.load()
+        if start.llm.multihost is not None and not start.llm.multihost.is_leader:
+            sys.exit(start.llm.multihost.serve())  # process 0 serves HTTP; this one replays its device calls
+        start.build_app()
+    except SystemExit as e:
+        if not isinstance(e.code, str):
+            raise
+        start.stop()
+        refuse(e.code)
+    except REFUSALS as e:
+        start.stop()
+        refuse(e)
+    except BaseException:  # a failure that is not a refusal still stops the warm-up before the traceback
+        start.stop()
+        raise
+    start.serve()
 
 
 def run() -> None:
     define_flags()
-    absl_app.run(main)
+    absl_app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

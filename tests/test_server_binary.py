@@ -1,5 +1,7 @@
-"""`python -m serving.server` as users run it: flags, the startup log, serving, and a clean shutdown."""
+"""`python -m serving.server` as users run it: flags, the startup log, serving, a clean shutdown, and
+the refusals at start (one line, exit status 2, whichever phase refuses)."""
 
+import json
 import os
 import re
 import signal
@@ -12,6 +14,7 @@ import httpx
 
 from serving.server import free_port
 from conftest import SUBPROCESS_XLA_FLAGS
+from reasoning_checkpoints import save_reasoning_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -72,6 +75,57 @@ def test_a_busy_port_stops_the_binary_before_it_loads_anything():
         env = dict(os.environ, JAX_PLATFORMS="cpu")
         proc = subprocess.run([sys.executable, "-m", "serving.server", f"--port={port}"], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr + proc.stdout
+    assert_refused(proc, f"cannot listen on 127.0.0.1:{port}")
     assert "loading" not in proc.stderr + proc.stdout  # it stopped before the checkpoint
+
+
+def start_refused(*flags: str) -> subprocess.CompletedProcess:
+    """Runs the binary with `flags` (on a free port, one CPU device), expecting it to refuse to start."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
+    return subprocess.run([sys.executable, "-m", "serving.server", f"--port={free_port()}", *flags], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def assert_refused(proc: subprocess.CompletedProcess, *words: str) -> None:
+    """A refusal at start: exit status 2, one `error:` line naming the problem, and neither a traceback nor
+    an abort (a background compile thread still running at exit aborts the interpreter)."""
+    out = proc.stderr + proc.stdout
+    assert proc.returncode == 2, out[-3000:]
+    for bad in ("Traceback", "fatal", "terminate called", "Aborted"):
+        assert bad.lower() not in out.lower(), out[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    for w in words:
+        assert w in errors[0], errors[0]
+
+
+def test_a_flag_value_absl_refuses_is_one_line_before_anything_loads():
+    proc = start_refused("--warmup=sometimes")
+    assert_refused(proc, "--warmup", "sometimes")
+    assert "loading" not in proc.stderr
+
+
+def test_options_the_engine_refuses_are_one_line_after_the_checkpoint_loaded():
+    proc = start_refused("--max_model_len=128", "--num_pages=2", "--page_size=16")
+    assert_refused(proc, "max_model_len=128", "num_pages")
+    assert "loading the embedded default model" in proc.stderr  # refused by the engine, after the load
+
+
+def test_a_refusal_in_create_app_during_the_background_warm_up_exits_cleanly(tmp_path):
+    # Think tags that are special tokens: --reasoning_parser refuses them once the tokenizer is loaded, in
+    # create_app, while the step shapes beyond the smallest and the largest still compile in the background.
+    ckpt = save_reasoning_checkpoint(str(tmp_path / "hf"), str(tmp_path / "ckpt"), added_tags=True)
+    path = os.path.join(ckpt, "tokenizer.json")
+    with open(path) as f:
+        tok = json.load(f)
+    for t in tok["added_tokens"]:
+        t["special"] = t["special"] or t["content"] in ("<think>", "</think>")
+    with open(path, "w") as f:
+        json.dump(tok, f)
+    proc = start_refused(f"--checkpoint={ckpt}", f"--compilation_cache_dir={tmp_path / 'cache'}",
+                         "--reasoning_parser=qwen3", "--warmup=background",
+                         "--max_num_seqs=4", "--max_num_batched_tokens=64", "--min_token_bucket=8",
+                         "--page_size=8", "--max_model_len=256", "--min_context_bucket=16")
+    assert_refused(proc, "--reasoning_parser qwen3", "special tokens")
+    assert re.search(r"\d+ more step shapes compile in the background", proc.stderr), proc.stderr[-3000:]
+    assert "warm-up done" not in proc.stderr  # the refusal came while the background warm-up ran
