@@ -100,6 +100,36 @@ def test_phase_forces_the_rest_of_the_end_tag_and_frees_overlap_while_thinking()
     assert [_allowed(r) for r in out] == [[], [9], [10], []]
 
 
+class _AnyAnswer:
+    """A grammar that allows every token and is never complete (the phase machine on its own)."""
+
+    def __init__(self):
+        self.masks = np.full((1, 1), -1, np.int32)
+
+    def accept(self, sample_index, token):
+        return False
+
+    def valid_drafts(self, sample_index, drafts):
+        return list(drafts)
+
+
+def test_an_ending_token_while_thinking_becomes_the_end_tag_only_with_a_grammar():
+    g = PhasedGrammar(ReasoningParams([7], [9, 10], "thinking"), _AnyAnswer(), n=1, width=1, ends=[2, 3])
+    assert g.valid_drafts(0, [5, 2, 6]) == [5]  # an ending draft is not verified as itself
+    assert g.instead_of_ending(0, 5) == 5
+    g.accept(0, 5)
+    assert g.instead_of_ending(0, 3) == 9  # a stop token id: the end tag's first token instead
+    g.accept(0, 9)
+    assert _allowed(g.masks[0]) == [10] and g.constrains(0)  # and the rest of the tag is forced
+    g.accept(0, 10)
+    assert g.in_answer(0) and g.instead_of_ending(0, 2) == 2  # in the answer the grammar decides
+    begun = PhasedGrammar(ReasoningParams([7], [9, 10], "thinking"), _AnyAnswer(), n=1, width=1, ends=[2])
+    begun.accept(0, 9)
+    assert begun.instead_of_ending(0, 2) == 10  # a tag the model had begun is finished
+    free = PhasedGrammar(ReasoningParams([7], [9, 10], "thinking", 5), None, n=1, width=1, ends=[2])
+    assert free.instead_of_ending(0, 2) == 2 and free.valid_drafts(0, [5, 2, 6]) == [5, 2, 6]
+
+
 # --- the engine: budget and grammar after thinking ---------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -181,6 +211,44 @@ def test_undecided_start_allows_the_opening_tag_beside_the_grammar(llms):
         temperature=0.0, max_tokens=60, logit_bias={start[0]: -100.0},
         reasoning=ReasoningParams(start, end, "undecided", 4), structured_outputs=so))[0].outputs[0]
     jsonschema.validate(json.loads(direct.text), POINT)
+
+
+def _ending_bias(llm) -> dict:
+    """A logit bias that makes every one of the engine's end-of-sequence tokens the greedy choice."""
+    return {t: 100.0 for t in llm.engine.eos_token_ids}
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_r1"])
+def test_an_end_of_sequence_while_thinking_closes_the_thinking_of_a_request_with_a_format(llms, name):
+    """EOS (or a stop token) is the greedy choice everywhere, held off for 3 tokens by `min_tokens`:
+    drawn inside the thinking, it becomes the end tag (finished when it is several tokens), and the
+    JSON follows. The stop token is a padding id of the vocabulary, which no grammar allows."""
+    llm = llms[name]
+    start, end = _tags(llm.tokenizer)
+    prompt = encode_chat(ASK, llm.tokenizer)
+    fmt = R.make_format(name, llm.tokenizer)
+    for ending in ({"logit_bias": _ending_bias(llm)}, {"logit_bias": {440: 100.0}, "stop_token_ids": [440]}):
+        o = llm.generate([prompt], SamplingParams(
+            temperature=0.0, max_tokens=60, min_tokens=3, reasoning=ReasoningParams(start, end, "thinking"),
+            structured_outputs=StructuredOutputsParams(json=POINT), **ending))[0].outputs[0]
+        ids = list(o.token_ids)
+        assert ids[3:3 + len(end)] == end, (ending, ids)  # the end tag stands where the EOS was drawn
+        thinking, answer = R.split(fmt, "thinking", o.text)
+        assert thinking, (ending, o.text)
+        jsonschema.validate(json.loads(answer), POINT)
+        assert o.finish_reason == "stop"
+
+
+def test_an_end_of_sequence_while_thinking_ends_a_request_without_a_format(llms):
+    """Without a format (a budget alone, or nothing) the EOS ends the request inside its thinking."""
+    llm = llms["deepseek_r1"]
+    start, end = _tags(llm.tokenizer)
+    prompt = encode_chat(ASK, llm.tokenizer)
+    for rp in (ReasoningParams(start, end, "thinking", 20), None):
+        o = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=60, min_tokens=3, reasoning=rp,
+                                                  logit_bias=_ending_bias(llm)))[0].outputs[0]
+        assert len(o.token_ids) == 4 and o.token_ids[-1] in llm.engine.eos_token_ids, o.token_ids
+        assert o.finish_reason == "stop" and "</think>" not in o.text
 
 
 def test_unknown_parser_and_tagless_auto_are_refused(llms):
@@ -265,6 +333,33 @@ def test_json_schema_after_thinking_through_the_route(servers):
     msg = out.choices[0].message
     jsonschema.validate(json.loads(msg.content), POINT)
     assert msg.model_dump()["reasoning_content"]
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_r1"])
+def test_json_schema_when_the_model_ends_while_thinking_through_the_route(llms, servers, name):
+    """An EOS drawn inside the thinking: with a format the content is still valid JSON; without one
+    the request ends there, with the thinking and no content."""
+    bias = {str(t): 100 for t in _ending_bias(llms[name])}
+    schema = {"type": "json_schema", "json_schema": {"name": "p", "schema": POINT}}
+    for stream in (False, True):
+        out = _chat(servers[name], name, max_tokens=60, logit_bias=bias, response_format=schema,
+                    extra_body={"min_tokens": 3}, stream=stream)
+        if stream:
+            reasoning = content = ""
+            for chunk in out:
+                for c in chunk.choices:
+                    delta = c.delta.model_dump()
+                    reasoning += delta.get("reasoning_content") or ""
+                    content += delta.get("content") or ""
+        else:
+            msg = out.choices[0].message
+            reasoning, content = msg.model_dump()["reasoning_content"], msg.content
+        jsonschema.validate(json.loads(content), POINT)
+        assert reasoning
+    plain = _chat(servers[name], name, max_tokens=60, logit_bias=bias, extra_body={"min_tokens": 3})
+    msg = plain.choices[0].message
+    assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens == 4
+    assert msg.model_dump()["reasoning_content"] and msg.content is None
 
 
 def test_bad_reasoning_fields_are_400s(servers):

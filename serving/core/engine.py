@@ -297,7 +297,8 @@ class Engine:
                 raise InvalidParameterError("allowed_token_ids", "allowed_token_ids: must allow the think tags' "
                                                                  f"tokens {sorted(forced)}, which the reasoning "
                                                                  "phase may force")
-            return PhasedGrammar(reasoning, grammar, params.n, self.structured.width)
+            ends = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
+            return PhasedGrammar(reasoning, grammar, params.n, self.structured.width, ends)
         return grammar
 
     def _control_rows(self, req: Request) -> sampling_controls.RequestRows:
@@ -569,11 +570,25 @@ class Engine:
 
     def _on_token(self, seq: Sequence, tok: int, row: int, result, now: float, it: IterationStats) -> None:
         req = seq.request
+        if req.structured is not None and not seq.is_finished:
+            tok = self._instead_of_ending(seq, tok)
         if req.kv_export is not None and seq.num_output_tokens == 1:
             self.export_prompt_kv(seq, tok, result, row)  # before a finish frees the pages
         self.outputs.on_token(seq, tok, row, result, now, it)
         if req.structured is not None and not seq.is_finished and req.structured.accept(seq.sample_index, tok):
             structured_output.finish_complete(seq, self.scheduler.finish)  # the grammar allows only the end
+
+    def _instead_of_ending(self, seq: Sequence, tok: int) -> int:
+        """The sequence's last token as its grammar takes it: an ending token drawn while a request with
+        a format thinks becomes the end tag's (`PhasedGrammar.instead_of_ending`), so the request goes on
+        to its answer. The device recorded the drawn token in the sequence's control row, so that row
+        is written again from the host before the sequence's next step."""
+        new = seq.request.structured.instead_of_ending(seq.sample_index, tok)
+        if new != tok:
+            seq.token_ids[-1] = new
+            if self.control_slots is not None:
+                self.control_slots.release(seq.seq_id)
+        return new
 
     # --- shipping a prefill's KV between engines ----------------------------------------------------
     # The request carries the hooks, set by the caller that asked for the transfer

@@ -21,6 +21,14 @@ sample's mask from a small host-side phase:
   rest of the end tag is forced, one token per step;
 * `answer`: the grammar's mask (all ones without a grammar).
 
+A request with a grammar must not end before its answer is written, so a token
+that would end it (an EOS, a stop token id: the `ends` it is made with) drawn
+while it thinks freely is taken as the end tag's next token instead
+(`instead_of_ending`), and the rest of the tag is forced as the budget forces
+it; the grammar then holds EOS back until it is complete. Without a grammar
+such a token ends the request inside its thinking, as it would without
+reasoning.
+
 So no new compiled program and no new step input: the phase is host state,
 and its effect reaches the device as the mask row the step takes anyway.
 Speculative drafts go through the same phase machine (`valid_drafts`,
@@ -68,12 +76,14 @@ class ReasoningParams:
 
 @dataclasses.dataclass
 class _Phase:
-    """One sample's place in the output: the phase, thinking tokens so far, and how many of the
-    tag being written (start while opening, end while thinking) its last tokens already match."""
+    """One sample's place in the output: the phase, thinking tokens so far, how many of the tag
+    being written (start while opening, end while thinking) its last tokens already match, and
+    whether the rest of the end tag is forced because an ending token was drawn (`closing`)."""
 
     name: str
     thought: int = 0
     matched: int = 0
+    closing: bool = False
 
 
 def _end_match(recent: list, end_ids: list) -> int:
@@ -88,12 +98,15 @@ class PhasedGrammar:
     """A request's masks with a thinking phase in front of its grammar (`grammar` may be None).
 
     Has `RequestGrammar`'s interface (`masks`, `accept`, `valid_drafts`, `fill_draft_masks`), so the
-    engine, the packing and the speculative decoder use it as they use a grammar."""
+    engine, the packing and the speculative decoder use it as they use a grammar. `ends`: the token
+    ids that end the request (its EOS ids unless it ignores EOS, and its stop token ids); with a
+    grammar, one drawn while thinking closes the thinking instead."""
 
-    def __init__(self, params: ReasoningParams, grammar, n: int, width: int):
+    def __init__(self, params: ReasoningParams, grammar, n: int, width: int, ends=()):
         self.params = params
         self.grammar = grammar
         self.width = width
+        self.ends = frozenset(int(t) for t in ends) if grammar is not None else frozenset()
         self.phases = [_Phase(params.starts) for _ in range(n)]
         self.recent: list[list[int]] = [[] for _ in range(n)]  # each sample's last thinking tokens
         self.masks = np.full((n, width), -1, np.int32)
@@ -106,9 +119,14 @@ class PhasedGrammar:
         p = self.params
         if phase.name == "opening":
             return p.start_ids[phase.matched]
-        if phase.name == "thinking" and p.budget is not None and phase.thought >= p.budget:
+        if phase.name == "thinking" and (phase.closing or (p.budget is not None and phase.thought >= p.budget)):
             return p.end_ids[phase.matched]
         return None
+
+    def _ends_early(self, phase: _Phase, token: int) -> bool:
+        """Whether `token` would end the request before its grammar's answer: an ending token drawn
+        while thinking freely (never true without a grammar: `ends` is empty then)."""
+        return token in self.ends and phase.name == "thinking" and self._forced(phase) is None
 
     def _advance(self, phase: _Phase, recent: list, token: int) -> tuple[_Phase, list, bool]:
         """(next phase, next recent tokens, whether this token is the answer's) after `token`."""
@@ -130,7 +148,7 @@ class PhasedGrammar:
         matched = _end_match(recent, p.end_ids)
         if matched == len(p.end_ids):
             return _Phase("answer"), [], False
-        return _Phase("thinking", thought=phase.thought + 1, matched=matched), recent, False
+        return _Phase("thinking", phase.thought + 1, matched, phase.closing), recent, False
 
     def _write_mask(self, i: int, phase: _Phase, out: np.ndarray, row: int, grammar_row=None) -> None:
         """Writes sample i's mask in `phase` into out[row] (`grammar_row`: the grammar's mask to use
@@ -176,6 +194,16 @@ class PhasedGrammar:
         return self.params.budget is not None and phase.thought + pending >= self.params.budget
 
     # --- RequestGrammar's interface --------------------------------------------------------------
+    def instead_of_ending(self, sample_index: int, token: int) -> int:
+        """The token a sample takes in place of its drawn `token`: the end tag's next token when `token`
+        would end a request with a grammar while it thinks (the rest of the tag is then forced, as
+        when the budget is spent), `token` itself otherwise. Called before `accept`."""
+        phase = self.phases[sample_index]
+        if not self._ends_early(phase, int(token)):
+            return token
+        self.phases[sample_index] = dataclasses.replace(phase, closing=True)
+        return self.params.end_ids[phase.matched]
+
     def accept(self, sample_index: int, token: int) -> bool:
         """Takes in a sample's drawn token; True when its grammar is complete (the sample may stop)."""
         phase, recent, answer = self._advance(self.phases[sample_index], self.recent[sample_index], int(token))
@@ -191,8 +219,8 @@ class PhasedGrammar:
         phase, recent = self.phases[sample_index], self.recent[sample_index]
         for j, tok in enumerate(drafts):
             forced = self._forced(phase)
-            if forced is not None and tok != forced:
-                return j, []
+            if (forced is not None and tok != forced) or self._ends_early(phase, int(tok)):
+                return j, []  # an ending draft would be taken as the end tag, not as itself
             if phase.name == "answer":
                 return j, list(drafts[j:])
             phase, recent, answer = self._advance(phase, recent, int(tok))
@@ -217,7 +245,7 @@ class PhasedGrammar:
         scratch = np.empty((1, self.width), np.int32)
         for j, tok in enumerate(drafts):
             forced = self._forced(phase)
-            if forced is not None and tok != forced:
+            if (forced is not None and tok != forced) or self._ends_early(phase, int(tok)):
                 break
             phase, recent, answer = self._advance(phase, recent, int(tok))
             grammar_row = None

@@ -202,6 +202,13 @@ class ControlSlots:
                 self.free.append(self.held.pop(item.seq.seq_id)[0])
         return slots, loads
 
+    def release(self, seq_id: int) -> None:
+        """Frees a sequence's slot, so that its row is loaded from the host when it is next scheduled
+        (the host changed a token the device had recorded; the sequence has no step in flight)."""
+        held = self.held.pop(seq_id, None)
+        if held is not None:
+            self.free.append(held[0])
+
 
 # --- device: loading a slot, applying and recording --------------------------------------------------
 

@@ -234,6 +234,11 @@ class RequestGrammar:
         self._fill(m, self.masks, sample_index)
         return False
 
+    def instead_of_ending(self, sample_index: int, token: int) -> int:
+        """The token the sample takes for its drawn `token`: always `token` (the mask holds EOS back
+        until the grammar is complete; a `PhasedGrammar` replaces one drawn while thinking)."""
+        return token
+
     # Overlapped scheduling asks these (a `PhasedGrammar` answers them otherwise while it thinks freely):
     def constrains(self, sample_index: int) -> bool:
         """Whether the sample's current mask bars anything (a grammar's always may)."""
