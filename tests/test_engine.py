@@ -282,3 +282,55 @@ def test_the_step_updates_the_donated_cache_in_place(params, backend, tokens, se
     assert re.search(pool, hlo)
     assert not re.search(pool + r"\{[0-9,]*\} copy\(", hlo)
     assert "input_output_alias" in hlo.split("\n", 1)[0]  # the cache is donated
+
+
+def test_more_samples_than_max_num_seqs_equal_the_forked_samples(params, alone):
+    """max_num_seqs = 1: n = 3 runs its samples one after another, the later ones from the prompt's cached
+    pages. Greedy: each equals the request alone; seeded: each equals the same sample drawn by a fork on an
+    engine with seats for all three (per-sample draws do not depend on how samples are scheduled)."""
+    prompt = [1] + list(range(10, 30))  # 21 tokens: 2 full pages and a partial one
+    narrow = make_llm(params, max_num_seqs=1)
+    greedy = SamplingParams(temperature=0.0, n=3, max_tokens=12, ignore_eos=True)
+    out = narrow.generate([prompt], greedy)[0]
+    single = alone(("x", prompt, greedy.clone(n=1)))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2] and [c.token_ids for c in out.outputs] == [single] * 3
+    assert narrow.engine.stats().prefix_cache_hit_tokens >= 2 * 2 * PAGE  # samples 1 and 2 reused 2 pages
+    seeded = SamplingParams(temperature=1.0, n=3, seed=77, max_tokens=12, ignore_eos=True)
+    got = [c.token_ids for c in narrow.generate([prompt], seeded)[0].outputs]
+    forked = [c.token_ids for c in make_llm(params).generate([prompt], seeded)[0].outputs]
+    assert got == forked and len({tuple(t) for t in got}) == 3
+    assert max(s.num_seqs for s in narrow.engine.stats_log.drain()) == 1
+    assert narrow.engine.stats().kv_pages_used == 0
+
+
+def test_completions_route_serves_n_above_max_num_seqs():
+    """The HTTP path: n = 3 on a server started with max_num_seqs = 1, streamed and not: three choices,
+    indices 0..2; greedy ones equal the n = 1 answer, a seeded stream reassembles to the seeded answer."""
+    import openai
+
+    from model.tokenizer import ByteTokenizer
+    from serving.server import ServerThread
+
+    cfg = tiny_config(vocab_size=300, max_position_embeddings=256)
+    llm = LLM(config=cfg, params=init_params(cfg, jax.random.key(5)), tokenizer=ByteTokenizer(300), max_num_seqs=1,
+              max_num_batched_tokens=16, max_model_len=64, num_pages=16, page_size=8, min_token_bucket=16,
+              min_context_bucket=64, attention_backend="reference")
+    thread = ServerThread(llm, model_name="tiny-n").start()
+    try:
+        client = openai.OpenAI(base_url=thread.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        kw = dict(model="tiny-n", prompt="Count the samples", max_tokens=6, extra_body={"ignore_eos": True})
+        one = client.completions.create(temperature=0.0, **kw).choices[0].text
+        three = client.completions.create(temperature=0.0, n=3, **kw).choices
+        assert [c.index for c in three] == [0, 1, 2] and [c.text for c in three] == [one] * 3
+        seeded = client.completions.create(temperature=1.0, seed=5, n=3, **kw).choices
+        texts = {}
+        for chunk in client.completions.create(temperature=1.0, seed=5, n=3, stream=True, **kw):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+        assert texts == {c.index: c.text for c in seeded}
+        with pytest.raises(openai.BadRequestError) as e:  # still bounded (the matchers, masks kept per sample)
+            client.completions.create(temperature=0.0, n=129, **kw)
+        assert e.value.body["param"] == "n" and "128" in e.value.body["message"]
+    finally:
+        thread.stop()
+    assert llm.engine.stats().kv_pages_used == 0

@@ -105,6 +105,34 @@ def test_seats_are_taken_back_for_a_higher_priority_with_samples():
     assert out.preempted[0].request is low.request
 
 
+def test_samples_beyond_the_seats_keep_their_request_priority():
+    """max_num_seqs = 2: `high` (n = 3) takes both seats from `low`'s samples; its third sample, split off,
+    queues at `high`'s place, ahead of `low`'s preempted samples, and runs before them."""
+    s = scheduler(num_pages=64, max_num_seqs=2, budget=64)
+    low = make_seq([3, 4, 5], "low", priority=2, n=2)
+    s.add(low)
+    s.update(s.schedule(), [7, 8])
+    high = make_seq([5, 6, 7, 8, 9], "high", priority=0, n=3, arrival=1.0, max_tokens=2)
+    s.add(high)
+    out = s.schedule()
+    assert ids(out.scheduled) == ["high"] and out.scheduled[0].sample_indices == (0, 1)
+    assert len(out.preempted) == 2 and {q.request.request_id for q in out.preempted} == {"low"}
+    s.update(out, [1, 1])
+    assert [(q.request.request_id, q.sample_index) for q in s.waiting] == [("high", 2), ("low", 0), ("low", 1)]
+    order = []
+    while s.has_unfinished():
+        out = s.schedule()
+        assert s.num_seats_running <= 2
+        order += [(i.seq.request.request_id, k) for i in out.scheduled for k in i.sample_indices]
+        for q, _, _ in s.update(out, [1] * sum(len(i.sample_indices) for i in out.scheduled)):
+            if q.num_output_tokens >= q.params.max_tokens:
+                s.finish(q, "length")
+    firsts = [o for o in order if o not in order[:order.index(o)]]
+    assert firsts.index(("high", 2)) < firsts.index(("low", 0))
+    assert sorted(q.sample_index for q in high.request.seqs) == [0, 1, 2] and high.request.is_finished
+    assert s.bm.num_free_blocks == 64
+
+
 # --- the engine over the page-checking fake runner ---------------------------------------------
 
 
@@ -119,13 +147,13 @@ def fake_engine(policy, num_pages, max_num_seqs=4, budget=16, page_size=4, max_m
     return engine
 
 
-def _jobs(seed, count=10):
+def _jobs(seed, count=10, ns=(1, 2)):
     rng = random.Random(seed)
     shared = [rng.randrange(3, VOCAB) for _ in range(8)]
     jobs = []
     for i in range(count):
         prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 12))]
-        params = SamplingParams(n=rng.choice([1, 2]), max_tokens=rng.randint(1, 12), ignore_eos=True,
+        params = SamplingParams(n=rng.choice(ns), max_tokens=rng.randint(1, 12), ignore_eos=True,
                                 temperature=rng.choice([0.0, 0.8]), seed=rng.randrange(1000))
         jobs.append((f"r{i}", prompt, params, rng.randint(-2, 2), rng.randint(0, 6)))
     return jobs
@@ -154,6 +182,21 @@ def test_every_request_gets_its_reference_output_under_priorities_and_preemption
         check_against_reference(engine, done[rid][0], prompt, params)
     assert engine.block_manager.num_free_blocks == engine.num_pages  # nothing leaked
     assert engine.scheduler.num_preemptions > 0  # the small pool preempts
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_more_samples_than_seats_get_their_reference_output_under_priorities(seed):
+    """As above with n up to 6 over max_num_seqs = 4: the samples that find no seat run later, at their
+    request's priority, and still draw exactly their own tokens; nothing leaks."""
+    jobs = _jobs(100 + seed, ns=(1, 2, 6))
+    assert any(params.n > 4 for _, _, params, _, _ in jobs)
+    engine = fake_engine("priority", num_pages=12)
+    done = _run(engine, jobs)
+    for rid, prompt, params, _, _ in jobs:
+        check_against_reference(engine, done[rid][0], prompt, params)
+    assert engine.block_manager.num_free_blocks == engine.num_pages and not engine.block_manager.tables
+    engine.block_manager.check_invariants([])
+    assert max(it.num_seqs for it in engine.stats_log.drain()) <= 4
 
 
 def test_equal_priorities_schedule_exactly_as_fcfs():

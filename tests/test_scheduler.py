@@ -232,6 +232,54 @@ def test_max_num_seqs_caps_admission_counting_samples():
     assert len(s.running) == 2 and [q.token_ids[-1] for q in s.running] == [7, 8]
 
 
+def test_samples_beyond_max_num_seqs_run_in_groups_as_seats_free():
+    """n = 5 with max_num_seqs = 2, one seat held by another request: the prompt is admitted with the one
+    free seat; the other samples wait for the prompt's pages to be cached, then take seats as they free,
+    reusing the prompt's full pages, and each draws from the prompt's end exactly once, in order."""
+    s = scheduler(num_pages=16, page_size=4, max_num_seqs=2, budget=32)
+    other = make_seq([50, 51, 52], "other", max_tokens=2)
+    s.add(other)
+    s.update(s.schedule(), [9])
+    seq = make_seq(list(range(3, 13)), "r", n=5, max_tokens=1)  # 10 tokens: 2 full pages and a partial one
+    req = seq.request
+    s.add(seq)
+    draws = []  # (sample index, prompt tokens computed in that step) of every draw at the prompt's end
+
+    def step():
+        out = s.schedule()
+        assert sum(i.seq.num_seats for i in out.scheduled) <= 2 and s.num_seats_running <= 2
+        for item in out.scheduled:
+            if item.seq.request is req and item.sample_indices:
+                draws.extend((k, item.num_new_tokens) for k in item.sample_indices)
+        new = s.update(out, [7] * sum(len(i.sample_indices) for i in out.scheduled))
+        for q, _, _ in new:  # everything stops after its first token but `other`'s second
+            if q.num_output_tokens >= q.params.max_tokens:
+                s.finish(q, "length")
+        s.bm.check_invariants([q.seq_id for q in s.running + list(s.waiting)])
+        return out
+
+    out = s.schedule()  # one seat free: the prompt goes with sample 0 alone
+    (item,) = [i for i in out.scheduled if i.seq.request is req]
+    assert (item.num_new_tokens, item.sample_indices, seq.num_seats) == (10, (0,), 1)
+    assert [(q.sample_index, q.num_seats) for q in req.held] == [(1, 4)] and not s.waiting
+    s.update(out, [7, 7])
+    assert not req.held and [(q.sample_index, q.num_seats) for q in s.waiting] == [(1, 4)]  # the prompt is cached
+    draws.append((0, 10))
+    for q in list(s.running):
+        s.finish(q, "length")
+    for _ in range(10):
+        if req.is_finished:
+            break
+        step()
+    assert req.is_finished and not s.has_unfinished()
+    assert [k for k, _ in draws] == [0, 1, 2, 3, 4]
+    assert draws[0][1] == 10 and all(n == 2 for _, n in draws[1:])  # the later groups hit the 2 full pages
+    assert sorted(q.sample_index for q in req.seqs) == [0, 1, 2, 3, 4]
+    assert all(q.finish_reason == "length" and q.num_output_tokens == 1 for q in req.seqs)
+    assert s.bm.num_free_blocks == 16
+    s.bm.check_invariants([])
+
+
 def test_preemption_takes_the_most_recently_admitted():
     s = scheduler(num_pages=4, page_size=4, budget=16)
     a = make_seq(list(range(3, 10)), "a")  # 7 tokens: 2 pages
@@ -289,6 +337,68 @@ def test_fake_engine_matches_reference_with_prefix_sharing_and_samples():
     engine.block_manager.check_invariants([])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_fake_engine_runs_more_samples_than_max_num_seqs(stream):
+    """n = 5 greedy and n = 4 seeded, max_num_seqs = 2, next to a plain request: every sample gets its
+    reference output (greedy: the single-sample output; seeded: its own per-sample draws), one
+    `RequestOutput` with the completions in index order, never more than 2 sequences a step, and the
+    later samples reuse the prompt's full pages. Streaming outputs grow monotonically to the same result."""
+    engine, fake = make_engine(num_pages=24, page_size=4, max_num_seqs=2, budget=16)
+    prompt = list(range(3, 17))  # 14 tokens: 3 full pages
+    jobs = {"greedy": (prompt, SamplingParams(temperature=0, n=5, max_tokens=6, ignore_eos=True)),
+            "seeded": (prompt + [40], SamplingParams(temperature=1.0, n=4, max_tokens=5, seed=3, ignore_eos=True)),
+            "plain": ([60, 61, 62], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))}
+    for rid, (p, sp) in jobs.items():
+        engine.add_request(rid, p, sp, stream=stream)
+    outs, seen = {}, {rid: {} for rid in jobs}
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            break
+        for o in engine.step():
+            assert stream or o.finished
+            for c in o.outputs:  # a sample's tokens only ever grow
+                assert c.token_ids[:len(seen[o.request_id].get(c.index, []))] == seen[o.request_id].get(c.index, [])
+                seen[o.request_id][c.index] = list(c.token_ids)
+            if o.finished:
+                outs[o.request_id] = o
+        assert len(engine.scheduler.running) <= 2
+    assert set(outs) == set(jobs)
+    for rid, (p, sp) in jobs.items():
+        assert [c.index for c in outs[rid].outputs] == list(range(sp.n))
+        check_against_reference(engine, outs[rid], p, sp)
+    single = reference_generate(prompt, jobs["greedy"][1].clone(n=1), 0, VOCAB, engine.max_model_len)
+    assert [c.token_ids for c in outs["greedy"].outputs] == [single[0][0]] * 5
+    assert len({tuple(c.token_ids) for c in outs["seeded"].outputs}) == 4
+    assert max(s.num_seqs for s in engine.stats_log.drain()) <= 2
+    assert engine.stats().prefix_cache_hit_tokens >= 3 * 4 * 2  # later groups of both requests hit 3 pages
+    assert engine.block_manager.num_free_blocks == 24
+    engine.block_manager.check_invariants([])
+
+
+def test_abort_of_a_request_with_held_samples_frees_every_page():
+    """n = 6 over max_num_seqs = 2, aborted at each point of its run (prompt chunked, samples held, waiting,
+    running): every page comes back, no sequence of it is left queued, and the output says abort."""
+    phases = set()
+    for abort_at in range(1, 12):
+        engine, _ = make_engine(num_pages=24, page_size=4, max_num_seqs=2, budget=8)
+        engine.add_request("r", list(range(3, 23)), SamplingParams(temperature=1.0, n=6, max_tokens=4, seed=1))
+        req = engine.requests["r"]
+        for _ in range(abort_at):
+            engine.step()
+        finished = req.is_finished
+        phases.add("held" if req.held else "queued" if engine.scheduler.waiting else
+                   "finished" if finished else "running")
+        engine.abort_request("r")
+        assert req.is_finished and not engine.has_unfinished_requests()
+        assert not engine.scheduler.waiting and not engine.scheduler.running
+        assert all(q.is_finished for q in req.seqs) and (finished or "abort" in {q.finish_reason for q in req.seqs})
+        bm = engine.block_manager
+        assert bm.num_free_blocks == bm.num_pages and not bm.tables
+        bm.check_invariants([])
+        assert engine.step() == []  # nothing of it runs again
+    assert {"held", "queued", "running"} <= phases
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 2**31 - 1),
@@ -314,7 +424,7 @@ def test_property_every_request_finishes_and_no_page_leaks(seed, num_requests, p
         prompt = rng.choice(prefixes)[:rng.randint(1, 12)] + [rng.randrange(3, VOCAB)
                                                                for _ in range(rng.randint(0, 14))]
         max_tokens = rng.randint(1, max_model_len - len(prompt))
-        n = rng.randint(1, min(3, max_num_seqs))
+        n = rng.randint(1, 3)  # beyond max_num_seqs too: the samples run as seats free
         sp = SamplingParams(n=n, temperature=rng.choice([0.0, 1.0]), max_tokens=max_tokens,
                             ignore_eos=rng.random() < 0.5, seed=rng.randrange(2**31))
         rid = f"r{i}"
@@ -352,3 +462,4 @@ def test_property_every_request_finishes_and_no_page_leaks(seed, num_requests, p
     event(f"preempted: {st_.num_preemptions > 0}")
     event(f"copy-on-write: {fake.copies > 0}")
     event(f"prefix hits: {st_.prefix_cache_hit_tokens > 0}")
+    event(f"more samples than seats: {any(sp.n > max_num_seqs for _, sp in jobs.values())}")

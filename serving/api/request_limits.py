@@ -16,7 +16,7 @@ Three pieces, each independent of the routes it guards:
 * `check_caps(req)`: counts that a request body may not exceed (stop strings,
   tools, logit_bias entries, ...), each a 400 naming the field. The other
   bounds (`max_tokens` and prompt length by the context window, `n` by
-  `max_num_seqs`, `logprobs` by 20) are the engine's own checks.
+  128 or `max_num_seqs`, `logprobs` by 20) are the engine's own checks.
 """
 
 from __future__ import annotations

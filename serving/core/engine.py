@@ -58,6 +58,10 @@ def scans_layers(layer_loop: str) -> bool:
 
 
 PRIORITY_LIMIT = 2**31 - 1  # a request's priority is a 32-bit signed integer (a bound for hostile input)
+# The most samples of one request (OpenAI's bound), or max_num_seqs where that is larger: a request's grammar
+# and reasoning phases keep a matcher and a mask per sample from the start, so `n` must be bounded, while the
+# scheduler runs samples beyond max_num_seqs as seats free up.
+N_LIMIT = 128
 
 
 class ContextLengthError(InvalidParameterError):
@@ -229,8 +233,9 @@ class Engine:
         if images is not None:
             ids, images = images
             self._check_image_fits(images, params)
-        if params.n > self.config.max_num_seqs:
-            raise InvalidParameterError("n", f"n: {params.n} samples exceed max_num_seqs={self.config.max_num_seqs}")
+        n_limit = max(N_LIMIT, self.config.max_num_seqs)
+        if params.n > n_limit:
+            raise InvalidParameterError("n", f"n: {params.n} samples requested; at most {n_limit} per request")
         limit = self.max_model_len
         if len(ids) >= limit:
             raise ContextLengthError("prompt", f"This model's maximum context length is {limit} tokens, and the "
@@ -455,7 +460,9 @@ class Engine:
             req = seq.request
             req.error = (f"request {req.request_id} can never be scheduled: {seq.num_tokens} tokens need more than "
                          f"the {self.num_pages} pages of the KV pool")
-            self.scheduler.finish(seq, "error")
+            for s in req.seqs:  # its samples split off for want of seats too (`Sequence.split`)
+                if not s.is_finished:
+                    self.scheduler.finish(s, "error")
             touched[req.request_id] = req
         it.num_tokens, it.num_seqs, it.num_preemptions = out.num_batched_tokens, len(out.scheduled), len(out.preempted)
         now = time.monotonic()

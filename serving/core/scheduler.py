@@ -7,6 +7,19 @@ to waiting sequences, admitted in arrival order while the budget, the
 `max_num_seqs` cap and free pages allow. There are no prefill and decode
 phases: a long prompt is chunked simply because the budget truncates it.
 
+A request's samples (`n > 1`) hold one seat each: its prompt is admitted as one
+sequence holding all `n` seats and forks into the samples once it is computed.
+A request with more samples than `max_num_seqs` takes, when it is admitted, as
+many seats as are free; the samples that found none are split off into a
+sequence of their own (`Sequence.split`), held back until the prompt has been
+computed once and then queued at its request's place (by arrival; under
+`priority`, by priority first). When it runs it finds the prompt's full pages
+in the prefix cache, computes the rest of the prompt, forks, and so on until
+every sample has run. (Under FCFS such a sequence joins the running batch
+behind requests admitted while it waited, where `priority` serves it in its
+request's place, so with equal priorities the two policies may order such
+samples differently.)
+
 When a running sequence needs a page and none is free, the most recently
 admitted sequence is preempted: its pages are freed and it goes back to the
 front of the queue, to be recomputed later (its tokens are kept, only their
@@ -145,6 +158,11 @@ class Scheduler:
         if not self.by_priority:
             self.waiting.appendleft(seq) if front else self.waiting.append(seq)
             return
+        self._insert_in_order(seq)
+
+    def _insert_in_order(self, seq: Sequence) -> None:
+        """Into the queue before the sequences behind it in `priority_order` (under FCFS, where every
+        priority is 0: in arrival order)."""
         key, i = priority_order(seq), len(self.waiting)
         while i > 0 and priority_order(self.waiting[i - 1]) > key:
             i -= 1
@@ -159,7 +177,7 @@ class Scheduler:
         case nothing changed. Raises `PoolTooSmall` when even an idle pool cannot hold it.
         """
         if self.num_seats_running + seq.num_seats > self.config.max_num_seqs or not self._adapter_fits(seq):
-            return None
+            return None  # (a shipped prefill has n = 1: serving.disaggregation)
         n = seq.num_prompt_tokens
         hits = self.bm.lookup_prefix(seq)
         start = len(hits) * self.bm.page_size
@@ -210,11 +228,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # --- one step --------------------------------------------------------------------------
-    def _plan(self, seq: Sequence, start: int, budget: int, rows_left: int) -> Optional[ScheduledSeq]:
-        """How many of `seq`'s tokens to run this step (None: none fit)."""
+    def _plan(self, seq: Sequence, start: int, budget: int, rows_left: int,
+              seats: Optional[int] = None) -> Optional[ScheduledSeq]:
+        """How many of `seq`'s tokens to run this step (None: none fit). `seats`: the samples it draws at
+        the end of its prompt if not all it carries (a waiting sequence admitted with fewer, `_seats_for`)."""
+        seats = seq.num_seats if seats is None else seats
         end = seq.num_tokens_with_pending
         remaining = end - start
-        if remaining == 1 and seq.num_seats == 1:  # a decode (the caller guarantees budget and a row)
+        if remaining == 1 and seats == 1:  # a decode (the caller guarantees budget and a row)
             drafts = self.drafts.get(seq.seq_id)
             if drafts:
                 drafts = tuple(drafts[:min(budget, rows_left) - 1])
@@ -229,7 +250,7 @@ class Scheduler:
 
         def rows(k):
             plp = max(0, min(start + k, plp_last) - max(start, plp_done))
-            return plp + (seq.num_seats if start + k == end else 0)
+            return plp + (seats if start + k == end else 0)
 
         if rows(n) > rows_left:
             n = min(n, rows_left)  # prompt-logprob rows bound the chunk
@@ -242,7 +263,7 @@ class Scheduler:
         if n <= 0:
             return None
         complete = start + n == end
-        samples = (tuple(range(seq.num_seats)) if seq.num_seats > 1 else (seq.sample_index,)) if complete else ()
+        samples = tuple(range(seq.sample_index, seq.sample_index + seats)) if complete else ()
         p0 = max(start, plp_done)
         p1 = max(p0, min(start + n, plp_last))
         return ScheduledSeq(seq, start, n, samples, p0, p1)
@@ -301,13 +322,24 @@ class Scheduler:
             self._preempt(victim)
             displaced.append(victim)
 
+    def _seats_for(self, seq: Sequence, taken: int) -> int:
+        """The seats a waiting sequence takes if admitted now, with `taken` seats held (0: it must wait).
+        All it carries, or, when that is more than `max_num_seqs` (which could never be free at once),
+        as many as are free: the others are split off when it is admitted (`Sequence.split`)."""
+        free = self.config.max_num_seqs - taken
+        if seq.num_seats > self.config.max_num_seqs:
+            return max(0, min(seq.num_seats, free))
+        return seq.num_seats if seq.num_seats <= free else 0
+
     def _fits(self, seq: Sequence) -> bool:
-        """Whether a waiting sequence has a seat and the free pages for its first chunk now."""
-        if self.num_seats_running + seq.num_seats > self.config.max_num_seqs:
+        """Whether a waiting sequence has its seats (a group larger than `max_num_seqs`: that many) and the
+        free pages for its first chunk now."""
+        wanted = min(seq.num_seats, self.config.max_num_seqs)
+        if self.num_seats_running + wanted > self.config.max_num_seqs:
             return False
         hits = [] if seq.wants_prompt_logprobs else self.bm.lookup_prefix(seq)
         start = len(hits) * self.bm.page_size
-        item = self._plan(seq, start, self.config.max_num_batched_tokens, self.config.logit_rows)
+        item = self._plan(seq, start, self.config.max_num_batched_tokens, self.config.logit_rows, wanted)
         if item is None:
             return True  # nothing to allocate for
         need = self.bm.blocks_needed(start + item.num_new_tokens) - len(hits)
@@ -356,7 +388,8 @@ class Scheduler:
         only_base = False  # a sequence ahead has waited for a slot too long: only base-model requests pass it
         while i < len(self.waiting) and not preempted and budget > 0 and rows_left > 0:
             seq = self.waiting[i]
-            if seats + seq.num_seats > cfg.max_num_seqs or seq.num_in_flight:
+            group = self._seats_for(seq, seats)
+            if not group or seq.num_in_flight:
                 break  # (a preempted sequence waits for its last step to be processed)
             if not self._adapter_fits(seq):
                 waited = self.lora_waits[seq.seq_id] = self.lora_waits.get(seq.seq_id, 0) + 1
@@ -368,7 +401,7 @@ class Scheduler:
                 continue
             hits = [] if seq.wants_prompt_logprobs else self.bm.lookup_prefix(seq)
             start = len(hits) * self.bm.page_size
-            item = self._plan(seq, start, budget, rows_left)
+            item = self._plan(seq, start, budget, rows_left, group)
             if item is None:
                 break
             got = self.bm.allocate(seq, item.num_new_tokens, hits)
@@ -381,6 +414,8 @@ class Scheduler:
                     continue
                 break
             del self.waiting[i]
+            if group < seq.num_seats:
+                seq.split(group)  # the samples that found no seat wait for the prompt's pages
             self.lora_waits.pop(seq.seq_id, None)
             self.running.append(seq)
             seq.status = SequenceStatus.RUNNING
@@ -392,7 +427,7 @@ class Scheduler:
             copies.extend(got)
             self._dispatch(item)
             scheduled.append(item)
-            seats += seq.num_seats
+            seats += group
             budget -= item.num_new_tokens
             rows_left -= item.num_rows
 
@@ -450,4 +485,16 @@ class Scheduler:
             tok = sampled[first_row]
             seq.token_ids.append(tok)
             new_tokens.append((seq, tok, first_row))
+            if seq.request.held:
+                self._release_held(seq.request)
         return new_tokens
+
+    def _release_held(self, request) -> None:
+        """A sequence of `request` drew a token, so its prompt has been computed and its full pages are in
+        the prefix cache (`register_full_blocks` above): the samples split off for want of seats join the
+        queue at their request's place (its priority, then its arrival: ahead of the requests that came
+        after it, under FCFS too)."""
+        for seq in request.held:
+            if not seq.is_finished:
+                self._insert_in_order(seq)
+        request.held = []

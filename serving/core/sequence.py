@@ -4,7 +4,12 @@ A `Request` is what a user submitted: one prompt, one `SamplingParams`, and
 `n` samples. The scheduler works on `Sequence`s: a request starts as one
 sequence that prefills the prompt once and carries `n` seats; when its prompt
 is done it forks into `n` sequences that share the prompt's KV pages
-(copy-on-write) and then decode independently.
+(copy-on-write) and then decode independently. A request with more samples
+than `max_num_seqs` cannot hold them all at once: when it is admitted the
+scheduler splits off the samples that find no seat (`Sequence.split`) into a
+sequence of their own, held back until the request's prompt has been computed
+once (so that it finds the prompt's full pages in the prefix cache), then
+queued to prefill the rest and fork in turn.
 
 A sequence's progress is two numbers (vLLM V1's model): `token_ids` (prompt
 plus generated tokens) and `num_computed_tokens` (how many of them have their
@@ -53,7 +58,7 @@ class Sequence:
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed_tokens = 0
         # Slots of `max_num_seqs` this sequence holds: n for a prompt that will
-        # fork into n samples, so the fork always has room.
+        # fork into n samples (sample_index, sample_index + 1, ...), so the fork always has room.
         self.num_seats = num_seats
         self.status = SequenceStatus.WAITING
         self.finish_reason: Optional[str] = None
@@ -127,6 +132,20 @@ class Sequence:
         child.status = self.status
         return child
 
+    def split(self, keep: int) -> "Sequence":
+        """Before its fork: keeps the first `keep` of the samples this sequence carries and returns a
+        new waiting sequence, of the prompt alone, carrying the others. Its request holds it back
+        (`Request.held`) until the prompt's pages are cached (`Scheduler.update` queues it)."""
+        if not 0 < keep < self.num_seats or self.num_output_tokens:
+            raise ValueError(f"{self!r} carries {self.num_seats} samples and has {self.num_output_tokens} "
+                             f"output tokens: cannot keep {keep} of them")
+        rest = Sequence(self.request, list(self.token_ids[:self.num_prompt_tokens]), self.sample_index + keep,
+                        num_seats=self.num_seats - keep)
+        self.num_seats = keep
+        self.request.seqs.append(rest)
+        self.request.held.append(rest)
+        return rest
+
     def __repr__(self):
         return (f"Sequence(id={self.seq_id}, req={self.request.request_id!r}, sample={self.sample_index}, "
                 f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, {self.status.value})")
@@ -149,6 +168,9 @@ class Request:
         self.prompt_logprobs: Optional[list] = [None] if params.prompt_logprobs is not None else None
         first = Sequence(self, list(prompt_token_ids), 0, num_seats=params.n)
         self.seqs: list[Sequence] = [first]
+        # Sequences split off for want of seats (`Sequence.split`), waiting for the prompt's pages to be
+        # cached before they are queued.
+        self.held: list[Sequence] = []
         self.error: Optional[str] = None
         self.stream = False  # emit an output every step (else only when finished)
         self.sampling_row = None  # packed sampling parameters, set by the engine
@@ -172,8 +194,8 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        if len(self.seqs) < self.params.n:  # not forked yet: only an abort can end it now
-            return self.seqs[0].is_finished
+        """Every sequence ended. One that still carries several samples (not forked yet) ends only by an
+        abort or an error, which end the request's samples with it."""
         return all(s.is_finished for s in self.seqs)
 
     @property
