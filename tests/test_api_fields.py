@@ -7,6 +7,8 @@ non-UTF-8 bodies, and the `/tokenize`, `/detokenize`, `/version` and
 `/v1/models/{id}` routes; `LLM.chat` against the chat route.
 """
 
+import os
+import re
 import types
 
 import httpx
@@ -18,7 +20,9 @@ from conftest import tiny_config
 from model.params import init_params
 from model.tokenizer import ByteTokenizer
 from serving import LLM, SamplingParams
+from serving.api import http_protocol as P
 from serving.api.chat_template import encode_chat, render_chat
+from serving.api.openai_fields import extension_fields
 from serving.server import ServerThread
 
 MODEL = "tiny-api"
@@ -94,11 +98,73 @@ def test_what_is_not_implemented_is_a_400_naming_it(server, kind, kw, param):
     assert e.value.status_code == 400 and err["param"] == param and err["type"] == "invalid_request_error"
 
 
-def test_fields_that_ask_for_nothing_and_foreign_fields_pass(server):
-    r = server.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, store=False, user="u1",
-                                              extra_body={"some_client_extension": 1})
+def test_fields_that_ask_for_nothing_pass(server):
+    r = server.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, store=False, user="u1")
     assert r.choices[0].finish_reason == "length"
     assert complete(server, best_of=1).finish_reason == "length"
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+def test_a_field_that_is_neither_openai_nor_implemented_is_a_400_naming_it(server, kind):
+    with pytest.raises(openai.BadRequestError) as e:
+        if kind == "chat":
+            server.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
+                                                  extra_body={"some_client_extension": 1})
+        else:
+            complete(server, extra_body={"return_token_ids": True})
+    err = e.value.body
+    name = "some_client_extension" if kind == "chat" else "return_token_ids"
+    assert e.value.status_code == 400 and err["param"] == name and name in err["message"]
+    assert err["type"] == "invalid_request_error" and err["code"] == "unsupported_parameter"
+
+
+def test_every_unknown_field_is_named_and_echo_is_refused_on_chat(server):
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, "zeta_option": 1, "alpha_option": "x"}
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        if path == "/v1/completions":
+            body = {**{k: v for k, v in body.items() if k != "messages"}, "prompt": "ab"}
+        for stream in (False, True):
+            r = httpx.post(server.url + path, json={**body, "stream": stream}, timeout=30)
+            err = r.json()["error"]
+            assert r.status_code == 400, r.text
+            assert err["param"] == "alpha_option" and "`alpha_option`" in err["message"], err
+            assert "`zeta_option`" in err["message"], err
+    # `echo` is a completions field: the chat route does not echo, so it does not take it.
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "echo": True},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+
+
+def test_the_chat_route_honours_vllm_fields_in_extra_body(server):
+    chat = server.client.chat.completions.create
+    forced = dict(model=MODEL, messages=CHAT, max_tokens=6, temperature=0.0, logit_bias={"42": 100})
+    r = chat(**forced, extra_body={"stop_token_ids": [42]})
+    assert (r.choices[0].finish_reason, r.choices[0].stop_reason) == ("stop", 42)
+    held = chat(**forced, extra_body={"stop_token_ids": [42], "min_tokens": 2})  # the stop id masked twice
+    assert (held.choices[0].finish_reason, held.choices[0].stop_reason) == ("stop", 42)
+    assert held.usage.completion_tokens == r.usage.completion_tokens + 2
+    ids = [50, 51, 52]
+    c = chat(model=MODEL, messages=CHAT, max_tokens=8, temperature=1.0, seed=1,
+             extra_body={"allowed_token_ids": ids, "top_k": 2, "min_p": 0.0, "repetition_penalty": 1.1,
+                         "ignore_eos": True, "priority": 0, "cache_salt": "s1", "skip_special_tokens": True,
+                         "spaces_between_special_tokens": True, "include_stop_str_in_output": False,
+                         "bad_words": ["3"], "add_generation_prompt": True, "chat_template_kwargs": {},
+                         "include_reasoning": True}).choices[0]
+    assert set(c.message.content) <= {chr(i) for i in ids} - {"3"} and c.finish_reason == "length"
+    # The same request as raw JSON, the extension fields beside OpenAI's.
+    r = httpx.post(server.url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": CHAT, "max_tokens": 6, "temperature": 0.0, "logit_bias": {"42": 100},
+        "stop_token_ids": [42], "min_tokens": 2}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["stop_reason"] == 42, r.text
+
+
+def test_the_docs_list_every_vllm_field_the_request_models_declare():
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "serving.md")) as f:
+        section = f.read().split("### vLLM's fields", 1)[1].split("\n### ", 1)[0]
+    rows = {m.group(1): re.findall(r"`(\w+)`", m.group(2).split(" (")[0])
+            for m in re.finditer(r"^\| (both|chat|completions) \| (.*) \|$", section, re.M)}
+    assert sorted(rows["both"] + rows["chat"]) == extension_fields(P.ChatCompletionRequest, "chat")
+    assert sorted(rows["both"] + rows["completions"]) == extension_fields(P.CompletionRequest, "completions")
 
 
 def test_a_non_utf8_body_is_a_400_envelope(server):

@@ -64,8 +64,9 @@ API_PARAM_NAMES = {
 
 
 class _Request(BaseModel):
-    # Unknown fields are ignored, as OpenAI-compatible servers commonly do: clients send
-    # fields (user, presence_penalty=0, ...) that have no effect here.
+    # Inside a request (messages, content parts, stream_options) unknown fields are ignored: clients send
+    # back whole response objects, an assistant message with its `refusal`, `annotations`, ... The request
+    # bodies themselves (`_SamplingFields`) keep theirs, which `openai_fields.check_fields` refuses.
     model_config = ConfigDict(extra="ignore")
 
 
@@ -77,11 +78,12 @@ class _SamplingFields(_Request):
     """Fields shared by both endpoints; defaults follow OpenAI's.
 
     Fields the models do not declare are kept (`model_extra`) so that
-    `serving.api.openai_fields` can refuse an OpenAI field this server does
-    not implement and log any other.
+    `serving.api.openai_fields` can refuse them: an OpenAI field this server
+    does not implement, or a field that is nobody's. Their JSON schema
+    (`/openapi.json`) says so: no properties beyond the declared ones.
     """
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": False})
 
     model: Optional[str] = None
     max_tokens: Optional[int] = None
@@ -95,7 +97,6 @@ class _SamplingFields(_Request):
     seed: Optional[int] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    echo: bool = False
     ignore_eos: bool = False
     # Prefix-cache isolation (as vLLM's): only requests with the same salt share cached KV pages.
     cache_salt: Optional[str] = None
@@ -134,6 +135,7 @@ PromptType = Union[str, list[str], list[int], list[list[int]]]
 class CompletionRequest(_SamplingFields):
     prompt: PromptType
     logprobs: Optional[int] = None
+    echo: bool = False  # the prompt in front of the text (chat has no echo: there it is an unknown field)
     best_of: Optional[int] = None  # only None or n (no extra candidates are drawn)
     suffix: Optional[str] = None  # refused unless empty (no insertion mode)
     max_tokens: Optional[int] = 16  # OpenAI's default for /v1/completions

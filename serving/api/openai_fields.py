@@ -2,13 +2,17 @@
 
 Nothing a client asks for is silently dropped: a field of OpenAI's request
 schema that this server does not implement is a 400 naming it (unless its
-value is one that asks for nothing, such as `null` or `"store": false`).
-A field that is not OpenAI's at all (a client's own extension) cannot be
-meant for this server; like vLLM, the server logs it and goes on.
+value is one that asks for nothing, such as `null` or `"store": false`),
+and so is a field that is not OpenAI's at all and not one of the extensions
+the request models declare (vLLM's `top_k`, `min_tokens`, ... sent through
+the OpenAI client's `extra_body`), as on `/v1/responses` and `/v1/messages`:
+a field the server does not know would otherwise look honoured when nothing
+was done with it.
 
 The schema lists are OpenAI's; a field the request models declare is
 implemented by definition, so declaring one (in `http_protocol`) is all it
-takes to stop refusing it.
+takes to stop refusing it. `extension_fields` lists the declared fields that
+are not OpenAI's (docs/serving.md lists the same).
 """
 
 from __future__ import annotations
@@ -41,17 +45,19 @@ _HINTS = {"safety_identifier", "prompt_cache_key", "parallel_tool_calls"}
 
 
 def check_fields(req, kind: str) -> None:
-    """Raises a 400 for an OpenAI field of `req` (a `kind` request: "completions" or "chat") that
-    is not implemented, or for a list longer than its cap (`request_limits.CAPS`); logs fields that
-    are not OpenAI's."""
+    """Raises a 400 for a field of `req` (a `kind` request: "completions" or "chat") that is not
+    implemented, whether OpenAI's or nobody's, or for a list longer than its cap
+    (`request_limits.CAPS`)."""
     from serving.api.request_limits import check_caps
 
     check_caps(req)
     extras: dict[str, Any] = req.model_extra or {}
+    unknown = sorted(name for name in extras if name not in OPENAI_FIELDS[kind])
+    if unknown:
+        raise APIError(f"{_listed(unknown)} {'is not a field' if len(unknown) == 1 else 'are not fields'} of this "
+                       "API: neither OpenAI's nor one of the extensions this server implements",
+                       param=unknown[0], code="unsupported_parameter")
     for name, value in extras.items():
-        if name not in OPENAI_FIELDS[kind]:
-            log.info("ignoring the unknown request field %r", name)
-            continue
         if value is None or name in _HINTS or value in _NO_OP.get(name, ()):
             continue
         raise APIError(f"`{name}` is not supported by this server", param=name, code="unsupported_parameter")
@@ -63,6 +69,15 @@ def check_fields(req, kind: str) -> None:
         if req.suffix:
             raise APIError("suffix is not supported (this server has no insertion mode)", param="suffix",
                            code="unsupported_parameter")
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(f"`{n}`" for n in names)
+
+
+def extension_fields(model, kind: str) -> list[str]:
+    """The fields a request model declares beyond OpenAI's schema of `kind` (its vLLM-style extensions)."""
+    return sorted(set(model.model_fields) - OPENAI_FIELDS[kind])
 
 
 # OpenAI's chat roles ("function" is the deprecated form of "tool").
