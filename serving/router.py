@@ -4,7 +4,8 @@
     python -m serving.router --port 8000 --policy round_robin --workers ...
     python -m serving.router --port 8000 --prefill_workers http://...:8101 --decode_workers http://...:8201,...
 
-Each `/v1/completions` or `/v1/chat/completions` request is tokenized the way
+Each `/v1/completions`, `/v1/chat/completions`, `/v1/responses` or
+`/v1/messages` request is tokenized the way
 the workers tokenize it (`router_index.PromptEncoder`), cut into the engine's
 chained block digests, and sent to the worker the policy picks
 (`router_index.Router`; `kv_aware` by default: the worker whose prefix cache
@@ -20,11 +21,19 @@ another worker; otherwise a stream ends with an in-band OpenAI error event,
 and a request with no worker left gets a 502/503 with OpenAI's error envelope.
 4xx answers are the client's fault and pass through untouched.
 
+A Responses turn that continues a stored response (`previous_response_id`), and
+`GET` / `DELETE /v1/responses/{id}`, go to the worker that stored it
+(`response_owners.ResponseOwners`); when that worker is out of rotation or
+fails, the answer is a 404 naming it, never another worker's answer without
+the conversation (docs/router.md). The Messages routes answer the router's own
+errors in Anthropic's envelope.
+
 Disaggregated mode (`--prefill_workers` and `--decode_workers`): the prefill
 worker is chosen `kv_aware` within the prefill pool, the decode worker
 least-loaded within the decode pool, and `serving.disaggregation.disagg.run_disaggregated`
 runs the request across the pair; its KV shipping bytes and seconds go to the
-router's metrics.
+router's metrics. Responses and Messages requests are served whole by a decode
+worker (least loaded).
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import urllib.parse
 from typing import Awaitable, Callable, Optional, Sequence
 
 import httpx
@@ -42,15 +52,23 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serving.api import http_protocol as P
 from serving.api.http_util import ClientGone, until_disconnect as _watch
+from serving.api.messages_api import error_body as anthropic_error_body
 from serving.routing.router_index import POLICIES, PrefixIndex, PromptEncoder, Router
 from serving.routing.router_metrics import RouterMetrics
+from serving.routing.response_owners import DEFAULT_MAX_ENTRIES, ResponseOwners, StreamIdScanner, response_id_of
 from serving.routing.router_workers import WorkerPool
 
 log = logging.getLogger("ridgeline.router")
 
 DEFAULT_PAGE_SIZE = 16  # the server's default --page_size, until a worker reports its own
 
-ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses",
+             "messages": "/v1/messages", "count_tokens": "/v1/messages/count_tokens"}
+# Served whole by one worker, in disaggregated mode too (by a decode worker): the KV shipping routes
+# take completions and chat only.
+WHOLE = frozenset({"responses", "messages", "count_tokens"})
+# Request headers that go upstream: the API key (OpenAI's or Anthropic's header) and Anthropic's version.
+FORWARDED_HEADERS = ("authorization", "x-api-key", "anthropic-version", "anthropic-beta")
 
 # serving.disaggregation.disagg.run_disaggregated(client, prefill_url, decode_url, endpoint, body)
 #     -> (the decode worker's streaming httpx.Response, KVTransferRecord with kv_bytes and transfer_seconds)
@@ -74,6 +92,30 @@ class _Attempt:
     pools: tuple[WorkerPool, ...]
     transfer: Optional[object] = None  # disaggregated mode: the shipping record
     pair: Optional[tuple[str, str]] = None
+
+
+@dataclasses.dataclass
+class _Pinned:
+    """A request only one worker can answer: the one that stored response `response_id`."""
+
+    worker: str
+    response_id: str
+    param: Optional[str]  # the request field holding the id; None where the id is in the path
+
+    def pick(self, service: "RouterService"):
+        """(workers, pools, matched blocks) of the attempt; the 404 when the worker is out of rotation."""
+        w = service.whole_pool.workers.get(self.worker)
+        if w is None or not w.healthy:
+            service.metrics.failed.inc()
+            raise self.gone("it is out of rotation")
+        return (self.worker,), (service.whole_pool,), 0
+
+    def gone(self, why: str) -> P.APIError:
+        """The answer when that worker cannot serve: no other worker holds the response, so any other
+        answer would be a conversation without its history."""
+        return P.APIError(f"Response '{self.response_id}' is stored on worker {self.worker}, which cannot serve "
+                          f"it now ({why}); no other worker holds it.", status=404, param=self.param,
+                          code="response_worker_unavailable")
 
 
 def _answered_by(resp: httpx.Response, workers: Sequence[str]) -> str:
@@ -101,7 +143,7 @@ class RouterService:
                  encoder: Optional[PromptEncoder] = None, prefill_workers: Sequence[str] = (),
                  decode_workers: Sequence[str] = (), check_interval_s: float = 2.0, load_weight: float = 0.1,
                  kv_weight: float = 0.5, index_blocks_per_worker: int = 4096, connect_timeout_s: float = 5.0,
-                 disagg_fn: Optional[DisaggFn] = None):
+                 disagg_fn: Optional[DisaggFn] = None, response_owners_max_entries: int = DEFAULT_MAX_ENTRIES):
         self.disaggregated = bool(prefill_workers or decode_workers)
         if self.disaggregated and not (prefill_workers and decode_workers):
             raise ValueError("disaggregated mode needs both --prefill_workers and --decode_workers")
@@ -126,6 +168,9 @@ class RouterService:
         else:
             self.pool = WorkerPool(workers, self.index, self.metrics)
             self.pools = [self.pool]
+        # The pool that serves whole requests (`WHOLE`), and which of its workers stored which response.
+        self.whole_pool = self.decode if self.disaggregated else self.pool
+        self.owners = ResponseOwners(response_owners_max_entries)
         for pool in self.pools:
             pool.on_page_size = self._worker_page_size
             policy = self.decode_router.policy if self.disaggregated and pool is self.decode else self.router.policy
@@ -177,8 +222,12 @@ class RouterService:
 
     # --- one attempt ----------------------------------------------------------------------------
 
-    def _pick(self, prompts, tried: set[str], salt: Optional[str], model: Optional[str] = None):
+    def _pick(self, prompts, tried: set[str], salt: Optional[str], model: Optional[str] = None,
+              endpoint: str = "chat"):
         """(workers, pools, matched blocks) for the next attempt, or None when nobody is left."""
+        if self.disaggregated and endpoint in WHOLE:
+            d = self.decode_router.choose(self.decode.loads(), prompts, exclude=tried, cache_salt=salt, model=model)
+            return None if d is None else ((d.worker,), (self.decode,), 0)
         if not self.disaggregated:
             c = self.router.choose(self.pool.loads(), prompts, exclude=tried, cache_salt=salt, model=model)
             return None if c is None else ((c.worker,), (self.pool,), c.matched_blocks)
@@ -190,7 +239,7 @@ class RouterService:
 
     async def _send(self, workers: tuple[str, ...], endpoint: str, body: dict, raw: bytes,
                     headers: dict) -> tuple[httpx.Response, object]:
-        if not self.disaggregated:
+        if len(workers) == 1:  # a whole request to one worker
             req = self.client.build_request("POST", workers[0] + ENDPOINTS[endpoint], content=raw, headers=headers)
             try:
                 return await self.client.send(req, stream=True), None
@@ -208,8 +257,9 @@ class RouterService:
         return resp, record
 
     async def _open(self, endpoint: str, body: dict, raw: bytes, headers: dict, prompts,
-                    attempts: int = 2) -> _Attempt:
-        """Sends the request to a worker, retrying once on another if the first fails before answering."""
+                    attempts: int = 2, pinned: Optional["_Pinned"] = None) -> _Attempt:
+        """Sends the request to a worker, retrying once on another if the first fails before answering;
+        a `pinned` request goes to its worker only (another could not answer it), a 404 if that fails."""
         tried: set[str] = set()
         last: Optional[UpstreamFailed] = None
         # The client's salt names its pages on the workers (a salt the workers bind to an API key is not
@@ -217,19 +267,14 @@ class RouterService:
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) and body["cache_salt"] else None
         # The model names a LoRA adapter on the workers (or the base): its requests are kept together.
         model = body.get("model") if isinstance(body.get("model"), str) else None
-        for attempt in range(attempts):
-            picked = self._pick(prompts, tried, salt, model)
+        for attempt in range(attempts if pinned is None else 1):
+            picked = self._pick(prompts, tried, salt, model, endpoint) if pinned is None else pinned.pick(self)
             if picked is None:
                 break
             workers, pools, matched_blocks = picked
             if attempt:
                 self.metrics.retries.inc()
-            prompt_tokens = sum(len(p) for p in prompts)
-            self.metrics.on_routed(workers[0], prompt_tokens, matched_blocks * self.router.page_size,
-                                   self.router.policy)
-            if self.disaggregated:
-                self.metrics.routed.labels(workers[1], self.decode_router.policy).inc()
-            self.router.record(workers[0], prompts, salt, model)
+            self._count_routed(endpoint, workers, prompts, matched_blocks, salt, model, pinned)
             self._in_flight(workers, pools, +1)
             try:
                 resp, record = await self._send(workers, endpoint, body, raw, headers)
@@ -237,14 +282,17 @@ class RouterService:
                     text = (await resp.aread()).decode("utf-8", "replace")[:500]
                     await resp.aclose()
                     raise UpstreamFailed(_answered_by(resp, workers), "status_5xx", f"HTTP {resp.status_code}: {text}")
-                return _Attempt(resp, workers, pools, record, workers if self.disaggregated else None)
+                return _Attempt(resp, workers, pools, record, workers if len(workers) == 2 else None)
             except asyncio.CancelledError:  # the client went away while we waited
                 self._in_flight(workers, pools, -1)
                 raise
             except UpstreamFailed as e:
                 self._in_flight(workers, pools, -1)
                 self._fail(e)
-                tried.update(workers if not self.disaggregated else (e.worker,))
+                if pinned is not None:
+                    self.metrics.failed.inc()
+                    raise pinned.gone(f"it failed: {e}") from e
+                tried.update(workers if len(workers) == 1 else (e.worker,))
                 last = e
         self.metrics.failed.inc()
         if last is None and not tried:
@@ -253,6 +301,19 @@ class RouterService:
         raise P.APIError(f"the request failed upstream{' after a retry' if len(tried) > 1 else ''}: "
                          f"{last.worker}: {last}" if last else "no worker left to retry on",
                          status=502, type="server_error", code="upstream_error")
+
+    def _count_routed(self, endpoint: str, workers: tuple[str, ...], prompts, matched_blocks: int,
+                      salt: Optional[str], model: Optional[str], pinned: Optional["_Pinned"]) -> None:
+        """Metrics of one routing decision, and the prefix index's record of where the prompt went."""
+        prompt_tokens = sum(len(p) for p in prompts)
+        whole_in_decode_pool = self.disaggregated and endpoint in WHOLE
+        policy = "sticky" if pinned is not None else (
+            self.decode_router.policy if whole_in_decode_pool else self.router.policy)
+        self.metrics.on_routed(workers[0], prompt_tokens, matched_blocks * self.router.page_size, policy)
+        if len(workers) == 2:
+            self.metrics.routed.labels(workers[1], self.decode_router.policy).inc()
+        if not whole_in_decode_pool and pinned is None:  # the index knows the prefill (or only) pool's caches
+            self.router.record(workers[0], prompts, salt, model)
 
     def _fail(self, e: UpstreamFailed) -> None:
         self.metrics.on_error(e.worker, e.kind)
@@ -287,18 +348,18 @@ class RouterService:
             body = None
         if not isinstance(body, dict):
             raise P.APIError("The request body is not a valid JSON object.", code="invalid_json")
-        prompts = self.encoder.prompts(endpoint, body)
-        headers = {"content-type": "application/json"}
-        if "authorization" in request.headers:
-            headers["authorization"] = request.headers["authorization"]
+        headers = _upstream_headers(request)
         stream = body.get("stream") is True
+        pinned = await self._pin(endpoint, body, headers)
+        # A pinned turn's prompt starts with a history only its worker has: no routing needs its tokens.
+        prompts = self.encoder.prompts(endpoint, body) if pinned is None else []
         for attempt in range(2):
             # A second pass (the first answer broke before any byte was relayed) is the retry: one attempt only.
-            a = await _watch(request, self._open(endpoint, body, raw, headers, prompts, attempts=2 - attempt),
-                             on_orphan=self._abandon)
+            a = await _watch(request, self._open(endpoint, body, raw, headers, prompts, attempts=2 - attempt,
+                                                 pinned=pinned), on_orphan=self._abandon)
             try:
                 if stream and a.response.status_code == 200:
-                    return await self._stream(request, a)
+                    return await self._stream(request, a, self._id_watcher(endpoint, a))
                 content = await _watch(request, a.response.aread())
             except ClientGone:
                 await a.response.aclose()
@@ -316,12 +377,86 @@ class RouterService:
                                  type="server_error", code="upstream_error") from e
             await a.response.aclose()
             self._finish(a)
+            if endpoint == "responses" and a.response.status_code == 200:
+                self._remember(response_id_of(content), a.workers[-1])
             return Response(content, status_code=a.response.status_code,
                             media_type=a.response.headers.get("content-type"))
         raise AssertionError("unreachable")
 
-    async def _stream(self, request: Request, a: _Attempt) -> Response:
-        """Relays an SSE answer; the first chunk is awaited here so a failure before it can still be retried."""
+    # --- stored responses: sticky routing --------------------------------------------------------
+
+    def _remember(self, response_id: Optional[str], worker: str) -> None:
+        if response_id:
+            self.owners.remember(response_id, worker)
+
+    def _id_watcher(self, endpoint: str, a: _Attempt) -> Optional[Callable[[bytes], None]]:
+        """For a streamed Responses answer: a chunk callback that remembers the response's worker."""
+        if endpoint != "responses":
+            return None
+        scanner = StreamIdScanner()
+
+        def watch(chunk: bytes) -> None:
+            if scanner.response_id is None and scanner.feed(chunk):
+                self._remember(scanner.response_id, a.workers[-1])
+
+        return watch
+
+    async def _pin(self, endpoint: str, body: dict, headers: dict) -> Optional[_Pinned]:
+        """A Responses turn continuing a stored response goes to the worker that stored it."""
+        previous = body.get("previous_response_id") if endpoint == "responses" else None
+        if not isinstance(previous, str) or not previous:
+            return None
+        owner = await self.find_owner(previous, headers)
+        return None if owner is None else _Pinned(owner, previous, "previous_response_id")
+
+    async def find_owner(self, response_id: str, headers: dict) -> Optional[str]:
+        """The worker that stored `response_id`: remembered, else found by asking each worker in rotation
+        for it with the client's key (the stores are per key); None when no worker in rotation has it."""
+        owner = self.owners.owner(response_id)
+        if owner is not None:
+            return owner
+        path = _stored_path(response_id)
+        get_headers = {k: v for k, v in headers.items() if k != "content-type"}
+
+        async def holds(url: str) -> bool:
+            try:
+                r = await self.client.get(url + path, headers=get_headers, timeout=30)
+            except httpx.TransportError:
+                return False
+            return r.status_code == 200
+
+        healthy = [w.url for w in self.whole_pool.healthy()]
+        found = await asyncio.gather(*(holds(u) for u in healthy))
+        owner = next((u for u, ok in zip(healthy, found) if ok), None)
+        if owner is not None:
+            self.owners.remember(response_id, owner)
+        return owner
+
+    async def relay_stored(self, method: str, response_id: str, request: Request) -> Response:
+        """`GET` or `DELETE /v1/responses/{id}` at the worker holding the response."""
+        headers = {k: v for k, v in _upstream_headers(request).items() if k != "content-type"}
+        owner = await self.find_owner(response_id, headers)
+        if owner is None:
+            raise P.APIError(f"No response with id '{response_id}' found.", status=404, code="not_found")
+        pinned = _Pinned(owner, response_id, None)
+        workers, pools, _ = pinned.pick(self)
+        self._in_flight(workers, pools, +1)
+        try:
+            r = await self.client.request(method, owner + _stored_path(response_id), headers=headers)
+        except httpx.TransportError as e:
+            failed = UpstreamFailed(owner, "connect", f"{type(e).__name__}: {e}")
+            self._fail(failed)
+            raise pinned.gone(f"it failed: {failed}") from e
+        finally:
+            self._in_flight(workers, pools, -1)
+        if method == "DELETE" and r.status_code == 200:
+            self.owners.forget(response_id)
+        return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+
+    async def _stream(self, request: Request, a: _Attempt,
+                      on_chunk: Optional[Callable[[bytes], None]] = None) -> Response:
+        """Relays an SSE answer; the first chunk is awaited here so a failure before it can still be retried.
+        `on_chunk` sees every chunk as it passes (it must not hold it up)."""
         chunks = a.response.aiter_raw()
         try:
             first = await _watch(request, chunks.__anext__())  # TransportError here: the caller retries
@@ -330,8 +465,12 @@ class RouterService:
 
         async def relay():
             try:
+                if on_chunk is not None:
+                    on_chunk(first)
                 yield first
                 async for chunk in chunks:
+                    if on_chunk is not None:
+                        on_chunk(chunk)
                     yield chunk
             except (httpx.TransportError, httpx.StreamError) as e:
                 self._fail(UpstreamFailed(a.workers[-1], "stream", f"{type(e).__name__}: {e}"))
@@ -346,6 +485,18 @@ class RouterService:
                                  media_type=a.response.headers.get("content-type", "text/event-stream"))
 
 
+def _stored_path(response_id: str) -> str:
+    """A worker's path of one stored response (the id quoted: it comes from the client)."""
+    return "/v1/responses/" + urllib.parse.quote(response_id, safe="")
+
+
+def _upstream_headers(request: Request) -> dict:
+    """The headers a relayed request carries: JSON, and the client's key and API version."""
+    headers = {"content-type": "application/json"}
+    for name in FORWARDED_HEADERS:
+        if name in request.headers:
+            headers[name] = request.headers[name]
+    return headers
 
 
 def create_router_app(service: RouterService) -> FastAPI:
@@ -379,6 +530,38 @@ def create_router_app(service: RouterService) -> FastAPI:
             return await service.handle("chat", request)
         except ClientGone:
             return Response(status_code=499)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        try:
+            return await service.handle("responses", request)
+        except ClientGone:
+            return Response(status_code=499)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request):
+        return await service.relay_stored("GET", response_id, request)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request):
+        return await service.relay_stored("DELETE", response_id, request)
+
+    async def anthropic(endpoint: str, request: Request) -> Response:
+        """The Messages routes answer the router's own errors in Anthropic's envelope, as a worker does."""
+        try:
+            return await service.handle(endpoint, request)
+        except ClientGone:
+            return Response(status_code=499)
+        except P.APIError as e:
+            return JSONResponse(anthropic_error_body(e), status_code=e.status)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        return await anthropic("messages", request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        return await anthropic("count_tokens", request)
 
     @app.get("/v1/models")
     async def models():
@@ -424,7 +607,8 @@ def main(argv) -> None:
                             encoder=PromptEncoder(F.model_dir), prefill_workers=_split(F.prefill_workers),
                             decode_workers=_split(F.decode_workers), check_interval_s=F.check_interval_s,
                             load_weight=F.load_weight, kv_weight=F.kv_weight,
-                            index_blocks_per_worker=F.index_blocks_per_worker)
+                            index_blocks_per_worker=F.index_blocks_per_worker,
+                            response_owners_max_entries=F.response_owners_max_entries)
     app = create_router_app(service)
     log.info("routing (%s) on http://%s:%d over %s", F.policy, F.host, F.port,
              ", ".join(w.url for pool in service.pools for w in pool))
@@ -450,6 +634,9 @@ def define_flags() -> None:
     flags.DEFINE_float("kv_weight", 0.5, "kv_aware: cost of a full KV pool, in prompts recomputed.")
     flags.DEFINE_integer("index_blocks_per_worker", 4096, "Prefix-index bound per worker until its /metrics "
                                                          "gives its pool size in pages.")
+    flags.DEFINE_integer("response_owners_max_entries", DEFAULT_MAX_ENTRIES,
+                         "Stored /v1/responses ids whose worker the router remembers (least recently used "
+                         "forgotten first; a forgotten id is looked up by asking the workers).")
     flags.DEFINE_enum("log_level", "info", ["debug", "info", "warning", "error"], "Log level.")
 
 

@@ -103,6 +103,41 @@ def test_a_client_disconnect_aborts_the_request_on_the_worker(fleet):
 
 
 @pytest.mark.timeout(300)
+def test_responses_and_messages_are_relayed_and_continued_turns_stick(fleet):
+    """The official clients through the router; round robin would send every second turn of a stored
+    conversation to the worker that does not hold it (a 404 there), so each continued turn succeeding
+    shows the router sent it back to the response's worker, streamed first turn or not."""
+    import anthropic
+    import openai
+
+    router = fleet.start_router(["--policy=round_robin", "--page_size=16", "--check_interval_s=0.5"])
+    try:
+        oa = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+        for stream in (True, False):
+            first = oa.responses.create(model="fleet", input="Tell me about the trail", max_output_tokens=4,
+                                        temperature=0, stream=stream)
+            previous = [e for e in first][-1].response if stream else first
+            assert previous.status in ("completed", "incomplete")
+            for turn in range(3):
+                r = oa.responses.create(model="fleet", input=f"and {turn}?", max_output_tokens=4, temperature=0,
+                                        previous_response_id=previous.id)
+                assert r.previous_response_id == previous.id
+                previous = r
+        assert oa.responses.retrieve(previous.id).id == previous.id
+
+        an = anthropic.Anthropic(base_url=router.url, api_key="unused", max_retries=0)
+        chat = {"model": "fleet", "max_tokens": 4, "messages": [{"role": "user", "content": "Say hi"}]}
+        greedy = {"temperature": 0.0, "ignore_eos": True}  # this client has no temperature argument: an extra
+        whole = an.messages.create(**chat, extra_body=greedy)
+        assert whole.type == "message" and whole.usage.output_tokens == 4
+        with an.messages.stream(**chat, extra_body=greedy) as st:
+            streamed = st.get_final_message()
+        assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in whole.content]
+    finally:
+        fleet.stop_router()
+
+
+@pytest.mark.timeout(300)
 def test_a_killed_worker_is_routed_around(fleet):
     router = fleet.start_router(["--policy=round_robin", "--page_size=16", "--check_interval_s=0.5"])
     try:

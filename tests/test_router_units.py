@@ -92,6 +92,16 @@ def test_prompt_encoder_tokenizes_like_the_worker():
     assert enc.prompts("completions", {"prompt": [1, 2, 3]}) == [[1, 2, 3]]
     assert enc.prompts("completions", {"prompt": ["x", [4, 5]]}) == [tok.encode("x"), [4, 5]]
     assert enc.prompts("chat", {"messages": "not a list"}) == []  # the worker will answer the 400
+    # Tools are rendered as the worker renders them (the embedded template lists their names).
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    with_tools = enc.prompts("chat", {"messages": messages, "tools": tools})
+    assert with_tools == [encode_chat(messages, tok, True, tools)] != enc.prompts("chat", {"messages": messages})
+    # Responses and Messages bodies are routed by the chat they become.
+    user = [{"role": "user", "content": "héllo"}]
+    assert enc.prompts("responses", {"model": "m", "input": "héllo", "instructions": "be brief"}) == \
+        enc.prompts("chat", {"messages": messages})
+    assert enc.prompts("messages", {"model": "m", "max_tokens": 4, "messages": user}) == \
+        [encode_chat(user, tok, True)]
 
 
 def test_index_matches_chains_and_evicts_least_recently_routed():
@@ -310,8 +320,99 @@ class FakeWorker:
         async def chat(request: Request):
             return await answer(request, "chat")
 
+        self.stored: dict[str, dict] = {}  # response id -> the response, as a worker's store keeps it
+        self.headers: list[dict] = []  # the headers of each Responses / Messages request
+
+        def not_found(response_id):
+            return JSONResponse({"error": {"message": f"No response with id '{response_id}' found.",
+                                           "type": "invalid_request_error", "code": "not_found"}}, status_code=404)
+
+        @app.post("/v1/responses")
+        async def responses(request: Request):
+            body = await request.json()
+            self.requests.append(body)
+            self.headers.append(dict(request.headers))
+            if self.mode == "500":
+                return JSONResponse({"error": {"message": "boom", "type": "server_error"}}, status_code=500)
+            previous = body.get("previous_response_id")
+            if previous is not None and previous not in self.stored:
+                return not_found(previous)
+            response = _fake_response(f"resp_{self.name}{len(self.stored)}", f"from {self.name}", previous)
+            self.stored[response["id"]] = response
+            if not body.get("stream"):
+                return response
+            return StreamingResponse(_response_events(response), media_type="text/event-stream")
+
+        @app.get("/v1/responses/{response_id}")
+        async def get_response(response_id: str):
+            return self.stored[response_id] if response_id in self.stored else not_found(response_id)
+
+        @app.delete("/v1/responses/{response_id}")
+        async def delete_response(response_id: str):
+            if self.stored.pop(response_id, None) is None:
+                return not_found(response_id)
+            return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+        @app.post("/v1/messages")
+        async def messages(request: Request):
+            body = await request.json()
+            self.requests.append(body)
+            self.headers.append(dict(request.headers))
+            message = _fake_message(f"msg_{self.name}", f"from {self.name}")
+            if not body.get("stream"):
+                return message
+            return StreamingResponse(_message_events(message), media_type="text/event-stream")
+
+        @app.post("/v1/messages/count_tokens")
+        async def count_tokens(request: Request):
+            self.requests.append(await request.json())
+            return {"input_tokens": 7}
+
         self.server = _Served(app)
         self.url = self.server.url
+
+
+def _fake_response(response_id: str, text: str, previous=None) -> dict:
+    """A completed Responses answer as a worker sends it (the fields the official client reads)."""
+    return {"id": response_id, "object": "response", "created_at": 0, "model": "fake", "status": "completed",
+            "previous_response_id": previous, "output": [
+                {"type": "message", "id": "msg_0", "role": "assistant", "status": "completed",
+                 "content": [{"type": "output_text", "text": text, "annotations": []}]}],
+            "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+            "usage": {"input_tokens": 1, "output_tokens": 1, "total_tokens": 2,
+                      "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}}
+
+
+async def _response_events(response: dict):
+    text = response["output"][0]["content"][0]["text"]
+    events = [("response.created", {"response": {**response, "status": "in_progress", "output": []}}),
+              ("response.output_text.delta", {"item_id": "msg_0", "output_index": 0, "content_index": 0,
+                                              "delta": text}),
+              ("response.completed", {"response": response})]
+    for i, (kind, fields) in enumerate(events):
+        yield f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': i, **fields})}\n\n"
+        await asyncio.sleep(0)
+
+
+def _fake_message(message_id: str, text: str) -> dict:
+    """A Messages answer as a worker sends it."""
+    return {"id": message_id, "type": "message", "role": "assistant", "model": "fake",
+            "content": [{"type": "text", "text": text}], "stop_reason": "end_turn", "stop_sequence": None,
+            "usage": {"input_tokens": 1, "output_tokens": 1}}
+
+
+async def _message_events(message: dict):
+    text = message["content"][0]["text"]
+    events = [("message_start", {"message": {**message, "content": [], "stop_reason": None}}),
+              ("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
+              ("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}}),
+              ("content_block_stop", {"index": 0}),
+              ("message_delta", {"delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                                 "usage": {"output_tokens": 1}}),
+              ("message_stop", {})]
+    for kind, fields in events:
+        yield f"event: {kind}\ndata: {json.dumps({'type': kind, **fields})}\n\n"
+        await asyncio.sleep(0)
 
 
 class _Served:
@@ -501,5 +602,150 @@ def test_disaggregated_mode_uses_both_pools_and_records_transfers(fleet):
     assert f'ridgeline:router_requests_routed_total{{policy="least_loaded",worker="{workers[1].url}"}} 2.0' in m
     assert f'ridgeline:router_requests_routed_total{{policy="kv_aware",worker="{workers[0].url}"}} 2.0' in m
     assert f'policy="kv_aware",worker="{workers[1].url}"' not in m  # the decode worker is only picked least-loaded
+    # Responses and Messages are served whole by a decode worker: the shipping routes take chat and completions.
+    for endpoint in ("/v1/responses", "/v1/messages"):
+        r = httpx.post(url + endpoint, json={"model": "fake", "input": "hi", "max_tokens": 4, "messages": []},
+                       timeout=10)
+        assert r.status_code == 200 and "from b" in r.text
+    assert len(calls) == 2 and workers[0].requests == []
+    assert f'ridgeline:router_requests_routed_total{{policy="least_loaded",worker="{workers[1].url}"}} 4.0' in \
+        httpx.get(url + "/metrics").text
     with pytest.raises(ValueError, match="both"):
         RouterService(prefill_workers=[workers[0].url])
+
+
+# --- /v1/responses and /v1/messages: relays and sticky routing ------------------------------------------
+
+
+def _worker_of(workers, response_id):
+    return next(w for w in workers if response_id in w.stored)
+
+
+def test_responses_and_messages_are_relayed_for_the_official_clients(fleet):
+    import anthropic
+    import openai
+
+    workers, make = fleet
+    _, url = make("round_robin")
+    oa = openai.OpenAI(base_url=url + "/v1", api_key="key-a", max_retries=0)
+    r = oa.responses.create(model="fake", input="hello")
+    assert r.output_text in ("from a", "from b") and r.id in _worker_of(workers, r.id).stored
+    events = list(oa.responses.create(model="fake", input="hello", stream=True))
+    assert [e.type for e in events] == ["response.created", "response.output_text.delta", "response.completed"]
+    assert events[-1].response.output_text == events[1].delta
+
+    an = anthropic.Anthropic(base_url=url, api_key="key-b", max_retries=0)
+    m = an.messages.create(model="fake", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    assert m.content[0].text in ("from a", "from b") and m.stop_reason == "end_turn"
+    with an.messages.stream(model="fake", max_tokens=4, messages=[{"role": "user", "content": "hi"}]) as st:
+        assert st.get_final_message().content[0].text in ("from a", "from b")
+    assert an.messages.count_tokens(model="fake", messages=[{"role": "user", "content": "hi"}]).input_tokens == 7
+    # Each client's key (Anthropic's client may send it either way) and Anthropic's version header went upstream.
+    sent = [h for w in workers for h in w.headers]
+    assert {h.get("authorization") for h in sent if "anthropic-version" not in h} == {"Bearer key-a"}
+    assert {h.get("x-api-key") or h.get("authorization") for h in sent if "anthropic-version" in h} <= \
+        {"key-b", "Bearer key-b"}
+    assert len([h for h in sent if "anthropic-version" in h]) == 2
+    r = httpx.post(url + "/v1/messages", headers={"x-api-key": "key-c", "anthropic-version": "2023-06-01"},
+                   json={"model": "fake", "max_tokens": 4, "messages": []}, timeout=10)
+    assert r.status_code == 200 and any(h.get("x-api-key") == "key-c" for w in workers for h in w.headers)
+
+    # The router's own errors on the Messages routes leave in Anthropic's envelope, as a worker's do.
+    for w in workers:
+        w.healthy = False
+    deadline = time.monotonic() + 10
+    while httpx.get(url + "/health").status_code != 503:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    r = httpx.post(url + "/v1/messages", json={"model": "fake", "max_tokens": 4, "messages": []}, timeout=10)
+    assert r.status_code == 503 and r.json()["type"] == "error"
+    assert r.json()["error"]["type"] == "overloaded_error" and "no worker" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/messages", content=b"{not json", timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_continued_response_goes_to_the_worker_that_stored_it(fleet):
+    workers, make = fleet
+    service, url = make("round_robin")  # round robin would alternate: only stickiness keeps the turns together
+    for stream in (False, True):
+        first = httpx.post(url + "/v1/responses", json={"model": "fake", "input": "one", "stream": stream},
+                           timeout=10)
+        assert first.status_code == 200
+        rid = (first.json()["id"] if not stream else
+               json.loads(next(x for x in first.text.splitlines() if x.startswith("data: "))[6:])["response"]["id"])
+        owner = _worker_of(workers, rid)
+        assert service.owners.owner(rid) == owner.url
+        for turn in range(3):
+            r = httpx.post(url + "/v1/responses", json={"model": "fake", "input": f"turn {turn}", "stream": stream,
+                                                       "previous_response_id": rid}, timeout=10)
+            assert r.status_code == 200 and f"from {owner.name}" in r.text, r.text
+            assert owner.requests[-1]["previous_response_id"] == rid
+        m = httpx.get(url + "/metrics").text
+        assert f'ridgeline:router_requests_routed_total{{policy="sticky",worker="{owner.url}"}}' in m
+    # GET and DELETE go to the owner too; a deleted id is forgotten.
+    assert httpx.get(url + f"/v1/responses/{rid}", timeout=10).json()["id"] == rid
+    assert httpx.delete(url + f"/v1/responses/{rid}", timeout=10).json()["deleted"] is True
+    assert service.owners.owner(rid) is None and rid not in owner.stored
+    r = httpx.get(url + f"/v1/responses/{rid}", timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_the_owner_map_is_bounded_and_a_forgotten_id_is_found_by_asking(fleet):
+    workers, make = fleet
+    service, url = make("round_robin", response_owners_max_entries=1)
+    ids = [httpx.post(url + "/v1/responses", json={"model": "fake", "input": "x"}, timeout=10).json()["id"]
+           for _ in range(3)]
+    assert len(service.owners) == 1 and service.owners.owner(ids[0]) is None
+    owner = _worker_of(workers, ids[0])
+    for _ in range(2):
+        r = httpx.post(url + "/v1/responses", json={"model": "fake", "input": "y", "previous_response_id": ids[0]},
+                       timeout=10)
+        assert r.status_code == 200 and r.json()["output"][0]["content"][0]["text"] == f"from {owner.name}"
+    # An id no worker holds: the worker the turn goes to answers its own 404.
+    r = httpx.post(url + "/v1/responses", json={"model": "fake", "input": "z", "previous_response_id": "resp_no"},
+                   timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    assert httpx.get(url + "/v1/responses/resp_no", timeout=10).status_code == 404
+
+
+def test_a_continued_response_whose_worker_is_gone_is_a_404_naming_it(fleet):
+    workers, make = fleet
+    service, url = make("round_robin", check_interval_s=60)  # no probe: the failed request takes it out
+    rid = httpx.post(url + "/v1/responses", json={"model": "fake", "input": "one"}, timeout=10).json()["id"]
+    owner = _worker_of(workers, rid)
+    other = next(w for w in workers if w is not owner)
+    before = len(other.requests)
+    owner.mode = "500"  # it fails the turn: no retry elsewhere, where the history is not
+    turn = {"model": "fake", "input": "two", "previous_response_id": rid}
+    for _ in range(2):  # failing, then out of rotation
+        r = httpx.post(url + "/v1/responses", json=turn, timeout=10)
+        assert r.status_code == 404, r.text
+        err = r.json()["error"]
+        assert err["param"] == "previous_response_id" and err["code"] == "response_worker_unavailable"
+        assert owner.url in err["message"] and rid in err["message"]
+    assert "out of rotation" in err["message"] and not service.pool.workers[owner.url].healthy
+    r = httpx.get(url + f"/v1/responses/{rid}", timeout=10)
+    assert r.status_code == 404 and owner.url in r.json()["error"]["message"]
+    assert len(other.requests) == before  # the other worker never saw the turn
+    # A turn without a stored history still goes anywhere in rotation.
+    assert httpx.post(url + "/v1/responses", json={"model": "fake", "input": "new"}, timeout=10).status_code == 200
+
+
+def test_stream_id_scanner_and_owner_map():
+    from serving.routing.response_owners import ResponseOwners, StreamIdScanner, response_id_of
+
+    event = b'event: response.created\ndata: {"type": "response.created", "response": {"id": "resp_7"}}\n\n'
+    scanner = StreamIdScanner()
+    found = [scanner.feed(event[i:i + 5]) for i in range(0, len(event), 5)]  # split anywhere
+    assert found[-1] == "resp_7" and found[0] is None
+    assert StreamIdScanner().feed(b'data: {"type": "error"}\n\n') is None
+    assert response_id_of(b'{"object": "response", "id": "resp_1"}') == "resp_1"
+    assert response_id_of(b'{"error": {}}') is None and response_id_of(b"not json") is None
+    owners = ResponseOwners(2)
+    owners.remember("a", "w1")
+    owners.remember("b", "w2")
+    assert owners.owner("a") == "w1"  # a is now the most recently used
+    owners.remember("c", "w1")
+    assert (owners.owner("a"), owners.owner("b"), owners.owner("c"), len(owners)) == ("w1", None, "w1", 2)
+    with pytest.raises(ValueError):
+        ResponseOwners(0)

@@ -89,20 +89,8 @@ class PromptEncoder:
     def prompts(self, endpoint: str, body: dict) -> list[list[int]]:
         """The token ids of each prompt in `body`; [] when the body is malformed (the worker will say why)."""
         try:
-            if endpoint == "chat":
-                from serving.api.chat_template import encode_chat
-                from serving.api.http_protocol import ChatCompletionRequest
-
-                from serving.api.chat_template import IMAGE_SENTINEL
-
-                req = ChatCompletionRequest.model_validate(body)
-                images = [image_digest(url) for m in req.messages for _, url in m.image_urls()]
-                if not images:
-                    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-                    return [encode_chat(messages, self.tokenizer, req.add_generation_prompt)]
-                messages = [{"role": m.role, "content": m.text(IMAGE_SENTINEL)} for m in req.messages]
-                ids = encode_chat(messages, self.tokenizer, req.add_generation_prompt, image_ids=[IMAGE_MARK])
-                return [RoutedPrompt(ids, images)]
+            if endpoint in CHAT_LIKE:
+                return [self.chat_prompt(as_chat(endpoint, body))]
             prompt = body.get("prompt")
             if isinstance(prompt, str):
                 prompt = [prompt]
@@ -113,6 +101,43 @@ class PromptEncoder:
             return [self.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompt]
         except Exception:  # noqa: BLE001 - a request the worker will reject; route it anywhere
             return []
+
+    def chat_prompt(self, req) -> list[int]:
+        """A chat's prompt as the worker renders it (its tools and template arguments included), each
+        image a single `IMAGE_MARK` keyed by the image's digest."""
+        from serving.api.chat_template import IMAGE_SENTINEL, encode_chat
+        from serving.api.tool_calls import template_message
+
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        messages = [template_message(m) for m in req.messages]
+        images = [image_digest(url) for m in req.messages for _, url in m.image_urls()]
+        if not images:
+            return encode_chat(messages, self.tokenizer, req.add_generation_prompt, tools, req.chat_template_kwargs)
+        for out, m in zip(messages, req.messages):
+            out["content"] = m.text(IMAGE_SENTINEL)
+        ids = encode_chat(messages, self.tokenizer, req.add_generation_prompt, tools, req.chat_template_kwargs,
+                          image_ids=[IMAGE_MARK])
+        return RoutedPrompt(ids, images)
+
+
+# Endpoints whose body is a chat, or becomes one on the worker (`as_chat`).
+CHAT_LIKE = frozenset({"chat", "responses", "messages"})
+
+
+def as_chat(endpoint: str, body: dict):
+    """The chat request a chat-like body is served as (a Responses turn without its stored history: a
+    continued one is routed by its `previous_response_id` instead)."""
+    if endpoint == "responses":
+        from serving.api import responses_protocol as RQ
+
+        return RQ.chat_request(RQ.ResponsesRequest.model_validate(body), [])[0]
+    if endpoint == "messages":
+        from serving.api import messages_protocol as MQ
+
+        return MQ.chat_request(MQ.MessagesRequest.model_validate(body))[0]
+    from serving.api.http_protocol import ChatCompletionRequest
+
+    return ChatCompletionRequest.model_validate(body)
 
 
 def default_model_dir() -> str:

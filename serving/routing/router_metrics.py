@@ -2,7 +2,8 @@
 
     ridgeline:router_requests_routed{worker,policy}      requests sent to each worker (retries included; in
                                                          disaggregated mode prefill picks are kv_aware, decode
-                                                         picks least_loaded)
+                                                         picks least_loaded; sticky: to the worker
+                                                         holding a stored response)
     ridgeline:router_prompt_tokens{worker}               prompt tokens routed
     ridgeline:router_prefix_matched_tokens{worker}       of those, tokens the index said the worker held
     ridgeline:router_prefix_hit_rate                     matched / prompt tokens, all workers, since start
