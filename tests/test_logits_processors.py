@@ -1,8 +1,9 @@
 """Custom logits processors (`serving.features.logits_processors`) and step parts written outside the project.
 
-The processors below live in this test module, as a user's would live in theirs: the engine imports
-them by name ("module:Class"). One engine with both processors serves most tests; the HTTP tests
-come last, since once a server runs its loop owns that engine.
+The processors live in tests/logits_processor_examples.py, as a user's would live in their module:
+the engine imports them by name ("module:Class"), in other processes too (tests/multihost_worker.py).
+One engine with both processors serves most tests; the HTTP tests come last, since once a server
+runs its loop owns that engine.
 """
 
 import json
@@ -26,6 +27,7 @@ from serving.llm import default_checkpoint_dir
 from serving.server import ServerThread
 
 from conftest import run_to_completion
+from logits_processor_examples import BanTokens
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(default_checkpoint_dir()), reason="needs the embedded model")
 
@@ -35,47 +37,7 @@ ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=32, min_token_bucket=32, p
 STAR = ord("*")
 
 
-class BanTokens:
-    """Bans the token ids of `extra_args["ban"]` for the requests that give it."""
-
-    def __init__(self, config):
-        self.vocab = config.vocab_size
-
-    def validate(self, extra_args):
-        ban = extra_args.get("ban", [])
-        if not isinstance(ban, list) or not all(isinstance(t, int) and 0 <= t < self.vocab for t in ban):
-            raise ValueError(f"ban: expected a list of token ids in [0, {self.vocab}), got {ban!r}")
-
-    def rows(self, samples):
-        banned = np.zeros((len(samples), self.vocab), bool)
-        for i, s in enumerate(samples):
-            banned[i, s.extra_args.get("ban", [])] = True
-        return {"banned": banned}
-
-    def apply(self, rows, logits):
-        return jnp.where(rows["banned"], -jnp.inf, logits)
-
-
-class ForceAt:
-    """Forces `extra_args["force"]` at the output positions `extra_args["at"]`: a processor that depends on
-    each row's position, which a speculative step's verifying rows must each get right."""
-
-    def __init__(self, config):
-        self.vocab = config.vocab_size
-
-    def rows(self, samples):
-        force = np.full(len(samples), -1, np.int32)
-        for i, s in enumerate(samples):
-            if s.token_index in s.extra_args.get("at", ()):
-                force[i] = s.extra_args["force"]
-        return force
-
-    def apply(self, force, logits):
-        forced = jnp.where(jnp.arange(self.vocab)[None, :] == force[:, None], 0.0, -jnp.inf)
-        return jnp.where(force[:, None] >= 0, forced, logits)
-
-
-PROCESSORS = [f"{__name__}:BanTokens", f"{__name__}:ForceAt"]
+PROCESSORS = ["logits_processor_examples:BanTokens", "logits_processor_examples:ForceAt"]
 
 
 class RaisesInRows(BanTokens):
@@ -161,10 +123,11 @@ def test_with_ngram_speculation_and_a_json_schema_in_one_batch(llm):
     assert compilation_count() == compiled
 
 
-def test_under_tensor_parallelism(llm):
-    tp = LLM(tensor_parallel_size=2, logits_processors=PROCESSORS, **ENGINE)
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_under_tensor_and_pipeline_parallelism(llm, layout):
+    sharded = LLM(logits_processors=PROCESSORS, **layout, **ENGINE)
     args = [{"ban": [ord("s"), ord("e")]}, {"force": STAR, "at": [0, 3]}, None]
-    assert greedy(tp, PROMPTS, args) == greedy(llm, PROMPTS, args)
+    assert greedy(sharded, PROMPTS, args) == greedy(llm, PROMPTS, args)
 
 
 @pytest.mark.parametrize("name, message", [
@@ -271,6 +234,12 @@ def test_http_vllm_xargs_and_extra_args(server):
     chat = client.chat.completions.create(model="procs", messages=[{"role": "user", "content": "hi"}],
                                           max_tokens=4, temperature=0.0, extra_body={"extra_args": force})
     assert chat.choices[0].message.content.startswith("***")
-    bad = httpx.post(server.url + "/v1/completions", json={"model": "procs", "prompt": "x", "max_tokens": 2,
-                                                          "vllm_xargs": {"ban": [10**6]}}, timeout=60)
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "extra_args", bad.text
+    # Refusals name the field as the client wrote it; the server goes on serving.
+    for field, body in [("vllm_xargs", {"vllm_xargs": {"ban": [10**6]}}), ("extra_args", {"extra_args": {"ban": "x"}}),
+                        ("vllm_xargs", {"vllm_xargs": {"ban": [1]}, "extra_args": {"ban": [2]}})]:
+        bad = httpx.post(server.url + "/v1/completions", json={"model": "procs", "prompt": "x", "max_tokens": 2, **body},
+                         timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == field, bad.text
+    again = client.completions.create(model="procs", prompt="def f(", max_tokens=5, temperature=0.0,
+                                      extra_body={"extra_args": force})
+    assert again.choices[0].text == out.choices[0].text
