@@ -27,6 +27,7 @@ from serving.core.lora_manager import LoRARequest, parse_lora_modules
 from serving.core.engine import Engine, EngineConfig
 from serving.core.outputs import RequestOutput
 from serving.core.sampling_params import InvalidParameterError, SamplingParams
+from serving.features import build_parts
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +171,7 @@ class LLM:
 
             speculator = functools.partial(SpecDecoder.for_engine, draft=speculative_draft)
         self.engine = Engine(config, params, tokenizer, engine_config, layout=layout, speculator=speculator,
-                             generation=generation)
+                             generation=generation, parts=build_parts(opts, config))
         self.config = self.engine.cfg  # with weight_dtype set when the engine quantized the weights
         self._register_lora_modules(opts["lora_modules"])
         self.load_seconds = time.perf_counter() - t0

@@ -149,7 +149,11 @@ def lora_engine(root: str, **layout) -> LLM:
 # Bytes, BOS 256, EOS 257: the byte tokenizer a vocabulary of 258 or more gets (grammars, bad words).
 FCFG = CFG.replace(vocab_size=320, bos_token_id=256, eos_token_ids=(257,))
 DRAFT_LAYERS = 2  # the draft model: the target's first layers, so it agrees with it often but not always
-FEATURES_ENGINE = dict(ENGINE, max_num_seqs=6, speculative_method="draft", num_speculative_tokens=3)
+# A custom logits processor too (tests/logits_processor_examples.py): process 0 computes its rows, and the
+# other processes get them with each step.
+FEATURES_ENGINE = dict(ENGINE, max_num_seqs=6, speculative_method="draft", num_speculative_tokens=3,
+                       logits_processors="logits_processor_examples:ForceAt")
+FORCED = {"force": ord("z"), "at": [1, 3, 4]}  # the extra_args of job 5
 KV_KEYS = "a secret both sides share"
 
 
@@ -170,7 +174,8 @@ def features_engine(**layout) -> LLM:
 
 
 def features_jobs() -> list[tuple[list[int], SamplingParams]]:
-    """A mixed batch: every sampling control, a regex, plain greedy rows (some with chunked prefills)."""
+    """A mixed batch: every sampling control, a regex, a logits processor, plain greedy rows (some with chunked
+    prefills)."""
     rng = random.Random(4)
 
     def prompt(n):
@@ -185,7 +190,7 @@ def features_jobs() -> list[tuple[list[int], SamplingParams]]:
         (prompt(9), SamplingParams(temperature=0.0, max_tokens=9, min_tokens=6, logit_bias={257: 30.0})),
         (prompt(20), SamplingParams(temperature=0.0, max_tokens=20,
                                     structured_outputs={"regex": r"(def|class) [a-z_]{2,8}\(self\)"})),
-        (prompt(3), SamplingParams(max_tokens=16, **greedy)),
+        (prompt(3), SamplingParams(max_tokens=16, extra_args=FORCED, **greedy)),
         (prompt(10), SamplingParams(max_tokens=8, n=2, **greedy)),
         (prompt(15), SamplingParams(max_tokens=8, logprobs=2, **greedy)),
     ]

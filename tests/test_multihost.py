@@ -115,7 +115,8 @@ def test_two_processes_generate_matches_one_process(tmp_path, reference_tokens):
 
 def test_two_processes_run_controls_grammars_draft_model_and_kv_transfer_as_one_process(tmp_path):
     """Every optional feature of the step at once, at TP=4 over both processes and at PP=2 (a stage per
-    process) x TP=2: a draft model (speculative decoding), sampling controls, a regex, n = 2, logprobs,
+    process) x TP=2: a draft model (speculative decoding), sampling controls, a regex, a custom logits
+    processor, n = 2, logprobs,
     then a prefix-cache hit and a salted request kept apart from it; then a KV export from process 0,
     imported back into the two-process engine and into a single-process one."""
     layouts = ["tp4", "pp2tp2"]
@@ -138,6 +139,7 @@ def test_two_processes_run_controls_grammars_draft_model_and_kv_transfer_as_one_
         assert follower["tokens"] == want, layout
         assert re.fullmatch(r"(def|class) [a-z_]{2,8}\(self\)", leader["texts"][4])  # the grammar held
         assert len(leader["tokens"][6]) == 2  # n = 2
+        assert [leader["tokens"][5][0][i] for i in worker.FORCED["at"]] == [worker.FORCED["force"]] * 3
         assert len(leader["logprobs"]) == 8
         assert max(abs(a - b) for a, b in zip(leader["logprobs"], want_logprobs)) < 1e-4, layout
         assert leader["again"] == want_again and follower["again"] == want_again, layout

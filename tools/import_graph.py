@@ -54,8 +54,8 @@ class Rule:
 # layer and the entry points are built on it, never the other way round.
 LAYERING = (
     Rule("serving.core",
-         ("serving.spec_decode", "serving.disaggregation", "serving.api", "serving.cluster", "serving.routing",
-          "serving.llm", "serving.server", "serving.router", "serving.launch"),
+         ("serving.features", "serving.spec_decode", "serving.disaggregation", "serving.api", "serving.cluster",
+          "serving.routing", "serving.llm", "serving.server", "serving.router", "serving.launch"),
          "serving/core is the engine; the features, APIs and entry points around it import it, not it them"),
     Rule("model", ("serving", "sharding"), "model/ is the pure core: serving and sharding build on it"),
     Rule("sharding", ("serving",), "sharding/ lays out model/'s declarations and knows nothing of serving"),

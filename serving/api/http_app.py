@@ -234,6 +234,7 @@ class ServingContext:
             allowed_token_ids=req.allowed_token_ids,
             bad_words=req.bad_words,
             reasoning=reasoning,
+            extra_args=req.processor_args(),
         )
 
     @staticmethod
@@ -244,6 +245,7 @@ class ServingContext:
             names["max_tokens"] = req.max_tokens_field()
         if req is not None:
             names["structured_outputs"] = T.structured_field(req)
+            names["extra_args"] = req.processor_args_field()
         field = names.get(e.param, e.param)
         code = "context_length_exceeded" if isinstance(e, ContextLengthError) else "invalid_value"
         return P.APIError(str(e).replace(e.param, field, 1), param=field, code=code)

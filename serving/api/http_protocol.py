@@ -119,6 +119,10 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     # vLLM's: lower runs first when the server schedules by priority (--scheduling_policy=priority).
     priority: int = 0
+    # vLLM's: free-form arguments of the custom logits processors (--logits_processors); `extra_args` is the
+    # same field under SamplingParams' name. docs/logits_processors.md.
+    vllm_xargs: Optional[dict[str, Any]] = None
+    extra_args: Optional[dict[str, Any]] = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -127,6 +131,15 @@ class _SamplingFields(_Request):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def processor_args(self) -> Optional[dict[str, Any]]:
+        """The request's arguments for the logits processors: `vllm_xargs` or `extra_args` (one of them)."""
+        if self.vllm_xargs is not None and self.extra_args is not None and self.vllm_xargs != self.extra_args:
+            raise APIError("vllm_xargs and extra_args are the same field: give one of them", param="vllm_xargs")
+        return self.vllm_xargs if self.vllm_xargs is not None else self.extra_args
+
+    def processor_args_field(self) -> str:
+        return "vllm_xargs" if self.vllm_xargs is not None else "extra_args"
 
 
 PromptType = Union[str, list[str], list[int], list[list[int]]]

@@ -19,7 +19,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -45,6 +45,7 @@ from serving.core.host_kv_tier import HostKVTier, offload_bytes
 from serving.core.spec_options import check_options as check_spec_options, logit_rows as spec_logit_rows
 from serving.core import structured_output
 from serving.core.reasoning_phase import PhasedGrammar
+from serving.core.step_parts import StepPart
 from serving.core.stats import EngineStats, FinishedRequestStats, IterationStats, StatsLog
 
 log = logging.getLogger(__name__)
@@ -75,9 +76,12 @@ EngineConfig = engine_args.make_engine_config_class(__name__)
 
 class Engine:
     def __init__(self, cfg: ModelConfig, params, tokenizer=None, config: EngineConfig = EngineConfig(), *,
-                 runner=None, layout=None, speculator=None, generation: Optional[GenerationDefaults] = None):
+                 runner=None, layout=None, speculator=None, generation: Optional[GenerationDefaults] = None,
+                 parts: Sequence[StepPart] = ()):
         """`speculator(engine)`: builds the speculative-decoding part (a `step_parts.StepPart`, e.g.
         `serving.spec_decode.SpecDecoder.for_engine`) when `config.speculative_method` is set.
+        `parts`: step parts built outside the engine (`serving.features.build_parts`), called after its own;
+        those with device inputs of their own (`StepPart.step_input_spec`) are applied in every step.
         `generation`: the checkpoint's generation_config.json defaults (EOS ids, sampling parameters)."""
         check_weight_dtype(config.weight_dtype)
         check_kv_cache_dtype(config.kv_cache_dtype)
@@ -118,6 +122,7 @@ class Engine:
                                              verify=config.speculative_method is not None,
                                              draft_rows=config.max_num_seqs * config.num_speculative_tokens
                                              if config.speculative_method == "draft" else 0,
+                                             logit_parts=tuple(p for p in parts if p.step_input_spec(1) is not None),
                                              **self._lora_slots(config))
         # Slots of the per-request rows of logit bias, penalties, ... (serving.core.sampling_controls).
         self.control_slots = None
@@ -175,6 +180,7 @@ class Engine:
             self.multimodal = Multimodal(cfg, self.runner.params.vision, cache_bytes=config.encoder_cache_mb << 20,
                                          limit_per_prompt=config.limit_mm_per_prompt)
             self.parts.append(self.multimodal)
+        self.parts.extend(parts)
         # Overlapped scheduling needs a runner that dispatches without waiting; speculative
         # steps choose the next step's drafts from this step's tokens, so they run one at a time.
         self.overlap = config.async_scheduling and self.spec is None
@@ -256,6 +262,11 @@ class Engine:
         req.structured = self._grammar(params)
         if sampling_controls.used_fields(params):
             req.control_rows = self._control_rows(req)
+        if params.extra_args and not any(part.takes_extra_args for part in self.parts):
+            raise InvalidParameterError("extra_args", "extra_args: given, but this engine runs no logits processor "
+                                                      "that reads them (option logits_processors)")
+        for part in self.parts:
+            part.admit(req)
         if lora_name is not None:  # last: from here on the request holds its adapter until it leaves
             req.lora_name, req.lora_digest = lora_name, self._acquire_lora(lora_name)
             req.hash_root = adapter_digest(req.hash_root, req.lora_digest)
@@ -487,6 +498,7 @@ class Engine:
         batch.token_mask = structured_output.batch_mask(batch, self.structured.width)
         for part in self.parts:
             part.pack(batch)
+        batch.part_inputs = tuple(part.step_inputs(batch) for part in getattr(self.runner, "logit_parts", ()))
         it.kv_tokens_read = batch.kv_tokens
         it.bucket = (batch.shape.T, batch.shape.S, batch.shape.P)
         it.q_lens = tuple(n for _, _, _, n in batch.token_spans)

@@ -148,6 +148,10 @@ OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("lora_modules", Optional[str], None,
                  "LoRA adapters registered at start, name=path[,name=path...] (PEFT directories; with "
                  "enable_lora).", engine_config=False),
+    EngineOption("logits_processors", Optional[str], None,
+                 "Custom logits processors applied inside the step, 'module:Class[,module:Class]' "
+                 "(serving.features.logits_processors; LLM also takes a list); requests switch them "
+                 "through extra_args.", engine_config=False),
     EngineOption("tensor_parallel_size", int, 1, "Devices to shard the model over (tensor parallelism).",
                  engine_config=False),
     EngineOption("pipeline_parallel_size", int, 1,

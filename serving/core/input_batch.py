@@ -217,6 +217,8 @@ class StepBatch:
     draft_probs: Optional[object] = None
     # (Sequence, first token row, first position, token count) of each scheduled sequence, in row order.
     token_spans: list = dataclasses.field(default_factory=list)
+    # The device inputs of the runner's logit parts, in its order (`StepPart.step_inputs`); empty: none.
+    part_inputs: tuple = ()
 
 
 def sampling_row(request) -> dict:

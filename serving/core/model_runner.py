@@ -66,8 +66,9 @@ def feed_tokens(tokens, feed_rows, feed):
     return jnp.where(feed_rows >= 0, feed[jnp.maximum(feed_rows, 0)], tokens)
 
 
-def _step(params, cache, ibuf, fbuf, feed=None, controls=None, token_mask=None, draft_probs=None, lora=None, *,
-          cfg: ModelConfig, backend: str, shape: StepShape, layout=None, verify: bool = False, lora_rank: int = 0):
+def _step(params, cache, ibuf, fbuf, feed=None, controls=None, token_mask=None, draft_probs=None, lora=None,
+          part_inputs=(), *, cfg: ModelConfig, backend: str, shape: StepShape, layout=None, verify: bool = False,
+          lora_rank: int = 0, logit_parts: tuple = ()):
     """One engine step: forward over the ragged batch, then each logit row's token.
 
     Every feature a row can need is an input of this one program:
@@ -84,7 +85,9 @@ def _step(params, cache, ibuf, fbuf, feed=None, controls=None, token_mask=None, 
       sequence's first rejection come back as -1, and the mask and controls of row j see drafts
       0..j-1 as already drawn. Rows without drafts are sampled exactly as without `verify`;
     * `lora` (the LoRA adapter slots, `model.lora.declare_slots`, padded to `lora_rank`): each token's
-      `lora_slot` picks its adapter inside every target projection (`model.lora.attach`).
+      `lora_slot` picks its adapter inside every target projection (`model.lora.attach`);
+    * `part_inputs[i]`, the device inputs of the step part `logit_parts[i]` (`step_parts.StepPart.
+      step_input_spec`), which its `apply_to_logits` applies after the mask and the controls.
     """
     v = shape.split(ibuf, fbuf)
     md, s = unpack_step(v)
@@ -103,6 +106,8 @@ def _step(params, cache, ibuf, fbuf, feed=None, controls=None, token_mask=None, 
     drafts = sampling_controls.Drafts(v["draft_token"], v["group_start"]) if verify else None
     if controls is not None:
         logits = sampling_controls.apply(logits, controls, v["control_slot"], s.token_index, s, drafts)
+    for part, inputs in zip(logit_parts, part_inputs, strict=True):
+        logits = part.apply_to_logits(inputs, logits)
     if verify:
         q_rows = None
         if draft_probs is not None:
@@ -126,7 +131,7 @@ def _step(params, cache, ibuf, fbuf, feed=None, controls=None, token_mask=None, 
 
 
 # Module level, so engines with the same model and buckets share compilations.
-_step_jit = jax.jit(_step, static_argnames=("cfg", "backend", "shape", "layout", "verify", "lora_rank"),
+_step_jit = jax.jit(_step, static_argnames=("cfg", "backend", "shape", "layout", "verify", "lora_rank", "logit_parts"),
                     donate_argnums=(1, 5))
 
 
@@ -198,7 +203,8 @@ def compilation_count() -> int:
 
 # What `ModelRunner._program_key` holds, in order: `StepPrograms.why` names a recompile's cause by these.
 PROGRAM_KEY_FIELDS = ("program", "model config", "attention backend", "layout", "bucket", "verifies drafts",
-                      "LoRA rank", "argument signature (tree, then shape, dtype and sharding of each leaf)")
+                      "LoRA rank", "argument signature (tree, then shape, dtype and sharding of each leaf)",
+                      "step parts' device inputs")
 
 
 class StepResult:
@@ -233,13 +239,15 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int, buckets: Buckets,
                  backend: str = "auto", cache_dtype=None, layout=None, control_slots: int = 0,
                  scan_layers: bool = False, verify: bool = False, draft_rows: int = 0, max_loras: int = 0,
-                 max_lora_rank: int = 0):
+                 max_lora_rank: int = 0, logit_parts: tuple = ()):
         """`control_slots`: how many running sequences may use `sampling_controls` at once (0: none;
         the state then does not exist). `scan_layers`: stack the
         layers' weights and KV pages so the step scans over layers (`model.forward`), compiling one
         layer body whatever the depth. `verify`: steps check speculative drafts (`_step`); `draft_rows`:
         rows of the draft model's distributions a step takes (0: drafts are point masses). `max_loras`:
-        LoRA adapter slots every step takes as an input, each padded to `max_lora_rank` (0: none)."""
+        LoRA adapter slots every step takes as an input, each padded to `max_lora_rank` (0: none).
+        `logit_parts`: the step parts whose own device inputs every step takes (`step_parts.StepPart.
+        step_input_spec`), applied to the logits in this order."""
         self.cfg = cfg
         self.scan_layers = scan_layers
         self.verify = verify
@@ -248,6 +256,7 @@ class ModelRunner:
         self.buckets = buckets
         self.backend = backend
         self.layout = layout
+        self.logit_parts = tuple(logit_parts)
         self._small_programs: dict = {}  # executables of the cache's zeroing, the page copies, the control loads
         self.params, self.cache = self.place(params, cache_dtype)
         # The last step's sampled ids, padded to the most logit rows a step has: the next step
@@ -323,10 +332,12 @@ class ModelRunner:
         handler = (self._replay_handlers or {}).get(kind)
         if handler is not None:
             return handler(*arrays, **static)
-        if kind == "step":  # (ibuf, fbuf[, token_mask]); draft_probs: it reads this process's own
+        if kind == "step":  # (ibuf, fbuf[, token_mask], *parts' input leaves); draft_probs: this process's own
             probs = (self._step_inputs or {})["draft_probs"]() if static.get("draft_probs") else None
+            parts = static.get("part_leaves", 0)
+            arrays, leaves = arrays[:len(arrays) - parts], arrays[len(arrays) - parts:]
             mask = arrays[2] if len(arrays) > 2 else None
-            return self._run(*arrays[:2], static["shape"], mask, probs)
+            return self._run(*arrays[:2], static["shape"], mask, probs, self._part_inputs_from(static["shape"], leaves))
         if kind == "copy":
             return self._copy(*arrays)
         if kind == "controls":  # (slot, *row)
@@ -370,20 +381,54 @@ class ModelRunner:
                                            *self._host_inputs(src, dst))
         return self.cache
 
-    def _run(self, ibuf, fbuf, shape, token_mask=None, draft_probs=None):
+    def _run(self, ibuf, fbuf, shape, token_mask=None, draft_probs=None, part_inputs=None):
+        if part_inputs is None:  # (a step with no part inputs of its own: warm-up's empty batches)
+            part_inputs = self._empty_part_inputs(shape)
         if self.dispatch_hook is not None:
             masks = () if token_mask is None else (token_mask,)
             # A draft model's distributions: each process's own (its proposer replayed the drafting call).
             reads = {} if draft_probs is None or draft_probs is self.no_drafts else {"draft_probs": True}
-            self.dispatch_hook("step", ibuf, fbuf, *masks, shape=shape, **reads)
+            leaves = jax.tree.leaves(part_inputs)
+            if leaves:
+                reads["part_leaves"] = len(leaves)
+            self.dispatch_hook("step", ibuf, fbuf, *masks, *leaves, shape=shape, **reads)
         ibuf, fbuf = self._host_inputs(ibuf, fbuf)
         mask = self._all_allowed(shape.S) if token_mask is None else self._place_mask(token_mask)
         args = (self.params, self.cache, ibuf, fbuf, self.feed, self.controls, mask,
-                self.no_drafts if draft_probs is None else draft_probs, self.lora)
+                self.no_drafts if draft_probs is None else draft_probs, self.lora,
+                self._place_part_inputs(part_inputs))
         # One compile path: a mesh spanning processes compiles here too, every process in the order of
         # the steps it runs (no background thread there, and no executables stored: `warm_up`).
         self.cache, ids, lp, self.feed, self.controls = self.programs.get(shape)(*args)
         return ids, lp
+
+    # --- the step parts' own device inputs (`step_parts.StepPart.step_input_spec`) ---------------------
+    def _part_input_specs(self, shape: StepShape) -> tuple:
+        """Each logit part's input spec for a step of `shape`, placed as host inputs are."""
+        sharding = self._host_sharding()
+        return tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                                  part.step_input_spec(shape.S)) for part in self.logit_parts)
+
+    def _empty_part_inputs(self, shape: StepShape) -> tuple:
+        """Zeros of each logit part's inputs (a step whose rows are all padding)."""
+        return tuple(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), part.step_input_spec(shape.S))
+                     for part in self.logit_parts)
+
+    def _part_inputs_from(self, shape: StepShape, leaves) -> tuple:
+        """The logit parts' inputs rebuilt from their leaves in order (a replayed step)."""
+        trees = [part.step_input_spec(shape.S) for part in self.logit_parts]
+        return jax.tree.unflatten(jax.tree.structure(tuple(trees)), list(leaves))
+
+    def _place_part_inputs(self, part_inputs: tuple) -> tuple:
+        if not self.logit_parts:
+            return ()
+        if self.layout is None:
+            return jax.device_put(part_inputs, jax.devices()[0])
+        leaves, tree = jax.tree.flatten(part_inputs)
+        return jax.tree.unflatten(tree, list(self._host_inputs(*leaves)))
+
+    def _host_sharding(self):
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0]) if self.layout is None else self.layout.replicated
 
     def _abstract_inputs(self, shape: StepShape):
         """What the step of `shape` is compiled for: the shapes, dtypes and shardings of its arguments
@@ -398,19 +443,21 @@ class ModelRunner:
         fbuf = jax.ShapeDtypeStruct((fsize,), np.float32, sharding=sharding)
         mask = jax.ShapeDtypeStruct((shape.S, bitmask_width(self.cfg.vocab_size)), np.int32,
                                     sharding=sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-        return params, cache, ibuf, fbuf, feed, controls, mask, no_drafts, lora
+        return params, cache, ibuf, fbuf, feed, controls, mask, no_drafts, lora, self._part_input_specs(shape)
 
     def _lower_step(self, shape: StepShape):
         return _step_jit.lower(*self._abstract_inputs(shape), cfg=self.cfg, backend=self.backend, shape=shape,
-                               layout=self.layout, verify=self.verify, lora_rank=self.lora_rank)
+                               layout=self.layout, verify=self.verify, lora_rank=self.lora_rank,
+                               logit_parts=self.logit_parts)
 
     def _program_key(self, shape: StepShape):
         """Everything the step program of `shape` depends on (`PROGRAM_KEY_FIELDS` names each part)."""
-        params, cache, _, _, feed, controls, _, no_drafts, lora = self._abstract_inputs(shape)
+        params, cache, _, _, feed, controls, _, no_drafts, lora, _ = self._abstract_inputs(shape)
         if self._signature is None:
             leaves, treedef = jax.tree.flatten((params, cache, feed, controls, no_drafts, lora))
             self._signature = (treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves))
-        return ("step", self.cfg, self.backend, self.layout, shape, self.verify, self.lora_rank, self._signature)
+        return ("step", self.cfg, self.backend, self.layout, shape, self.verify, self.lora_rank, self._signature,
+                tuple(part.program_key() for part in self.logit_parts))
 
     _specs = None
     _signature = None
@@ -505,7 +552,8 @@ class ModelRunner:
     def dispatch(self, batch: StepBatch) -> "PendingStep":
         """Starts one step and returns at once (JAX dispatches asynchronously); the host
         may do other work until it calls `result()`, the one synchronisation point."""
-        ids, lp = self._run(batch.ibuf, batch.fbuf, batch.shape, batch.token_mask, batch.draft_probs)
+        ids, lp = self._run(batch.ibuf, batch.fbuf, batch.shape, batch.token_mask, batch.draft_probs,
+                            batch.part_inputs or None)
         return PendingStep(ids, lp if batch.want_logprobs else None)
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:

@@ -70,6 +70,9 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = None  # token id -> added to its logit
     allowed_token_ids: Optional[list[int]] = None  # only these may be sampled
     bad_words: Optional[list[str]] = None  # words never generated (a word's last token is banned after its prefix)
+    # Free-form arguments for the custom logits processors the engine runs (`serving.features.logits_processors`),
+    # as vLLM's `extra_args`: string keys, values the processors read; None: none.
+    extra_args: Optional[dict] = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -168,6 +171,9 @@ class SamplingParams:
                 token_id("allowed_token_ids", t)
         if self.bad_words is not None and not all(isinstance(w, str) and w.strip() for w in self.bad_words):
             bad("bad_words", f"must be a list of non-empty strings, got {self.bad_words!r}")
+        if self.extra_args is not None and (not isinstance(self.extra_args, dict)
+                                            or not all(isinstance(k, str) for k in self.extra_args)):
+            bad("extra_args", f"must be an object with string keys, got {self.extra_args!r}")
         return self
 
     def clone(self, **changes) -> "SamplingParams":

@@ -11,18 +11,33 @@ batch, the requests it touched), so adding a feature adds a part, not a
 branch in the step.
 
 Inputs a part gives the device travel in the packed batch (`StepBatch`), and
-so through the one step program (`model_runner._step`).
+so through the one step program (`model_runner._step`). A part whose inputs
+are its own pytree (not fields of the packed buffers) declares them with
+`step_input_spec`: a fixed shape per step bucket, so nothing recompiles once
+the buckets are compiled. The runner then gives the part's arrays
+(`step_inputs`, once per step) to its `apply_to_logits` inside the step
+program, after the engine's own adjustments of the logits (structured
+outputs' mask, sampling controls) and before sampling. Parts built outside
+`serving.core` (`serving.features`) reach the engine as `Engine(parts=...)`.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable, Optional
 
 NO_WARM_UP = {"seconds": 0.0, "compiled": 0, "shapes": 0}
 
 
 class StepPart:
     """The hooks of one feature; each does nothing unless the feature overrides it."""
+
+    # Whether the part reads requests' `SamplingParams.extra_args`: a request that gives some to an engine
+    # none of whose parts reads them is refused (they would be ignored).
+    takes_extra_args = False
+
+    def admit(self, request) -> None:
+        """Checks a request at admission (`Engine.make_request`, before anything is queued); raises
+        `sampling_params.InvalidParameterError` naming the field to refuse it (a 400 over HTTP)."""
 
     def before_schedule(self, touched: dict, it) -> None:
         """Runs before the scheduler: requests that produced output go into `touched` ({request id:
@@ -42,6 +57,29 @@ class StepPart:
 
     def after_step(self) -> None:
         """Runs once the step's outputs are made."""
+
+    # --- device inputs of the part's own (see the module's docstring) ---------------------------------
+    def step_input_spec(self, rows: int) -> Optional[Any]:
+        """The part's device inputs of a step with `rows` logit rows: a pytree of `jax.ShapeDtypeStruct`
+        (the same for every step of that many rows), or None: the part gives the step program nothing."""
+        return None
+
+    def step_inputs(self, batch) -> Any:
+        """The part's host arrays for the packed step `batch` (`input_batch.StepBatch`: its rows are
+        `batch.sample_rows` then prompt-logprob rows, then padding up to `batch.shape.S`), matching
+        `step_input_spec(batch.shape.S)`; only called when that is not None."""
+        raise NotImplementedError
+
+    def apply_to_logits(self, inputs, logits):
+        """Traced into the step program: `logits` [rows, vocab] float32 -> the same, adjusted by the part's
+        `inputs` (placed on the step's devices, replicated over a mesh)."""
+        return logits
+
+    def program_key(self) -> Any:
+        """What `apply_to_logits` computes, as part of the step programs' key. The default, the part itself,
+        prints with its address, which keeps the steps out of the executable store (`executable_store`); a
+        part whose computation a stable text names (its code's digest) returns that text instead."""
+        return self
 
     def warm_up(self) -> dict:
         """Compiles what the part runs on the device itself; {"seconds", "compiled", "shapes"}."""
