@@ -258,3 +258,137 @@ def test_an_executable_from_jaxs_cache_is_not_stored_where_it_could_not_run(tmp_
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "RESULT 0.0 1024.0" in proc.stdout
+
+
+# A second lowering of the same jitted function in one process: JAX hands back the executable of the first
+# (here one it loaded from its persistent cache) without asking XLA or the cache again.
+LOWERED_AGAIN = r"""
+import sys
+from serving.core import compile_cache, executable_store
+compile_cache.enable(sys.argv[1])
+import jax, jax.numpy as jnp
+build = jax.jit(lambda: jnp.zeros((4, 16, 2, 8), jnp.float32) + 1.0)
+build()  # compiled, and written to JAX's persistent cache
+jax.clear_caches()
+executable_store.prepare(build, "ones", {})  # JAX's cache answers: not stored
+executable_store._TABLE.clear()  # the first caller is gone
+executable_store.prepare(build, "ones", {})  # the same executable again, from JAX's in-memory caches
+print("STORED", executable_store.entries(sys.argv[1], executable_store.FUNCTION_SUFFIX))
+executable_store._TABLE.clear()  # as a later process: only the store (or JAX's cache) has it
+print("RESULT", float(executable_store.call(build, "ones", {}).sum()))
+"""
+
+
+def test_an_executable_jax_hands_back_from_memory_is_not_stored_where_it_could_not_run(tmp_path):
+    """Lowered again in the same process, a function's executable comes back from JAX's in-memory caches with
+    no compile and no persistent-cache hit to see; when JAX had loaded it from its persistent cache, its
+    payload has no kernels ("Function wrapped_broadcast not found" on the first run of a later start). Only
+    an executable XLA compiled in that very call is stored."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
+    env.pop(compile_cache.ENV_VAR, None)
+    proc = subprocess.run([sys.executable, "-c", LOWERED_AGAIN, str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "STORED 0" in proc.stdout and "RESULT 1024.0" in proc.stdout
+    assert "did not load" not in proc.stderr
+
+
+# Starts over one cache directory after the step's source changed: the store's names change with it, JAX's
+# cache keys do not. "fill": a first engine fills both, the store is emptied (as the edit would leave it),
+# a second engine gets every program from JAX's cache, and a third, built once the second is gone, gets them
+# again from JAX's in-memory caches. "again": a later process over the same directory.
+SOURCE_EDITED = r"""
+import gc, json, os, shutil, sys
+sys.path.insert(0, "tests")
+cache_dir, phase = sys.argv[1], sys.argv[2]
+from serving.core import compile_cache
+compile_cache.enable(cache_dir)
+import jax
+from conftest import tiny_config
+from model.params import init_params
+from serving import LLM, SamplingParams
+cfg = tiny_config()
+params = init_params(cfg, jax.random.key(3))
+
+def generate():
+    llm = LLM(config=cfg, params=params, max_num_seqs=4, max_num_batched_tokens=16, min_token_bucket=16,
+              page_size=8, num_pages=8, max_model_len=16, attention_backend="reference",
+              compilation_cache_dir=cache_dir, warmup=False)
+    outs = llm.generate([[1, 5, 9, 4], [1, 5, 9, 4, 7]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+tokens = generate()
+if phase == "fill":
+    gc.collect()
+    shutil.rmtree(os.path.join(cache_dir, "steps"))
+    jax.clear_caches()
+    assert generate() == tokens
+    gc.collect()
+    assert generate() == tokens
+print("RESULT " + json.dumps(tokens))
+"""
+
+
+def test_a_start_after_the_source_changed_leaves_a_store_the_next_start_runs_from(tmp_path):
+    """The second start over a cache directory must run. Here the store was emptied while JAX's cache kept
+    every program (a source edit does that), and a later engine of the first process got those programs
+    back from JAX's in-memory caches: they must not be stored, or the next start loads step programs
+    without their kernels and its first step fails ("NOT_FOUND: Function ... not found")."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
+    env.pop(compile_cache.ENV_VAR, None)
+    results = []
+    for phase in ("fill", "again"):
+        proc = subprocess.run([sys.executable, "-c", SOURCE_EDITED, str(tmp_path), phase], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "did not load" not in proc.stderr
+        results.append(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")))
+    assert results[0] == results[1]
+
+
+class _FailsOnFirstRun:
+    """A loaded executable whose kernels are missing: it loads, and its first run fails."""
+
+    def __call__(self, *args):
+        raise RuntimeError("NOT_FOUND: Function wrapped_broadcast not found (type id: 1)")
+
+
+@pytest.mark.parametrize("damage", ["torn", "fails on its first run"])
+def test_a_stored_program_that_does_not_load_or_run_compiles_instead_with_one_warning(tmp_path, monkeypatch,
+                                                                                      caplog, damage):
+    """A torn entry, or one that loads but fails on its first run: `call` still answers, the program compiles,
+    one warning names it, and the bad entry is gone (the next start does not meet it again)."""
+    import logging
+    import weakref
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental import serialize_executable
+
+    from serving.core import executable_store
+
+    store = executable_store.ExecutableStore(str(tmp_path), executable_store.FUNCTION_SUFFIX)
+    monkeypatch.setattr(executable_store, "current", lambda suffix=executable_store.SUFFIX: store)
+    monkeypatch.setattr(executable_store, "_TABLE", weakref.WeakValueDictionary())
+    jitted = jax.jit(lambda x: x * 3.0 - 1.0)
+    name = repr(("scale-rows", 3, "float32"))  # printed from a tuple, as the KV pool's zeroing names itself
+    x = jnp.arange(5.0)
+    executable_store.prepare(jitted, name, {}, x)  # compiled and stored
+    (entry,) = os.listdir(str(tmp_path))
+    path = os.path.join(str(tmp_path), entry)
+    executable_store._TABLE.clear()  # a later process: only the store has it
+    if damage == "torn":
+        with open(path, "wb") as f:
+            f.write(b"torn")
+    else:
+        monkeypatch.setattr(serialize_executable, "deserialize_and_load", lambda *a, **k: _FailsOnFirstRun())
+    held = {}
+    with caplog.at_level(logging.WARNING, logger="ridgeline.warmup"):
+        out = executable_store.call(jitted, name, held, x)
+        assert list(np.asarray(out)) == [-1.0, 2.0, 5.0, 8.0, 11.0]
+        assert list(np.asarray(executable_store.call(jitted, name, held, x))) == [-1.0, 2.0, 5.0, 8.0, 11.0]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "scale-rows" in warnings[0] and "compiling it instead" in warnings[0]
+    # Removed; not stored again either: JAX handed the first compile's executable back (`compile_to_store`).
+    assert not os.path.exists(path)

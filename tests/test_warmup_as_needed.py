@@ -214,7 +214,7 @@ def test_a_warm_start_loads_its_stored_buckets_in_the_background_before_steps_ne
     loads = []  # the thread each load from the store ran on
     load = step_programs.StepPrograms._load_stored
     monkeypatch.setattr(step_programs.StepPrograms, "_load_stored",
-                        staticmethod(lambda key: loads.append(threading.current_thread().name) or load(key)))
+                        staticmethod(lambda *a: loads.append(threading.current_thread().name) or load(*a)))
     second = LLM(config=cfg, params=weights, **engine, warmup="as_needed")
     try:
         programs = second.engine.runner.programs

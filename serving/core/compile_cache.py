@@ -126,7 +126,7 @@ class _Counters:
         self._installed = False
         self._requests = self._hits = self._writes = 0
         self._seconds = 0.0
-        self._thread = threading.local()  # this thread's hits (a compile's listeners run on its thread)
+        self._thread = threading.local()  # this thread's requests and hits (a compile's listeners run on its thread)
 
     def install(self) -> None:
         from jax._src import monitoring
@@ -140,6 +140,7 @@ class _Counters:
 
     def _on_duration(self, event: str, duration: float, **_kwargs) -> None:
         if event == _BACKEND_COMPILE_EVENT:
+            self._thread.requests = getattr(self._thread, "requests", 0) + 1
             with self._lock:
                 self._requests += 1
                 self._seconds += duration
@@ -163,6 +164,9 @@ class _Counters:
     def thread_hits(self) -> int:
         return getattr(self._thread, "hits", 0)
 
+    def thread_requests(self) -> int:
+        return getattr(self._thread, "requests", 0)
+
     def snapshot(self) -> CompileCounts:
         with self._lock:
             return CompileCounts(self._requests, self._hits, self._writes, self._seconds)
@@ -181,6 +185,14 @@ def thread_cache_hits() -> int:
     was loaded from the cache: `executable_store.compile_to_store`)."""
     _counters.install()
     return _counters.thread_hits()
+
+
+def thread_compile_requests() -> int:
+    """Executables the calling thread asked of XLA so far, compiled or loaded from the persistent cache
+    (JAX's in-memory caches answer without asking: a `compile()` that adds none was handed an executable
+    made earlier in the process, `executable_store.compile_to_store`)."""
+    _counters.install()
+    return _counters.thread_requests()
 
 
 def compile_counts() -> CompileCounts:

@@ -17,8 +17,20 @@ Entries are `jax.experimental.serialize_executable` payloads in
 cache itself, the directory is trusted input (loading an entry runs the code in
 it): keep it where only the server's user can write. A key whose text is not
 stable across processes (an object printed with its address) is never stored.
-An entry that fails to load is removed and the bucket compiles as usual. A
-multi-process run does not use the store.
+An entry that fails to load is removed and the program compiles as usual, with
+one warning naming it; a small program of `call` that loads but fails on its
+first run does the same (an argument it donated excepted: that run cannot be
+repeated). A multi-process run does not use the store.
+
+Only an executable XLA compiled in the very `compile()` that produced it is
+stored (`compile_to_store`): on XLA CPU an executable JAX loaded from its
+persistent cache serializes without its kernels' object code, and such a
+payload loads but fails on its first run ("Function wrapped_broadcast not
+found"). JAX hands that executable back again, without asking XLA or its
+cache, when the same function is lowered again with the same arguments in the
+same process (a second engine over the same model, once the first is gone), so
+a compile is told apart by whether it asked XLA at all, not only by whether
+the persistent cache answered.
 
 The runner's small programs (the KV pool's zeroing, page copies, the sampling
 controls' row load) go through `call`, which stores them the same way under their argument
@@ -94,8 +106,9 @@ class ExecutableStore:
         digest = hashlib.sha256((text + "\0" + _environment()).encode()).hexdigest()
         return os.path.join(self.directory, digest + self.suffix)
 
-    def load(self, key):
-        """The stored executable of `key`, or None; a load is counted as a cache hit (`compile_cache`)."""
+    def load(self, key, what: Optional[str] = None):
+        """The stored executable of `key`, or None; a load is counted as a cache hit (`compile_cache`).
+        An entry that does not load is removed, with one warning naming `what` (the program)."""
         path = self.path(key)
         if path is None or not os.path.exists(path):
             return None
@@ -110,12 +123,18 @@ class ExecutableStore:
             compile_cache.count_stored_load(time.perf_counter() - t)
             return exe
         except Exception as e:  # a torn or stale entry: compile instead, and forget it
-            log.warning("stored step executable %s did not load (%s); compiling it", os.path.basename(path), e)
-            try:
-                os.remove(path)
-            except OSError:
-                pass
+            self.discard(key, what, e)
             return None
+
+    def discard(self, key, what: Optional[str], error: Exception) -> None:
+        """Removes the entry of `key`, which did not load or run, saying once which program compiles instead."""
+        path = self.path(key)
+        log.warning("stored executable of %s (%s) did not load (%s: %s); compiling it instead",
+                    what or "a program", os.path.basename(path), type(error).__name__, error)
+        try:
+            os.remove(path)
+        except OSError:
+            pass
 
     def save(self, key, executable) -> None:
         path = self.path(key)
@@ -136,15 +155,17 @@ class ExecutableStore:
 
 
 def compile_to_store(lowered, **options):
-    """(`lowered.compile(**options)`, whether the store may keep it). Not when JAX loaded the executable
-    from its persistent compilation cache on XLA CPU: serialized again, such an executable loads but
-    fails on its first run ("Function wrapped_broadcast not found": the kernels it was loaded with are
-    not in the payload), so a later process would load a program that cannot run. JAX's cache has it
-    anyway; the store only skips the trace."""
-    hits = compile_cache.thread_cache_hits()
+    """(`lowered.compile(**options)`, whether the store may keep it). On XLA CPU only an executable this
+    call had XLA compile: not one JAX loaded from its persistent cache (serialized again, it loads but
+    fails on its first run, "Function wrapped_broadcast not found": the kernels it was loaded with are
+    not in the payload), nor one JAX's in-memory caches handed back from an earlier compile of the same
+    lowering (which may have been such a load, and asked neither XLA nor the cache this time). JAX's
+    cache has the program anyway; the store only skips the trace."""
+    requests, hits = compile_cache.thread_compile_requests(), compile_cache.thread_cache_hits()
     exe = lowered.compile(**options)
-    from_cache = compile_cache.thread_cache_hits() != hits
-    return exe, not (from_cache and jax.default_backend() == "cpu")
+    compiled_here = (compile_cache.thread_compile_requests() != requests
+                     and compile_cache.thread_cache_hits() == hits)
+    return exe, compiled_here or jax.default_backend() != "cpu"
 
 
 def current(suffix: str = SUFFIX) -> Optional[ExecutableStore]:
@@ -158,6 +179,7 @@ def current(suffix: str = SUFFIX) -> Optional[ExecutableStore]:
 _TABLE: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()  # (name, signature) -> executable
 _LOCK = threading.Lock()  # the table is filled from the engine's thread and the warm-up's
 _functions_compiled = 0  # executables `call` compiled (every caller)
+_UNTRIED: set = set()  # keys whose executable was loaded from the store and has not run yet (`_first_run`)
 
 
 def functions_compiled() -> int:
@@ -172,29 +194,76 @@ def call(jitted, name: str, held: dict, *args):
     (the runner's KV pool zeroing, page copies, the sampling controls' row load). `name` tells programs
     apart (an argument-free one's signature says nothing: its name must say what it builds). `held`: the
     caller's dict, which keeps its executables alive (the process-wide table holds them weakly, as
-    `step_programs` does). Without a store (no persistent cache, several processes) this is `jitted(*args)`."""
+    `step_programs` does). Without a store (no persistent cache, several processes) this is `jitted(*args)`.
+    A stored executable that fails on its first run is dropped and the program compiled (`_first_run`)."""
     if current(FUNCTION_SUFFIX) is None:
         return jitted(*args)
-    return prepare(jitted, name, held, *args)(*args)
+    key = _key(name, args)
+    exe = _prepare(jitted, name, held, key, args)
+    return _first_run(jitted, name, held, key, exe, args) if key in _UNTRIED else exe(*args)
+
+
+def _key(name: str, args) -> tuple:
+    """`call`'s key of a program: its name and the arguments' signature (tree, shapes, dtypes, shardings)."""
+    leaves, treedef = jax.tree.flatten(args)
+    signature = (treedef, tuple((np.shape(x), np.dtype(getattr(x, "dtype", None) or np.result_type(x)).name,
+                                 getattr(x, "sharding", None)) for x in leaves))
+    return (name, signature)
+
+
+def _describe(name: str) -> str:
+    """The program's name for a log line: a name printed from a tuple (the KV pool's zeroing: its
+    config, pages, ...) by its first field."""
+    return name.split(",", 1)[0].lstrip("(").strip("'\"") if name.startswith("(") else name
+
+
+def _first_run(jitted, name: str, held: dict, key, exe, args):
+    """Runs an executable loaded from the store for the first time. Loading proves little: a payload
+    without its kernels loads and fails here ("Function ... not found"). Then the entry is removed, with
+    one warning, and the program compiled and run, so a start over a bad store still serves; unless the
+    failed run consumed a donated argument, which nothing can give back."""
+    global _functions_compiled
+    try:
+        out = exe(*args)
+    except Exception as e:
+        if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(args)):
+            raise
+        store = current(FUNCTION_SUFFIX)
+        store.discard(key, _describe(name), e)
+        exe, storable = compile_to_store(jitted.lower(*args))
+        if storable:
+            store.save(key, exe)
+        with _LOCK:
+            _functions_compiled += 1
+            _TABLE[key] = held[key] = exe
+            _UNTRIED.discard(key)
+        return exe(*args)
+    with _LOCK:
+        _UNTRIED.discard(key)
+    return out
 
 
 def prepare(jitted, name: str, held: dict, *args):
     """The executable `call` runs for these arguments (arrays or `jax.ShapeDtypeStruct`s of them), loaded
     or compiled now if needed, without running it: a background warm-up prepares the small programs so.
     Needs the store (`current(FUNCTION_SUFFIX)`)."""
+    return _prepare(jitted, name, held, _key(name, args), args)
+
+
+def _prepare(jitted, name: str, held: dict, key, args):
+    """`prepare` with the key of the arguments already made (`call` makes it once)."""
     global _functions_compiled
-    leaves, treedef = jax.tree.flatten(args)
-    signature = (treedef, tuple((np.shape(x), np.dtype(getattr(x, "dtype", None) or np.result_type(x)).name,
-                                 getattr(x, "sharding", None)) for x in leaves))
-    key = (name, signature)
     exe = held.get(key)
     if exe is None:
         with _LOCK:
             exe = _TABLE.get(key)
         if exe is None:
             store = current(FUNCTION_SUFFIX)
-            exe = store.load(key)
-            if exe is None:
+            exe = store.load(key, _describe(name))
+            if exe is not None:
+                with _LOCK:
+                    _UNTRIED.add(key)
+            else:
                 exe, storable = compile_to_store(jitted.lower(*args))
                 if storable:
                     store.save(key, exe)

@@ -256,7 +256,7 @@ class StepPrograms:
                     break
             pending.wait()  # another thread is compiling it; then take its result
         try:
-            exe, how = self._load_stored(key), "loaded"
+            exe, how = self._load_stored(shape, key), "loaded"
             if exe is None:
                 if on_demand and self._warmed_up:
                     self.compiles_after_ready += 1
@@ -309,10 +309,11 @@ class StepPrograms:
         return found
 
     @staticmethod
-    def _load_stored(key):
-        """The executable saved by an earlier process (`executable_store`), loaded without tracing."""
+    def _load_stored(shape, key):
+        """The executable saved by an earlier process (`executable_store`), loaded without tracing; None
+        (and one warning naming the bucket) when there is none or it does not load."""
         store = executable_store.current()
-        return None if store is None else store.load(key)
+        return None if store is None else store.load(key, f"step bucket T={shape.T}, P={shape.P}")
 
     def why(self, key) -> str:
         """Why `key` needs a program of its own: how it differs from the closest key whose executable
