@@ -40,15 +40,15 @@ def forward_hidden(params: Weights, cache: KVCache, tokens, md: BatchMetadata, c
     scans as it unrolls).
 
     `image_embeds` `[T, embed]` (a vision-language model, `model.vision`): the rows of the tokens that
-    are image placeholders (`cfg.image_token_id`) take these embeddings instead of the token's; the
-    other rows are ignored."""
+    are image placeholders (`cfg.image_token_id` inside an image, `md.span_end`) take these embeddings
+    instead of the token's; the other rows are ignored."""
     blocks = family_for_config(cfg).blocks
     impl = get_backend(backend, head_dim=cfg.head_dim)
     if layout is not None:
         impl = layout.attention_backend(impl, cfg)
     per_layer = blocks.layer_inputs(cfg)
     with jax.named_scope("embed"):
-        x = merge_image_embeds(blocks.embed(params, tokens, cfg, layout), tokens, image_embeds, cfg)
+        x = merge_image_embeds(blocks.embed(params, tokens, cfg, layout), tokens, image_embeds, cfg, md.span_end)
     if isinstance(cache, StackedKVCache):
         return _scan_layers(blocks, params, cache, x, md, per_layer, cfg, impl, layout)
     new_k, new_v = [], []
@@ -63,13 +63,21 @@ def forward_hidden(params: Weights, cache: KVCache, tokens, md: BatchMetadata, c
     return x, KVCache(k=new_k, v=new_v)
 
 
-def merge_image_embeds(x, tokens, image_embeds, cfg: LlamaConfig):
+def merge_image_embeds(x, tokens, image_embeds, cfg: LlamaConfig, span_end=None):
     """The token embeddings `x` `[T, embed]` with the image placeholder rows (`cfg.image_token_id`) taken
     from `image_embeds` `[T, embed]` (None: `x` as it is). Pipeline stages merge them the same way, on the
-    first stage (`sharding.pipeline`)."""
+    first stage (`sharding.pipeline`).
+
+    `span_end` `[T]` (the step's "span_end" rows, `serving.core.multimodal`): the end of the image each
+    row is in, 0 outside every image. A placeholder id outside an image is a token the model generated
+    (or a draft of one): it keeps its own embedding, as transformers embeds a generated token. None:
+    every placeholder id is an image's."""
     if image_embeds is None:
         return x
-    return jnp.where((tokens == cfg.image_token_id)[:, None], image_embeds.astype(x.dtype), x)
+    rows = tokens == cfg.image_token_id
+    if span_end is not None:
+        rows = rows & (span_end > 0)
+    return jnp.where(rows[:, None], image_embeds.astype(x.dtype), x)
 
 
 def _scan_layers(blocks, params: Weights, cache: StackedKVCache, x, md: BatchMetadata, per_layer, cfg: LlamaConfig,

@@ -412,7 +412,7 @@ def pipeline_forward(params: StagedWeights, cache: KVCache, tokens, md: BatchMet
         lora_slots, token_slots, lora_rank = lora
         token_slots = _pad_to(token_slots, padded, -1).reshape(m, mb_tokens)
     with jax.named_scope("embed"):
-        x = merge_image_embeds(blocks.embed(params, tokens, cfg, tp), tokens, image_embeds, cfg)
+        x = merge_image_embeds(blocks.embed(params, tokens, cfg, tp), tokens, image_embeds, cfg, md.span_end)
     x = jnp.pad(x, ((0, padded - T), (0, 0)))
     rope = None if md.rope_positions is None else jnp.pad(md.rope_positions, ((0, 0), (0, padded - T)))
     md = dataclasses.replace(md, positions=_pad_to(md.positions, padded, 0),

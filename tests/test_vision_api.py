@@ -1,11 +1,12 @@
 """Image parts of `/v1/chat/completions` through the official `openai` client (`serving.api.media`).
 
 A tiny random Qwen2.5-VL is served in-process. A `data:` URL PNG gets the tokens transformers'
-`generate` gives for the same conversation; JPEG and WebP data URLs are decoded; an http URL on an
-allowed host (a local HTTP server, same-host redirect included) is fetched and gives what the same
-image as a data URL gives. Refused: hosts not allowed, a redirect to another host, other schemes,
-oversized and undecodable images, bad base64, too many images, images to a text model; each a 400
-naming the part, and the server keeps serving with no KV page held.
+`generate` gives for the same conversation, and so do two images of different sizes before the text;
+JPEG and WebP data URLs are decoded; an http URL on an allowed host (a local HTTP server, same-host
+redirect included) is fetched and gives what the same image as a data URL gives. Refused: hosts not
+allowed, a redirect to another host, other schemes, oversized and undecodable images, bad base64, too
+many images, images to a text model; each a 400 naming the part, and the server keeps serving with no
+KV page held.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from serving.api.media import MediaOptions  # noqa: E402
 from serving.core.multimodal import expand_placeholders  # noqa: E402
 from serving.server import ServerThread  # noqa: E402
 from test_vision_engine import ENGINE, NEW_TOKENS, hf_generate, images  # noqa: E402
-from test_vision_qwen2_5_vl import IMAGE_ID, build_converted  # noqa: E402
+from test_vision_qwen2_5_vl import IMAGE_ID, build_converted, hf_pixels  # noqa: E402
 
 MAX_BYTES = 150_000
 
@@ -104,6 +105,32 @@ def test_data_url_matches_transformers(served):
     want = hf_generate(s.model, s.processor, s.a, ids)
     assert reply.choices[0].message.content == tok.decode(want)
     assert reply.usage.completion_tokens == NEW_TOKENS
+
+
+def test_two_images_before_the_text_match_transformers(served):
+    """[image A (150 x 210, 40 tokens), image B (56 x 84, 6 tokens), "Compare them."]: the PNGs decoded,
+    resized and encoded by the server answer with `generate`'s tokens on the processor's pixels and grids
+    of both images, for the ids the chat template gives with each image's placeholders expanded."""
+    s = served
+    b = np.random.default_rng(3).integers(0, 256, (56, 84, 3), dtype=np.uint8)
+    content = [{"type": "image_url", "image_url": {"url": data_url(encoded(im, "PNG"))}} for im in (s.a, b)]
+    reply = s.client.chat.completions.create(
+        model="vl", messages=[{"role": "user", "content": content + [{"type": "text", "text": "Compare them."}]}],
+        temperature=0, max_tokens=NEW_TOKENS, extra_body={"ignore_eos": True})
+    tok, vision = s.llm.tokenizer, s.llm.config.vision
+    ids = encode_chat([{"role": "user", "content": IMAGE_SENTINEL * 2 + "Compare them."}], tok, True, None,
+                      image_ids=vision.image_prompt_ids)
+    ids, _ = expand_placeholders(ids, IMAGE_ID, [40, 6])
+    assert reply.usage.prompt_tokens == len(ids)
+    pixels, grid = hf_pixels(s.processor, [s.a, b])
+    assert grid.tolist() == [[1, 10, 16], [1, 4, 6]]
+    t = torch.tensor([ids])
+    with torch.no_grad():
+        want = s.model.generate(input_ids=t, attention_mask=torch.ones_like(t), pixel_values=torch.tensor(pixels),
+                                image_grid_thw=torch.tensor(grid), mm_token_type_ids=(t == IMAGE_ID).int(),
+                                do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    assert reply.choices[0].message.content == tok.decode(want)
 
 
 def test_jpeg_webp_and_fetched_urls(served):

@@ -17,11 +17,14 @@ inside the image, whose rest is then prefilled) and none of an image that differ
 after warm-up; preempted requests get the tokens of their runs alone; an image larger than a step is
 refused; TP=2 gives transformers' tokens too, and int8 weights prompt log-probabilities near them;
 `LLM.chat`'s prompt ids are those of transformers' `Gemma3Processor` (with a Gemma 3-style tokenizer
-and chat template written beside the checkpoint).
+and chat template written beside the checkpoint); on that processor's outputs, greedy tokens equal
+`generate`'s for two images of different sizes before the text, two of one size, and images between
+pieces of text; and a model that generates the image soft token embeds it as a token, as transformers does.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import numpy as np
@@ -30,6 +33,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
+
+import jax.numpy as jnp  # noqa: E402
 
 from model.cache import init_cache, pack_batch  # noqa: E402
 from model.forward import forward_jit  # noqa: E402
@@ -420,6 +425,64 @@ def test_chat_prompt_is_the_hf_processors(served):
     assert list(out.prompt_token_ids) == want_ids
     np.testing.assert_array_equal(hf_pixels(image_processor, [a, c]), want["pixel_values"])
     assert list(out.outputs[0].token_ids) == hf_generate(model, image_processor, [a, c], want_ids)
+
+
+def gemma3_processor(image_processor, hf_dir):
+    return transformers.Gemma3Processor(image_processor=image_processor,
+                                        tokenizer=transformers.AutoTokenizer.from_pretrained(hf_dir),
+                                        chat_template=CHAT_TEMPLATE, image_seq_length=IMAGE_TOKENS)
+
+
+def chat_cases():
+    """Conversations of two images each: of different sizes (150 x 210 RGB, 60 x 90 RGBA; both resized to
+    the encoder's 56 x 56) before the text, of one size, and between pieces of text."""
+    a, other, c = (im if isinstance(im, Image.Image) else Image.fromarray(im) for im in make_images())
+    image, text = (lambda im: {"type": "image", "image": im}), (lambda t: {"type": "text", "text": t})
+    return {"different_sizes": [image(a), image(c), text("Compare them.")],
+            "same_size": [image(a), image(other), text("Compare them.")],
+            "between_text": [text("hi"), image(c), text("and"), image(a), text("model")]}
+
+
+def processor_inputs(processor, content):
+    """The processor's prompt ids (soft tokens expanded, blank lines written) and the images in prompt order."""
+    want = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=True)
+    return [int(i) for i in want["input_ids"][0]], [part["image"] for part in content if part["type"] == "image"]
+
+
+def test_images_in_one_chat_match_generate(served):
+    """Each case's prompt ids are the processor's; the engine takes them (already expanded) with the
+    images and answers with `generate`'s tokens on the processor's pixels."""
+    model, image_processor, llm, _, hf_dir = served
+    processor = gemma3_processor(image_processor, hf_dir)
+    cases = {name: processor_inputs(processor, content) for name, content in chat_cases().items()}
+    outs = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+                         for ids, images in cases.values()], greedy())
+    for (name, (ids, images)), out in zip(cases.items(), outs):
+        assert ids.count(BOI) == 2 and list(out.prompt_token_ids) == ids, name
+        assert list(out.outputs[0].token_ids) == hf_generate(model, image_processor, images, ids), name
+
+
+def test_generated_soft_token_is_embedded_as_a_token(served, built):
+    """A model that generates the image soft token id (made its first greedy token: the tied embedding
+    row set to twice the usual first token's) feeds it back as a token, as transformers does: its
+    embedding row, not an image's (nor an empty one)."""
+    model, image_processor, _, _, hf_dir = served
+    cfg, params = built[2], built[3]
+    ids, images = processor_inputs(gemma3_processor(image_processor, hf_dir), chat_cases()["different_sizes"])
+    first = hf_generate(model, image_processor, images, ids)[0]
+    edited = copy.deepcopy(model)
+    embed = edited.get_input_embeddings().weight
+    assert cfg.tie_word_embeddings and edited.lm_head.weight.data_ptr() == embed.data_ptr()
+    with torch.no_grad():
+        embed[IMAGE_ID] = 2 * embed[first]
+    want = hf_generate(edited, image_processor, images, ids)
+    assert want[0] == IMAGE_ID
+    table = np.asarray(params.embed).copy()
+    table[IMAGE_ID] = 2 * table[first]
+    llm = LLM(config=cfg, params=dataclasses.replace(params, embed=jnp.asarray(table)), **ENGINE)
+    out = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": images}}], greedy())[0]
+    assert list(out.outputs[0].token_ids) == want
 
 
 def test_http_chat_prompt_is_the_hf_processors(served):

@@ -9,12 +9,20 @@ images made here.
 * the decoder with M-RoPE: prompt log-probabilities within 1e-4, prefilled in one call and in chunks
   whose boundaries cut through the image's placeholder tokens;
 * 16 greedy tokens identical to transformers' `generate` (decode positions continuing past the image).
+
+Engine (`LLM`, 16-token steps), on the outputs of transformers' own `Qwen2_5_VLProcessor` (a Qwen-style
+tokenizer and chat template written here): greedy tokens equal `generate`'s for two images of different
+sizes before the text, two images of one size, and images between pieces of text; and a model that
+generates the image placeholder id first embeds it as a token, as transformers does, not as an image row.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -31,6 +39,7 @@ from model.forward import forward_jit  # noqa: E402
 from model.vision.mrope import positions_for, prompt_positions  # noqa: E402
 from model.vision.qwen2_5_vl import encode_jit, image_layout, layout_arrays  # noqa: E402
 from model.vision.qwen2_5_vl_processor import num_image_tokens, preprocess  # noqa: E402
+from serving import LLM, SamplingParams  # noqa: E402
 from test_hf_parity import save_and_convert, scale_weights_  # noqa: E402
 
 TOL = 1e-4
@@ -269,3 +278,136 @@ def test_converts_the_nested_names_of_transformers_4_52(converted, hf_dir, tmp_p
     assert got.keys() == want.keys()
     for k in want:
         np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
+
+
+# --- the engine, on the HF processor's outputs ---------------------------------------------------------
+
+NEW_TOKENS = 8
+ENGINE = dict(page_size=PAGE_SIZE, max_model_len=128, num_pages=40, max_num_seqs=4, max_num_batched_tokens=16,
+              min_token_bucket=16, min_context_bucket=128, encoder_cache_mb=1)
+
+# A Qwen2.5-VL-style chat template: an image part is vision start, the image pad, vision end.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for item in m['content'] %}"
+    "{% if item['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def save_tokenizer(directory):
+    """A Qwen-style tokenizer that fits the model's 300 ids: the chat specials, the 256 byte tokens, a few
+    letters and merges, then vision start, vision end, the image pad and the video pad at 288-291."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials)}
+    vocab.update({f"<0x{b:02X}>": len(vocab) + b for b in range(256)})
+    for ch in "\n\u2581Cadehimnoprst.":
+        vocab[ch] = len(vocab)
+    merges = [("t", "h"), ("th", "e"), ("the", "m"), ("a", "n"), ("an", "d")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    vocab.update({f"<|reserved_{i}|>": i for i in range(len(vocab), START_ID)})
+    vision = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    vocab.update({t: START_ID + i for i, t in enumerate(vision)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, fuse_unk=True))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in specials + vision])
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    conf = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE,
+            "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096}
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump(conf, f)
+
+
+class _Processor(transformers.Qwen2_5_VLProcessor):
+    """transformers' Qwen2.5-VL processor for images alone: its video processor needs torchvision, and
+    no prompt here holds a video."""
+
+    def check_argument_for_proper_class(self, name, arg):
+        if arg is not None:
+            return super().check_argument_for_proper_class(name, arg)
+
+
+@pytest.fixture(scope="module")
+def hf_processor(built, tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("qwen2_5_vl_tokenizer"))
+    save_tokenizer(directory)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    return _Processor(image_processor=built[1], tokenizer=tokenizer, video_processor=None, chat_template=CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def engine(built):
+    return LLM(built[4], **ENGINE)
+
+
+def chat_images():
+    """(A: 150 x 210, resized to a 10 x 16 patch grid; B: 56 x 84 as the processor takes it, 2 x 3 tokens;
+    C: B's size, other pixels)."""
+    rng = np.random.default_rng(5)
+    a, b, c = (Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8))
+               for shape in ((150, 210, 3), (84, 56, 3), (84, 56, 3)))
+    return a, b, c
+
+
+def chat_cases():
+    a, b, c = chat_images()
+    image, text = (lambda im: {"type": "image", "image": im}), (lambda t: {"type": "text", "text": t})
+    return {"different_sizes": [image(a), image(b), text("Compare them.")],
+            "same_size": [image(b), image(c), text("Compare them.")],
+            "between_text": [text("Compare"), image(b), text("and"), image(a), text("then.")]}
+
+
+def processor_inputs(processor, content):
+    """The processor's prompt ids (placeholders expanded), the images in prompt order, and its tensors."""
+    inputs = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=True, return_tensors="pt")
+    images = [part["image"] for part in content if part["type"] == "image"]
+    return inputs["input_ids"][0].tolist(), images, inputs
+
+
+def generate_like_hf(model, inputs):
+    with torch.no_grad():
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def greedy():
+    return SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def test_images_in_one_chat_match_generate(built, hf_processor, engine):
+    """Each case's prompt ids, pixels and grids are the processor's; the engine takes the ids (already
+    expanded) and the images, preprocesses and encodes them itself, and answers with `generate`'s tokens."""
+    model = built[0]
+    cases = {name: processor_inputs(hf_processor, content) for name, content in chat_cases().items()}
+    grids = {name: inputs["image_grid_thw"].tolist() for name, (_, _, inputs) in cases.items()}
+    assert grids["different_sizes"] == [[1, 10, 16], [1, 6, 4]] and grids["same_size"] == [[1, 6, 4]] * 2
+    outs = engine.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+                            for ids, images, _ in cases.values()], greedy())
+    for (name, (ids, _, inputs)), out in zip(cases.items(), outs):
+        assert list(out.prompt_token_ids) == ids, name
+        assert list(out.outputs[0].token_ids) == generate_like_hf(model, inputs), name
+
+
+def test_generated_placeholder_is_embedded_as_a_token(built, hf_processor):
+    """A model that generates the image placeholder id (here made the first greedy token: its output row
+    set to twice the usual first token's) feeds it back as a token, as transformers does: its embedding
+    row, not an image's (nor an empty one). The second token on shows it."""
+    model, _, cfg, params, _, _ = built
+    ids, images, inputs = processor_inputs(hf_processor, chat_cases()["different_sizes"])
+    first = generate_like_hf(model, inputs)[0]
+    edited = copy.deepcopy(model)
+    with torch.no_grad():
+        edited.lm_head.weight[IMAGE_ID] = 2 * edited.lm_head.weight[first]
+    want = generate_like_hf(edited, inputs)
+    assert want[0] == IMAGE_ID
+    lm_head = np.asarray(params.lm_head).copy()
+    lm_head[IMAGE_ID] = 2 * lm_head[first]
+    llm = LLM(config=cfg, params=dataclasses.replace(params, lm_head=jnp.asarray(lm_head)), **ENGINE)
+    out = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": images}}], greedy())[0]
+    assert list(out.outputs[0].token_ids) == want

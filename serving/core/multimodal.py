@@ -14,9 +14,12 @@ its images' embeddings that falls inside the chunk, wherever the chunk boundarie
 continues the positions past the prompt. Preemption, prefix hits and recompute need nothing more: the
 rows follow from (request, first position, count) alone.
 
-A model that attends among one image's tokens both ways (Gemma 3, `VisionConfig.bidirectional`) also
-gets each image token's span end (the step's "span_end" rows, `kernels_pallas.reference`), and its
-prefill chunks never end inside an image (`RequestImages.chunk_stop`, asked by the scheduler): an
+Every image token's row also carries the end of its image (the step's "span_end" rows, 0 outside
+images): the decoder takes the image's embedding only in those rows, so a placeholder id the model
+generates keeps its own embedding (`model.forward.merge_image_embeds`), as in transformers. A model that
+attends among one image's tokens both ways (Gemma 3, `VisionConfig.bidirectional`) also reads them as
+the image's attention span (`kernels_pallas.reference`), and its prefill chunks never end inside an
+image (`RequestImages.chunk_stop`, asked by the scheduler): an
 image's first tokens attend to its last, so they must be computed in one step. A chunk that would cut
 an image ends before it, or, when it starts inside one (after a prefix hit that ended there), takes the
 image's rest or waits for a step with room. A prefix hit may end inside an image: the cached pages
@@ -155,8 +158,9 @@ class RequestImages:
 
     def fill(self, rope_rows, embed_rows, start: int, count: int, span_rows=None) -> None:
         """Writes the rows of positions start..start+count: their multimodal positions, the slice of
-        each image's embeddings that falls among them and, for images attended both ways, each image
-        row's span end (`span_rows`, zero elsewhere)."""
+        each image's embeddings that falls among them and each image row's span end (`span_rows`, zero
+        elsewhere: what tells an image's placeholder from a generated one, and, for images attended both
+        ways, their attention span)."""
         if self.rope_positions is not None:
             idx = np.arange(start, start + count)
             inside = idx < self.rope_positions.shape[1]
@@ -166,7 +170,7 @@ class RequestImages:
             lo, hi = max(start, im.start), min(start + count, im.start + im.encoded.num_tokens)
             if lo < hi:
                 embed_rows[lo - start:hi - start] = im.encoded.embeds[lo - im.start:hi - im.start]
-                if span_rows is not None and self.bidirectional:
+                if span_rows is not None:
                     span_rows[lo - start:hi - start] = im.start + im.encoded.num_tokens
 
 
@@ -237,7 +241,7 @@ class Multimodal(StepPart):
         rope, embeds = v["rope_positions"], v["image_embeds"]
         rope[:] = v["positions"][None, :]  # text: the three axes are the token's position
         spans = v["span_end"]
-        spans[:] = 0  # text: causal
+        spans[:] = 0  # text: no image, causal
         for seq, row, start, count in batch.token_spans:
             images = seq.request.images
             if images is not None:
