@@ -54,6 +54,7 @@ import numpy as np  # noqa: E402
 from model.config import LlamaConfig  # noqa: E402
 from model.params import init_params  # noqa: E402
 from serving import LLM, SamplingParams  # noqa: E402
+from serving.features.host_kv_tier import HostKVTier  # noqa: E402
 from serving.core import kv_pages  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -125,7 +126,7 @@ def restore_vs_recompute(plain, tiered, args) -> dict:
     """Seconds per page: restoring `probe_pages` pages from the host pool into the device pool (read, scatter,
     wait), and recomputing them (a fresh prompt of that many pages plus one token, first token drawn)."""
     n, ps = args.probe_pages, 16
-    tier, runner = tiered.engine.host_tier, tiered.engine.runner
+    tier, runner = tiered.engine.part(HostKVTier), tiered.engine.runner
     digests = list(tier.pool.index)[:n]
     assert len(digests) == n, "the workload left too few pages in the host pool to probe"
     pages = list(range(n))  # the engine is idle: overwriting its pages only costs cached prefixes

@@ -371,8 +371,10 @@ def test_a_stored_program_that_does_not_load_or_run_compiles_instead_with_one_wa
     store = executable_store.ExecutableStore(str(tmp_path), executable_store.FUNCTION_SUFFIX)
     monkeypatch.setattr(executable_store, "current", lambda suffix=executable_store.SUFFIX: store)
     monkeypatch.setattr(executable_store, "_TABLE", weakref.WeakValueDictionary())
-    jitted = jax.jit(lambda x: x * 3.0 - 1.0)
-    name = repr(("scale-rows", 3, "float32"))  # printed from a tuple, as the KV pool's zeroing names itself
+    # A program no earlier test compiled: one JAX's persistent cache held would not be stored (`compile_to_store`).
+    offset = float(np.random.default_rng().integers(1, 2**20))
+    jitted = jax.jit(lambda x: x * 3.0 - offset)
+    name = repr(("scale-rows", 3, "float32", offset))  # printed from a tuple, as the KV pool's zeroing names itself
     x = jnp.arange(5.0)
     executable_store.prepare(jitted, name, {}, x)  # compiled and stored
     (entry,) = os.listdir(str(tmp_path))
@@ -385,9 +387,10 @@ def test_a_stored_program_that_does_not_load_or_run_compiles_instead_with_one_wa
         monkeypatch.setattr(serialize_executable, "deserialize_and_load", lambda *a, **k: _FailsOnFirstRun())
     held = {}
     with caplog.at_level(logging.WARNING, logger="ridgeline.warmup"):
+        want = [3.0 * i - offset for i in range(5)]
         out = executable_store.call(jitted, name, held, x)
-        assert list(np.asarray(out)) == [-1.0, 2.0, 5.0, 8.0, 11.0]
-        assert list(np.asarray(executable_store.call(jitted, name, held, x))) == [-1.0, 2.0, 5.0, 8.0, 11.0]
+        assert list(np.asarray(out)) == want
+        assert list(np.asarray(executable_store.call(jitted, name, held, x))) == want
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "scale-rows" in warnings[0] and "compiling it instead" in warnings[0]
     # Removed; not stored again either: JAX handed the first compile's executable back (`compile_to_store`).

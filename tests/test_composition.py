@@ -44,6 +44,7 @@ from model.params import init_params
 from model.tokenizer import ByteTokenizer
 from serving import LLM, SamplingParams
 from serving.core.reasoning_phase import ReasoningParams
+from serving.features.host_kv_tier import HostKVTier
 from test_disagg_engine import prefill, submit_import
 
 V = 300  # a byte tokenizer's vocabulary fits (structured outputs need a tokenizer)
@@ -385,10 +386,11 @@ def test_every_pair_gives_the_plain_engines_tokens(weights, adapters, config):
     if engine.spec is not None:
         st = engine.stats().spec_decode
         assert st.num_accepted_tokens > 0, st
-    if engine.host_tier is not None:  # the tier was used: pages restored, each preemption counted by mode
+    tier = engine.part(HostKVTier)
+    if tier is not None:  # the tier was used: pages restored, each preemption counted by mode
         st = engine.stats().host_kv
         assert st.pages_restored > 0, st
         assert st.preemptions_swap + st.preemptions_recompute == engine.scheduler.num_preemptions, st
-        engine.host_tier.check_invariants()
+        tier.check_invariants()
     engine.block_manager.check_invariants(live_seq_ids=())
     ref_llm.engine.block_manager.check_invariants(live_seq_ids=())

@@ -19,6 +19,7 @@ from model.cache import StackedKVCache
 from model.families import kv_bytes_per_token
 from serving.disaggregation import kv_transfer as kt
 from serving.disaggregation import kv_wire
+from serving.features.kv_imports import KVImports
 from sharding.hlo import collectives
 from serving.core.sampling_params import InvalidParameterError
 
@@ -155,7 +156,7 @@ def test_bad_payloads_are_refused_before_anything_is_queued(params):
     # Aborted while waiting to be admitted, and after admission: nothing is held either way.
     submit_import(dec, "a", p, sp, good)
     dec.abort_request("a")
-    assert not dec.has_unfinished_requests() and not dec.imports.pending
+    assert not dec.has_unfinished_requests() and not dec.part(KVImports).pending
     submit_import(dec, "b", p, sp, good)
     dec.step()
     assert dec.block_manager.num_used_blocks == 2  # 9 tokens + the first output token, pages of 8

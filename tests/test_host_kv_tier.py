@@ -1,4 +1,4 @@
-"""The host tier of the prefix cache and swap preemption (serving.core.host_kv_tier).
+"""The host tier of the prefix cache and swap preemption (serving.features.host_kv_tier).
 
 Units: the host page pool's budget and LRU, the block manager's host hooks. Engines: greedy outputs
 equal with the tier off and on, under recompute / swap / auto preemption in a pool so small that
@@ -20,7 +20,8 @@ from model.params import init_params
 from serving import LLM, SamplingParams
 from serving.core import kv_pages
 from serving.core.block_manager import BlockManager, HostHit, salt_digest
-from serving.core.host_kv_tier import HostPagePool, offload_bytes
+from serving.core.engine import Engine, EngineConfig
+from serving.features.host_kv_tier import HostKVTier, HostPagePool, offload_bytes
 
 V = 96  # divides over 2 devices (tensor parallelism shards the vocabulary)
 CFG = tiny_config(vocab_size=V, max_position_embeddings=256)
@@ -59,9 +60,9 @@ def tokens(outs) -> list:
 
 def check(llm) -> None:
     llm.engine.block_manager.check_invariants(live_seq_ids=())
-    if llm.engine.host_tier is not None:
-        llm.engine.host_tier.check_invariants()
-        assert not llm.engine.host_tier.pool.pins, "pins outlive the sequences that held them"
+    if llm.engine.part(HostKVTier) is not None:
+        llm.engine.part(HostKVTier).check_invariants()
+        assert not llm.engine.part(HostKVTier).pool.pins, "pins outlive the sequences that held them"
 
 
 PROMPTS = ragged_prompts(V, n=6, seed=1, max_len=30)  # 7 to 31 tokens
@@ -175,8 +176,12 @@ def test_an_engine_refuses_swap_without_a_tier_and_a_tier_without_prefix_caching
     with pytest.raises(ValueError, match="holds no KV page"):
         build(params, kv_offload_bytes=100)
     gib = build(params, kv_offloading_size=0.001).engine  # vLLM's spelling, in GiB
-    assert gib.host_tier.pool.nbytes <= 0.001 * 2**30 < gib.host_tier.pool.nbytes + gib.host_tier.pool.page_bytes
-    assert gib.describe()["kv_offload_bytes"] == gib.host_tier.pool.nbytes
+    pool = gib.part(HostKVTier).pool
+    assert pool.nbytes <= 0.001 * 2**30 < pool.nbytes + pool.page_bytes
+    assert gib.describe()["kv_offload_bytes"] == pool.nbytes
+    # An engine built without its parts (serving.features.build_parts) refuses the tier's options, not ignores them.
+    with pytest.raises(ValueError, match="kv_offload_bytes=1048576 needs the host KV tier part"):
+        Engine(CFG, params, None, EngineConfig(num_pages=TIGHT, kv_offload_bytes=2**20, **SHAPES))
 
 
 # --- engines: equivalence ---------------------------------------------------------------------------------
@@ -309,7 +314,7 @@ def test_a_flood_of_distinct_prompts_stays_within_the_host_budget(params):
     page_bytes = kv_bytes_per_token(CFG, np.float32) * SHAPES["page_size"]
     budget = 10 * page_bytes + 100
     llm = build(params, 16, kv_offload_bytes=budget)
-    tier = llm.engine.host_tier
+    tier = llm.engine.part(HostKVTier)
     assert tier.pool.nbytes <= budget and tier.pool.num_pages == 10
     for wave in range(3):
         _evict_everything(llm, seed=20 + wave)
@@ -321,7 +326,7 @@ def test_a_flood_of_distinct_prompts_stays_within_the_host_budget(params):
 
 def test_an_abort_frees_the_host_pages_of_a_swapped_out_request(params):
     llm = build(params, TIGHT, kv_offload_bytes=2**20, preemption_mode="swap")
-    engine, tier = llm.engine, llm.engine.host_tier
+    engine, tier = llm.engine, llm.engine.part(HostKVTier)
     for i, p in enumerate(PROMPTS):
         engine.add_request(f"r{i}", p, greedy_params())
     for _ in range(200):  # until some request waits swapped out

@@ -34,7 +34,7 @@ generation holds about `window / page_size` pages instead of its whole
 context. A released page keeps its prefix-cache entry like any freed page.
 Sequences whose prompt K/V is exported (`seq.keeps_all_pages`) keep theirs.
 
-A host tier (`host`, e.g. `serving.core.host_kv_tier.HostKVTier`) extends the
+A host tier (`host`, e.g. `serving.features.host_kv_tier.HostKVTier`) extends the
 prefix cache beyond the pool: every eviction of a cached page is reported to
 it (`host.evicting(page, digest)`, before the page can be written again), and a
 prefix block it holds (`host.holds(digest)`) is a hit too: `lookup_prefix`

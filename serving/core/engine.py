@@ -40,8 +40,6 @@ from serving.core.outputs import RequestOutput
 from serving.core.sampling_params import InvalidParameterError, SamplingParams, with_defaults
 from serving.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from serving.core.sequence import Request, Sequence, SequenceStatus
-from serving.core.kv_imports import KVImports
-from serving.core.host_kv_tier import HostKVTier, offload_bytes
 from serving.core.spec_options import check_options as check_spec_options, logit_rows as spec_logit_rows
 from serving.core import structured_output
 from serving.core.reasoning_phase import PhasedGrammar
@@ -122,7 +120,8 @@ class Engine:
                                              verify=config.speculative_method is not None,
                                              draft_rows=config.max_num_seqs * config.num_speculative_tokens
                                              if config.speculative_method == "draft" else 0,
-                                             logit_parts=tuple(p for p in parts if p.step_input_spec(1) is not None),
+                                             logit_parts=tuple(p for p in parts if isinstance(p, StepPart)
+                                                               and p.step_input_spec(1) is not None),
                                              **self._lora_slots(config))
         # Slots of the per-request rows of logit bias, penalties, ... (serving.core.sampling_controls).
         self.control_slots = None
@@ -166,44 +165,28 @@ class Engine:
         self._lock = threading.Lock()  # guards the seed generator (make_request may run on any thread)
         self._pending_finished: list[FinishedRequestStats] = []
         self._step_count = 0
-        # Requests resuming a shipped prefill (their `kv_import`, see `export_prompt_kv`).
-        self.imports = KVImports(self.scheduler, self.runner, self._on_token)
-        self.host_tier = self._host_tier()  # KV pages beyond the device pool (host_kv_tier), or None
-        if self.host_tier is not None:  # an import's write must not land on a page before it is copied out
-            self.imports.before_write = self.host_tier.flush
-        # The features that act inside a step, called in this order in each phase (`step_parts`).
-        self.parts = (([self.host_tier] if self.host_tier is not None else []) + [self.imports]
-                      + ([self.spec] if self.spec is not None else []) + ([self.lora] if self.lora is not None else []))
+        # The features that act inside a step, called in this order in each phase (`step_parts`): those
+        # built outside the engine first, in their order (`parts`, each a part or a function building one of
+        # this engine), then the engine's own.
+        self.parts = [p for p in (p if isinstance(p, StepPart) else p(self) for p in parts) if p is not None]
+        engine_args.check_served(config, {part.serves for part in self.parts})
+        self.parts += ([self.spec] if self.spec is not None else []) + ([self.lora] if self.lora is not None else [])
         # Image inputs of a vision-language model: admission-time encoding, per-step rows (`multimodal`).
         self.multimodal = None
         if cfg.vision is not None:  # (pipeline stages: the rows merge before the first stage, `sharding.pipeline`)
             self.multimodal = Multimodal(cfg, self.runner.params.vision, cache_bytes=config.encoder_cache_mb << 20,
                                          limit_per_prompt=config.limit_mm_per_prompt)
             self.parts.append(self.multimodal)
-        self.parts.extend(parts)
         # Overlapped scheduling needs a runner that dispatches without waiting; speculative
         # steps choose the next step's drafts from this step's tokens, so they run one at a time.
         self.overlap = config.async_scheduling and self.spec is None
         self._in_flight: Optional[_StepInFlight] = None  # dispatched, not yet processed
 
-    def _host_tier(self) -> Optional[HostKVTier]:
-        """The host tier of the prefix cache and swap preemption, when `kv_offload_bytes` (or
-        `kv_offloading_size`) asks for one."""
-        config = self.config
-        capacity = offload_bytes(config.kv_offload_bytes, config.kv_offloading_size)
-        if capacity == 0:
-            if config.preemption_mode != "recompute":
-                raise ValueError(f"preemption_mode={config.preemption_mode!r} swaps pages to the host tier: "
-                                 "set kv_offload_bytes (or kv_offloading_size)")
-            return None
-        if not config.enable_prefix_caching:
-            raise ValueError("kv_offload_bytes: the host tier extends the prefix cache; it needs "
-                             "enable_prefix_caching")
-        if getattr(self.runner, "_spans_processes", lambda: False)():
-            raise ValueError("kv_offload_bytes: the host tier is not supported on a mesh spanning processes yet "
-                             "(its copies to host memory are read on process 0 alone)")
-        return HostKVTier(self.block_manager, self.scheduler, self.runner, self.cfg, self.cache_dtype, capacity,
-                          config.preemption_mode)
+    def part(self, kind: type) -> Optional[StepPart]:
+        """The engine's part of class `kind` (or of a subclass of it), or None (for tests and benchmarks that
+        look inside one)."""
+        return next((p for p in self.parts if isinstance(p, kind)), None)
+
 
     @staticmethod
     def _lora_slots(config) -> dict:
@@ -393,10 +376,8 @@ class Engine:
             self.release_lora(req)
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
-        if req.kv_import is not None:  # its prompt's K/V arrives with it
-            self.imports.add(req)
-            return
-        self.scheduler.add(req.seqs[0])
+        if not any(part.enqueue(req) for part in self.parts):  # (a part may take it: a shipped prefill)
+            self.scheduler.add(req.seqs[0])
 
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
                     arrival_time: Optional[float] = None, stream: bool = False,
@@ -415,7 +396,8 @@ class Engine:
             req = self.requests.pop(rid, None)
             if req is None:
                 continue
-            self.imports.discard(req)
+            for part in self.parts:
+                part.abort(req)
             self.release_lora(req)
             for seq in req.seqs:
                 if not seq.is_finished:
@@ -536,7 +518,7 @@ class Engine:
             if not seq.is_finished:
                 self.outputs.prompt_logprobs(seq, result, row, p0, p1)
         for seq, tok, row in new_tokens:
-            self._on_token(seq, tok, row, result, now, it)
+            self.take_token(seq, tok, row, result, now, it)
             touched[seq.request.request_id] = seq.request
             it.num_generation_tokens += 1
         return waited
@@ -587,7 +569,9 @@ class Engine:
             inference_time=None if scheduled is None or last is None else last - scheduled,
             n=req.params.n, max_tokens=req.params.max_tokens)
 
-    def _on_token(self, seq: Sequence, tok: int, row: int, result, now: float, it: IterationStats) -> None:
+    def take_token(self, seq: Sequence, tok: int, row: int, result, now: float, it: IterationStats) -> None:
+        """Takes a token into its sequence's output (detokenized, stop conditions checked, the grammar
+        advanced): the scheduler's samples, and tokens parts bring (a shipped prefill's first token)."""
         req = seq.request
         if req.structured is not None and not seq.is_finished:
             tok = self._instead_of_ending(seq, tok)
@@ -636,9 +620,9 @@ class Engine:
             page_size=self.config.page_size, warmup=self.runner.warmup_stats(),
             spec_decode=None if self.spec is None else dataclasses.replace(
                 self.spec.stats, accepted_per_position=list(self.spec.stats.accepted_per_position)),
-            host_kv=None if self.host_tier is None else self.host_tier.snapshot(),
             lora=None if self.lora is None else self.lora.info(list(self.scheduler.running),
-                                                               list(self.scheduler.waiting)))
+                                                               list(self.scheduler.waiting)),
+            **{k: v for part in self.parts for k, v in part.engine_stats().items()})
 
     def warm_up(self, background: bool = False) -> dict:
         """Compiles every step shape, so serving never compiles; returns seconds and counts. With
@@ -676,7 +660,7 @@ class Engine:
         """What is loaded and how big the KV pool is (for startup logs and MBU/MFU arithmetic)."""
         cfg, ps = self.cfg, self.config.page_size
         kv_per_token = kv_bytes_per_token(cfg, self.cache_dtype)
-        return {
+        described = {
             "num_params": num_params(cfg), "param_bytes": getattr(self.runner, "param_bytes", None),
             "kv_bytes_per_token": kv_per_token, "kv_pages": self.num_pages, "page_size": ps,
             "kv_pool_tokens": self.num_pages * ps, "kv_pool_bytes": self.num_pages * ps * kv_per_token,
@@ -687,16 +671,18 @@ class Engine:
             "weight_dtype": cfg.weight_dtype or cfg.dtype, "kv_cache_dtype": str(np.dtype(self.cache_dtype)),
             "speculative_method": self.config.speculative_method,
             "num_speculative_tokens": self.config.num_speculative_tokens if self.spec is not None else 0,
-            "kv_offload_pages": 0 if self.host_tier is None else self.host_tier.pool.num_pages,
-            "kv_offload_bytes": 0 if self.host_tier is None else self.host_tier.pool.nbytes,
+            "kv_offload_pages": 0, "kv_offload_bytes": 0,  # (the host KV tier's part fills them in)
             "preemption_mode": self.config.preemption_mode,
         }
+        for part in self.parts:
+            described.update(part.describe())
+        return described
 
     def reset_prefix_cache(self) -> int:
-        """Forgets the cached pages no sequence holds, on the device and in the host tier; returns how
-        many device pages."""
-        if self.host_tier is not None:
-            self.host_tier.reset()
+        """Forgets the cached pages no sequence holds, on the device and in the parts that cache them (the host
+        KV tier); returns how many device pages."""
+        for part in self.parts:
+            part.reset_prefix_cache()
         return self.block_manager.reset_prefix_cache()
 
 

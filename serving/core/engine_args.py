@@ -26,8 +26,11 @@ from absl import flags
 
 from model.quant import KV_CACHE_DTYPE_CHOICES, WEIGHT_DTYPE_CHOICES
 from serving.core.compute_dtype import CHOICES as COMPUTE_DTYPE_CHOICES
-from serving.core.host_kv_tier import PREEMPTION_MODES
 from serving.core.spec_options import METHODS as SPECULATIVE_METHODS
+
+# What a preempted sequence's KV becomes (option preemption_mode; `serving.features.host_kv_tier`).
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+HOST_KV_TIER = "host KV tier"  # the part of the host tier's options
 
 # The flags `define_flags` defines belong to its caller (absl lists a program's own flags under --help).
 flags.disclaim_key_flags()
@@ -41,6 +44,9 @@ class EngineOption:
     help: str
     choices: Optional[tuple] = None  # the values a flag accepts (an absl enum); None: any value of `type`
     engine_config: bool = True  # a field of EngineConfig; False: only `LLM` reads it (how the model is loaded)
+    # The step part that serves the option (its `StepPart.serves`), built outside the engine
+    # (`serving.features.build_parts`); the engine refuses a value other than the default without that part.
+    part: Optional[str] = None
 
     @property
     def base_type(self) -> type:
@@ -85,14 +91,15 @@ OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("kv_offload_bytes", int, 0,
                  "Host-memory tier of the prefix cache, in bytes (0: off): KV pages evicted from the device pool "
                  "are copied to a host page pool (LRU, pinned host memory where the backend has it) and restored "
-                 "on a later prefix hit instead of recomputed. Needs enable_prefix_caching."),
+                 "on a later prefix hit instead of recomputed. Needs enable_prefix_caching.", part=HOST_KV_TIER),
     EngineOption("kv_offloading_size", Optional[float], None,
-                 "The host tier's size in GiB (vLLM's spelling of kv_offload_bytes; give one of the two)."),
+                 "The host tier's size in GiB (vLLM's spelling of kv_offload_bytes; give one of the two).",
+                 part=HOST_KV_TIER),
     EngineOption("preemption_mode", str, "recompute",
                  "What a preempted sequence's KV becomes: recomputed when it resumes (recompute), copied to the "
                  "host tier and restored (swap), or per sequence whichever the measured copy bandwidth and step "
                  "rate say is cheaper (auto). swap and auto need the host tier (kv_offload_bytes).",
-                 choices=PREEMPTION_MODES),
+                 choices=PREEMPTION_MODES, part=HOST_KV_TIER),
     EngineOption("min_token_bucket", int, 1,
                  "Smallest padded token count of a step (raising it compiles fewer shapes, but pads every small "
                  "step up to it). Measured: batch-1 greedy decode of the embedded model through LLM.generate "
@@ -186,6 +193,16 @@ def resolve(options: dict, caller: str = "LLM()") -> dict:
     if unknown:
         raise TypeError(f"{caller} got an unexpected keyword argument {unknown[0]!r}")
     return {o.name: options.get(o.name, o.default) for o in OPTIONS}
+
+
+def check_served(config, served: set) -> None:
+    """Refuses an option of `config` (an `EngineConfig`) set to other than its default when none of the engine's
+    parts serves it (`EngineOption.part` not in `served`): the engine would otherwise ignore it."""
+    for o in ENGINE_CONFIG_OPTIONS:
+        value = getattr(config, o.name)
+        if o.part is not None and value != o.default and o.part not in served:
+            raise ValueError(f"{o.name}={value!r} needs the {o.part} part, which this engine was not given: "
+                             "build the engine's parts with serving.features.build_parts (as LLM does)")
 
 
 def with_option_keywords(fn):

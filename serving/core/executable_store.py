@@ -10,7 +10,7 @@ well enough to load it without tracing, provided nothing else that shapes the
 program changed. The file name therefore also hashes the JAX and jaxlib
 versions, the devices, `XLA_FLAGS`, the JAX options that change lowering, and
 the source of the packages the step is built from (`model`, `kernels_pallas`,
-`sharding`, `serving/core`): editing any of them starts a fresh set.
+`sharding`, `serving/core`, `serving/features`): editing any of them starts a fresh set.
 
 Entries are `jax.experimental.serialize_executable` payloads in
 `<compilation cache dir>/steps/`, written atomically. Like the persistent
@@ -59,7 +59,7 @@ from serving.core import compile_cache
 log = logging.getLogger("ridgeline.warmup")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SOURCE_DIRS = ("model", "kernels_pallas", "sharding", os.path.join("serving", "core"))
+SOURCE_DIRS = ("model", "kernels_pallas", "sharding", os.path.join("serving", "core"), os.path.join("serving", "features"))
 SUFFIX = ".step"
 FUNCTION_SUFFIX = ".fn"  # the small programs of `call`
 # JAX options that change what a traced step lowers to.

@@ -12,7 +12,7 @@ tensor and pipeline parallelism too):
   dropped.
 
 Shipped prefills (`serving.disaggregation.kv_transfer`) and the host tier of the
-prefix cache (`serving.core.host_kv_tier`) both move pages with them. A quantized
+prefix cache (`serving.features.host_kv_tier`) both move pages with them. A quantized
 page travels as it is stored (values and per-token scales): nothing is
 dequantized or quantized again.
 """

@@ -34,7 +34,7 @@ from model.layer_select import selects_layers
 from model import lora as lora_model
 from model.params import param_bytes, stack_layers
 from serving.core.input_batch import Buckets, StepShape, StepBatch
-from serving.core import bucket_plan, executable_store, rejection_sampler, sampling_controls
+from serving.core import bucket_plan, executable_store, rejection_sampler, sampling_controls, step_parts
 from serving.core.sampler import SamplingInputs, logprobs_of, sample, sample_ids
 from serving.core.sampling_table import ROW_PARAMS
 from serving.core.step_programs import StepPrograms, compiled_total
@@ -337,7 +337,8 @@ class ModelRunner:
             parts = static.get("part_leaves", 0)
             arrays, leaves = arrays[:len(arrays) - parts], arrays[len(arrays) - parts:]
             mask = arrays[2] if len(arrays) > 2 else None
-            return self._run(*arrays[:2], static["shape"], mask, probs, self._part_inputs_from(static["shape"], leaves))
+            return self._run(*arrays[:2], static["shape"], mask, probs,
+                             step_parts.inputs_from_leaves(self.logit_parts, static["shape"].S, leaves))
         if kind == "copy":
             return self._copy(*arrays)
         if kind == "controls":  # (slot, *row)
@@ -383,7 +384,7 @@ class ModelRunner:
 
     def _run(self, ibuf, fbuf, shape, token_mask=None, draft_probs=None, part_inputs=None):
         if part_inputs is None:  # (a step with no part inputs of its own: warm-up's empty batches)
-            part_inputs = self._empty_part_inputs(shape)
+            part_inputs = step_parts.empty_inputs(self.logit_parts, shape.S)
         if self.dispatch_hook is not None:
             masks = () if token_mask is None else (token_mask,)
             # A draft model's distributions: each process's own (its proposer replayed the drafting call).
@@ -402,33 +403,12 @@ class ModelRunner:
         self.cache, ids, lp, self.feed, self.controls = self.programs.get(shape)(*args)
         return ids, lp
 
-    # --- the step parts' own device inputs (`step_parts.StepPart.step_input_spec`) ---------------------
-    def _part_input_specs(self, shape: StepShape) -> tuple:
-        """Each logit part's input spec for a step of `shape`, placed as host inputs are."""
-        sharding = self._host_sharding()
-        return tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                                  part.step_input_spec(shape.S)) for part in self.logit_parts)
-
-    def _empty_part_inputs(self, shape: StepShape) -> tuple:
-        """Zeros of each logit part's inputs (a step whose rows are all padding)."""
-        return tuple(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), part.step_input_spec(shape.S))
-                     for part in self.logit_parts)
-
-    def _part_inputs_from(self, shape: StepShape, leaves) -> tuple:
-        """The logit parts' inputs rebuilt from their leaves in order (a replayed step)."""
-        trees = [part.step_input_spec(shape.S) for part in self.logit_parts]
-        return jax.tree.unflatten(jax.tree.structure(tuple(trees)), list(leaves))
-
     def _place_part_inputs(self, part_inputs: tuple) -> tuple:
-        if not self.logit_parts:
-            return ()
-        if self.layout is None:
+        """The logit parts' host arrays placed as every host input is (`step_parts.StepPart.step_inputs`)."""
+        if not self.logit_parts or self.layout is None:
             return jax.device_put(part_inputs, jax.devices()[0])
         leaves, tree = jax.tree.flatten(part_inputs)
         return jax.tree.unflatten(tree, list(self._host_inputs(*leaves)))
-
-    def _host_sharding(self):
-        return jax.sharding.SingleDeviceSharding(jax.devices()[0]) if self.layout is None else self.layout.replicated
 
     def _abstract_inputs(self, shape: StepShape):
         """What the step of `shape` is compiled for: the shapes, dtypes and shardings of its arguments
@@ -443,7 +423,9 @@ class ModelRunner:
         fbuf = jax.ShapeDtypeStruct((fsize,), np.float32, sharding=sharding)
         mask = jax.ShapeDtypeStruct((shape.S, bitmask_width(self.cfg.vocab_size)), np.int32,
                                     sharding=sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-        return params, cache, ibuf, fbuf, feed, controls, mask, no_drafts, lora, self._part_input_specs(shape)
+        parts = step_parts.input_specs(self.logit_parts, shape.S, sharding or jax.sharding.SingleDeviceSharding(
+            jax.devices()[0]))
+        return params, cache, ibuf, fbuf, feed, controls, mask, no_drafts, lora, parts
 
     def _lower_step(self, shape: StepShape):
         return _step_jit.lower(*self._abstract_inputs(shape), cfg=self.cfg, backend=self.backend, shape=shape,

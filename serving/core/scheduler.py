@@ -141,7 +141,7 @@ class Scheduler:
         # runs them after its last token (see serving/spec_decode).
         self.drafts: dict[int, list[int]] = {}
         # Called with a sequence about to be preempted, before its pages are freed (the host KV tier
-        # swaps them out: serving.core.host_kv_tier).
+        # swaps them out: serving.features.host_kv_tier).
         self.on_preempt = None
 
     # --- queue management ----------------------------------------------------------------

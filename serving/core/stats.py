@@ -81,7 +81,7 @@ class EngineStats:
     spec_decode: Optional[object] = None  # spec_decode.SpecStats when speculation is on
     page_size: int = 0  # tokens per KV page (what a router needs to name this engine's cached blocks)
     warmup: Optional[object] = None  # step_programs.WarmupStats: compiled buckets, larger-bucket steps
-    host_kv: Optional[object] = None  # host_kv_tier.HostTierStats when the host KV tier is on
+    host_kv: Optional[object] = None  # `serving.features.host_kv_tier.HostTierStats` when the host KV tier is on (its part fills it)
     lora: Optional[dict] = None  # LoRA adapters in use and requests per adapter (`LoraManager.info`), when served
 
     @property

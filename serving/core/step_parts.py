@@ -17,13 +17,22 @@ are its own pytree (not fields of the packed buffers) declares them with
 the buckets are compiled. The runner then gives the part's arrays
 (`step_inputs`, once per step) to its `apply_to_logits` inside the step
 program, after the engine's own adjustments of the logits (structured
-outputs' mask, sampling controls) and before sampling. Parts built outside
-`serving.core` (`serving.features`) reach the engine as `Engine(parts=...)`.
+outputs' mask, sampling controls) and before sampling.
+
+Parts built outside `serving.core` (`serving.features`) reach the engine as
+`Engine(parts=...)`: each a part, or a function of the engine that builds one
+(or None) once the engine's own pieces (block manager, scheduler, runner)
+exist, for parts that plug into them. A part that serves engine options says
+which (`serves`, matching `EngineOption.part`): the engine refuses such an
+option set without the part, rather than ignore it.
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterable, Optional
+
+import jax
+import numpy as np
 
 NO_WARM_UP = {"seconds": 0.0, "compiled": 0, "shapes": 0}
 
@@ -34,10 +43,20 @@ class StepPart:
     # Whether the part reads requests' `SamplingParams.extra_args`: a request that gives some to an engine
     # none of whose parts reads them is refused (they would be ignored).
     takes_extra_args = False
+    # The `EngineOption.part` of the options this part serves (None: none).
+    serves: Optional[str] = None
 
     def admit(self, request) -> None:
         """Checks a request at admission (`Engine.make_request`, before anything is queued); raises
         `sampling_params.InvalidParameterError` naming the field to refuse it (a 400 over HTTP)."""
+
+    def enqueue(self, request) -> bool:
+        """Whether the part takes a new request instead of the scheduler (a shipped prefill, admitted by the
+        part); False: the scheduler queues it."""
+        return False
+
+    def abort(self, request) -> None:
+        """`request` is aborted: the part lets go of whatever it holds of it."""
 
     def before_schedule(self, touched: dict, it) -> None:
         """Runs before the scheduler: requests that produced output go into `touched` ({request id:
@@ -81,6 +100,36 @@ class StepPart:
         part whose computation a stable text names (its code's digest) returns that text instead."""
         return self
 
+    # --- what the engine reports -------------------------------------------------------------------
+    def engine_stats(self) -> dict:
+        """Fields of `EngineStats` the part fills (a snapshot; the engine's `stats()` may run on any thread)."""
+        return {}
+
+    def describe(self) -> dict:
+        """Entries the part adds to `Engine.describe()` (what is loaded, for logs and sizing)."""
+        return {}
+
+    def reset_prefix_cache(self) -> None:
+        """The engine forgets its cached prefix pages: the part forgets what it caches of them."""
+
     def warm_up(self) -> dict:
         """Compiles what the part runs on the device itself; {"seconds", "compiled", "shapes"}."""
         return dict(NO_WARM_UP)
+
+
+# --- the logit parts' inputs as the runner passes them (a tuple, one pytree per part) --------------------
+def input_specs(parts, rows: int, sharding) -> tuple:
+    """Each part's input spec for a step of `rows` logit rows, placed with `sharding` (the host inputs')."""
+    return tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                              part.step_input_spec(rows)) for part in parts)
+
+
+def empty_inputs(parts, rows: int) -> tuple:
+    """Zeros of each part's inputs (a step whose rows are all padding: warm-up's)."""
+    return tuple(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), part.step_input_spec(rows)) for part in parts)
+
+
+def inputs_from_leaves(parts, rows: int, leaves) -> tuple:
+    """The parts' inputs rebuilt from their leaves in order (a step another process announced)."""
+    tree = jax.tree.structure(tuple(part.step_input_spec(rows) for part in parts))
+    return jax.tree.unflatten(tree, list(leaves))

@@ -4,17 +4,35 @@
 (`tools/import_graph.py` checks that): `build_parts` makes the parts the
 options ask for, in one place, and the caller hands them to the engine
 (`Engine(parts=...)`, which `serving.LLM` does).
+
+| module | part | options |
+|---|---|---|
+| `host_kv_tier` | the host tier of the prefix cache and swap preemption | kv_offload_bytes, kv_offloading_size, preemption_mode |
+| `kv_imports` | requests resuming a prefill another engine shipped (disaggregated serving) | (always on) |
+| `logits_processors` | custom logits processors, run inside the step | logits_processors |
 """
 
 from __future__ import annotations
 
+from serving.features import host_kv_tier
+from serving.features.kv_imports import KVImports
 from serving.features.logits_processors import LogitsProcessors, ProcessorConfig
 
 
 def build_parts(options: dict, cfg) -> list:
     """The step parts `options` (every option of `serving.core.engine_args`, resolved) ask for, for a model of
-    config `cfg`; raises ValueError naming the option when one cannot be built."""
+    config `cfg`: parts, and functions that build one from the engine (`Engine(parts=...)`), in the order the
+    engine calls them. Raises ValueError naming the option when one cannot be built (before anything loads)."""
     parts = []
+    tier = []  # the host tier, once the engine has built it
+    if host_kv_tier.capacity_from_options(options):
+        def build_tier(engine):
+            tier.extend(t for t in [host_kv_tier.for_engine(engine)] if t is not None)
+            return tier[0] if tier else None
+
+        parts.append(build_tier)
+    # An import's write must not land on a page before the host tier has copied it out.
+    parts.append(lambda engine: KVImports.for_engine(engine, before_write=tier[0].flush if tier else None))
     if options.get("logits_processors"):
         parts.append(LogitsProcessors(options["logits_processors"],
                                       ProcessorConfig(vocab_size=cfg.vocab_size, max_num_seqs=options["max_num_seqs"])))

@@ -19,16 +19,26 @@ from serving.core.step_parts import StepPart
 
 
 class KVImports(StepPart):
-    def __init__(self, scheduler, runner, take_token):
-        """`take_token(seq, token, row, result, now, it)`: the engine's handling of a sampled token."""
+    def __init__(self, scheduler, runner, take_token, before_write=None):
+        """`take_token(seq, token, row, result, now, it)`: the engine's handling of a sampled token.
+        `before_write()`: called before an import writes the cache (the host tier copies evicted pages out
+        first)."""
         self.scheduler, self.runner, self.take_token = scheduler, runner, take_token
         self.pending: list = []  # requests in arrival order
-        self.before_write = None  # called before an import writes the cache (the host tier copies evicted pages out)
+        self.before_write = before_write
 
-    def add(self, req) -> None:
+    @classmethod
+    def for_engine(cls, engine, before_write=None) -> "KVImports":
+        return cls(engine.scheduler, engine.runner, engine.take_token, before_write)
+
+    def enqueue(self, req) -> bool:
+        """A request with a `kv_import` waits here for its seat and pages; the others go to the scheduler."""
+        if req.kv_import is None:
+            return False
         self.pending.append(req)
+        return True
 
-    def discard(self, req) -> None:
+    def abort(self, req) -> None:
         if req in self.pending:
             self.pending.remove(req)
 

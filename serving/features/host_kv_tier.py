@@ -52,10 +52,10 @@ from model.families import kv_bytes_per_token
 from model.quant import SCALE_DTYPE, is_quantized_dtype
 from serving.core import kv_pages
 from serving.core.block_manager import NO_PAGE
+from serving.core.engine_args import HOST_KV_TIER, PREEMPTION_MODES
 from serving.core.sequence import SequenceStatus
 from serving.core.step_parts import StepPart
 
-PREEMPTION_MODES = ("recompute", "swap", "auto")
 # Buckets of the restore latency histogram (seconds).
 RESTORE_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
@@ -211,9 +211,40 @@ class _Offload:
     scale: object
 
 
+def capacity_from_options(options) -> int:
+    """The host tier's budget in bytes that the engine options ask for (0: no tier); a ValueError names
+    the option when they do not fit together. `options`: a mapping or an `EngineConfig`."""
+    get = options.get if isinstance(options, dict) else lambda name: getattr(options, name)
+    capacity = offload_bytes(get("kv_offload_bytes"), get("kv_offloading_size"))
+    if capacity == 0:
+        if get("preemption_mode") != "recompute":
+            raise ValueError(f"preemption_mode={get('preemption_mode')!r} swaps pages to the host tier: "
+                             "set kv_offload_bytes (or kv_offloading_size)")
+        return 0
+    if not get("enable_prefix_caching"):
+        raise ValueError("kv_offload_bytes: the host tier extends the prefix cache; it needs "
+                         "enable_prefix_caching")
+    return capacity
+
+
+def for_engine(engine) -> Optional["HostKVTier"]:
+    """The engine's host tier, when its options ask for one (`Engine(parts=...)` calls this once the
+    engine's block manager, scheduler and runner exist)."""
+    capacity = capacity_from_options(engine.config)
+    if capacity == 0:
+        return None
+    if getattr(engine.runner, "_spans_processes", lambda: False)():
+        raise ValueError("kv_offload_bytes: the host tier is not supported on a mesh spanning processes yet "
+                         "(its copies to host memory are read on process 0 alone)")
+    return HostKVTier(engine.block_manager, engine.scheduler, engine.runner, engine.cfg, engine.cache_dtype,
+                      capacity, engine.config.preemption_mode)
+
+
 class HostKVTier(StepPart):
     """The host tier and swap preemption, plugged into the block manager (`host`), the scheduler
     (`on_preempt`) and the engine step (a `StepPart`)."""
+
+    serves = HOST_KV_TIER
 
     def __init__(self, block_manager, scheduler, runner, cfg, cache_dtype, capacity_bytes: int,
                  preemption_mode: str = "recompute", max_transfer_pages: int = 64):
@@ -422,6 +453,16 @@ class HostKVTier(StepPart):
     def snapshot(self) -> HostTierStats:
         self.stats.used_pages = self.pool.num_used
         return dataclasses.replace(self.stats, restore_latency_counts=list(self.stats.restore_latency_counts))
+
+    # --- the part's reports (`StepPart`) ---------------------------------------------------------------
+    def engine_stats(self) -> dict:
+        return {"host_kv": self.snapshot()}
+
+    def describe(self) -> dict:
+        return {"kv_offload_pages": self.pool.num_pages, "kv_offload_bytes": self.pool.nbytes}
+
+    def reset_prefix_cache(self) -> None:
+        self.reset()
 
     def check_invariants(self) -> None:
         """The pool's bookkeeping (`HostPagePool.check_invariants`); every pending page belongs to a copy
