@@ -118,7 +118,7 @@ def weight_files(hf_dir: str) -> dict[str, str]:
         absent = sorted({p for p in located.values() if not os.path.isfile(p)})
         if absent:
             raise ConversionError(f"{INDEX_FILE} lists shards that are missing: "
-                                  f"{[os.path.basename(p) for p in absent]}")
+                                  f"{[os.path.basename(p) for p in absent]}; download them again")
         return located
     single = os.path.join(hf_dir, SINGLE_FILE)
     files = [single] if os.path.isfile(single) else sorted(

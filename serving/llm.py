@@ -21,6 +21,7 @@ from model.checkpoint import load_checkpoint, load_config
 from model.generation_config import read_generation_config
 from model.quant import check_kv_cache_dtype, check_weight_dtype
 from model.tokenizer import ByteTokenizer, load_tokenizer
+from serving import model_source
 from serving.cluster import distributed, multihost
 from serving.core import compile_cache, engine_args
 from serving.core.lora_manager import LoRARequest, parse_lora_modules
@@ -122,11 +123,16 @@ class LLM:
     """
 
     @engine_args.with_option_keywords
-    def __init__(self, checkpoint: Optional[str] = None, *, config=None, params=None, tokenizer=None,
-                 warmup: Union[bool, str, None] = None, speculative_draft=None, **options):
-        """Every option of `serving.core.engine_args.OPTIONS` is a keyword here, with its declared default (the
+    def __init__(self, checkpoint: Optional[str] = None, *, model: Optional[str] = None, config=None, params=None,
+                 tokenizer=None, warmup: Union[bool, str, None] = None, speculative_draft=None, **options):
+        """`checkpoint` (or `model`, vLLM's name for it): a Ridgeline checkpoint directory, a Hugging Face
+        checkpoint directory (converted once, the copy cached) or a Hugging Face Hub id (`serving.model_source`).
+        Every option of `serving.core.engine_args.OPTIONS` is a keyword here, with its declared default (the
         signature lists them); `EngineConfig` gets those it holds. The options:
         """
+        if model is not None and checkpoint is not None and model != checkpoint:
+            raise ValueError(f"pass checkpoint or model, not both (got {checkpoint!r} and {model!r})")
+        checkpoint = checkpoint if checkpoint is not None else model
         opts = engine_args.resolve(options)
         t0 = time.perf_counter()
         check_weight_dtype(opts["weight_dtype"])  # before any loading: a typo costs nothing
@@ -141,11 +147,14 @@ class LLM:
         generation = None  # the checkpoint's generation_config.json defaults
         if opts["generation_config"] not in ("auto", "off"):
             raise ValueError(f"generation_config must be 'auto' or 'off', got {opts['generation_config']!r}")
+        self.model_name = None  # the name MODEL gives clients by default (None: the checkpoint directory's)
         if config is None:
             directory = checkpoint or default_checkpoint_dir()
-            if not os.path.isdir(directory):
-                raise FileNotFoundError(f"no checkpoint at {directory}"
-                                        + ("" if checkpoint else " (the embedded default model is missing)"))
+            if checkpoint:
+                resolved = model_source.resolve(checkpoint, opts["compilation_cache_dir"])
+                directory, self.model_name = resolved.checkpoint, resolved.name
+            elif not os.path.isdir(directory):
+                raise FileNotFoundError(f"no checkpoint at {directory} (the embedded default model is missing)")
             config = load_config(directory)
             if hasattr(layout, "check"):  # a pipeline layout: the layers must split into its stages
                 layout.check(config)

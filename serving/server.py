@@ -65,7 +65,12 @@ def define_flags(flag_values: Optional[flags.FlagValues] = None) -> None:
     fv = FLAGS if flag_values is None else flag_values
     flags = _DefinitionsInto(fv)  # every flags.DEFINE_* below lands in `fv`
     engine_args.define_flags(fv)
-    flags.DEFINE_string("checkpoint", None, "Checkpoint directory; none serves the embedded default model.")
+    flags.DEFINE_string("checkpoint", None, "The model (also the first argument, as `vllm serve MODEL`): a Ridgeline "
+                        "checkpoint directory, a Hugging Face checkpoint directory (converted on first use, the "
+                        "copy cached beside the compilation cache) or a Hugging Face Hub id (org/name; "
+                        "HF_HUB_OFFLINE=1: from the cache only); none serves the embedded default model.")
+    flags.DEFINE_string("chat_template", None, "A chat template replacing the checkpoint's: a file, or the Jinja "
+                        "template itself.")
     flags.DEFINE_string("host", "127.0.0.1", "Address to bind (0.0.0.0 to serve other machines).")
     flags.DEFINE_integer("port", 8000, "Port to listen on.")
     flags.DEFINE_enum("warmup", "background", ["background", "full"],
@@ -115,6 +120,8 @@ def define_flags(flag_values: Optional[flags.FlagValues] = None) -> None:
                                                       "return, bytes.")
     flags.DEFINE_float("media_fetch_timeout_s", 10.0, "Longest an image URL fetch may take, seconds.")
     flags.DEFINE_enum("log_level", "info", ["debug", "info", "warning", "error"], "Log level of the server.")
+    flags.DEFINE_enum("uvicorn_log_level", None, ["critical", "error", "warning", "info", "debug", "trace"],
+                      "Log level of uvicorn (its access log among it); default: --log_level.")
     flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0's coordination service "
                                                      "(default: $RIDGELINE_COORDINATOR_ADDRESS, else detected).")
     flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes (default: "
@@ -157,8 +164,9 @@ def responses_store_from_flags():
 
 
 def default_model_name(llm) -> str:
-    import os
-
+    """The name clients send by default: what MODEL gave (a Hub id as written, a directory's base name)."""
+    if getattr(llm, "model_name", None):
+        return llm.model_name
     return os.path.basename(os.path.normpath(llm.checkpoint)) if llm.checkpoint else "ridgeline-random"
 
 
@@ -396,12 +404,46 @@ def refuse(problem) -> None:
 
 
 def _parse_flags(argv):
-    """absl's flag parsing, with a bad flag refused as any other start is (`refuse`) instead of absl's
-    'FATAL Flags parsing error' and exit status 1."""
+    """absl's flag parsing after vLLM's spellings are translated (`serving.vllm_flags`), with a bad flag
+    refused as any other start is (`refuse`) instead of absl's 'FATAL Flags parsing error' and exit status 1;
+    a first argument that is no flag is the model (`vllm serve MODEL`)."""
     try:
-        return FLAGS(argv)
-    except flags.Error as e:
-        refuse(f"{e} (--helpfull lists the flags)")
+        return model_from_arguments(FLAGS(translate_vllm_flags(argv, FLAGS)), FLAGS)
+    except (flags.Error, ValueError) as e:
+        refuse(f"{e} (--helpfull lists the flags)" if isinstance(e, flags.Error) else e)
+
+
+def translate_vllm_flags(argv, flag_values) -> list:
+    """`argv` with vLLM's flag spellings rewritten as the flags `flag_values` defines."""
+    from serving.vllm_flags import translate
+
+    names = list(flag_values)
+    return translate(argv, names, [n for n in names if flag_values[n].boolean])
+
+
+def model_from_arguments(argv, flag_values) -> list:
+    """The positional MODEL, if any, set as --checkpoint; returns argv[:1] (absl's remaining arguments)."""
+    positional = argv[1:]
+    if len(positional) > 1:
+        raise ValueError(f"one MODEL argument is taken, got {len(positional)}: {' '.join(positional)}")
+    if positional:
+        if flag_values.checkpoint not in (None, positional[0]):
+            raise ValueError(f"MODEL {positional[0]} and --checkpoint {flag_values.checkpoint}: pass one")
+        flag_values.checkpoint = positional[0]
+    return argv[:1]
+
+
+def chat_template_from_flags(flag_values) -> Optional[str]:
+    """--chat_template's template: a file's text when it names one, else the value itself (as vLLM reads it)."""
+    value = flag_values.chat_template
+    if not value:
+        return None
+    if os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    if "{" not in value:  # neither a file nor a template: most likely a mistyped path
+        raise ValueError(f"--chat_template {value}: no such file, and not a Jinja template")
+    return value
 
 
 def _set_log_level() -> None:
@@ -453,7 +495,11 @@ class _Start:
     def load(self) -> None:
         """The `LLM` (the engine built, the first step shapes compiled, the rest compiling meanwhile)."""
         log.info("loading %s", FLAGS.checkpoint or "the embedded default model")
+        template = chat_template_from_flags(FLAGS)  # a bad path is refused before the load
         self.llm = make_llm_from_flags()
+        if template is not None and self.llm.tokenizer is not None:
+            self.llm.tokenizer.chat_template = template
+            log.info("chat template: from --chat_template, not the checkpoint's")
         for line in describe_startup(self.llm):
             log.info("%s", line)
 
@@ -495,8 +541,9 @@ class _Start:
         log.info("serving %r on http://%s:%d (OpenAI API under /v1, metrics at /metrics)", name, FLAGS.host,
                  FLAGS.port)
         try:
-            config = uvicorn.Config(self.app, host=FLAGS.host, port=FLAGS.port, log_level=FLAGS.log_level,
-                                    lifespan="off", timeout_keep_alive=30)
+            config = uvicorn.Config(self.app, host=FLAGS.host, port=FLAGS.port,
+                                    log_level=FLAGS.uvicorn_log_level or FLAGS.log_level, lifespan="off",
+                                    timeout_keep_alive=30)
             try:
                 DrainingServer(config, self.app.state.drain).run()  # the first SIGTERM drains (serving.api.drain)
             except KeyboardInterrupt:  # SIGINT, re-raised by uvicorn once it has shut down (as uvicorn.run does)
