@@ -3,6 +3,11 @@
     python -m serving.server --port 8000                       # the embedded byte model
     python -m serving.server --checkpoint /ckpt/llama3-8b --max_num_seqs 256 \\
         --max_num_batched_tokens 4096 --page_size 16
+    ridgeline serve Qwen/Qwen3-0.6B --max-model-len 4k         # vLLM's spelling (serving.vllm_flags)
+
+The model is the first argument or `--checkpoint`: a Ridgeline checkpoint, a
+Hugging Face checkpoint directory or a Hub id (`serving.model_source`, which
+converts a Hugging Face checkpoint once and caches the result).
 
 Startup turns on JAX's persistent compilation cache (`serving.core.compile_cache`;
 `--compilation_cache_dir`, default `~/.cache/ridgeline/jax`), builds the `LLM`
