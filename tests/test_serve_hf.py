@@ -186,8 +186,18 @@ def test_llm_takes_a_hf_directory_as_model(tiny_hf, tmp_path):
               max_num_batched_tokens=16, num_pages=8, max_model_len=64)
     assert llm.config.num_layers == 1 and llm.config.vocab_size == 448
     assert llm.checkpoint.startswith(str(tmp_path / "cache" / "converted"))
+    from serving.server import default_model_name
+
+    assert default_model_name(llm) == os.path.basename(tiny_hf)  # the source's name, not the cache key
     out = llm.generate("hello", SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_llm_refuses_two_different_models():
+    from serving import LLM
+
+    with pytest.raises(ValueError, match="not both"):
+        LLM("/a", model="/b")
 
 
 # --- bad MODELs: one line, exit status 2 ---------------------------------------------------------------------
