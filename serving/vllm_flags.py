@@ -176,10 +176,12 @@ def _speculative_config(value: str) -> dict:
     """{"method": "ngram" | "draft_model", "model": ..., "num_speculative_tokens": k}; a model without a
     method is a draft model, as in vLLM."""
     spec = _json_object(value)
-    _refuse_unknown_keys(spec, ("method", "model", "num_speculative_tokens"))
+    _refuse_unknown_keys(spec, ("method", "model", "num_speculative_tokens", "prompt_lookup_max",
+                                "prompt_lookup_min"))
     method = spec.get("method") or ("draft_model" if spec.get("model") else None)
     if method not in _SPECULATIVE_METHODS:
         raise VllmFlagError(f"method {method!r} is not supported (supported: {', '.join(_SPECULATIVE_METHODS)})")
+    _check_prompt_lookup(spec)
     out = {"speculative_method": _SPECULATIVE_METHODS[method]}
     if "num_speculative_tokens" in spec:
         out["num_speculative_tokens"] = _int(str(spec["num_speculative_tokens"]))
@@ -188,6 +190,16 @@ def _speculative_config(value: str) -> dict:
             raise VllmFlagError("method ngram takes no model")
         out["speculative_model"] = str(spec["model"])
     return out
+
+
+def _check_prompt_lookup(spec: dict) -> None:
+    """prompt_lookup_max / _min are accepted as the sizes the n-gram proposer matches, and refused otherwise."""
+    from serving.spec_decode.ngram import MAX_N, MIN_N
+
+    for key, ours in (("prompt_lookup_max", MAX_N), ("prompt_lookup_min", MIN_N)):
+        if key in spec and spec[key] != ours:
+            raise VllmFlagError(f"{key}={spec[key]!r} is not supported: prompt lookup matches n-grams of "
+                                f"{MIN_N} to {MAX_N} tokens (prompt_lookup_min={MIN_N}, prompt_lookup_max={MAX_N})")
 
 
 def _structured_outputs_config(value: str) -> dict:
@@ -272,7 +284,8 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag("max-loras", "--max_loras", SAME, _same("max_loras", _int)),
     VllmFlag("speculative-config", "--speculative_method, --num_speculative_tokens, --speculative_model",
              "methods ngram and draft_model (a model without a method is a draft model); fields method, "
-             "model, num_speculative_tokens", _speculative_config),
+             "model, num_speculative_tokens, and prompt_lookup_max / _min at 4 / 1 (the n-gram sizes matched)",
+             _speculative_config),
     VllmFlag("tool-call-parser", "--tool_call_parser", "same meaning, for the parsers Ridgeline has",
              _same("tool_call_parser")),
     VllmFlag("enable-auto-tool-choice", "(with --tool_call_parser)", "accepted, needs --tool-call-parser (as in "

@@ -64,6 +64,8 @@ CASES = [
     (["--max-loras", "3"], {"max_loras": 3}),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
      {"speculative_method": "ngram", "num_speculative_tokens": 3, "speculative_model": None}),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4, '
+      '"prompt_lookup_min": 1}'], {"speculative_method": "ngram", "num_speculative_tokens": 2}),
     (["--speculative-config", '{"model": "/draft", "num_speculative_tokens": 2}'],
      {"speculative_method": "draft", "num_speculative_tokens": 2, "speculative_model": "/draft"}),
     (["--tool-call-parser", "hermes"], {"tool_call_parser": "hermes"}),
@@ -134,7 +136,8 @@ def test_every_target_is_a_flag_the_server_defines():
     (["--gpu-memory-utilization", "1.5"], ["--gpu-memory-utilization", "(0, 1]"]),
     (["--max-model-len", "lots"], ["--max-model-len", "4k"]),
     (["--speculative-config", '{"method": "eagle3", "model": "x"}'], ["--speculative-config", "eagle3"]),
-    (["--speculative-config", '{"method": "ngram", "prompt_lookup_max": 4}'], ["prompt_lookup_max"]),
+    (["--speculative-config", '{"method": "ngram", "prompt_lookup_max": 5}'], ["prompt_lookup_max=5", "1 to 4"]),
+    (["--speculative-config", '{"method": "ngram", "num_lookahead_slots": 4}'], ["num_lookahead_slots"]),
     (["--speculative-config", "{bad json"], ["--speculative-config", "invalid JSON"]),
     (["--structured-outputs-config", '{"backend": "xgrammar"}'], ["xgrammar", "llguidance"]),
     (["--served-model-name", "a", "b"], ["--served-model-name", "one name"]),

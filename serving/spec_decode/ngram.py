@@ -13,12 +13,16 @@ from __future__ import annotations
 import numpy as np
 
 
+# The n-gram sizes matched, longest first (vLLM's prompt_lookup_max / prompt_lookup_min).
+MAX_N, MIN_N = 4, 1
+
+
 class NgramProposer:
     """Host-side; `propose` looks at the tail of every sequence that decodes next step."""
 
     draft_probs = None  # drafts are point masses: no distributions on device
 
-    def __init__(self, num_speculative_tokens: int, max_n: int = 4, min_n: int = 1, window: int = 1024):
+    def __init__(self, num_speculative_tokens: int, max_n: int = MAX_N, min_n: int = MIN_N, window: int = 1024):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.k = num_speculative_tokens
