@@ -251,3 +251,32 @@ def test_a_bad_model_is_one_line_and_exit_status_2(case, words, tiny_hf, tmp_pat
     proc = subprocess.run(serve_command(model, "--port", str(free_port())), cwd=ROOT,
                           env=server_env(tmp_path, HF_HUB_OFFLINE="1"), capture_output=True, text=True, timeout=300)
     assert_refused(proc, *words)
+
+
+# --- the Hub, online (huggingface_hub's download stood in for: no network here) --------------------------------
+
+
+def test_online_a_hub_id_is_downloaded_into_the_cache_and_a_missing_repo_named(tiny_hf, tmp_path, monkeypatch):
+    import httpx
+    import huggingface_hub
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    calls = []
+
+    def download(repo_id, **kwargs):
+        calls.append((repo_id, kwargs))
+        if repo_id != REPO_ID:
+            raise RepositoryNotFoundError("404", response=httpx.Response(404, request=httpx.Request("GET", "x")))
+        return put_in_hub_cache(tiny_hf, kwargs["cache_dir"].rsplit(os.sep, 1)[0])
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    resolved = model_source.resolve(REPO_ID, str(tmp_path / "cache" / "jax"))
+    assert resolved.name == REPO_ID and os.path.isfile(os.path.join(resolved.checkpoint, "model_config.json"))
+    (repo_id, kwargs), = calls
+    assert kwargs["cache_dir"] == str(tmp_path / "hf_home" / "hub") and kwargs["local_files_only"] is False
+    assert "*.safetensors" in kwargs["allow_patterns"] and "*.bin" not in kwargs["allow_patterns"]
+    with pytest.raises(model_source.ModelSourceError, match="no model other-org/absent on the Hugging Face Hub"):
+        model_source.resolve("other-org/absent", str(tmp_path / "cache" / "jax"))
