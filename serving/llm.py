@@ -189,12 +189,14 @@ class LLM:
         self.multihost = multihost.attach(self.engine)  # None when this process runs alone
         self.warmup_info = None
         warmup = resolve_warmup(warmup)
+        if warmup in ("as_needed", "background") and self.multihost is None:
+            # Both compile in a thread: a process must not exit in the middle of an XLA compile (it aborts),
+            # so at exit the one under way ends first and no other starts.
+            programs = weakref.ref(self.engine.runner.programs)
+            atexit.register(lambda: programs() is not None and programs().stop())
         if warmup == "as_needed":
             if self.multihost is None:  # processes compile together, in step order
                 self.engine.warm_up_as_needed()
-                programs = weakref.ref(self.engine.runner.programs)
-                # A process must not exit in the middle of an XLA compile: the one under way ends first.
-                atexit.register(lambda: programs() is not None and programs().stop())
         elif warmup:
             before = compile_cache.compile_counts()
             if self.multihost is not None:  # processes compile every shape together

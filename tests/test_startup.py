@@ -264,3 +264,21 @@ def test_a_compile_after_warm_up_says_why(caplog):
     signature["sig"] = ((4, 16), "float32")
     assert programs.why(programs._key(shape(8))) == \
         "argument signature: element 0: element 1: 16, closest compiled 8"
+
+
+def test_a_script_that_exits_during_the_background_warm_up_exits_cleanly(tmp_path):
+    """`LLM(warmup="background")` leaves buckets compiling in a thread; a script that ends at once must not
+    abort in the middle of an XLA compile ("FATAL: exception not rethrown", status 134): the compile under
+    way ends first and no other starts."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import SUBPROCESS_XLA_FLAGS
+
+    script = "from serving import LLM\nllm = LLM(warmup='background')\nassert llm.engine.stats().warmup.compiled < 49\n"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=SUBPROCESS_XLA_FLAGS,
+               RIDGELINE_COMPILATION_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "FATAL" not in proc.stderr and "Abort" not in proc.stderr
