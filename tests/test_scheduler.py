@@ -170,9 +170,10 @@ def test_a_request_waiting_for_a_lora_slot_is_passed_but_not_starved():
     """One slot (max_loras=1), adapter "a" running: a request of adapter "b" waits for the slot, keeping
     its place, while base-model requests and requests of "a" behind it are admitted; once it has waited
     LORA_PASS_LIMIT steps only base-model requests pass it, "a" drains, and "b" runs next."""
-    from serving.core.scheduler import LORA_PASS_LIMIT
+    from serving.core.lora_manager import LORA_PASS_LIMIT, LoraAdmission
 
-    s = Scheduler(SchedulerConfig(8, 64, 256, max_loras=1), BlockManager(64, 4))
+    gate = LoraAdmission(max_loras=1)
+    s = Scheduler(SchedulerConfig(8, 64, 256), BlockManager(64, 4), gates=[gate])
 
     def add(rid, lora, max_tokens):
         seq = make_seq([3, 4, 5], rid, max_tokens=max_tokens)
@@ -205,7 +206,7 @@ def test_a_request_waiting_for_a_lora_slot_is_passed_but_not_starved():
     assert step() == {"b0"}
     assert step() == {"b0"} and [q.request.request_id for q in s.waiting] == ["a-late"]  # "b" holds the slot
     assert step() == {"a-late"}
-    assert not s.lora_waits or set(s.lora_waits) == {q.seq_id for q in s.waiting}
+    assert not gate.waits or set(gate.waits) == {q.seq_id for q in s.waiting}
 
 
 def test_running_sequences_are_served_before_waiting_ones():

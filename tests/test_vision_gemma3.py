@@ -285,8 +285,14 @@ def test_engine_batch_matches_transformers_without_recompiling(served):
     model, processor, llm, _, _ = served
     a, b, c = make_images()
     before = model_runner.compilation_count()
-    outs = llm.generate([request(a), request(c), TEXT + TAIL, request(b)], greedy())
+    steps = []
+    llm.engine.stats_log.add_listener(steps.append)
+    try:
+        outs = llm.generate([request(a), request(c), TEXT + TAIL, request(b)], greedy())
+    finally:
+        llm.engine.stats_log.remove_listener(steps.append)
     assert model_runner.compilation_count() == before  # warm-up compiled every shape image steps use
+    assert steps[0].q_lens[0] == len(TEXT) + 1  # the first chunk stopped before the image (the scheduler's gate)
     for image, out in zip((a, c, None, b), outs):
         ids = list(out.prompt_token_ids)
         assert ids.count(IMAGE_ID) == (IMAGE_TOKENS if image is not None else 0)

@@ -32,9 +32,9 @@ from serving.core import compute_dtype, engine_args, sampling_controls
 from serving.core.block_manager import BlockManager, adapter_digest, is_cache_salt, releasing_window
 from serving.core.input_batch import Buckets, pack_step, sampling_row
 from serving.core.model_runner import ModelRunner
-from serving.core.multimodal import Multimodal
+from serving.core.multimodal import ImageChunks, Multimodal
 from serving.core.kv_pool import default_num_pages
-from serving.core.lora_manager import LoraManager, UnknownLoraError
+from serving.core.lora_manager import LoraAdmission, LoraManager, UnknownLoraError
 from serving.core.output_processor import OutputProcessor
 from serving.core.outputs import RequestOutput
 from serving.core.sampling_params import InvalidParameterError, SamplingParams, with_defaults
@@ -130,9 +130,9 @@ class Engine:
         self.block_manager = BlockManager(num_pages, ps, config.enable_prefix_caching,
                                           window=None if config.speculative_method else releasing_window(cfg))
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, model_len,
-                                                   rows, policy=config.scheduling_policy,
-                                                   max_loras=config.max_loras if config.enable_lora else None),
-                                   self.block_manager)
+                                                   rows, policy=config.scheduling_policy),
+                                   self.block_manager,
+                                   gates=[LoraAdmission(config.max_loras)] if config.enable_lora else [])
         # LoRA adapters: registered, host-loaded and in device slots (None without enable_lora).
         self.lora = None
         if config.enable_lora:
@@ -177,6 +177,7 @@ class Engine:
             self.multimodal = Multimodal(cfg, self.runner.params.vision, cache_bytes=config.encoder_cache_mb << 20,
                                          limit_per_prompt=config.limit_mm_per_prompt)
             self.parts.append(self.multimodal)
+            self.scheduler.gates.append(ImageChunks())
         # Overlapped scheduling needs a runner that dispatches without waiting; speculative
         # steps choose the next step's drafts from this step's tokens, so they run one at a time.
         self.overlap = config.async_scheduling and self.spec is None

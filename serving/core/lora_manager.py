@@ -10,7 +10,7 @@ Three tiers, as vLLM has them:
 * *slots*: the `max_loras` device slots every step takes (`ModelRunner.load_lora`). An adapter gets a
   slot when a step schedules one of its requests; a slot is reused only when no running sequence
   uses its adapter, least recently used first. The scheduler never runs more than `max_loras`
-  distinct adapters at once (`SchedulerConfig.max_loras`), so a slot is always free or reusable.
+  distinct adapters at once (`LoraAdmission`, the scheduler's gate), so a slot is always free or reusable.
 
 Unloading an adapter that unfinished requests use is deferred: new requests can no longer name it,
 and it leaves once its last request finishes (`after_step`). Requests count as users from the
@@ -33,7 +33,12 @@ import numpy as np
 
 from model import lora as lora_model
 from model.lora import LoraAdapter, LoraError
+from serving.core.scheduler import AdmissionGate
 from serving.core.step_parts import StepPart
+
+# Steps a request waiting for a LoRA slot lets requests of the running adapters pass it (base-model
+# requests always may: they hold no slot).
+LORA_PASS_LIMIT = 32
 
 
 class UnknownLoraError(LookupError):
@@ -67,6 +72,34 @@ def parse_lora_modules(spec) -> dict[str, str]:
             raise ValueError(f"lora_modules: adapter name {name!r} given twice")
         out[name] = path
     return out
+
+
+class LoraAdmission(AdmissionGate):
+    """The scheduler's gate for LoRA: a waiting request whose adapter would be one more than the `max_loras`
+    device slots waits, keeping its place, while base-model requests (which hold no slot) and those of the
+    adapters already running pass it; after `LORA_PASS_LIMIT` steps of waiting only base-model requests
+    pass it, so the running adapters drain and a slot frees."""
+
+    def __init__(self, max_loras: int):
+        self.max_loras = max_loras
+        self.waits: dict[int, int] = {}  # seq_id -> steps it has waited for a slot
+
+    def needs(self, seq) -> bool:
+        return seq.request.lora_name is not None
+
+    def fits(self, seq, running) -> bool:
+        name = seq.request.lora_name
+        if name is None:
+            return True
+        active = {s.request.lora_name for s in running} - {None}
+        return name in active or len(active) < self.max_loras
+
+    def waited(self, seq) -> bool:
+        waited = self.waits[seq.seq_id] = self.waits.get(seq.seq_id, 0) + 1
+        return waited > LORA_PASS_LIMIT
+
+    def forget(self, seq) -> None:
+        self.waits.pop(seq.seq_id, None)
 
 
 class LoraManager(StepPart):

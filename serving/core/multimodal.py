@@ -19,7 +19,7 @@ images): the decoder takes the image's embedding only in those rows, so a placeh
 generates keeps its own embedding (`model.forward.merge_image_embeds`), as in transformers. A model that
 attends among one image's tokens both ways (Gemma 3, `VisionConfig.bidirectional`) also reads them as
 the image's attention span (`kernels_pallas.reference`), and its prefill chunks never end inside an
-image (`RequestImages.chunk_stop`, asked by the scheduler): an
+image (`RequestImages.chunk_stop`, asked through the scheduler's `ImageChunks` gate): an
 image's first tokens attend to its last, so they must be computed in one step. A chunk that would cut
 an image ends before it, or, when it starts inside one (after a prefix hit that ended there), takes the
 image's rest or waits for a step with room. A prefix hit may end inside an image: the cached pages
@@ -53,6 +53,7 @@ from model.vision import encoder
 from model.vision.qwen2_5_vl_processor import to_rgb
 from model.vision import encoder_buckets
 from serving.core.sampling_params import InvalidParameterError
+from serving.core.scheduler import AdmissionGate
 from serving.core.step_parts import StepPart
 
 FIELD = "multi_modal_data"
@@ -172,6 +173,15 @@ class RequestImages:
                 embed_rows[lo - start:hi - start] = im.encoded.embeds[lo - im.start:hi - im.start]
                 if span_rows is not None:
                     span_rows[lo - start:hi - start] = im.start + im.encoded.num_tokens
+
+
+class ImageChunks(AdmissionGate):
+    """The scheduler's gate for images: a prefill chunk never ends inside an image attended both ways
+    (`RequestImages.chunk_stop`)."""
+
+    def chunk_end(self, seq, start: int, end: int) -> int:
+        images = getattr(seq.request, "images", None)
+        return end if images is None else images.chunk_stop(start, end)
 
 
 class Multimodal(StepPart):

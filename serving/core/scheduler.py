@@ -32,11 +32,15 @@ lowest priority; and when the request at the head of the queue finds no seat
 or too few pages for its first chunk, running sequences of strictly lower
 priority are preempted for it before the step is planned. With every priority equal this is FCFS.
 
-LoRA adapters (`max_loras`): a waiting request whose adapter would be one more than the device's
-slots is skipped, keeping its place, and the requests behind it are considered (vLLM V1's scheduler
-does the same): base-model requests, which hold no slot, and those of adapters already running. So
-that it is not starved by a stream of requests of the running adapters, after `LORA_PASS_LIMIT`
-steps of waiting only base-model requests pass it: the running adapters drain and a slot frees.
+Features limit admission and chunking through gates (`AdmissionGate`, given as
+`Scheduler(gates=...)`), which name no feature here: a waiting sequence a gate
+does not fit now (LoRA: its adapter would be one more than the device's slots,
+`lora_manager.LoraAdmission`) is skipped, keeping its place, and the sequences
+behind it are considered (vLLM V1's scheduler does the same). So that it is not
+starved by a stream of sequences that do fit, once a gate says it has waited too
+long (`AdmissionGate.waited`) only sequences that need nothing of that gate pass
+it: the gate's holders drain and it fits. A gate may also end a prefill chunk
+early (`chunk_end`: never inside an image attended both ways).
 
 Logit rows are a second, smaller budget (`max_logit_rows`): a sequence that
 completes its tokens this step needs one row per sample it draws (n at the
@@ -60,9 +64,31 @@ from serving.core.sequence import Sequence, SequenceStatus
 
 
 POLICIES = ("fcfs", "priority")
-# Steps a request waiting for a LoRA slot lets requests of the running adapters pass it (base-model
-# requests always may: they hold no slot).
-LORA_PASS_LIMIT = 32
+
+
+class AdmissionGate:
+    """A limit a feature puts on which waiting sequences are admitted, and where prefill chunks end.
+    Each method's default imposes nothing."""
+
+    def fits(self, seq: Sequence, running: list) -> bool:
+        """Whether admitting `seq` now, beside the `running` sequences, keeps within the gate's limit."""
+        return True
+
+    def needs(self, seq: Sequence) -> bool:
+        """Whether `seq` takes anything of what the gate limits (a sequence that does not passes a starving one)."""
+        return False
+
+    def waited(self, seq: Sequence) -> bool:
+        """`seq` did not fit this step; whether it has now waited so long that only sequences the gate does
+        not limit may pass it."""
+        return False
+
+    def forget(self, seq: Sequence) -> None:
+        """`seq` was admitted or finished: the gate drops what it kept of it."""
+
+    def chunk_end(self, seq: Sequence, start: int, end: int) -> int:
+        """Where a prefill chunk of `seq` from `start` to `end` may end (<= `end`; `start`: not at all now)."""
+        return end
 
 
 def priority_order(seq: Sequence) -> tuple:
@@ -78,8 +104,6 @@ class SchedulerConfig:
     max_model_len: int
     max_logit_rows: int | None = None  # defaults to max_num_seqs
     policy: str = "fcfs"  # one of POLICIES
-    # LoRA: the most distinct adapters among running sequences (the device's adapter slots); None: no limit.
-    max_loras: int | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -127,11 +151,11 @@ class PoolTooSmall(Exception):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, gates=()):
         self.config = config
         self.bm = block_manager
+        self.gates: list[AdmissionGate] = list(gates)  # the features' limits (the module's docstring)
         self.waiting: collections.deque[Sequence] = collections.deque()
-        self.lora_waits: dict[int, int] = {}  # seq_id -> steps it has waited for a LoRA slot
         self.running: list[Sequence] = []
         # Counters (cumulative).
         self.num_preemptions = 0
@@ -176,7 +200,7 @@ class Scheduler:
         the caller writes the rest of the K/V; None when no seat or pages are free now, in which
         case nothing changed. Raises `PoolTooSmall` when even an idle pool cannot hold it.
         """
-        if self.num_seats_running + seq.num_seats > self.config.max_num_seqs or not self._adapter_fits(seq):
+        if self.num_seats_running + seq.num_seats > self.config.max_num_seqs or self._holding_gate(seq):
             return None  # (a shipped prefill has n = 1: serving.disaggregation)
         n = seq.num_prompt_tokens
         hits = self.bm.lookup_prefix(seq)
@@ -215,7 +239,8 @@ class Scheduler:
             except ValueError:
                 pass
         self.bm.free_seq(seq)
-        self.lora_waits.pop(seq.seq_id, None)
+        for gate in self.gates:
+            gate.forget(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
@@ -257,9 +282,9 @@ class Scheduler:
             if start + n == end and rows(n) > rows_left:
                 n = remaining - 1  # not enough rows to sample yet: stop one short
                 n = min(n, rows_left) if rows(n) > rows_left else n
-        images = getattr(seq.request, "images", None)
-        if images is not None and n > 0:  # a chunk never ends inside an image attended both ways
-            n = images.chunk_stop(start, start + n) - start
+        for gate in self.gates:
+            if n > 0:
+                n = gate.chunk_end(seq, start, start + n) - start
         if n <= 0:
             return None
         complete = start + n == end
@@ -287,14 +312,9 @@ class Scheduler:
             seq.num_output_tokens + seq.num_pending < seq.params.max_tokens
             and seq.num_tokens_with_pending < self.config.max_model_len)
 
-    def _adapter_fits(self, seq: Sequence) -> bool:
-        """Whether admitting `seq` keeps the running sequences' distinct LoRA adapters within
-        `max_loras`, so that every step's adapters fit the device slots."""
-        name = seq.request.lora_name
-        if name is None or self.config.max_loras is None:
-            return True
-        active = {s.request.lora_name for s in self.running} - {None}
-        return name in active or len(active) < self.config.max_loras
+    def _holding_gate(self, seq: Sequence) -> Optional[AdmissionGate]:
+        """The first gate that does not fit `seq` now, or None."""
+        return next((g for g in self.gates if not g.fits(seq, self.running)), None)
 
     def _preempt(self, seq: Sequence) -> None:
         if self.on_preempt is not None:
@@ -385,18 +405,19 @@ class Scheduler:
 
         seats = self.num_seats_running
         i = 0  # the queue position considered: sequences waiting for a LoRA slot are passed, keeping theirs
-        only_base = False  # a sequence ahead has waited for a slot too long: only base-model requests pass it
+        starving: set = set()  # gates a sequence ahead has waited for too long: only sequences they do not limit pass
         while i < len(self.waiting) and not preempted and budget > 0 and rows_left > 0:
             seq = self.waiting[i]
             group = self._seats_for(seq, seats)
             if not group or seq.num_in_flight:
                 break  # (a preempted sequence waits for its last step to be processed)
-            if not self._adapter_fits(seq):
-                waited = self.lora_waits[seq.seq_id] = self.lora_waits.get(seq.seq_id, 0) + 1
-                only_base |= waited > LORA_PASS_LIMIT
+            gate = self._holding_gate(seq)
+            if gate is not None:
+                if gate.waited(seq):
+                    starving.add(gate)
                 i += 1
                 continue
-            if only_base and seq.request.lora_name is not None:
+            if any(g.needs(seq) for g in starving):
                 i += 1
                 continue
             hits = [] if seq.wants_prompt_logprobs else self.bm.lookup_prefix(seq)
@@ -416,7 +437,8 @@ class Scheduler:
             del self.waiting[i]
             if group < seq.num_seats:
                 seq.split(group)  # the samples that found no seat wait for the prompt's pages
-            self.lora_waits.pop(seq.seq_id, None)
+            for g in self.gates:
+                g.forget(seq)
             self.running.append(seq)
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = start
