@@ -46,3 +46,10 @@ class ForceAt:
     def apply(self, force, logits):
         forced = jnp.where(jnp.arange(self.vocab)[None, :] == force[:, None], 0.0, -jnp.inf)
         return jnp.where(force[:, None] >= 0, forced, logits)
+
+
+class RowsWithoutTheSampleAxis(BanTokens):
+    """A broken processor: its rows have no leading axis of the samples (refused when the engine starts)."""
+
+    def rows(self, samples):
+        return np.zeros(3, np.int32)

@@ -111,6 +111,12 @@ def test_options_the_engine_refuses_are_one_line_after_the_checkpoint_loaded():
     assert "loading the embedded default model" in proc.stderr  # refused by the engine, after the load
 
 
+def test_a_logits_processor_that_fails_its_check_is_one_line_naming_it():
+    # (tests/logits_processor_examples.py: rows() here returns an array without the samples' axis)
+    proc = start_refused("--logits_processors=tests.logits_processor_examples:RowsWithoutTheSampleAxis")
+    assert_refused(proc, "logits processor tests.logits_processor_examples:RowsWithoutTheSampleAxis", "leading axis")
+
+
 def test_a_refusal_in_create_app_during_the_background_warm_up_exits_cleanly(tmp_path):
     # Think tags that are special tokens: --reasoning_parser refuses them once the tokenizer is loaded, in
     # create_app, while the step shapes beyond the smallest and the largest still compile in the background.
