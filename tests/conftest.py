@@ -132,6 +132,20 @@ def run_with_random_arrivals(engine, jobs, seed: int, spread: int, max_steps: in
     return done
 
 
+def interrupt_server(proc, timeout: float = 60) -> int:
+    """Stops a server subprocess as Ctrl-C would (SIGINT, a graceful drain) and returns its exit status; kills it
+    and raises when it does not exit within `timeout` seconds."""
+    import signal
+    import subprocess
+
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+
+
 def metric_value(text: str, name: str, require: bool = False, **labels) -> float:
     """The sum of the samples of `name` (or `name`_total, a counter's) in Prometheus text whose labels
     include `labels`: 0 when there is none (a labelled counter nothing has counted yet), unless `require`."""

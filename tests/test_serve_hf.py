@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 
-from conftest import SUBPROCESS_XLA_FLAGS  # noqa: E402
+from conftest import SUBPROCESS_XLA_FLAGS, interrupt_server  # noqa: E402
 from hf_tokenizer_styles import save_style  # noqa: E402
 from serving import model_source  # noqa: E402
 from serving.server import free_port  # noqa: E402
@@ -117,12 +116,7 @@ def serve_and_talk(model: str, env: dict, log_path) -> str:
             openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong").models.list()
         return out.choices[0].text
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        interrupt_server(proc)
         assert proc.returncode == 0, log_path.read_text()[-3000:]
 
 

@@ -4,7 +4,6 @@ the refusals at start (one line, exit status 2, whichever phase refuses)."""
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import time
 import httpx
 
 from serving.server import free_port
-from conftest import SUBPROCESS_XLA_FLAGS
+from conftest import SUBPROCESS_XLA_FLAGS, interrupt_server
 from reasoning_checkpoints import save_reasoning_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,12 +57,7 @@ def test_the_binary_starts_logs_its_setup_serves_and_stops(tmp_path):
         assert 'vllm:generation_tokens_total{engine="0",model_name="tiny-server"} 5.0' in metrics
         assert "ridgeline:model_bandwidth_utilization" in metrics  # peaks came from the flags
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        interrupt_server(proc)
     assert proc.returncode == 0, log_path.read_text()[-2000:]
 
 
