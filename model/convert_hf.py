@@ -234,6 +234,51 @@ def read_weights(plan: list[TensorPlan], located: dict[str, str], dtype, progres
     return flat
 
 
+def weights_from_hf_tensors(tensors, cfg: ModelConfig):
+    """Our `Weights` from tensors held in memory under their Hugging Face names (a trainer's state dict),
+    by the same plan as a checkpoint directory's (names, shapes, the head-dim relayouts, stacked experts).
+
+    The arrays keep their dtype (the caller's; nothing is cast) and a relayout is a view where it can
+    be. A missing or unexpected name, or a shape other than `cfg` implies, is a `ConversionError`
+    naming the tensor, raised before any tensor is converted."""
+    cfg = cfg.replace(weight_dtype=None)  # HF tensors are float: the plan of the float model
+    located = {name: "<tensors>" for name in tensors}
+    plan = stored_names(conversion_plan(cfg), located)
+    _check_in_memory(plan, tensors, cfg)
+    flat: dict = {}
+    for t in plan:
+        source = tensors[t.hf]
+        if t.stack is not None:  # one expert of a stacked [experts, ...] weight
+            index, count = t.stack
+            part = np.asarray(t.relayout(np.asarray(source)))
+            if t.ours not in flat:
+                flat[t.ours] = np.empty((count,) + part.shape, dtype=part.dtype)
+            flat[t.ours][index] = part
+        else:
+            flat[t.ours] = t.relayout(source)
+    return unflatten_params(cfg, flat)
+
+
+def _check_in_memory(plan: list[TensorPlan], tensors, cfg: ModelConfig) -> None:
+    """`check_tensors` for in-memory tensors: every planned name present with its planned shape, no other."""
+    wanted = {t.hf for t in plan}
+    missing = sorted({t.hf for t in plan if t.hf not in tensors})
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ConversionError(f"missing tensors for a {cfg.num_layers}-layer model: {missing[:5]}{more}")
+    unexpected = sorted(n for n in tensors if n not in wanted and not n.endswith(IGNORED_SUFFIXES)
+                        and not (n == "lm_head.weight" and cfg.tie_word_embeddings))
+    if unexpected:
+        more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
+        raise ConversionError(f"unexpected tensors (not part of this {cfg.num_layers}-layer model): "
+                              f"{unexpected[:5]}{more}")
+    for t in plan:
+        shape = tuple(np.shape(tensors[t.hf]))
+        if shape != tuple(t.hf_shape):
+            raise ConversionError(f"tensor {t.hf} has shape {list(shape)}, but the model's config implies "
+                                  f"{list(t.hf_shape)}")
+
+
 def copy_tokenizer(hf_dir: str, out_dir: str) -> list[str]:
     copied = []
     for name in TOKENIZER_FILES:

@@ -23,7 +23,7 @@ from model.quant import check_kv_cache_dtype, check_weight_dtype
 from model.tokenizer import ByteTokenizer, load_tokenizer
 from serving import model_source
 from serving.cluster import distributed, multihost
-from serving.core import compile_cache, engine_args
+from serving.core import compile_cache, engine_args, weights as weight_updates
 from serving.core.lora_manager import LoRARequest, parse_lora_modules
 from serving.core.engine import Engine, EngineConfig
 from serving.core.outputs import RequestOutput
@@ -309,6 +309,40 @@ class LLM:
                               image_ids if images else None, vision.image_text_margin if images else "")
             prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids)
         return self.generate(prompts, sampling_params)
+
+    # --- weights (serving.core.weights) ------------------------------------------------------------
+    def get_weights(self):
+        """The engine's weight pytree as it serves it: the placed arrays themselves (their shardings, and
+        the quantized form under weight_dtype int8 / fp8). Pass it, or arrays of its structure, to
+        `update_weights`."""
+        return weight_updates.get_weights(self.engine)
+
+    def update_weights(self, weights, *, version: Optional[int] = None) -> int:
+        """Replaces the weights the engine serves; returns the new `weight_version` (`version`, or the
+        old one plus one). No step program compiles (the shapes, dtypes and shardings are the engine's;
+        quantizing and resharding from other devices compile small programs on the first update only).
+
+        `weights`: a pytree of `get_weights()`'s structure placed anywhere (arrays that already have the
+        engine's shardings and dtypes are taken as they are, no copy; others are placed leaf by leaf;
+        float weights are quantized where the engine serves int8 / fp8), or a flat dict keyed by Hugging
+        Face tensor names. A wrong structure, shape or dtype raises ValueError naming the leaf, and
+        nothing is replaced. The new weights take effect at the next dispatched step (one already
+        dispatched finishes under the old ones); no later request reuses prefix-cache K/V computed
+        under older weights. Call it between `generate` calls. See `serving.core.weights`."""
+        if self.multihost is not None:
+            raise NotImplementedError("update_weights in a multi-process run: every process would have to place "
+                                      "its own shards; not supported yet")
+        return weight_updates.update_weights(self.engine, weights, version)
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights served: 0 as loaded, then what each `update_weights` set."""
+        return self.engine.weight_version
+
+    def reset_prefix_cache(self) -> int:
+        """Drops the prefix cache: every cached page no running sequence holds, and the host KV tier's
+        blocks; returns how many device pages were dropped."""
+        return self.engine.reset_prefix_cache()
 
     def shutdown(self) -> None:
         """Ends a background warm-up (after the compile under way); in multi-process runs, process 0

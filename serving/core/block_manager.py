@@ -89,6 +89,19 @@ def adapter_digest(parent: Optional[bytes], adapter: bytes) -> bytes:
     return hashlib.blake2b(b"lora\0" + (parent or b"root") + adapter, digest_size=16).digest()
 
 
+def weights_digest(parent: Optional[bytes], epoch: int) -> Optional[bytes]:
+    """The parent digest of the first block of a request admitted after the engine's weights were
+    replaced `epoch` times (`serving.core.weights`), chained from its salt root `parent`. K/V computed
+    under one set of weights is valid under no other, so each update starts new names and no request
+    ever hits a page (or a host-tier block) written under older weights. Epoch 0, the weights the
+    engine was built with, keeps `parent` as it is: an engine that never updates names its pages as
+    before, and as the router does (`serving.routing.router_index`)."""
+    if epoch == 0:
+        return parent
+    return hashlib.blake2b(b"weights\0" + (parent or b"root") + int(epoch).to_bytes(8, "little"),
+                           digest_size=16).digest()
+
+
 NO_PAGE = -1  # a block-table entry whose page was released (before the sliding window)
 
 

@@ -182,6 +182,7 @@ class Engine:
         # steps choose the next step's drafts from this step's tokens, so they run one at a time.
         self.overlap = config.async_scheduling and self.spec is None
         self._in_flight: Optional[_StepInFlight] = None  # dispatched, not yet processed
+        self.weight_version = self.weights_epoch = 0  # label and count of weight updates (`serving.core.weights`)
 
     def part(self, kind: type) -> Optional[StepPart]:
         """The engine's part of class `kind` (or of a subclass of it), or None (for tests and benchmarks that
@@ -240,7 +241,7 @@ class Engine:
         with self._lock:
             seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
         req = Request(request_id, text, ids, params, seed, arrival_time or time.monotonic(), self.eos_token_ids,
-                      cache_salt, priority)
+                      cache_salt, priority, self.weights_epoch)
         req.images = images
         req.sampling_row = sampling_row(req)
         req.structured = self._grammar(params)

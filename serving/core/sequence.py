@@ -28,7 +28,7 @@ import enum
 import itertools
 from typing import Optional
 
-from serving.core.block_manager import salt_digest
+from serving.core.block_manager import salt_digest, weights_digest
 from serving.core.outputs import Logprob, RequestMetrics
 from serving.core.sampling_params import SamplingParams
 
@@ -156,7 +156,9 @@ class Request:
 
     def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
                  params: SamplingParams, seed: int, arrival_time: float, eos_token_ids: tuple[int, ...] = (),
-                 cache_salt: Optional[str] = None, priority: int = 0):
+                 cache_salt: Optional[str] = None, priority: int = 0, weights_epoch: int = 0):
+        """`weights_epoch`: how many times the engine's weights were replaced before this request was made
+        (its pages are named under those weights, `block_manager.weights_digest`)."""
         self.request_id = request_id
         self.priority = priority  # lower runs first under the `priority` scheduling policy
         self.prompt = prompt
@@ -176,9 +178,9 @@ class Request:
         self.sampling_row = None  # packed sampling parameters, set by the engine
         self.structured = None  # its grammar's matchers (serving.core.structured_output), set by the engine
         self.control_rows = None  # its rows of logit bias, masks (serving.core.sampling_controls), if it uses them
-        # Prefix-cache isolation: requests with different salts share no cached pages.
+        # Prefix-cache isolation: requests with different salts, or made under other weights, share no cached pages.
         self.cache_salt = cache_salt
-        self.hash_root = salt_digest(cache_salt)
+        self.hash_root = weights_digest(salt_digest(cache_salt), weights_epoch)
         # Disaggregated serving (serving.disaggregation.kv_transfer): the shipped prompt K/V this request resumes
         # from (a `KVImport`), and the `Exporter` the engine hands this request's prompt pages to when its first
         # token exists; set by the caller that asked for them (the engine calls their methods, never imports them).
