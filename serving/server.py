@@ -569,6 +569,9 @@ class _Start:
 def main(argv) -> None:
     del argv
     _set_log_level()
+    from serving import platform_choice
+
+    platform_choice.choose()  # before anything asks JAX for a device
     start = _Start()
     try:
         start.prepare()
