@@ -228,3 +228,67 @@ def test_block_digests_follow_the_weights_epoch():
     assert digests(0) == bm.block_digests(plain.seqs[0], 3)
     assert len({digests(0)[0], digests(1)[0], digests(2)[0], digests(1, "s")[0]}) == 4
     assert digests(1) == digests(1)
+
+
+def test_a_step_in_flight_finishes_under_the_old_weights(llm, fresh1, p0, p1):
+    """With overlapped scheduling an update may come while a step is dispatched: that step keeps the arrays
+    it was given (its token is the old weights'), the next dispatched step runs the new ones."""
+    from conftest import run_to_completion
+
+    llm.update_weights(on_host(p0))
+    old, _ = run(llm)
+    engine = llm.engine
+    assert engine.overlap
+    engine.add_request("in-flight", PROMPT, GREEDY)
+    engine.step()  # the prefill, dispatched and not yet processed
+    llm.update_weights(on_host(p1))
+    out = run_to_completion(engine)["in-flight"]
+    new, _ = run(fresh1)
+    assert new[0] != old[0]  # (so the first token tells which weights the dispatched step ran)
+    assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].token_ids[0] == old[0]
+    assert run(llm) == (new, 0)
+
+
+MOE_CFG = tiny_config(vocab_size=V, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=8, max_position_embeddings=256, architecture="Qwen3MoeForCausalLM", num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=16, moe_router="softmax_topk", qk_norm=True,
+                      norm_topk_prob=True)
+
+
+def hf_tensors(params, cfg) -> dict:
+    """`params` under their Hugging Face names (the converter's plan read backwards: reshapes, experts)."""
+    flat = {k: np.asarray(v) for k, v in flatten_params(params).items()}
+    out = {}
+    for t in conversion_plan(cfg):
+        a = flat[t.ours] if t.stack is None else flat[t.ours][t.stack[0]]
+        out[t.hf] = a.reshape(t.hf_shape)
+    return out
+
+
+def test_stacked_layers_take_per_layer_weights_and_hugging_face_experts():
+    """An engine that stacks its layers for the layer scan (a mixture of experts, here on CPU) takes the
+    model's per-layer weights and a Hugging Face dict (one tensor per expert), stacked as at load."""
+    m0, m1 = init_params(MOE_CFG, jax.random.key(0)), init_params(MOE_CFG, jax.random.key(1))
+    moe = LLM(config=MOE_CFG, params=m0, tokenizer=ByteTokenizer(V), **ENGINE)
+    assert not isinstance(moe.get_weights().layers, list)
+    before, _ = run(moe)
+    stacked = lambda p: jax.tree.map(lambda *xs: np.stack(xs), *[on_host(x) for x in p.layers])  # noqa: E731
+    moe.update_weights(hf_tensors(m1, MOE_CFG))
+    assert leaves_equal(moe.get_weights().layers, stacked(m1)) and leaves_equal(moe.get_weights().embed, m1.embed)
+    changed, _ = run(moe)
+    moe.update_weights(on_host(m0))
+    assert leaves_equal(moe.get_weights().layers, stacked(m0))
+    assert run(moe) == (before, 0) and changed != before
+
+
+def test_pipeline_engine_takes_its_staged_structure(fresh1, p0, p1):
+    """A pipeline engine holds its weights staged: it takes that structure (placed stage by stage) and
+    refuses the model's own, saying why."""
+    pp = build(p0, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="pipeline stages"):
+        pp.update_weights(on_host(p1))
+    staged = on_host(pp.engine.runner.layout.stage_params(CFG, p1))
+    shardings = [x.sharding for x in jax.tree.leaves(pp.get_weights())]
+    pp.update_weights(staged)
+    assert [x.sharding for x in jax.tree.leaves(pp.get_weights())] == shardings
+    assert run(pp) == (run(fresh1)[0], 0)
