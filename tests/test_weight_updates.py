@@ -2,7 +2,6 @@
 (`serving.core.weights`), and a prefix cache that never serves K/V computed under older weights."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -127,7 +126,7 @@ def test_hugging_face_names(llm, fresh1, p1):
 
 def test_bad_input_names_the_leaf_and_changes_nothing(llm, p0, p1):
     llm.update_weights(on_host(p0))
-    held, version = jax.tree.leaves(llm.get_weights()), llm.weight_version
+    held, version, epoch = jax.tree.leaves(llm.get_weights()), llm.weight_version, llm.engine.weights_epoch
     good = on_host(p1)
 
     def with_leaf(name, value):
@@ -148,7 +147,7 @@ def test_bad_input_names_the_leaf_and_changes_nothing(llm, p0, p1):
             llm.update_weights(weights)
         # the leaves before the bad one were valid too: none was replaced
         assert all(a is b for a, b in zip(jax.tree.leaves(llm.get_weights()), held)), what
-        assert llm.weight_version == version
+        assert llm.weight_version == version and llm.engine.weights_epoch == epoch
     with pytest.raises(ValueError, match="version"):
         llm.update_weights(good, version="v2")
     assert llm.weight_version == version

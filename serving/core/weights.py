@@ -83,7 +83,7 @@ def update_weights(engine, weights, version: Optional[int] = None) -> int:
     finally:  # even a failure part-way moves the prefix cache on: its pages may hold K/V of mixed weights
         engine.weights_epoch += 1
         _refresh_image_encoder(engine)
-    engine.weight_version = engine.weight_version + 1 if version is None else version
+    engine.weight_version = engine.weight_version + 1 if version is None else int(version)
     return engine.weight_version
 
 
