@@ -171,21 +171,30 @@ def stored_names(plan: list[TensorPlan], located: dict[str, str]) -> list[Tensor
     return out
 
 
-def check_tensors(plan: list[TensorPlan], located: dict[str, str], cfg: ModelConfig,
-                  family: ModelFamily | None = None) -> None:
-    """Validates names, shapes and dtypes from the file headers alone (no tensor data is read)."""
+def _check_names(plan: list[TensorPlan], names, cfg: ModelConfig, missing_for: str, part_of: str,
+                 sort_missing: bool = False) -> None:
+    """Every planned tensor name among `names`, and no other (but those conversion ignores); a
+    `ConversionError` naming the first five of either kind."""
     wanted = {t.hf for t in plan}
-    family = (family or family_for_config(cfg)).name
-    missing = [t.hf for t in plan if t.hf not in located]
+    missing = [t.hf for t in plan if t.hf not in names]
+    if sort_missing:
+        missing = sorted(set(missing))
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise ConversionError(f"missing tensors for a {cfg.num_layers}-layer {family}: {missing[:5]}{more}")
-    unexpected = sorted(n for n in located if n not in wanted and not n.endswith(IGNORED_SUFFIXES)
+        raise ConversionError(f"missing tensors for {missing_for}: {missing[:5]}{more}")
+    unexpected = sorted(n for n in names if n not in wanted and not n.endswith(IGNORED_SUFFIXES)
                         and not (n == "lm_head.weight" and cfg.tie_word_embeddings))
     if unexpected:
         more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
-        raise ConversionError(f"unexpected tensors (not part of a {cfg.num_layers}-layer {family} "
-                              f"as config.json describes it): {unexpected[:5]}{more}")
+        raise ConversionError(f"unexpected tensors (not part of {part_of}): {unexpected[:5]}{more}")
+
+
+def check_tensors(plan: list[TensorPlan], located: dict[str, str], cfg: ModelConfig,
+                  family: ModelFamily | None = None) -> None:
+    """Validates names, shapes and dtypes from the file headers alone (no tensor data is read)."""
+    family = (family or family_for_config(cfg)).name
+    _check_names(plan, located, cfg, f"a {cfg.num_layers}-layer {family}",
+                 f"a {cfg.num_layers}-layer {family} as config.json describes it")
     by_file: dict[str, list[TensorPlan]] = {}
     for t in plan:
         by_file.setdefault(located[t.hf], []).append(t)
@@ -261,17 +270,8 @@ def weights_from_hf_tensors(tensors, cfg: ModelConfig):
 
 def _check_in_memory(plan: list[TensorPlan], tensors, cfg: ModelConfig) -> None:
     """`check_tensors` for in-memory tensors: every planned name present with its planned shape, no other."""
-    wanted = {t.hf for t in plan}
-    missing = sorted({t.hf for t in plan if t.hf not in tensors})
-    if missing:
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise ConversionError(f"missing tensors for a {cfg.num_layers}-layer model: {missing[:5]}{more}")
-    unexpected = sorted(n for n in tensors if n not in wanted and not n.endswith(IGNORED_SUFFIXES)
-                        and not (n == "lm_head.weight" and cfg.tie_word_embeddings))
-    if unexpected:
-        more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
-        raise ConversionError(f"unexpected tensors (not part of this {cfg.num_layers}-layer model): "
-                              f"{unexpected[:5]}{more}")
+    _check_names(plan, tensors, cfg, f"a {cfg.num_layers}-layer model", f"this {cfg.num_layers}-layer model",
+                 sort_missing=True)
     for t in plan:
         shape = tuple(np.shape(tensors[t.hf]))
         if shape != tuple(t.hf_shape):
