@@ -132,6 +132,19 @@ def run_with_random_arrivals(engine, jobs, seed: int, spread: int, max_steps: in
     return done
 
 
+def wait_until_serving(proc, log_path, timeout: float = 300) -> str:
+    """Waits until a server subprocess whose output goes to `log_path` logs that uvicorn is serving; returns
+    the log so far. Fails with the log's end when the process exits first or `timeout` seconds pass."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while "Uvicorn running" not in (text := log_path.read_text()):
+        assert proc.poll() is None, f"server exited early:\n{text[-3000:]}"
+        assert time.monotonic() < deadline, f"server did not come up:\n{text[-3000:]}"
+        time.sleep(0.2)
+    return text
+
+
 def interrupt_server(proc, timeout: float = 60) -> int:
     """Stops a server subprocess as Ctrl-C would (SIGINT, a graceful drain) and returns its exit status; kills it
     and raises when it does not exit within `timeout` seconds."""

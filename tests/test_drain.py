@@ -17,7 +17,7 @@ import time
 import httpx
 
 from serving.server import free_port
-from conftest import SUBPROCESS_XLA_FLAGS
+from conftest import SUBPROCESS_XLA_FLAGS, wait_until_serving
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 2.0
@@ -51,11 +51,7 @@ def test_sigterm_during_8_streams_drains_and_exits_0(tmp_path):
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 300
-        while "Uvicorn running" not in log_path.read_text():
-            assert proc.poll() is None, f"server exited early:\n{log_path.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"server did not come up:\n{log_path.read_text()[-3000:]}"
-            time.sleep(0.2)
+        wait_until_serving(proc, log_path, timeout=300)
         lengths = [8] * 4 + [480] * 4  # four finish within the timeout, four cannot
         results = [{} for _ in lengths]
         started = [threading.Event() for _ in lengths]

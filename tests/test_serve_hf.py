@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -18,7 +17,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 
-from conftest import SUBPROCESS_XLA_FLAGS, interrupt_server  # noqa: E402
+from conftest import SUBPROCESS_XLA_FLAGS, interrupt_server, wait_until_serving  # noqa: E402
 from hf_tokenizer_styles import save_style  # noqa: E402
 from serving import model_source  # noqa: E402
 from serving.server import free_port  # noqa: E402
@@ -99,11 +98,7 @@ def serve_and_talk(model: str, env: dict, log_path) -> str:
         proc = subprocess.Popen(serve_command(model, *SERVE_FLAGS, "--port", str(port)), cwd=ROOT, env=env,
                                 stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 600
-        while "Uvicorn running" not in log_path.read_text():
-            assert proc.poll() is None, f"server exited early:\n{log_path.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"server did not come up:\n{log_path.read_text()[-3000:]}"
-            time.sleep(0.2)
+        wait_until_serving(proc, log_path, timeout=600)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", timeout=120)
         assert [m.id for m in client.models.list().data] == ["m"]
         out = client.completions.create(model="m", prompt="the quick brown", max_tokens=4, temperature=0,

@@ -7,12 +7,11 @@ import re
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 
 from serving.server import free_port
-from conftest import SUBPROCESS_XLA_FLAGS, interrupt_server
+from conftest import SUBPROCESS_XLA_FLAGS, interrupt_server, wait_until_serving
 from reasoning_checkpoints import save_reasoning_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,13 +28,7 @@ def test_the_binary_starts_logs_its_setup_serves_and_stops(tmp_path):
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 300
-        text = ""
-        while "Uvicorn running" not in text:
-            assert proc.poll() is None, f"server exited early:\n{log_path.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"server did not come up:\n{log_path.read_text()[-3000:]}"
-            time.sleep(0.2)
-            text = log_path.read_text()
+        text = wait_until_serving(proc, log_path)
         # The startup log: what was loaded, the KV pool in pages, tokens and bytes, and the warm-up.
         assert re.search(r"model: \S+; 4 layers, hidden 256", text), text
         pool = re.search(r"KV pool: (\d+) pages x 16 tokens = (\d+) tokens, [\d.]+ (KiB|MiB|GiB)", text)
