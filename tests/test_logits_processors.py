@@ -200,6 +200,10 @@ def test_a_part_from_a_test_module_admits_schedules_adds_inputs_and_processes_re
     directory = default_checkpoint_dir()
     cfg, params = load_checkpoint(directory, None, load_config(directory))
     part = CountingBias(cfg.vocab_size)
+    # Built from the engine, after its runner, the part's inputs would never reach the step: refused.
+    with pytest.raises(ValueError, match="CountingBias: a part with device inputs of its own must be given built"):
+        Engine(cfg, params, load_tokenizer(directory, cfg.vocab_size), EngineConfig(**ENGINE),
+               parts=[lambda engine: part])
     engine = Engine(cfg, params, load_tokenizer(directory, cfg.vocab_size), EngineConfig(**ENGINE), parts=[part])
     with pytest.raises(InvalidParameterError, match="boost: token 0 is reserved"):
         engine.make_request("zero", [1, 5], SamplingParams(extra_args={"boost": 0}))

@@ -28,7 +28,7 @@ from model.families import kv_bytes_per_token, num_params
 from model.generation_config import GenerationDefaults
 from model.quant import check_kv_cache_dtype, check_weight_dtype, kv_cache_dtype
 from model.quantize import quantize_params
-from serving.core import compute_dtype, engine_args, sampling_controls
+from serving.core import compute_dtype, engine_args, sampling_controls, step_parts
 from serving.core.block_manager import BlockManager, adapter_digest, is_cache_salt, releasing_window
 from serving.core.input_batch import Buckets, pack_step, sampling_row
 from serving.core.model_runner import ModelRunner
@@ -120,8 +120,7 @@ class Engine:
                                              verify=config.speculative_method is not None,
                                              draft_rows=config.max_num_seqs * config.num_speculative_tokens
                                              if config.speculative_method == "draft" else 0,
-                                             logit_parts=tuple(p for p in parts if isinstance(p, StepPart)
-                                                               and p.step_input_spec(1) is not None),
+                                             logit_parts=step_parts.logit_parts(parts),
                                              **self._lora_slots(config))
         # Slots of the per-request rows of logit bias, penalties, ... (serving.core.sampling_controls).
         self.control_slots = None
@@ -170,6 +169,7 @@ class Engine:
         # this engine), then the engine's own.
         self.parts = [p for p in (p if isinstance(p, StepPart) else p(self) for p in parts) if p is not None]
         engine_args.check_served(config, {part.serves for part in self.parts})
+        step_parts.check_applied(self.parts, getattr(self.runner, "logit_parts", ()))
         self.parts += ([self.spec] if self.spec is not None else []) + ([self.lora] if self.lora is not None else [])
         # Image inputs of a vision-language model: admission-time encoding, per-step rows (`multimodal`).
         self.multimodal = None

@@ -405,8 +405,8 @@ class ModelRunner:
 
     def _place_part_inputs(self, part_inputs: tuple) -> tuple:
         """The logit parts' host arrays placed as every host input is (`step_parts.StepPart.step_inputs`)."""
-        if not self.logit_parts or self.layout is None:
-            return jax.device_put(part_inputs, jax.devices()[0])
+        if not self.logit_parts:
+            return ()
         leaves, tree = jax.tree.flatten(part_inputs)
         return jax.tree.unflatten(tree, list(self._host_inputs(*leaves)))
 
@@ -421,10 +421,9 @@ class ModelRunner:
         (_, isize), (_, fsize) = shape.offsets(shape.int_fields), shape.offsets(shape.float_fields)
         ibuf = jax.ShapeDtypeStruct((isize,), np.int32, sharding=sharding)
         fbuf = jax.ShapeDtypeStruct((fsize,), np.float32, sharding=sharding)
-        mask = jax.ShapeDtypeStruct((shape.S, bitmask_width(self.cfg.vocab_size)), np.int32,
-                                    sharding=sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-        parts = step_parts.input_specs(self.logit_parts, shape.S, sharding or jax.sharding.SingleDeviceSharding(
-            jax.devices()[0]))
+        placed = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])  # device inputs made on the host
+        mask = jax.ShapeDtypeStruct((shape.S, bitmask_width(self.cfg.vocab_size)), np.int32, sharding=placed)
+        parts = step_parts.input_specs(self.logit_parts, shape.S, placed)
         return params, cache, ibuf, fbuf, feed, controls, mask, no_drafts, lora, parts
 
     def _lower_step(self, shape: StepShape):

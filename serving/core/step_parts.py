@@ -117,6 +117,21 @@ class StepPart:
         return dict(NO_WARM_UP)
 
 
+def logit_parts(parts) -> tuple:
+    """The built parts among `parts` that give the step program device inputs of their own, in order."""
+    return tuple(p for p in parts if isinstance(p, StepPart) and p.step_input_spec(1) is not None)
+
+
+def check_applied(parts, applied) -> None:
+    """Refuses a part with device inputs of its own that the runner does not apply (`applied`: its
+    `logit_parts`): one built from the engine, after the runner, or given to an engine over a runner built
+    elsewhere. Its step would leave the part out."""
+    missing = [p for p in logit_parts(parts) if p not in applied]
+    if missing:
+        raise ValueError(f"{type(missing[0]).__name__}: a part with device inputs of its own must be given "
+                         "built (not as a function of the engine) to an engine that builds its runner")
+
+
 # --- the logit parts' inputs as the runner passes them (a tuple, one pytree per part) --------------------
 def input_specs(parts, rows: int, sharding) -> tuple:
     """Each part's input spec for a step of `rows` logit rows, placed with `sharding` (the host inputs')."""
