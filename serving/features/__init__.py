@@ -27,8 +27,8 @@ def build_parts(options: dict, cfg) -> list:
     tier = []  # the host tier, once the engine has built it
     if host_kv_tier.capacity_from_options(options):
         def build_tier(engine):
-            tier.extend(t for t in [host_kv_tier.for_engine(engine)] if t is not None)
-            return tier[0] if tier else None
+            tier.append(host_kv_tier.for_engine(engine))  # (a tier: the engine's options are these options)
+            return tier[0]
 
         parts.append(build_tier)
     # An import's write must not land on a page before the host tier has copied it out.
