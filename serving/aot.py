@@ -263,21 +263,22 @@ def kernels(dump_dir: str, hlo: str, target: GpuTarget) -> list[dict]:
 
 # --------------------------------------------------------------------------- the model's bytes and flops
 
-def step_roofline(cfg, shape, *, tp: int, weights_bytes: int, param_count: int, kv_bytes_per_token_dev: float, page_size: int,
-                  target: GpuTarget, collective_bytes: int) -> dict:
+def step_roofline(cfg, shape, *, tp: int, weights_bytes: int, param_count: int, kv_bytes_per_token_dev: float,
+                  page_size: int, target: GpuTarget, collective_bytes: int, context_len: int) -> dict:
     """Bytes and flops of one step counted from the model's shape (per device), and the time the device's
     bandwidth and peak allow: the larger of the two, plus the collectives over the interconnect."""
     d, L = cfg.head_dim, cfg.num_layers
     embed = cfg.vocab_size * cfg.hidden_size
     matmul_params = param_count - embed * (1 if cfg.tie_word_embeddings else 2)  # the embedding is a gather
-    context = shape.P * page_size  # tokens each sequence's attention may read, at most
+    context = min(shape.P * page_size, context_len)  # tokens each sequence's attention reads
     flops = (2 * shape.T * max(matmul_params, 0) + 2 * shape.S * embed
              + 4 * shape.T * min(context, cfg.max_position_embeddings) * cfg.num_heads * d * L) / tp
     kv_read = shape.S * context * kv_bytes_per_token_dev if shape.T <= shape.S else shape.T * kv_bytes_per_token_dev
     moved = weights_bytes + kv_read + shape.T * kv_bytes_per_token_dev
     t_mem, t_flop = moved / target.memory_bandwidth, flops / target.bf16_flops
     t = max(t_mem, t_flop) + collective_bytes / target.interconnect_bandwidth
-    return {"ideal_bytes": int(moved), "flops": int(flops), "roofline_s": t, "mbu_ceiling": t_mem / t if t else 0.0}
+    return {"context_len": context, "ideal_bytes": int(moved), "flops": int(flops), "roofline_s": t,
+            "mbu_ceiling": t_mem / t if t else 0.0}
 
 
 # --------------------------------------------------------------------------- compiling
@@ -315,11 +316,14 @@ def plan(cfg, args, layout, target: GpuTarget) -> dict:
     count = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
     probe = 64
     page_bytes = layout.cache_bytes_per_device(cfg, probe, args.page_size, cache_dtype) / probe
-    budget = target.memory_bytes * args.kv_cache_memory_fraction - weights
+    # What the server's pool sizing sees as the device's `bytes_limit`: the share of memory jax's allocator
+    # takes (XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 unless set).
+    limit = target.memory_bytes * args.client_mem_fraction
+    budget = limit * args.kv_cache_memory_fraction - weights
     if budget < page_bytes:
         raise AotError(f"the weights take {weights / 1e9:.2f} GB per device, over the "
-                       f"{target.memory_bytes * args.kv_cache_memory_fraction / 1e9:.2f} GB that "
-                       f"--kv_cache_memory_fraction {args.kv_cache_memory_fraction} of the {target.name} "
+                       f"{limit * args.kv_cache_memory_fraction / 1e9:.2f} GB that --kv_cache_memory_fraction "
+                       f"{args.kv_cache_memory_fraction} of the allocator's {limit / 1e9:.1f} GB of the {target.name} "
                        f"({target.memory_bytes / 1e9:.0f} GB) allows: does not fit; raise --tensor_parallel_size")
     model_len = args.max_model_len or cfg.max_position_embeddings
     wanted = args.max_num_seqs * -(-model_len // args.page_size)
@@ -331,7 +335,8 @@ def plan(cfg, args, layout, target: GpuTarget) -> dict:
         model_len = num_pages * args.page_size
     buckets = Buckets(args.max_num_batched_tokens, args.max_num_seqs, -(-model_len // args.page_size),
                       1, -(-64 // args.page_size), decode_step=8)
-    return {"cache_dtype": cache_dtype, "weights_bytes": weights, "param_count": count, "page_bytes": page_bytes, "num_pages": num_pages,
+    return {"cache_dtype": cache_dtype, "weights_bytes": weights, "param_count": count, "page_bytes": page_bytes,
+            "num_pages": num_pages,
             "max_model_len": model_len, "buckets": buckets}
 
 
@@ -356,8 +361,6 @@ def chosen_shapes(buckets, which: str) -> list:
 
 
 def run(args) -> dict:
-    if not plugin_available():
-        raise AotError(f"compiling for a GPU needs the jax[cuda12] plugin: {EXTRA_HINT}")
     try:
         target = get_target(args.device)
     except ValueError as e:
@@ -374,11 +377,11 @@ def run(args) -> dict:
     if tp < 1:
         raise AotError(f"--tensor_parallel_size must be >= 1, got {tp}")
     check_divides(cfg, tp)
+    if not plugin_available():
+        raise AotError(f"compiling for a GPU needs the jax[cuda12] plugin: {EXTRA_HINT}")
 
     import jax
     import numpy as np
-    from jax.sharding import PartitionSpec
-
     from kernels_pallas import pallas_supports_head_dim
     from model.cache import cache_builder
     from serving.core import model_runner, sampling_controls
@@ -420,7 +423,7 @@ def run(args) -> dict:
             entry.update(step_roofline(cfg, shape, tp=tp, weights_bytes=sizing["weights_bytes"],
                                        param_count=sizing["param_count"],
                                        kv_bytes_per_token_dev=kv_per_token, page_size=ps, target=target,
-                                       collective_bytes=coll))
+                                       collective_bytes=coll, context_len=args.context_len))
         programs.append(entry)
     if not args.skip_small_programs:
         pairs = _sds((buckets.max_num_seqs,), np.int32, rep)
@@ -435,13 +438,15 @@ def run(args) -> dict:
     return {
         "device": args.device, "device_name": target.name, "num_devices": tp,
         "mesh": {k: int(v) for k, v in layout.mesh.shape.items()}, "num_hosts": args.num_hosts,
-        "model": args.checkpoint or args.model, "attention_backend": backend, "layer_loop": "scan" if scan else "unroll",
+        "model": args.checkpoint or args.model, "attention_backend": backend,
+        "layer_loop": "scan" if scan else "unroll",
         "weights_bytes": sizing["weights_bytes"], "kv_pool_bytes": kv_pool, "num_pages": num_pages,
         "page_size": ps, "kv_pool_tokens": num_pages * ps, "max_model_len": sizing["max_model_len"],
-        "memory_bytes": memory, "device_memory_bytes": target.memory_bytes, "fits": memory <= target.memory_bytes,
+        "memory_bytes": memory, "device_memory_bytes": target.memory_bytes,
+        "fits": memory <= target.memory_bytes * args.client_mem_fraction,
+        "client_mem_fraction": args.client_mem_fraction,
         "buckets_total": len(buckets.all_shapes()),
         "programs": programs,
-        "replicated_spec": str(PartitionSpec()),
     }
 
 
@@ -460,10 +465,16 @@ def parse_args(argv=None):
     p.add_argument("--kv_cache_dtype", default="auto")
     p.add_argument("--quantization", default=None)
     p.add_argument("--kv_cache_memory_fraction", type=float, default=0.9)
+    p.add_argument("--client_mem_fraction", type=float,
+                   default=float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75)),
+                   help="share of device memory jax's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION; jax's "
+                   "default 0.75): the bytes_limit the server sizes its KV pool from")
     p.add_argument("--max_num_seqs", type=int, default=64)
     p.add_argument("--max_num_batched_tokens", type=int, default=512)
     p.add_argument("--max_model_len", type=int, default=None)
     p.add_argument("--page_size", type=int, default=16)
+    p.add_argument("--context_len", type=int, default=2048, help="tokens of KV each sequence reads in the roofline "
+                   "(at most its bucket's pages)")
     p.add_argument("--attention_backend", default="auto", help="auto (pallas where it takes the head size), pallas, "
                    "xla, reference")
     p.add_argument("--layer_loop", default="auto", choices=("auto", "scan", "unroll"))
