@@ -1,0 +1,233 @@
+"""Pooling models against their references: poolers (`model.pooling`), decoder embedders and
+sequence classifiers (`model.pooling_heads`), and the sentence-transformers pooling config
+(`serving.features.pooling_config`).
+
+Tiny random checkpoints are saved by transformers / sentence-transformers on the spot (no
+downloads). Embeddings must match `SentenceTransformer.encode` within 1e-5 cosine distance and
+classifier scores transformers' logits within 1e-5, all in fp32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model import pooling
+from model.cache import init_cache, pack_batch
+from model.pooling_heads import final_hidden, load_decoder, score_logits
+from serving.features.pooling_config import PoolingConfig, PoolingConfigError, load_pooling_config
+from tests.hf_tokenizer_styles import save_style
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+COS_TOL, SCORE_TOL = 1e-5, 1e-5
+TEXTS = ["the quick brown fox", "The capital of France is Paris.", "naïve café", "def f(x): return x"]
+PAGE_SIZE, NUM_PAGES, NUM_TOKENS, MAX_SEQS, PAGES_PER_SEQ = 4, 64, 64, 4, 16
+
+
+def cosine_distance(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return 1 - np.sum(a * b, -1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+def scale_(model, seed=0):
+    """Weights large enough that a wrong layout shows (HF's init makes every output nearly equal)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_((1.0 if "weight" in name and "norm" in name.lower() else 0.0)
+                        + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * (1.0 / p.shape[-1] ** 0.5))
+    return model
+
+
+# --- poolers ---
+
+def _ragged(rng, lens, dim=8):
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    total = int(cu[-1])
+    hidden = rng.standard_normal((total + 5, dim)).astype(np.float32)  # 5 padding rows
+    return hidden, cu
+
+
+def test_packed_last_and_first_token_equal_per_sequence():
+    rng = np.random.default_rng(0)
+    lens = [5, 1, 7, 3]
+    hidden, cu = _ragged(rng, lens)
+    last = np.asarray(pooling.pool_last_packed(jnp.asarray(hidden), jnp.asarray(cu)))
+    first = np.asarray(pooling.pool_first_packed(jnp.asarray(hidden), jnp.asarray(cu)))
+    for i, rows in enumerate(pooling.split_rows(hidden, cu, len(lens))):
+        assert rows.shape[0] == lens[i]
+        np.testing.assert_array_equal(last[i], rows[-1])
+        np.testing.assert_array_equal(first[i], rows[0])
+    seg = np.asarray(pooling.segment_ids(jnp.asarray(cu), hidden.shape[0]))
+    assert seg.tolist() == [0] * 5 + [1] + [2] * 7 + [3] * 3 + [4] * 5
+
+
+def test_chunked_mean_accumulator_equals_one_shot_mean():
+    rng = np.random.default_rng(1)
+    lens = [9, 4, 6]
+    hidden, cu = _ragged(rng, lens)
+    seqs = pooling.split_rows(hidden, cu, len(lens))
+    one_shot = np.asarray(pooling.pool_mean_packed(jnp.asarray(hidden), jnp.asarray(cu)))
+    for i, rows in enumerate(seqs):
+        np.testing.assert_allclose(one_shot[i], rows.mean(0), rtol=1e-6, atol=1e-6)
+    # The same prompts prefilled over three steps of different chunk sizes, packed together.
+    chunks = [(4, 3, 2), (1, 2, 1), (2, 2, 2)]
+    acc_sum, acc_count, start = None, None, [0, 0, 0]
+    for k in range(3):
+        parts = [seqs[i][start[i]:start[i] + chunks[i][k]] for i in range(3)]
+        step_cu = np.concatenate([[0], np.cumsum([len(p) for p in parts])]).astype(np.int32)
+        step = np.concatenate(parts + [np.full((3, hidden.shape[1]), 7.0, np.float32)])  # padding rows
+        acc_sum, acc_count = pooling.mean_accumulate(jnp.asarray(step), jnp.asarray(step_cu), acc_sum, acc_count)
+        start = [s + c[k] for s, c in zip(start, chunks)]
+    assert np.asarray(acc_count).tolist() == lens
+    np.testing.assert_allclose(np.asarray(pooling.mean_finish(acc_sum, acc_count)), one_shot, rtol=1e-6, atol=1e-6)
+
+
+def test_dense_poolers_normalize_and_truncate():
+    rng = np.random.default_rng(2)
+    hidden = rng.standard_normal((2, 5, 6)).astype(np.float32)
+    mask = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    mean = np.asarray(pooling.pool_dense(jnp.asarray(hidden), jnp.asarray(mask), "mean"))
+    np.testing.assert_allclose(mean[0], hidden[0, :3].mean(0), rtol=1e-6)
+    last = np.asarray(pooling.pool_dense(jnp.asarray(hidden), jnp.asarray(mask), "last"))
+    np.testing.assert_array_equal(last, np.stack([hidden[0, 2], hidden[1, 4]]))
+    cls = np.asarray(pooling.pool_dense(jnp.asarray(hidden), jnp.asarray(mask), "cls"))
+    np.testing.assert_array_equal(cls, hidden[:, 0])
+    out = np.asarray(pooling.finish_embedding(jnp.asarray(mean), normalize_output=True, dimensions=4))
+    assert out.shape == (2, 4)
+    np.testing.assert_allclose(np.linalg.norm(out, axis=-1), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(out[0] / out[0, 0], mean[0, :4] / mean[0, 0], rtol=1e-5)
+    with pytest.raises(ValueError, match="dimensions"):
+        pooling.truncate(jnp.asarray(mean), 7)
+
+
+# --- the pooling config ---
+
+def _write(path, obj):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f)
+
+
+def test_pooling_config_older_layout_as_qwen3_embedding_publishes_it(tmp_path):
+    d = str(tmp_path)
+    _write(f"{d}/config.json", {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 16})
+    _write(f"{d}/modules.json", [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}])
+    _write(f"{d}/1_Pooling/config.json", {"word_embedding_dimension": 16, "pooling_mode_cls_token": False,
+                                          "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False,
+                                          "pooling_mode_lasttoken": True, "include_prompt": True})
+    _write(f"{d}/sentence_bert_config.json", {"max_seq_length": 8192, "do_lower_case": False})
+    cfg = load_pooling_config(d)
+    assert (cfg.pooling_type, cfg.normalize, cfg.max_seq_length, cfg.embedding_dimension) == ("last", True, 8192, 16)
+    assert not cfg.is_matryoshka
+    with pytest.raises(PoolingConfigError, match="matryoshka"):
+        cfg.check_dimensions(8, 16)
+    over = cfg.with_overrides({"pooling_type": "MEAN", "normalize": False})
+    assert (over.pooling_type, over.normalize, over.source) == ("mean", False, "pooler_config")
+    with pytest.raises(PoolingConfigError, match="unknown"):
+        cfg.with_overrides({"pooling": "mean"})
+
+
+def test_pooling_config_defaults_and_matryoshka(tmp_path):
+    d = str(tmp_path)
+    _write(f"{d}/config.json", {"architectures": ["BertModel"], "matryoshka_dimensions": [4, 8, 16]})
+    cfg = load_pooling_config(d)
+    assert (cfg.pooling_type, cfg.normalize, cfg.is_matryoshka) == ("cls", False, True)
+    assert cfg.check_dimensions(8, 16) == 8 and cfg.check_dimensions(None, 16) is None
+    with pytest.raises(PoolingConfigError, match="not one of"):
+        cfg.check_dimensions(5, 16)
+    assert PoolingConfig().pooling_type == "last"
+
+
+# --- decoders: a Qwen3 embedder and sequence classifiers ---
+
+def _decoder_rows(cfg, params, prompts):
+    """Final hidden states of every prompt's tokens, all prompts packed into one ragged step."""
+    cache = init_cache(cfg, NUM_PAGES, PAGE_SIZE)
+    tables = [list(range(i * PAGES_PER_SEQ, (i + 1) * PAGES_PER_SEQ)) for i in range(len(prompts))]
+    tokens, md = pack_batch([(p, 0, tables[i]) for i, p in enumerate(prompts)], page_size=PAGE_SIZE,
+                            num_pages=NUM_PAGES, num_tokens=NUM_TOKENS, max_seqs=MAX_SEQS,
+                            pages_per_seq=PAGES_PER_SEQ)
+    run = jax.jit(final_hidden, static_argnames=("cfg", "backend"))
+    hidden, _ = run(params, cache, tokens, md, cfg, backend="reference")
+    return hidden, md
+
+
+def _qwen3_config(**kw):
+    return transformers.Qwen3Config(vocab_size=kw.pop("vocab_size"), hidden_size=32, intermediate_size=64,
+                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                    max_position_embeddings=128, **kw)
+
+
+def test_qwen3_last_token_embedder_matches_sentence_transformers(tmp_path):
+    st = pytest.importorskip("sentence_transformers")
+    from sentence_transformers.base.modules import Normalize, Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+    hf_dir, st_dir = str(tmp_path / "hf"), str(tmp_path / "st")
+    save_style("bytelevel_nobos", hf_dir)
+    with open(f"{hf_dir}/tokenizer_config.json") as f:
+        conf = json.load(f)
+    conf.pop("chat_template", None)  # with a template, sentence-transformers 6 encodes texts as chat messages
+    with open(f"{hf_dir}/tokenizer_config.json", "w") as f:  # and it pads its batches
+        json.dump({**conf, "pad_token": "<|endoftext|>"}, f)
+    vocab = transformers.AutoTokenizer.from_pretrained(hf_dir).vocab_size + 8
+    torch.manual_seed(0)
+    scale_(transformers.Qwen3Model(_qwen3_config(vocab_size=vocab)).eval()).save_pretrained(hf_dir)
+    module = Transformer(hf_dir, max_seq_length=64)
+    model = st.SentenceTransformer(modules=[module, Pooling(32, pooling_mode="lasttoken"),
+                                            Normalize()], device="cpu")
+    model.save(st_dir)
+    ref = st.SentenceTransformer(st_dir, device="cpu").encode(TEXTS, convert_to_numpy=True)
+
+    pcfg = load_pooling_config(st_dir)
+    assert (pcfg.pooling_type, pcfg.normalize) == ("last", True)
+    cfg, params, score, _ = load_decoder(st_dir)
+    assert score is None
+    tok = transformers.AutoTokenizer.from_pretrained(st_dir)
+    prompts = [tok(t)["input_ids"] for t in TEXTS]
+    hidden, md = _decoder_rows(cfg, params, prompts)
+    ours = pooling.finish_embedding(pooling.pool_last_packed(hidden, md.cu_q_lens)[:len(TEXTS)],
+                                    normalize_output=pcfg.normalize)
+    dist = cosine_distance(ours, ref)
+    print("qwen3 embedder max cosine distance", dist.max())
+    assert dist.max() < COS_TOL
+    np.testing.assert_allclose(np.linalg.norm(np.asarray(ours), axis=-1), 1.0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch,num_labels", [("Qwen3ForSequenceClassification", 1),
+                                              ("LlamaForSequenceClassification", 3)])
+def test_decoder_sequence_classifier_matches_transformers(tmp_path, arch, num_labels):
+    hf_dir = str(tmp_path / "hf")
+    torch.manual_seed(1)
+    if arch.startswith("Qwen3"):
+        config = _qwen3_config(vocab_size=97, num_labels=num_labels, pad_token_id=0)
+    else:
+        config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                          num_labels=num_labels, pad_token_id=0)
+    hf = scale_(getattr(transformers, arch)(config).eval())
+    hf.save_pretrained(hf_dir)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, 97, n).tolist() for n in (7, 3, 12, 5)]
+    with torch.no_grad():
+        ref = np.concatenate([hf(torch.tensor([p])).logits.float().numpy() for p in prompts])
+    cfg, params, score, _ = load_decoder(hf_dir)
+    assert score.shape == (num_labels, 32)
+    hidden, md = _decoder_rows(cfg, params, prompts)
+    ours = np.asarray(score_logits(pooling.pool_last_packed(hidden, md.cu_q_lens)[:len(prompts)], score))
+    diff = np.abs(ours - ref).max()
+    print(arch, "max |score diff|", diff)
+    assert ours.shape == (len(prompts), num_labels) and diff < SCORE_TOL
