@@ -166,6 +166,28 @@ def shape_bytes(shape: str) -> int:
     return int(total)
 
 
+_HLO_DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "int8": "s8", "uint8": "u8", "int32": "s32",
+               "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2", "bool": "pred"}
+
+
+def hlo_shape(dtype, dims) -> str:
+    import numpy as np
+
+    name = np.dtype(dtype).name
+    return f"{_HLO_DTYPES.get(name, name)}[{','.join(str(d) for d in dims)}]"
+
+
+def _tuple_elements(shape: str) -> list[str]:
+    """The top-level elements of a tuple shape `(a, (b, c), ...)`."""
+    parts, depth, start = [], 0, 1
+    for i, ch in enumerate(shape):
+        depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(ch, 0)
+        if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
+            parts.append(shape[start:i].strip())
+            start = i + 1
+    return parts
+
+
 def collectives_with_bytes(hlo: str) -> dict:
     """{kind: {"count", "bytes"}} of the compiled HLO's collectives (async pairs once, as their start)."""
     from sharding.hlo import collectives
@@ -175,10 +197,74 @@ def collectives_with_bytes(hlo: str) -> dict:
         entry = out.setdefault(c["kind"], {"count": 0, "bytes": 0})
         entry["count"] += 1
         shape = c["shape"]
-        if shape.startswith("(") and c["kind"] == "all-reduce":  # async start: (operands, results) halves
-            shape = shape[: len(shape) // 2]
-        entry["bytes"] += shape_bytes(shape)
+        if shape.startswith("(") and c["kind"] != "all-reduce":  # an async start's (operands, results, ...)
+            shape = _tuple_elements(shape)[1]
+        entry["bytes"] += shape_bytes(shape)  # an all-reduce's shape is its results'
     return out
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*")
+_NOT_TRAFFIC = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional", "call",
+                "after-all", "partition-id", "replica-id", "opt-barrier", "copy-done", "all-reduce-done",
+                "all-gather-done", "collective-permute-done", "send-done", "recv-done", "async-done"}
+
+
+def _closing(text: str, start: int) -> int:
+    """Index just past the parenthesis that closes the one at `start`."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i + 1
+    return len(text)
+
+
+def _instructions(body: str):
+    """(name, shape, opcode, operand names, line) of each instruction of one computation's text."""
+    for line in body.splitlines():
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        rest = line[m.end():]
+        end = _closing(rest, 0) if rest.startswith("(") else rest.find(" ")
+        shape, rest = rest[:end], rest[end:].lstrip()
+        op = re.match(r"([\w\-]+)\(", rest)
+        if not op:
+            continue
+        args = rest[op.end() - 1:_closing(rest, op.end() - 1)]
+        yield m.group(1), shape, op.group(1), re.findall(r"%([\w.\-]+)", args), line
+
+
+def hlo_traffic(hlo: str, skip_shapes=()) -> int:
+    """Bytes the compiled program's kernels read and write: each top-level instruction's operands and result
+    (the entry computation, and while bodies times their known trip count), leaving out buffers of the shapes
+    in `skip_shapes` (the KV page arrays, which the kernels address through page tables and update in place)."""
+    skip = {m for s in skip_shapes for m in _ARRAY.findall(s)}
+    comps = {}
+    for m in re.finditer(r"^(ENTRY\s+)?%([\w.\-]+)\s.*?\{\n(.*?)^\}", hlo, re.M | re.S):
+        comps[m.group(2)] = (bool(m.group(1)), m.group(3))
+    entry = next((name for name, (is_entry, _) in comps.items() if is_entry), None)
+    total, todo, seen = 0, [(entry, 1)], set()
+    while todo:
+        name, times = todo.pop()
+        if name not in comps or name in seen:
+            continue
+        seen.add(name)
+        shapes = {}
+        for inst, shape, opcode, operands, line in _instructions(comps[name][1]):
+            shapes[inst] = shape
+            if opcode == "while":
+                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                body = re.search(r"body=%([\w.\-]+)", line)
+                if body:
+                    todo.append((body.group(1), times * (int(trips.group(1)) if trips else 1)))
+            if opcode in _NOT_TRAFFIC:
+                continue
+            for part in [shape] + [shapes.get(o, "") for o in operands]:
+                for dtype, dims in _ARRAY.findall(part):
+                    if (dtype, dims) not in skip:
+                        total += times * shape_bytes(f"{dtype}[{dims}]")
+    return total
 
 
 def ptxas_path() -> str | None:
@@ -406,6 +492,7 @@ def run(args) -> dict:
     feed = _sds((buckets.max_num_seqs,), np.int32, rep)
     controls = abstract(sampling_controls.init_state(args.max_num_seqs, cfg.vocab_size))
     kv_per_token = kv_pool / (num_pages * ps)
+    page_shapes = [hlo_shape(x.dtype, x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(cache)]
 
     programs = []
     for shape in chosen_shapes(buckets, args.buckets):
@@ -415,7 +502,7 @@ def run(args) -> dict:
                      mask, None, None, ())
         kind = "decode" if shape.T <= buckets.max_num_seqs else "prefill"
         name = f"{kind} T={shape.T} S={shape.S} P={shape.P}"
-        entry, _ = compile_program(name, model_runner._step_jit, step_args,
+        entry, hlo = compile_program(name, model_runner._step_jit, step_args,
                                    dict(cfg=cfg, backend=backend, shape=shape, layout=layout), target)
         entry.update(kind=kind, tokens=shape.T, sequences=shape.S, pages=shape.P)
         if "error" not in entry:
@@ -424,6 +511,11 @@ def run(args) -> dict:
                                        param_count=sizing["param_count"],
                                        kv_bytes_per_token_dev=kv_per_token, page_size=ps, target=target,
                                        collective_bytes=coll, context_len=args.context_len))
+            # The kernels' KV traffic at the ideal (the page arrays are addressed through page tables), the rest
+            # as the compiled HLO moves it.
+            kv = entry["ideal_bytes"] - sizing["weights_bytes"]
+            entry["hlo_bytes"] = hlo_traffic(hlo, page_shapes) + int(kv)
+            entry["traffic_ratio"] = round(entry["hlo_bytes"] / entry["ideal_bytes"], 3)
         programs.append(entry)
     if not args.skip_small_programs:
         pairs = _sds((buckets.max_num_seqs,), np.int32, rep)
@@ -497,7 +589,7 @@ def format_text(report: dict) -> str:
              f"{_gb(report['memory_bytes'])} GB of {_gb(report['device_memory_bytes'])}: "
              f"{'fits' if report['fits'] else 'DOES NOT FIT'}",
              f"{'program':<28}{'compile s':>10}{'arg GB':>8}{'out GB':>8}{'temp GB':>9}{'roofline ms':>13}"
-             f"{'MBU':>6}  kernels / collectives"]
+             f"{'MBU':>6}{'traffic':>8}  kernels / collectives"]
     for p in report["programs"]:
         if "error" in p:
             lines.append(f"{p['name']:<28}  error: {p['error']}")
@@ -505,7 +597,8 @@ def format_text(report: dict) -> str:
         ks = ", ".join(f"{k['name']} {k['registers']} regs {k['spill_bytes']} B spill {k['shared_bytes']} B smem"
                        for k in p["kernels"])
         cs = ", ".join(f"{k} x{v['count']} {v['bytes']} B" for k, v in p["collectives"].items())
-        roof = f"{p['roofline_s'] * 1e3:>13.3f}{p['mbu_ceiling']:>6.2f}" if "roofline_s" in p else " " * 19
+        roof = f"{p['roofline_s'] * 1e3:>13.3f}{p['mbu_ceiling']:>6.2f}{p['traffic_ratio']:>8.2f}" \
+            if "roofline_s" in p else " " * 27
         lines.append(f"{p['name']:<28}{p['compile_s']:>10.1f}{_gb(p['argument_bytes']):>8}{_gb(p['output_bytes']):>8}"
                      f"{_gb(p['temp_bytes']):>9}{roof}  {ks or '-'} / {cs or '-'}")
     return "\n".join(lines)

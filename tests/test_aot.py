@@ -55,10 +55,11 @@ def test_bad_input_is_one_error_line(capsys):
 def test_shape_bytes_and_collectives_from_hlo_text():
     assert aot.shape_bytes("bf16[8,4096]{1,0}") == 8 * 4096 * 2
     assert aot.shape_bytes("(f32[2,3]{1,0}, s32[4]{0})") == 24 + 16
-    hlo = ("  %all-reduce-start = (bf16[1,4096]{1,0}, bf16[1,4096]{1,0}) all-reduce-start(%x), replica_groups={}\n"
-           "  %ag = f32[16,64]{1,0} all-gather(%y), dimensions={0}\n")
+    hlo = ("  %all-reduce-start = bf16[1,4096]{1,0} all-reduce-start(%x), replica_groups={}\n"
+           "  %ag = f32[16,64]{1,0} all-gather(%y), dimensions={0}\n"
+           "  %ags = (bf16[2,8]{1,0}, bf16[16,8]{1,0}) all-gather-start(%z), dimensions={0}\n")
     assert aot.collectives_with_bytes(hlo) == {"all-reduce": {"count": 1, "bytes": 8192},
-                                               "all-gather": {"count": 1, "bytes": 4096}}
+                                               "all-gather": {"count": 2, "bytes": 4096 + 256}}
 
 
 def test_tiny_buckets_compile_for_one_h100():
