@@ -231,3 +231,111 @@ def test_decoder_sequence_classifier_matches_transformers(tmp_path, arch, num_la
     diff = np.abs(ours - ref).max()
     print(arch, "max |score diff|", diff)
     assert ours.shape == (len(prompts), num_labels) and diff < SCORE_TOL
+
+
+# --- encoders: BERT and XLM-RoBERTa embedders, cross-encoder rerankers ---
+
+def _wordpiece_dir(directory):
+    """A tiny BERT WordPiece tokenizer (lower-cased letters, their `##` pieces, a few words), padding id 1."""
+    import string
+
+    from model.families import bert  # noqa: F401  (the encoders module must import)
+
+    words = sorted({w for t in TEXTS for w in t.lower().replace(".", " ").replace(":", " ").split()})
+    pieces = list(string.ascii_lowercase) + ["##" + c for c in string.ascii_lowercase] + list(".,:()") + words
+    vocab = ["[CLS]", "[PAD]", "[SEP]", "[UNK]", "[MASK]"] + list(dict.fromkeys(pieces))
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "vocab.txt"), "w") as f:
+        f.write("\n".join(vocab) + "\n")
+    tok = transformers.BertTokenizerFast(os.path.join(directory, "vocab.txt"), do_lower_case=True)
+    tok.save_pretrained(directory)
+    return tok, len(vocab)
+
+
+def _encoder_config(cls, vocab, **kw):
+    return cls(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+               max_position_embeddings=64, pad_token_id=1, **kw)
+
+
+def _run_encoder(directory, batch, token_types=True):
+    from model.families.bert import encoder_forward, load_encoder
+
+    cfg, weights = load_encoder(directory)
+    types = jnp.asarray(batch["token_type_ids"]) if token_types and "token_type_ids" in batch else None
+    hidden = jax.jit(encoder_forward, static_argnames="cfg")(weights, jnp.asarray(batch["input_ids"]),
+                                                            jnp.asarray(batch["attention_mask"]), cfg, types)
+    return cfg, weights, hidden
+
+
+@pytest.mark.parametrize("arch,mode", [("BertModel", "mean"), ("XLMRobertaModel", "cls")])
+def test_encoder_embedder_matches_sentence_transformers(tmp_path, arch, mode):
+    st = pytest.importorskip("sentence_transformers")
+    from sentence_transformers.base.modules import Normalize, Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+
+    hf_dir, st_dir = str(tmp_path / "hf"), str(tmp_path / "st")
+    tok, vocab = _wordpiece_dir(hf_dir)
+    torch.manual_seed(2)
+    config_cls = transformers.BertConfig if arch == "BertModel" else transformers.XLMRobertaConfig
+    extra = {} if arch == "BertModel" else {"type_vocab_size": 1}
+    scale_(getattr(transformers, arch)(_encoder_config(config_cls, vocab, **extra)).eval()).save_pretrained(hf_dir)
+    model = st.SentenceTransformer(modules=[Transformer(hf_dir, max_seq_length=48), Pooling(32, pooling_mode=mode),
+                                            Normalize()], device="cpu")
+    model.save(st_dir)
+    ref = st.SentenceTransformer(st_dir, device="cpu").encode(TEXTS, convert_to_numpy=True)
+
+    pcfg = load_pooling_config(st_dir)
+    assert (pcfg.pooling_type, pcfg.normalize) == (mode, True)
+    batch = transformers.AutoTokenizer.from_pretrained(st_dir)(TEXTS, padding=True, return_tensors="np")
+    _, _, hidden = _run_encoder(st_dir, batch)
+    ours = pooling.finish_embedding(pooling.pool_dense(hidden, jnp.asarray(batch["attention_mask"]), pcfg.pooling_type),
+                                    normalize_output=pcfg.normalize)
+    dist = cosine_distance(ours, ref)
+    print(arch, "max cosine distance", dist.max())
+    assert dist.max() < COS_TOL
+
+
+def test_bert_cross_encoder_matches_cross_encoder_predict(tmp_path):
+    st = pytest.importorskip("sentence_transformers")
+    from model.families.bert import classifier_logits
+
+    hf_dir = str(tmp_path / "hf")
+    tok, vocab = _wordpiece_dir(hf_dir)
+    torch.manual_seed(3)
+    hf = scale_(transformers.BertForSequenceClassification(_encoder_config(transformers.BertConfig, vocab,
+                                                                          num_labels=1)).eval())
+    hf.save_pretrained(hf_dir)
+    pairs = [(TEXTS[0], TEXTS[1]), (TEXTS[0], TEXTS[2]), (TEXTS[3], TEXTS[1])]
+    ref = st.CrossEncoder(hf_dir, device="cpu").predict(pairs)
+    batch = tok([a for a, _ in pairs], [b for _, b in pairs], padding=True, return_tensors="np")
+    assert batch["token_type_ids"].max() == 1  # the second text is segment 1
+    cfg, weights, hidden = _run_encoder(hf_dir, batch)
+    logits = np.asarray(classifier_logits(weights, hidden, cfg))
+    with torch.no_grad():
+        hf_logits = hf(**{k: torch.tensor(v) for k, v in batch.items()}).logits.numpy()
+    ours = 1 / (1 + np.exp(-logits[:, 0]))  # CrossEncoder's default activation for one label: a sigmoid
+    print("cross-encoder max |score diff|", np.abs(ours - ref).max(), "logits", np.abs(logits - hf_logits).max())
+    assert np.abs(ours - ref).max() < SCORE_TOL and np.abs(logits - hf_logits).max() < SCORE_TOL
+
+
+def test_xlm_roberta_classifier_matches_transformers(tmp_path):
+    from model.families.bert import classifier_logits
+
+    hf_dir = str(tmp_path / "hf")
+    torch.manual_seed(4)
+    config = _encoder_config(transformers.XLMRobertaConfig, 60, type_vocab_size=1, num_labels=2)
+    hf = scale_(transformers.XLMRobertaForSequenceClassification(config).eval())
+    hf.save_pretrained(hf_dir)
+    rng = np.random.default_rng(5)
+    lens = (9, 4, 12)
+    ids = np.ones((3, 12), np.int64)  # padding id 1 on the right
+    for i, n in enumerate(lens):
+        ids[i, :n] = np.concatenate([[0], rng.integers(5, 60, n - 2), [2]])
+    mask = (ids != 1).astype(np.int64)
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    cfg, weights, hidden = _run_encoder(hf_dir, {"input_ids": ids, "attention_mask": mask})
+    assert cfg.positions_after_padding and cfg.num_labels == 2
+    ours = np.asarray(classifier_logits(weights, hidden, cfg))
+    print("xlm-r classifier max |logit diff|", np.abs(ours - ref).max())
+    assert np.abs(ours - ref).max() < SCORE_TOL
