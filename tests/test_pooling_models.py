@@ -207,6 +207,37 @@ def test_qwen3_last_token_embedder_matches_sentence_transformers(tmp_path):
     np.testing.assert_allclose(np.linalg.norm(np.asarray(ours), axis=-1), 1.0, rtol=1e-5)
 
 
+def test_decoder_mean_over_prefill_chunks_equals_one_shot(tmp_path):
+    """A Qwen3 base model's mean pooling with the prompts prefilled in two steps through the paged
+    cache (the accumulator carried between them) equals the one-step mean, and transformers' mean."""
+    hf_dir = str(tmp_path / "hf")
+    torch.manual_seed(5)
+    hf = scale_(transformers.Qwen3Model(_qwen3_config(vocab_size=97)).eval())
+    hf.save_pretrained(hf_dir)
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(1, 97, n).tolist() for n in (11, 6, 9)]
+    cfg, params, _, _ = load_decoder(hf_dir)
+    hidden, md = _decoder_rows(cfg, params, prompts)
+    one_shot = np.asarray(pooling.pool_mean_packed(hidden, md.cu_q_lens))[:3]
+    cache = init_cache(cfg, NUM_PAGES, PAGE_SIZE)
+    tables = [list(range(i * PAGES_PER_SEQ, (i + 1) * PAGES_PER_SEQ)) for i in range(3)]
+    run = jax.jit(final_hidden, static_argnames=("cfg", "backend"))
+    acc_sum = acc_count = None
+    for lo, hi in ((0, 5), (5, None)):
+        tokens, step = pack_batch([(p[lo:hi], lo, tables[i]) for i, p in enumerate(prompts)], page_size=PAGE_SIZE,
+                                  num_pages=NUM_PAGES, num_tokens=NUM_TOKENS, max_seqs=MAX_SEQS,
+                                  pages_per_seq=PAGES_PER_SEQ)
+        rows, cache = run(params, cache, tokens, step, cfg, backend="reference")
+        acc_sum, acc_count = pooling.mean_accumulate(rows, step.cu_q_lens, acc_sum, acc_count)
+    chunked = np.asarray(pooling.mean_finish(acc_sum, acc_count))[:3]
+    assert np.asarray(acc_count)[:3].tolist() == [len(p) for p in prompts]
+    with torch.no_grad():
+        ref = np.stack([hf(torch.tensor([p])).last_hidden_state[0].mean(0).numpy() for p in prompts])
+    print("chunked vs one-shot mean", np.abs(chunked - one_shot).max(), "vs transformers", np.abs(chunked - ref).max())
+    np.testing.assert_allclose(chunked, one_shot, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(chunked, ref, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("arch,num_labels", [("Qwen3ForSequenceClassification", 1),
                                               ("LlamaForSequenceClassification", 3)])
 def test_decoder_sequence_classifier_matches_transformers(tmp_path, arch, num_labels):
@@ -293,6 +324,11 @@ def test_encoder_embedder_matches_sentence_transformers(tmp_path, arch, mode):
     dist = cosine_distance(ours, ref)
     print(arch, "max cosine distance", dist.max())
     assert dist.max() < COS_TOL
+    # Matryoshka: sentence-transformers' truncate_dim against `dimensions`.
+    short = st.SentenceTransformer(st_dir, device="cpu", truncate_dim=16).encode(TEXTS, convert_to_numpy=True)
+    ours16 = pooling.finish_embedding(pooling.pool_dense(hidden, jnp.asarray(batch["attention_mask"]),
+                                                         pcfg.pooling_type), normalize_output=True, dimensions=16)
+    assert ours16.shape == (len(TEXTS), 16) and cosine_distance(ours16, short).max() < COS_TOL
 
 
 def test_bert_cross_encoder_matches_cross_encoder_predict(tmp_path):
