@@ -115,3 +115,18 @@ def test_llama3_8b_scanned_decode_compiles_for_one_h100():
     assert proc.returncode == 0, proc.stderr[-3000:]
     (decode,) = json.loads(proc.stdout)["programs"]
     assert "error" not in decode, decode["error"]
+
+
+def test_tiny_decode_compiles_over_two_h100s_with_its_all_reduces():
+    _needs_plugin()
+    proc = _run(*TINY, "--tensor_parallel_size", "2", "--buckets", "8:8:16", "--skip_small_programs",
+                "--format", "json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["mesh"]["tensor"] == 2 and report["fits"]
+    (decode,) = report["programs"]
+    kernels = {k["name"]: k for k in decode["kernels"]}
+    assert {"ragged_paged_attention", "kv_cache_write"} <= set(kernels)
+    # each layer's attention and MLP outputs are summed over the two devices
+    reduces = decode["collectives"]["all-reduce"]
+    assert reduces["count"] >= 2 * 4 and reduces["bytes"] > 0
