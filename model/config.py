@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from typing import Any
 
 import jax.numpy as jnp
@@ -24,6 +25,9 @@ import jax.numpy as jnp
 from model.vision.config import VisionConfig
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+# Grouped weight kinds of published quantized checkpoints (`model.quant.grouped_kind`).
+_GROUPED_WEIGHTS = re.compile(r"fp8_g[1-9][0-9]*")
 
 _DTYPES = {
     "float32": jnp.float32,
@@ -115,8 +119,9 @@ class LlamaConfig:
     def __post_init__(self):
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.weight_dtype not in (None, "int8", "fp8"):
-            raise ValueError(f"weight_dtype must be None, 'int8' or 'fp8', got {self.weight_dtype!r}")
+        if self.weight_dtype not in (None, "int8", "fp8") and not _GROUPED_WEIGHTS.fullmatch(str(self.weight_dtype)):
+            raise ValueError(f"weight_dtype must be None, 'int8', 'fp8' or a grouped kind such as 'fp8_g128', "
+                             f"got {self.weight_dtype!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"

@@ -61,7 +61,7 @@ from model.checkpoint import save_checkpoint
 from model.config import ModelConfig, UnsupportedModelError
 from model.families import (ModelFamily, TensorPlan, family_for_config, family_for_hf_config, from_hf_config,
                             num_params)
-from model.params import unflatten_params
+from model.params import declare_weights, flatten_params, unflatten_params
 from model.vision.config import PROCESSOR_FILES, with_processor_settings
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -97,8 +97,12 @@ def read_hf_config(hf_dir: str, dtype: str | None = None) -> tuple[dict, ModelCo
         raise ConversionError(f"cannot read {path}: {e}") from None
     if not isinstance(hf, dict):
         raise ConversionError(f"{path} does not hold a JSON object")
+    from model.quant_formats import checkpoint_format
+
+    quantized = checkpoint_format(hf) is not None  # an unsupported method or variant: a ConversionError
     try:
-        return hf, from_hf_config(hf, dtype=dtype)
+        return hf, from_hf_config({k: v for k, v in hf.items() if k != "quantization_config"} if quantized else hf,
+                                  dtype=dtype)
     except UnsupportedModelError as e:
         raise ConversionError(str(e)) from None
     except (ValueError, TypeError, KeyError) as e:
@@ -325,8 +329,18 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
         raise ConversionError(f"--out_dir {out_dir} exists and is not a directory")
     located = weight_files(hf_dir)
     plan = stored_names(conversion_plan(cfg, family), located)
-    check_tensors(plan, located, cfg, family)
-    flat = read_weights(plan, located, np.dtype(cfg.jnp_dtype), progress)
+    from model.quant_formats import checkpoint_format, read_quantized
+
+    qformat = checkpoint_format(hf)
+    if qformat is not None:  # a published quantized checkpoint: read as the weight kind it maps to
+        if weight_dtype not in (None, "auto"):
+            raise ConversionError(f"--weight_dtype {weight_dtype}: the checkpoint is already quantized "
+                                  f"(quant_method {qformat.method!r})")
+        cfg = cfg.replace(weight_dtype=qformat.weight_dtype)
+        flat = read_quantized(plan, located, cfg, qformat, flatten_params(declare_weights(cfg)))
+    else:
+        check_tensors(plan, located, cfg, family)
+        flat = read_weights(plan, located, np.dtype(cfg.jnp_dtype), progress)
     params = unflatten_params(cfg, flat)
     del flat
     if weight_dtype not in (None, "auto"):

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from model.config import LlamaConfig
-from model.quant import SCALE_DTYPE, QuantizedArray, storage_dtype
+from model.quant import SCALE_DTYPE, GroupQuantizedArray, QuantizedArray, grouped_kind, storage_dtype
 
 Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
 
@@ -78,6 +78,14 @@ def linear_weight(cfg: LlamaConfig, info: ArrayInfo, num_out_dims: int = 1):
     on every call. Checkpoint conversion from Hugging Face needs no transposes."""
     if cfg.weight_dtype is None:
         return info
+    grouped = grouped_kind(cfg.weight_dtype)
+    if grouped is not None:  # a published checkpoint's group-wise scales: [out..., input groups]
+        dtype, group = grouped
+        groups = -(-math.prod(info.shape[num_out_dims:]) // group)
+        return GroupQuantizedArray(
+            data=ArrayInfo(info.shape, dtype, info.logical_axes, info.initializer),
+            scale=ArrayInfo(info.shape[:num_out_dims] + (groups,), SCALE_DTYPE,
+                            info.logical_axes[:num_out_dims] + (None,), ones_init), group=group)
     return QuantizedArray(
         data=ArrayInfo(info.shape, storage_dtype(cfg.weight_dtype), info.logical_axes, info.initializer),
         scale=ArrayInfo(info.shape[:num_out_dims], SCALE_DTYPE, info.logical_axes[:num_out_dims], ones_init),

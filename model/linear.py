@@ -1,7 +1,8 @@
 """`linear`: the matmul of a linear layer, whatever form its weight takes.
 
 A weight reaches `linear` as a float array, a `QuantizedArray` (int8 / fp8 data with per-output-channel
-scales, `model.quant`), or a `PerLayer`: every layer's matrix and the traced index of the layer that
+scales, `model.quant`), a `GroupQuantizedArray` (a published checkpoint's fp8 data with one scale per
+output row and input group: XLA widens and scales it inside the jitted step), or a `PerLayer`: every layer's matrix and the traced index of the layer that
 reads it, what the scanned forward on XLA CPU passes (`model.layer_select`), where each matmul is a
 `lax.switch` over the layers whose branch j is that matmul on layer j's matrix (`selected_linear`).
 `linear` and `selected_linear` call each other, so they live here together: `model.layer_select` builds
@@ -21,7 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from model.quant import QuantizedArray
+from model.quant import GroupQuantizedArray, QuantizedArray, dequantize_grouped
 
 
 def linear(spec: str, x, w, **kwargs):
@@ -40,6 +41,8 @@ def linear(spec: str, x, w, **kwargs):
         return selected_linear(spec, x, w, **kwargs)
     if isinstance(w, LoraWeight):  # the base product plus each token's adapter delta (`model.lora`)
         return lora_linear(spec, x, w, **kwargs)
+    if isinstance(w, GroupQuantizedArray):  # group-wise scales (`model.quant`): applied to the widened data
+        return jnp.einsum(spec, x, dequantize_grouped(w, x.dtype), **kwargs)
     if not isinstance(w, QuantizedArray):
         return jnp.einsum(spec, x, w, **kwargs)
     out = jnp.einsum(spec, x, w.data.astype(x.dtype), **kwargs)

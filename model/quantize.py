@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from model.declarations import is_array_info
 from model.families import family_for_config
-from model.quant import check_weight_dtype, is_quantized, quantize
+from model.quant import GroupQuantizedArray, check_weight_dtype, is_quantized, quantize, quantize_grouped
 
 def quantize_params(params, cfg, weight_dtype: str, shardings=None):
     """Float `Weights` -> the quantized `Weights` that `cfg.replace(weight_dtype=...)` declares.
@@ -71,9 +71,12 @@ class _ConvertKind:
 
     dtype: Any
     num_out_dims: int | None
+    group: int | None = None  # grouped scales (`model.quant.GroupQuantizedArray`): input columns per scale
 
     @classmethod
     def of(cls, decl) -> "_ConvertKind":
+        if isinstance(decl, GroupQuantizedArray):
+            return cls(jnp.dtype(decl.data.dtype), len(decl.scale.shape) - 1, decl.group)
         if is_quantized(decl):
             return cls(jnp.dtype(decl.data.dtype), len(decl.scale.shape))
         return cls(jnp.dtype(decl.dtype), None)
@@ -91,7 +94,9 @@ def _device_set(x):
 def _convert_group(leaves, kinds, out_shardings=None):
     """Converts arrays that live on one set of devices; `kinds` and `out_shardings` are static,
     so every call with the same weight shapes, kinds and placement reuses one compilation."""
-    out = [w.astype(k.dtype) if k.num_out_dims is None else quantize(w, k.dtype, k.num_out_dims)
+    out = [w.astype(k.dtype) if k.num_out_dims is None
+           else quantize(w, k.dtype, k.num_out_dims) if k.group is None
+           else quantize_grouped(w, k.dtype, k.num_out_dims, k.group)
            for w, k in zip(leaves, kinds)]
     if out_shardings is not None:
         out = [jax.lax.with_sharding_constraint(w, s) for w, s in zip(out, out_shardings)]

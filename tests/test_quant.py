@@ -359,7 +359,7 @@ def test_bad_quantization_flags_are_clear_errors():
     cfg = tiny_config()
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         Engine(cfg, None, None, EngineConfig(kv_cache_dtype="e5m2"))
-    with pytest.raises(ValueError, match="weight_dtype must be None, 'int8' or 'fp8'"):
+    with pytest.raises(ValueError, match="weight_dtype must be None, 'int8', 'fp8' or a grouped kind such as 'fp8_g128', got 'int4'"):
         tiny_config(weight_dtype="int4")
     proc = subprocess.run([sys.executable, "-m", "serving.server", "--weight_dtype=int4"], cwd=REPO,
                           capture_output=True, text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
