@@ -316,7 +316,7 @@ def test_encoder_embedder_matches_sentence_transformers(tmp_path, arch, mode):
     ref = st.SentenceTransformer(st_dir, device="cpu").encode(TEXTS, convert_to_numpy=True)
 
     pcfg = load_pooling_config(st_dir)
-    assert (pcfg.pooling_type, pcfg.normalize) == (mode, True)
+    assert (pcfg.pooling_type, pcfg.normalize, pcfg.max_seq_length) == (mode, True, 48)  # the 6.x layout
     batch = transformers.AutoTokenizer.from_pretrained(st_dir)(TEXTS, padding=True, return_tensors="np")
     _, _, hidden = _run_encoder(st_dir, batch)
     ours = pooling.finish_embedding(pooling.pool_dense(hidden, jnp.asarray(batch["attention_mask"]), pcfg.pooling_type),
