@@ -59,6 +59,7 @@ from tqdm import tqdm
 
 from model.checkpoint import save_checkpoint
 from model.config import ModelConfig, UnsupportedModelError
+from model.hf_checks import ConversionError, check_names
 from model.families import (ModelFamily, TensorPlan, family_for_config, family_for_hf_config, from_hf_config,
                             num_params)
 from model.params import declare_weights, flatten_params, unflatten_params
@@ -70,14 +71,6 @@ SINGLE_FILE = "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json") + PROCESSOR_FILES
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
-# Buffers some exporters keep in the state dict; they are recomputed, never read.
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class ConversionError(ValueError):
-    """The input directory cannot be converted; the message says why."""
-
-
 def conversion_plan(cfg: ModelConfig, family: ModelFamily | None = None) -> list[TensorPlan]:
     """Every tensor a checkpoint of this config must contain, in our order: the names of
     `family` (the one `config.json` named), by default the family that runs `cfg`."""
@@ -175,29 +168,11 @@ def stored_names(plan: list[TensorPlan], located: dict[str, str]) -> list[Tensor
     return out
 
 
-def _check_names(plan: list[TensorPlan], names, cfg: ModelConfig, missing_for: str, part_of: str,
-                 sort_missing: bool = False) -> None:
-    """Every planned tensor name among `names`, and no other (but those conversion ignores); a
-    `ConversionError` naming the first five of either kind."""
-    wanted = {t.hf for t in plan}
-    missing = [t.hf for t in plan if t.hf not in names]
-    if sort_missing:
-        missing = sorted(set(missing))
-    if missing:
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise ConversionError(f"missing tensors for {missing_for}: {missing[:5]}{more}")
-    unexpected = sorted(n for n in names if n not in wanted and not n.endswith(IGNORED_SUFFIXES)
-                        and not (n == "lm_head.weight" and cfg.tie_word_embeddings))
-    if unexpected:
-        more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
-        raise ConversionError(f"unexpected tensors (not part of {part_of}): {unexpected[:5]}{more}")
-
-
 def check_tensors(plan: list[TensorPlan], located: dict[str, str], cfg: ModelConfig,
                   family: ModelFamily | None = None) -> None:
     """Validates names, shapes and dtypes from the file headers alone (no tensor data is read)."""
     family = (family or family_for_config(cfg)).name
-    _check_names(plan, located, cfg, f"a {cfg.num_layers}-layer {family}",
+    check_names(plan, located, cfg, f"a {cfg.num_layers}-layer {family}",
                  f"a {cfg.num_layers}-layer {family} as config.json describes it")
     by_file: dict[str, list[TensorPlan]] = {}
     for t in plan:
@@ -274,7 +249,7 @@ def weights_from_hf_tensors(tensors, cfg: ModelConfig):
 
 def _check_in_memory(plan: list[TensorPlan], tensors, cfg: ModelConfig) -> None:
     """`check_tensors` for in-memory tensors: every planned name present with its planned shape, no other."""
-    _check_names(plan, tensors, cfg, f"a {cfg.num_layers}-layer model", f"this {cfg.num_layers}-layer model",
+    check_names(plan, tensors, cfg, f"a {cfg.num_layers}-layer model", f"this {cfg.num_layers}-layer model",
                  sort_missing=True)
     for t in plan:
         shape = tuple(np.shape(tensors[t.hf]))

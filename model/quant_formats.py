@@ -33,6 +33,7 @@ import numpy as np
 from absl import logging
 
 from model.config import ModelConfig
+from model.hf_checks import ConversionError, check_names
 from model.quant import GroupQuantizedArray, quantize_grouped
 
 # safetensors dtype names -> numpy dtypes (what `_read_raw` maps).
@@ -53,12 +54,6 @@ class QuantFormat:
     ignore: tuple[str, ...] = ()
 
 
-def _error(msg: str):
-    from model.convert_hf import ConversionError
-
-    return ConversionError(msg)
-
-
 def checkpoint_format(hf: dict) -> QuantFormat | None:
     """The quantized format `config.json` declares (None for a float checkpoint); a `ConversionError`
     naming the field and value this reader does not support."""
@@ -66,26 +61,26 @@ def checkpoint_format(hf: dict) -> QuantFormat | None:
     if not qc:
         return None
     if not isinstance(qc, dict):
-        raise _error(f"quantization_config must be an object, got {qc!r}")
+        raise ConversionError(f"quantization_config must be an object, got {qc!r}")
     method = qc.get("quant_method")
     if method == "fp8":
         return _fp8_format(qc)
-    raise _error(f"quantization_config.quant_method {method!r} is not supported; supported: 'fp8' "
+    raise ConversionError(f"quantization_config.quant_method {method!r} is not supported; supported: 'fp8' "
                  f"(fine-grained block-scaled FP8)")
 
 
 def _fp8_format(qc: dict) -> QuantFormat:
     fmt = qc.get("fmt", "e4m3")
     if fmt != "e4m3":
-        raise _error(f"quantization_config.fmt {fmt!r} is not supported for quant_method 'fp8' (only 'e4m3')")
+        raise ConversionError(f"quantization_config.fmt {fmt!r} is not supported for quant_method 'fp8' (only 'e4m3')")
     scheme = qc.get("activation_scheme", "dynamic")
     if scheme != "dynamic":
-        raise _error(f"quantization_config.activation_scheme {scheme!r} is not supported for quant_method 'fp8' "
+        raise ConversionError(f"quantization_config.activation_scheme {scheme!r} is not supported for quant_method 'fp8' "
                      f"(only 'dynamic')")
     block = qc.get("weight_block_size")
     if (not isinstance(block, (list, tuple)) or len(block) != 2
             or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-        raise _error(f"quantization_config.weight_block_size {block!r} is not supported for quant_method 'fp8' "
+        raise ConversionError(f"quantization_config.weight_block_size {block!r} is not supported for quant_method 'fp8' "
                      f"(a [rows, columns] block is required; per-tensor fp8 is not read)")
     ignore = qc.get("modules_to_not_convert") or ()
     return QuantFormat("fp8", f"fp8_g{block[1]}", (int(block[0]), int(block[1])), tuple(ignore))
@@ -97,7 +92,7 @@ def _header(path: str) -> tuple[dict, int]:
             n = int.from_bytes(f.read(8), "little")
             return json.loads(f.read(n)), 8 + n
     except (OSError, ValueError) as e:
-        raise _error(f"cannot read {path}: {e}") from None
+        raise ConversionError(f"cannot read {path}: {e}") from None
 
 
 class _Files:
@@ -124,10 +119,10 @@ class _Files:
         start, end = meta["data_offsets"]
         dtype = _ST_DTYPES.get(meta["dtype"])
         if dtype is None:
-            raise _error(f"tensor {name} in {os.path.basename(path)} has dtype {meta['dtype']}, which is not read")
+            raise ConversionError(f"tensor {name} in {os.path.basename(path)} has dtype {meta['dtype']}, which is not read")
         count = math.prod(meta["shape"])
         if (end - start) != count * np.dtype(dtype).itemsize:
-            raise _error(f"tensor {name} in {os.path.basename(path)}: its byte range does not match its shape")
+            raise ConversionError(f"tensor {name} in {os.path.basename(path)}: its byte range does not match its shape")
         offset = self._headers[path][1] + start
         return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=tuple(meta["shape"]))
 
@@ -136,26 +131,24 @@ def read_quantized(plan, located: dict[str, str], cfg: ModelConfig, fmt: QuantFo
     """Our flat {name: array} (`model.params.flatten_params` naming of `cfg`'s declarations `decl_flat`:
     a quantized weight's `.data` and `.scale`) from a quantized checkpoint: names, shapes and dtypes
     checked from the headers first (one `ConversionError`), then read one tensor at a time."""
-    from model.convert_hf import _check_names
-
     files = _Files(located)
     scale_names = [t.hf + "_scale_inv" for t in plan if t.hf + "_scale_inv" in located]
-    _check_names(list(plan) + [types.SimpleNamespace(hf=n) for n in scale_names], located, cfg,
+    check_names(list(plan) + [types.SimpleNamespace(hf=n) for n in scale_names], located, cfg,
                  f"a {cfg.num_layers}-layer {fmt.method} checkpoint", f"a {cfg.num_layers}-layer model as config.json "
                  f"describes it")
     if any(t.stack is not None for t in plan):
-        raise _error(f"quant_method {fmt.method!r}: mixture-of-experts checkpoints are not read yet")
+        raise ConversionError(f"quant_method {fmt.method!r}: mixture-of-experts checkpoints are not read yet")
     for t in plan:
         dtype, shape = files.info(t.hf)
         if shape != tuple(t.hf_shape):
-            raise _error(f"tensor {t.hf} has shape {list(shape)}, but config.json implies {list(t.hf_shape)}")
+            raise ConversionError(f"tensor {t.hf} has shape {list(shape)}, but config.json implies {list(t.hf_shape)}")
         quantized = t.hf + "_scale_inv" in located
         if quantized and t.ours + ".data" not in decl_flat:
-            raise _error(f"tensor {t.hf} is quantized, but {t.ours} is not a linear weight this model quantizes")
+            raise ConversionError(f"tensor {t.hf} is quantized, but {t.ours} is not a linear weight this model quantizes")
         if quantized:
             _check_fp8(t, dtype, shape, files, fmt)
         elif dtype not in FLOAT_DTYPES:
-            raise _error(f"tensor {t.hf} has dtype {dtype} and no weight_scale_inv beside it")
+            raise ConversionError(f"tensor {t.hf} has dtype {dtype} and no weight_scale_inv beside it")
     flat, requantized = {}, []
     for t in plan:
         if t.hf + "_scale_inv" in located:
@@ -180,16 +173,16 @@ def read_quantized(plan, located: dict[str, str], cfg: ModelConfig, fmt: QuantFo
 
 def _check_fp8(t, dtype: str, shape, files: _Files, fmt: QuantFormat) -> None:
     if dtype != "F8_E4M3":
-        raise _error(f"tensor {t.hf} has dtype {dtype}; quant_method 'fp8' stores F8_E4M3 weights")
+        raise ConversionError(f"tensor {t.hf} has dtype {dtype}; quant_method 'fp8' stores F8_E4M3 weights")
     if len(shape) != 2:
-        raise _error(f"tensor {t.hf}: a block-scaled weight must be 2-D, got shape {list(shape)}")
+        raise ConversionError(f"tensor {t.hf}: a block-scaled weight must be 2-D, got shape {list(shape)}")
     sdtype, sshape = files.info(t.hf + "_scale_inv")
     want = tuple(-(-n // b) for n, b in zip(shape, fmt.block))
     if sshape != want:
-        raise _error(f"tensor {t.hf}_scale_inv has shape {list(sshape)}; weight_block_size {list(fmt.block)} "
+        raise ConversionError(f"tensor {t.hf}_scale_inv has shape {list(sshape)}; weight_block_size {list(fmt.block)} "
                      f"over {list(shape)} implies {list(want)}")
     if sdtype not in FLOAT_DTYPES:
-        raise _error(f"tensor {t.hf}_scale_inv has dtype {sdtype}; block scales are float")
+        raise ConversionError(f"tensor {t.hf}_scale_inv has dtype {sdtype}; block scales are float")
 
 
 def _fp8_weight(t, files: _Files, fmt: QuantFormat, data_decl, scale_decl) -> GroupQuantizedArray:
@@ -201,6 +194,6 @@ def _fp8_weight(t, files: _Files, fmt: QuantFormat, data_decl, scale_decl) -> Gr
     rows = np.repeat(scale, fmt.block[0], axis=0)[:out]
     ours = np.ascontiguousarray(t.relayout(data))
     if ours.shape != tuple(data_decl.shape) or rows.size != math.prod(scale_decl.shape):
-        raise _error(f"tensor {t.hf}: its layout in this family is not a reshape of [out, in]; "
+        raise ConversionError(f"tensor {t.hf}: its layout in this family is not a reshape of [out, in]; "
                      f"quant_method {fmt.method!r} is not read for it")
     return GroupQuantizedArray(ours, np.ascontiguousarray(rows.reshape(scale_decl.shape)), fmt.block[1])
