@@ -40,6 +40,7 @@ from serving.core.engine import Engine, EngineConfig  # noqa: E402
 from serving.core.model_runner import PendingStep  # noqa: E402
 from serving.core.sampling_controls import init_state  # noqa: E402
 from serving.core.sampling_params import SamplingParams  # noqa: E402
+from serving.features.structured_output import StructuredOutputsPart  # noqa: E402
 
 VOCAB = 320  # the byte tokenizer's (grammars need real text tokens)
 PROMPT_LEN = 16
@@ -51,10 +52,10 @@ class InstantRunner:
     byte that keeps every grammar open (a space inside a JSON string is always allowed), verifying rows
     accept their drafts."""
 
-    def __init__(self, cfg, max_num_seqs: int):
+    def __init__(self, cfg, max_num_seqs: int, logit_parts=()):
         self.cfg = cfg
         self.controls = init_state(max_num_seqs, cfg.vocab_size)  # the slots of sampling controls
-        self.logit_parts = ()
+        self.logit_parts = tuple(logit_parts)  # their host inputs are built every step, as a real runner's
 
     def copy_pages(self, copies):
         pass
@@ -87,13 +88,15 @@ def engine_for(case: str, num_seqs: int) -> Engine:
                           page_size=PAGE_SIZE, num_pages=num_seqs * pages_per_seq + 8, max_model_len=max_model_len,
                           async_scheduling=False, speculative_method="ngram" if spec else None,
                           num_speculative_tokens=3 if spec else 0)
-    runner = InstantRunner(cfg, num_seqs)
+    parts = [StructuredOutputsPart(cfg.vocab_size)]  # what serving.features.build_parts gives a server
+    runner = InstantRunner(cfg, num_seqs, logit_parts=parts)
     speculator = None
     if spec:
         from serving.spec_decode import SpecDecoder
 
         speculator = SpecDecoder.for_engine
-    engine = Engine(cfg, None, ByteTokenizer(VOCAB), config, runner=runner, speculator=speculator)
+    engine = Engine(cfg, None, ByteTokenizer(VOCAB), config, runner=runner, speculator=speculator,
+                    parts=parts)
     for i in range(num_seqs):
         kw = dict(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         if case == "grammar":

@@ -32,8 +32,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from serving import LLM, SamplingParams  # noqa: E402
-from serving.core.reasoning_phase import ReasoningParams  # noqa: E402
-from serving.core.structured_output import StructuredOutputsParams  # noqa: E402
+from serving.core.format_params import ReasoningParams, StructuredOutputsParams  # noqa: E402
 
 N, OUT, BUDGET = 32, 96, 48
 

@@ -446,6 +446,16 @@ def chosen_shapes(buckets, which: str) -> list:
     return picks
 
 
+def logit_parts(cfg) -> tuple:
+    """The step parts with device inputs that a server of `cfg` built with default options compiles into
+    every step: structured outputs' token bitmask (`serving.features.build_parts`)."""
+    from serving.core import engine_args, step_parts
+    from serving.features import build_parts
+
+    options = {o.name: o.default for o in engine_args.OPTIONS}
+    return step_parts.logit_parts(p for p in build_parts(options, cfg) if isinstance(p, step_parts.StepPart))
+
+
 def run(args) -> dict:
     try:
         target = get_target(args.device)
@@ -470,11 +480,7 @@ def run(args) -> dict:
     import numpy as np
     from kernels_pallas import pallas_supports_head_dim
     from model.cache import cache_builder
-    from serving.core import model_runner, sampling_controls
-    try:
-        from serving.features.structured_output import bitmask_width
-    except ImportError:
-        from serving.core.structured_output import bitmask_width
+    from serving.core import model_runner, sampling_controls, step_parts
     from sharding.layout import Layout
 
     layout = Layout.create(gpu_mesh(target, tp, args.num_hosts), "megatron")
@@ -494,16 +500,16 @@ def run(args) -> dict:
     kv_per_token = kv_pool / (num_pages * ps)
     page_shapes = [hlo_shape(x.dtype, x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(cache)]
 
+    parts = logit_parts(cfg)
     programs = []
     for shape in chosen_shapes(buckets, args.buckets):
         (_, isize), (_, fsize) = shape.offsets(shape.int_fields), shape.offsets(shape.float_fields)
-        mask = _sds((shape.S, bitmask_width(cfg.vocab_size)), np.int32, rep)
         step_args = (params, cache, _sds((isize,), np.int32, rep), _sds((fsize,), np.float32, rep), feed, controls,
-                     mask, None, None, ())
+                     None, None, step_parts.input_specs(parts, shape.S, rep))
         kind = "decode" if shape.T <= buckets.max_num_seqs else "prefill"
         name = f"{kind} T={shape.T} S={shape.S} P={shape.P}"
         entry, hlo = compile_program(name, model_runner._step_jit, step_args,
-                                   dict(cfg=cfg, backend=backend, shape=shape, layout=layout), target)
+                                     dict(cfg=cfg, backend=backend, shape=shape, layout=layout, logit_parts=parts), target)
         entry.update(kind=kind, tokens=shape.T, sequences=shape.S, pages=shape.P)
         if "error" not in entry:
             coll = sum(c["bytes"] for c in entry["collectives"].values())

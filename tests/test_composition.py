@@ -43,7 +43,7 @@ from conftest import run_to_completion, tiny_config
 from model.params import init_params
 from model.tokenizer import ByteTokenizer
 from serving import LLM, SamplingParams
-from serving.core.reasoning_phase import ReasoningParams
+from serving.core.format_params import ReasoningParams
 from serving.features.host_kv_tier import HostKVTier
 from test_disagg_engine import prefill, submit_import
 

@@ -167,7 +167,7 @@ class CountingBias(StepPart):
         self.vocab = vocab
         self.admitted, self.scheduled, self.sampled = [], 0, []
 
-    takes_extra_args = True
+    takes_fields = ("extra_args",)
 
     def admit(self, request):
         if (request.params.extra_args or {}).get("boost") == 0:

@@ -21,8 +21,8 @@ from reasoning_checkpoints import ENGINE, save_reasoning_checkpoint  # noqa: E40
 from serving import LLM, SamplingParams  # noqa: E402
 from serving.api import reasoning as R  # noqa: E402
 from serving.api.chat_template import encode_chat  # noqa: E402
-from serving.core.reasoning_phase import PhasedGrammar, ReasoningParams  # noqa: E402
-from serving.core.structured_output import StructuredOutputsParams  # noqa: E402
+from serving.core.format_params import ReasoningParams, StructuredOutputsParams  # noqa: E402
+from serving.features.reasoning_phase import PhasedGrammar  # noqa: E402
 from serving.server import ServerThread  # noqa: E402
 
 ASK = [{"role": "user", "content": "What is the capital of France?"}]

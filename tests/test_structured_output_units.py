@@ -11,7 +11,8 @@ import pytest
 from serving.api.chat_template import render_chat
 from serving.api.tool_calls import ToolPlan, ToolStream, scan_required
 from serving.api.tool_parsers import get_parser
-from serving.core.structured_output import (StructuredOutputs, StructuredOutputsParams, apply_token_bitmask,
+from serving.core.format_params import StructuredOutputsParams
+from serving.features.structured_output import (StructuredOutputs, apply_token_bitmask,
                                             apply_token_bitmask_reference, bitmask_width)
 
 

@@ -16,6 +16,7 @@ import pytest
 from serving import LLM, SamplingParams
 from serving.core.engine import Engine
 from serving.llm import default_checkpoint_dir
+from serving.features.structured_output import StructuredOutputsPart
 from serving.server import ServerThread
 
 MODEL = "ridgeline-so"
@@ -70,7 +71,7 @@ def test_llm_generate_same_with_overlap_on_and_off(llm):
     # The same runner under a second engine that steps one at a time (the server is not running yet).
     stepwise = Engine(llm.config, None, llm.tokenizer, llm.engine.config.__class__(**{
         **{k: getattr(llm.engine.config, k) for k in llm.engine.config.__dataclass_fields__},
-        "async_scheduling": False}), runner=llm.engine.runner)
+        "async_scheduling": False}), runner=llm.engine.runner, parts=[llm.engine.part(StructuredOutputsPart)])
     for i, p in enumerate(prompts):
         stepwise.add_request(str(i), p, sp)
     done = {}

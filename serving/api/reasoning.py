@@ -19,7 +19,7 @@ deltas. It holds back text that may be the beginning of a tag, so a tag split
 across tokens or stream chunks never leaks into either part; the non-streamed
 answer runs the same splitter over the whole text, so the two always agree.
 
-The engine enforces the same boundaries on tokens (`serving.core.reasoning_phase`):
+The engine enforces the same boundaries on tokens (`serving.features.reasoning_phase`):
 a thinking budget forces the end tag, and a grammar applies from the end tag on.
 """
 
@@ -29,7 +29,7 @@ import dataclasses
 from typing import Optional
 
 from serving.api import http_protocol as P
-from serving.core.reasoning_phase import ReasoningParams
+from serving.core.format_params import ReasoningParams
 
 PARSER_NAMES = ("auto", "deepseek_r1", "qwen3")
 # Tag pairs the `auto` parser looks for in the tokenizer's vocabulary and the chat template, in order.

@@ -27,7 +27,7 @@ from typing import Optional
 from serving.api import http_protocol as P
 from serving.api.tool_parsers import PARSERS, ToolParser
 from serving.api.tool_protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, NamedToolChoice, ToolCall
-from serving.core.structured_output import StructuredOutputsParams, from_request_dict
+from serving.core.format_params import StructuredOutputsParams, from_request_dict
 
 _ANY_OBJECT = {"type": "object"}
 

@@ -41,8 +41,6 @@ from serving.core.sampling_params import InvalidParameterError, SamplingParams, 
 from serving.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from serving.core.sequence import Request, Sequence, SequenceStatus
 from serving.core.spec_options import check_options as check_spec_options, logit_rows as spec_logit_rows
-from serving.core import structured_output
-from serving.core.reasoning_phase import PhasedGrammar
 from serving.core.step_parts import StepPart
 from serving.core.stats import EngineStats, FinishedRequestStats, IterationStats, StatsLog
 
@@ -57,8 +55,8 @@ def scans_layers(layer_loop: str) -> bool:
 
 
 PRIORITY_LIMIT = 2**31 - 1  # a request's priority is a 32-bit signed integer (a bound for hostile input)
-# The most samples of one request (OpenAI's bound), or max_num_seqs where that is larger: a request's grammar
-# and reasoning phases keep a matcher and a mask per sample from the start, so `n` must be bounded, while the
+# The most samples of one request (OpenAI's bound), or max_num_seqs where that is larger: a part may keep
+# state per sample from the start (a grammar's matcher and mask), so `n` must be bounded, while the
 # scheduler runs samples beyond max_num_seqs as seats free up.
 N_LIMIT = 128
 
@@ -158,8 +156,6 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.stats_log = StatsLog()
         self.outputs = OutputProcessor(tokenizer, model_len, self.scheduler.finish, self.stats_log)
-        self.structured = structured_output.StructuredOutputs(tokenizer, cfg.vocab_size, self.eos_token_ids,
-                                                              config.structured_outputs_whitespace)
         self._rng = np.random.default_rng(config.seed)
         self._lock = threading.Lock()  # guards the seed generator (make_request may run on any thread)
         self._pending_finished: list[FinishedRequestStats] = []
@@ -167,6 +163,9 @@ class Engine:
         # The features that act inside a step, called in this order in each phase (`step_parts`): those
         # built outside the engine first, in their order (`parts`, each a part or a function building one of
         # this engine), then the engine's own.
+        for part in parts:
+            if isinstance(part, StepPart):
+                part.attach(self)
         self.parts = [p for p in (p if isinstance(p, StepPart) else p(self) for p in parts) if p is not None]
         engine_args.check_served(config, {part.serves for part in self.parts})
         step_parts.check_applied(self.parts, getattr(self.runner, "logit_parts", ()))
@@ -178,6 +177,7 @@ class Engine:
                                          limit_per_prompt=config.limit_mm_per_prompt)
             self.parts.append(self.multimodal)
             self.scheduler.gates.append(ImageChunks())
+        self.scheduler.gates += [gate for gate in (part.gate() for part in self.parts) if gate is not None]
         # Overlapped scheduling needs a runner that dispatches without waiting; speculative
         # steps choose the next step's drafts from this step's tokens, so they run one at a time.
         self.overlap = config.async_scheduling and self.spec is None
@@ -244,12 +244,13 @@ class Engine:
                       cache_salt, priority, self.weights_epoch)
         req.images = images
         req.sampling_row = sampling_row(req)
-        req.structured = self._grammar(params)
         if sampling_controls.used_fields(params):
             req.control_rows = self._control_rows(req)
-        if params.extra_args and not any(part.takes_extra_args for part in self.parts):
-            raise InvalidParameterError("extra_args", "extra_args: given, but this engine runs no logits processor "
-                                                      "that reads them (option logits_processors)")
+        taken = {field for part in self.parts for field in part.takes_fields}
+        for field in params.part_fields():
+            if field not in taken:
+                raise InvalidParameterError(field, f"{field}: given, but this engine runs "
+                                                   f"{engine_args.FIELD_PARTS.get(field, 'no part that acts on it')}")
         for part in self.parts:
             part.admit(req)
         if lora_name is not None:  # last: from here on the request holds its adapter until it leaves
@@ -275,32 +276,6 @@ class Engine:
             return self.lora.acquire(name)
         except UnknownLoraError as e:
             raise InvalidParameterError("lora_request", f"lora_request: {e}") from None
-
-    def _grammar(self, params: SamplingParams):
-        """The request's compiled grammar (structured outputs), or None; a 400 when it cannot be used.
-
-        A reasoning request with a thinking budget or a grammar gets a `PhasedGrammar`: free (or
-        budgeted) thinking first, then the grammar from the end tag on."""
-        grammar = None
-        if params.structured_outputs is not None:
-            try:
-                grammar = self.structured.for_request(params.structured_outputs, params.n)
-            except (TypeError, ValueError) as e:
-                raise InvalidParameterError("structured_outputs", f"structured_outputs: {e}") from None
-        reasoning = params.reasoning
-        if reasoning is not None and (grammar is not None or reasoning.budget is not None):
-            bad = [t for t in reasoning.start_ids + reasoning.end_ids if not 0 <= t < self.cfg.vocab_size]
-            if bad:
-                raise InvalidParameterError("reasoning", f"reasoning: think-tag token ids {bad} are not in the "
-                                                         f"vocabulary [0, {self.cfg.vocab_size})")
-            forced = set(reasoning.end_ids) | (set(reasoning.start_ids) if reasoning.starts == "undecided" else set())
-            if params.allowed_token_ids is not None and not forced <= set(params.allowed_token_ids):
-                raise InvalidParameterError("allowed_token_ids", "allowed_token_ids: must allow the think tags' "
-                                                                 f"tokens {sorted(forced)}, which the reasoning "
-                                                                 "phase may force")
-            ends = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
-            return PhasedGrammar(reasoning, grammar, params.n, self.structured.width, ends)
-        return grammar
 
     def _control_rows(self, req: Request) -> sampling_controls.RequestRows:
         """The request's constant rows of logit bias and masks; refuses it where they cannot be applied."""
@@ -421,15 +396,16 @@ class Engine:
         (`EngineConfig.async_scheduling`) the call dispatches the next step before it processes
         the one dispatched by the previous call, so the host schedules and packs step t+1 while
         the device still runs step t, and the outputs returned are those of step t. The only wait
-        is for step t's sampled ids. A step t with grammar rows (structured outputs) is processed
-        first instead, so that its sequences' next masks exist and they join step t+1.
+        is for step t's sampled ids. A step t to which a part gave inputs that depend on each step's
+        tokens (`StepPart.results_before_next_step`: structured outputs' masks) is processed first
+        instead, so that its sequences' next inputs exist and they join step t+1.
         """
         t0 = time.perf_counter()
         it = IterationStats(self._step_count, 0, 0, 0, 0, 0, 0.0, 0.0, 0)
         touched: dict[str, Request] = {}  # requests with output this step
         for part in self.parts:
             part.before_schedule(touched, it)
-        waited = self._process_grammar_step(it, touched)
+        waited = self._process_first(it, touched)
         out = self._schedule(it, touched)
         for part in self.parts:
             part.after_schedule(out)
@@ -471,7 +447,7 @@ class Engine:
 
     def _pack(self, out: SchedulerOutput, it: IterationStats) -> "_StepInFlight":
         """The step's host inputs: pages copied first (copy-on-write), control rows loaded, the batch
-        packed into its bucket, then each part's and the grammars' inputs added."""
+        packed into its bucket, then each part's inputs added."""
         if out.copies:
             self.runner.copy_pages(out.copies)
         previous = self._in_flight.batch.draw_rows if self._in_flight is not None else None
@@ -479,7 +455,6 @@ class Engine:
         lora_slots = self.lora.assign(out.scheduled, self.scheduler.running) if self.lora is not None else None
         batch = pack_step(out, self.block_manager.tables, self.buckets, self.config.page_size, self.num_pages,
                           previous, slots, shape_for=self.runner.step_shape, lora_slots=lora_slots)
-        batch.token_mask = structured_output.batch_mask(batch, self.structured.width)
         for part in self.parts:
             part.pack(batch)
         batch.part_inputs = tuple(part.step_inputs(batch) for part in getattr(self.runner, "logit_parts", ()))
@@ -494,12 +469,13 @@ class Engine:
         step.pending = self.runner.dispatch(step.batch)
         return step
 
-    def _process_grammar_step(self, it: IterationStats, touched: dict) -> float:
-        """Overlapped scheduling: processes the step in flight before scheduling when it has grammar
-        rows, whose sequences' next masks need its tokens (without them those sequences would sit
-        out every other step). Returns the seconds waited for it."""
+    def _process_first(self, it: IterationStats, touched: dict) -> float:
+        """Overlapped scheduling: processes the step in flight before scheduling when a part's inputs of
+        it need its tokens for the next step (without them those sequences would sit out every other
+        step). Returns the seconds waited for it."""
         done = self._in_flight
-        if done is None or done.batch.token_mask is None:
+        if done is None or not any(inputs is not None and part.results_before_next_step for part, inputs
+                                   in zip(getattr(self.runner, "logit_parts", ()), done.batch.part_inputs)):
             return 0.0
         self._in_flight = None
         return self._process(done, it, touched)
@@ -572,28 +548,33 @@ class Engine:
             n=req.params.n, max_tokens=req.params.max_tokens)
 
     def take_token(self, seq: Sequence, tok: int, row: int, result, now: float, it: IterationStats) -> None:
-        """Takes a token into its sequence's output (detokenized, stop conditions checked, the grammar
-        advanced): the scheduler's samples, and tokens parts bring (a shipped prefill's first token)."""
+        """Takes a token into its sequence's output (detokenized, stop conditions checked, the parts'
+        state of it advanced): the scheduler's samples, and tokens parts bring (a shipped prefill's first
+        token)."""
         req = seq.request
-        if req.structured is not None and not seq.is_finished:
-            tok = self._instead_of_ending(seq, tok)
+        if req.part_state and not seq.is_finished:
+            tok = self._replaced(seq, tok)
         if req.kv_export is not None and seq.num_output_tokens == 1:
             self.export_prompt_kv(seq, tok, result, row)  # before a finish frees the pages
         self.outputs.on_token(seq, tok, row, result, now, it)
-        if req.structured is not None and not seq.is_finished and req.structured.accept(seq.sample_index, tok):
-            structured_output.finish_complete(seq, self.scheduler.finish)  # the grammar allows only the end
+        if req.part_state and not seq.is_finished:
+            for part in self.parts:
+                reason = part.took_token(seq, tok)
+                if reason is not None:
+                    self.scheduler.finish(seq, reason)
+                    break
 
-    def _instead_of_ending(self, seq: Sequence, tok: int) -> int:
-        """The sequence's last token as its grammar takes it: an ending token drawn while a request with
-        a format thinks becomes the end tag's (`PhasedGrammar.instead_of_ending`), so the request goes on
-        to its answer. The device recorded the drawn token in the sequence's control row, so that row
-        is written again from the host before the sequence's next step."""
-        new = seq.request.structured.instead_of_ending(seq.sample_index, tok)
-        if new != tok:
-            seq.token_ids[-1] = new
-            if self.control_slots is not None:
-                self.control_slots.release(seq.seq_id)
-        return new
+    def _replaced(self, seq: Sequence, tok: int) -> int:
+        """The sequence's last token as the parts take it (`StepPart.replace_token`: a grammar's thinking
+        phase makes an ending token the end tag's). The device recorded the drawn token in the sequence's
+        control row, so a replaced token's row is written again from the host before its next step."""
+        for part in self.parts:
+            new = part.replace_token(seq, tok)
+            if new != tok:
+                seq.token_ids[-1] = tok = new
+                if self.control_slots is not None:
+                    self.control_slots.release(seq.seq_id)
+        return tok
 
     # --- shipping a prefill's KV between engines ----------------------------------------------------
     # The request carries the hooks, set by the caller that asked for the transfer

@@ -31,6 +31,14 @@ from serving.core.spec_options import METHODS as SPECULATIVE_METHODS
 # What a preempted sequence's KV becomes (option preemption_mode; `serving.features.host_kv_tier`).
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 HOST_KV_TIER = "host KV tier"  # the part of the host tier's options
+STRUCTURED_OUTPUTS = "structured outputs"  # the part of structured outputs' options
+# The request fields parts take (`StepPart.takes_fields`) and the part an engine needs for each: what a
+# request that gives one to an engine without that part is told.
+FIELD_PARTS = {
+    "extra_args": "no logits processor that reads them (option logits_processors)",
+    "structured_outputs": "no structured-outputs part (serving.features.build_parts builds one for every engine)",
+    "reasoning": "no structured-outputs part, which runs the reasoning phase (serving.features.build_parts)",
+}
 
 # The flags `define_flags` defines belong to its caller (absl lists a program's own flags under --help).
 flags.disclaim_key_flags()
@@ -136,7 +144,8 @@ OPTIONS: tuple[EngineOption, ...] = (
                  "them (auto), or is not read (off).", choices=("auto", "off"), engine_config=False),
     EngineOption("structured_outputs_whitespace", bool, False,
                  "Let JSON grammars of structured outputs put free whitespace between tokens (off: none, so a "
-                 "weak model cannot loop on spaces; a request's structured_outputs.whitespace overrides it)."),
+                 "weak model cannot loop on spaces; a request's structured_outputs.whitespace overrides it).",
+                 part=STRUCTURED_OUTPUTS),
     EngineOption("limit_mm_per_prompt", int, 4,
                  "Most images one prompt may carry (a vision-language model); more is a 400."),
     EngineOption("encoder_cache_mb", int, 256,

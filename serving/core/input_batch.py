@@ -208,8 +208,6 @@ class StepBatch:
     # seq_id -> the row of its draw in this step's samples: where the next step, dispatched before
     # this one is processed, finds the token it feeds as a placeholder (`feed_rows`).
     draw_rows: dict = dataclasses.field(default_factory=dict)
-    # [S, ceil(vocab / 32)] int32 allowed-token bitmask of the rows (structured outputs), or None: all allowed.
-    token_mask: Optional[np.ndarray] = None
     # Speculative decoding: (first row, Sequence, sample_index, drafts) of each sequence verifying drafts;
     # its rows are first_row .. first_row + len(drafts), row j following drafts 0..j-1.
     draft_groups: list = dataclasses.field(default_factory=list)
@@ -217,7 +215,8 @@ class StepBatch:
     draft_probs: Optional[object] = None
     # (Sequence, first token row, first position, token count) of each scheduled sequence, in row order.
     token_spans: list = dataclasses.field(default_factory=list)
-    # The device inputs of the runner's logit parts, in its order (`StepPart.step_inputs`); empty: none.
+    # The device inputs of the runner's logit parts, in its order (`StepPart.step_inputs`; None: that part's
+    # idle inputs); empty: none.
     part_inputs: tuple = ()
 
 

@@ -38,7 +38,6 @@ from serving.core import bucket_plan, executable_store, rejection_sampler, sampl
 from serving.core.sampler import SamplingInputs, logprobs_of, sample, sample_ids
 from serving.core.sampling_table import ROW_PARAMS
 from serving.core.step_programs import StepPrograms, compiled_total
-from serving.core.structured_output import apply_token_bitmask, bitmask_width
 
 
 def unpack_step(v: dict) -> tuple[BatchMetadata, SamplingInputs]:
@@ -66,7 +65,7 @@ def feed_tokens(tokens, feed_rows, feed):
     return jnp.where(feed_rows >= 0, feed[jnp.maximum(feed_rows, 0)], tokens)
 
 
-def _step(params, cache, ibuf, fbuf, feed=None, controls=None, token_mask=None, draft_probs=None, lora=None,
+def _step(params, cache, ibuf, fbuf, feed=None, controls=None, draft_probs=None, lora=None,
           part_inputs=(), *, cfg: ModelConfig, backend: str, shape: StepShape, layout=None, verify: bool = False,
           lora_rank: int = 0, logit_parts: tuple = ()):
     """One engine step: forward over the ragged batch, then each logit row's token.
@@ -74,7 +73,6 @@ def _step(params, cache, ibuf, fbuf, feed=None, controls=None, token_mask=None, 
     Every feature a row can need is an input of this one program:
     * `feed` (the previous step's sampled ids, [max rows]): placeholder tokens are filled from it
       (overlapped scheduling), and this step's ids come back padded the same way;
-    * `token_mask` ([S, ceil(vocab / 32)] int32, structured outputs) bars the tokens whose bit is 0;
     * a vision-language model's steps carry, in the buffers, the image placeholder rows' embeddings
       and the multimodal RoPE positions (`StepShape.image_hidden`, `serving.core.multimodal`);
     * `controls` (a `sampling_controls.ControlState`): rows holding a slot are adjusted by it before
@@ -82,12 +80,13 @@ def _step(params, cache, ibuf, fbuf, feed=None, controls=None, token_mask=None, 
     * with `verify` (speculative decoding) a sequence's k + 1 rows check its drafts (the step's
       `draft_token` / `group_start` / `q_index` fields, `draft_probs` the draft model's distributions
       or None for point-mass drafts): acceptance runs here (`rejection_sampler`), rows after a
-      sequence's first rejection come back as -1, and the mask and controls of row j see drafts
+      sequence's first rejection come back as -1, and the controls and parts' inputs of row j see drafts
       0..j-1 as already drawn. Rows without drafts are sampled exactly as without `verify`;
     * `lora` (the LoRA adapter slots, `model.lora.declare_slots`, padded to `lora_rank`): each token's
       `lora_slot` picks its adapter inside every target projection (`model.lora.attach`);
     * `part_inputs[i]`, the device inputs of the step part `logit_parts[i]` (`step_parts.StepPart.
-      step_input_spec`), which its `apply_to_logits` applies after the mask and the controls.
+      step_input_spec`: structured outputs' token bitmask, logits processors' rows), which its
+      `apply_to_logits` applies after the controls.
     """
     v = shape.split(ibuf, fbuf)
     md, s = unpack_step(v)
@@ -101,8 +100,6 @@ def _step(params, cache, ibuf, fbuf, feed=None, controls=None, token_mask=None, 
             params = lora_model.attach(params, lora, v["lora_slot"], lora_rank)
         logits, cache = forward(params, cache, tokens, md, cfg, backend, layout, v.get("image_embeds"))
     raw = logits  # logprobs report the model's own distribution, as vLLM's do
-    if token_mask is not None:
-        logits = apply_token_bitmask(logits, token_mask)
     drafts = sampling_controls.Drafts(v["draft_token"], v["group_start"]) if verify else None
     if controls is not None:
         logits = sampling_controls.apply(logits, controls, v["control_slot"], s.token_index, s, drafts)
@@ -263,7 +260,7 @@ class ModelRunner:
         # reads its placeholder tokens from it (`feed_tokens`) without a trip through the host.
         self.feed = self._place_feed(np.zeros(buckets.max_num_seqs, np.int32))
         self.max_copy_pairs = buckets.max_num_seqs  # copy-on-write pairs per call of the page copy (`_copy_pages`)
-        self._all_allowed_masks: dict = {}  # rows -> resident all-ones token bitmask (`_all_allowed`)
+        self._idle_inputs: dict = {}  # rows -> each logit part's idle inputs, on the device (`_place_part_inputs`)
         self.programs = StepPrograms(self._lower_step, self._program_key, platform=jax.default_backend(),
                                      key_fields=PROGRAM_KEY_FIELDS,
                                      holds_cheaply=functools.partial(bucket_plan.holds_cheaply, buckets=buckets))
@@ -332,13 +329,11 @@ class ModelRunner:
         handler = (self._replay_handlers or {}).get(kind)
         if handler is not None:
             return handler(*arrays, **static)
-        if kind == "step":  # (ibuf, fbuf[, token_mask], *parts' input leaves); draft_probs: this process's own
+        if kind == "step":  # (ibuf, fbuf, *given parts' input leaves); draft_probs: this process's own
             probs = (self._step_inputs or {})["draft_probs"]() if static.get("draft_probs") else None
-            parts = static.get("part_leaves", 0)
-            arrays, leaves = arrays[:len(arrays) - parts], arrays[len(arrays) - parts:]
-            mask = arrays[2] if len(arrays) > 2 else None
-            return self._run(*arrays[:2], static["shape"], mask, probs,
-                             step_parts.inputs_from_leaves(self.logit_parts, static["shape"].S, leaves))
+            inputs = step_parts.inputs_from_leaves(self.logit_parts, static["shape"].S, arrays[2:],
+                                                   static.get("idle_parts", ()))
+            return self._run(*arrays[:2], static["shape"], probs, inputs)
         if kind == "copy":
             return self._copy(*arrays)
         if kind == "controls":  # (slot, *row)
@@ -382,32 +377,42 @@ class ModelRunner:
                                            *self._host_inputs(src, dst))
         return self.cache
 
-    def _run(self, ibuf, fbuf, shape, token_mask=None, draft_probs=None, part_inputs=None):
-        if part_inputs is None:  # (a step with no part inputs of its own: warm-up's empty batches)
-            part_inputs = step_parts.empty_inputs(self.logit_parts, shape.S)
+    def _run(self, ibuf, fbuf, shape, draft_probs=None, part_inputs=None):
+        """Dispatches one step; `part_inputs`: each logit part's host inputs, None for a part that gave none
+        (all None: warm-up's empty batches)."""
+        part_inputs = part_inputs or (None,) * len(self.logit_parts)
         if self.dispatch_hook is not None:
-            masks = () if token_mask is None else (token_mask,)
             # A draft model's distributions: each process's own (its proposer replayed the drafting call).
             reads = {} if draft_probs is None or draft_probs is self.no_drafts else {"draft_probs": True}
-            leaves = jax.tree.leaves(part_inputs)
-            if leaves:
-                reads["part_leaves"] = len(leaves)
-            self.dispatch_hook("step", ibuf, fbuf, *masks, *leaves, shape=shape, **reads)
+            idle = tuple(i for i, inputs in enumerate(part_inputs) if inputs is None)
+            if idle:
+                reads["idle_parts"] = idle
+            self.dispatch_hook("step", ibuf, fbuf, *jax.tree.leaves(part_inputs), shape=shape, **reads)
         ibuf, fbuf = self._host_inputs(ibuf, fbuf)
-        mask = self._all_allowed(shape.S) if token_mask is None else self._place_mask(token_mask)
-        args = (self.params, self.cache, ibuf, fbuf, self.feed, self.controls, mask,
+        args = (self.params, self.cache, ibuf, fbuf, self.feed, self.controls,
                 self.no_drafts if draft_probs is None else draft_probs, self.lora,
-                self._place_part_inputs(part_inputs))
+                self._place_part_inputs(part_inputs, shape.S))
         # One compile path: a mesh spanning processes compiles here too, every process in the order of
         # the steps it runs (no background thread there, and no executables stored: `warm_up`).
         self.cache, ids, lp, self.feed, self.controls = self.programs.get(shape)(*args)
         return ids, lp
 
-    def _place_part_inputs(self, part_inputs: tuple) -> tuple:
-        """The logit parts' host arrays placed as every host input is (`step_parts.StepPart.step_inputs`)."""
+    def _place_part_inputs(self, part_inputs: tuple, rows: int) -> tuple:
+        """The logit parts' host arrays placed as every host input is (`step_parts.StepPart.step_inputs`);
+        a part that gave none gets its idle inputs, placed once per row bucket and kept on the device (no
+        transfer, and placed as given ones are, so nothing recompiles)."""
         if not self.logit_parts:
             return ()
-        leaves, tree = jax.tree.flatten(part_inputs)
+        if rows not in self._idle_inputs:
+            idle = tuple(p.idle_inputs(rows) for p in self.logit_parts)
+            self._idle_inputs[rows] = (jax.device_put(idle, jax.devices()[0]) if self.layout is None
+                                       else self._place_given(idle))
+        given = self._place_given(tuple(x for x in part_inputs if x is not None))
+        it = iter(given)
+        return tuple(idle if x is None else next(it) for x, idle in zip(part_inputs, self._idle_inputs[rows]))
+
+    def _place_given(self, inputs: tuple) -> tuple:
+        leaves, tree = jax.tree.flatten(inputs)
         return jax.tree.unflatten(tree, list(self._host_inputs(*leaves)))
 
     def _abstract_inputs(self, shape: StepShape):
@@ -422,9 +427,8 @@ class ModelRunner:
         ibuf = jax.ShapeDtypeStruct((isize,), np.int32, sharding=sharding)
         fbuf = jax.ShapeDtypeStruct((fsize,), np.float32, sharding=sharding)
         placed = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])  # device inputs made on the host
-        mask = jax.ShapeDtypeStruct((shape.S, bitmask_width(self.cfg.vocab_size)), np.int32, sharding=placed)
         parts = step_parts.input_specs(self.logit_parts, shape.S, placed)
-        return params, cache, ibuf, fbuf, feed, controls, mask, no_drafts, lora, parts
+        return params, cache, ibuf, fbuf, feed, controls, no_drafts, lora, parts
 
     def _lower_step(self, shape: StepShape):
         return _step_jit.lower(*self._abstract_inputs(shape), cfg=self.cfg, backend=self.backend, shape=shape,
@@ -433,7 +437,7 @@ class ModelRunner:
 
     def _program_key(self, shape: StepShape):
         """Everything the step program of `shape` depends on (`PROGRAM_KEY_FIELDS` names each part)."""
-        params, cache, _, _, feed, controls, _, no_drafts, lora, _ = self._abstract_inputs(shape)
+        params, cache, _, _, feed, controls, no_drafts, lora, _ = self._abstract_inputs(shape)
         if self._signature is None:
             leaves, treedef = jax.tree.flatten((params, cache, feed, controls, no_drafts, lora))
             self._signature = (treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves))
@@ -452,19 +456,6 @@ class ModelRunner:
 
     def stop_warm_up(self) -> None:
         self.programs.stop()
-
-    # Structured outputs: every step takes a token bitmask; a step without grammar rows reuses a
-    # resident all-ones one per row bucket (no transfer), placed as a host mask is (no recompilation).
-    def _place_mask(self, mask: np.ndarray):
-        if self.layout is None:
-            return jax.device_put(mask, jax.devices()[0])
-        return self._host_inputs(mask)[0]
-
-    def _all_allowed(self, rows: int):
-        if rows not in self._all_allowed_masks:
-            ones = np.full((rows, bitmask_width(self.cfg.vocab_size)), -1, np.int32)
-            self._all_allowed_masks[rows] = self._place_mask(ones)
-        return self._all_allowed_masks[rows]
 
     # --- LoRA adapter slots (model.lora, serving.core.lora_manager) -------------------------------
     def _place_lora(self, max_loras: int):
@@ -533,7 +524,7 @@ class ModelRunner:
     def dispatch(self, batch: StepBatch) -> "PendingStep":
         """Starts one step and returns at once (JAX dispatches asynchronously); the host
         may do other work until it calls `result()`, the one synchronisation point."""
-        ids, lp = self._run(batch.ibuf, batch.fbuf, batch.shape, batch.token_mask, batch.draft_probs,
+        ids, lp = self._run(batch.ibuf, batch.fbuf, batch.shape, batch.draft_probs,
                             batch.part_inputs or None)
         return PendingStep(ids, lp if batch.want_logprobs else None)
 

@@ -11,8 +11,7 @@ import dataclasses
 import logging
 from typing import Optional, Union
 
-from serving.core.reasoning_phase import ReasoningParams
-from serving.core.structured_output import StructuredOutputsParams, from_request_dict
+from serving.core.format_params import ReasoningParams, StructuredOutputsParams, from_request_dict
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +56,9 @@ class SamplingParams:
     # consecutive added tokens with no space between them.
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    # Constrain the output to a JSON schema, regex, choice or grammar (serving.core.structured_output).
+    # Constrain the output to a JSON schema, regex, choice or grammar (serving.features.structured_output).
     structured_outputs: Optional[StructuredOutputsParams] = None
-    # A reasoning model's think tags and thinking budget (serving.core.reasoning_phase): the budget
+    # A reasoning model's think tags and thinking budget (serving.features.reasoning_phase): the budget
     # forces the end tag once spent, and structured_outputs constrain only what follows the end tag.
     reasoning: Optional[ReasoningParams] = None
     # Applied on the device through `serving.core.sampling_controls` (vLLM's definitions):
@@ -175,6 +174,16 @@ class SamplingParams:
                                             or not all(isinstance(k, str) for k in self.extra_args)):
             bad("extra_args", f"must be an object with string keys, got {self.extra_args!r}")
         return self
+
+    def part_fields(self) -> list[str]:
+        """The fields set here that only a step part acts on (`step_parts.StepPart.takes_fields`): an engine
+        none of whose parts takes one refuses the request rather than ignore the field."""
+        fields = ["extra_args"] if self.extra_args else []
+        if self.structured_outputs is not None:
+            fields.append("structured_outputs")
+        if self.reasoning is not None and self.reasoning.budget is not None:
+            fields.append("reasoning")
+        return fields
 
     def clone(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)

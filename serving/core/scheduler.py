@@ -67,7 +67,8 @@ POLICIES = ("fcfs", "priority")
 
 
 class AdmissionGate:
-    """A limit a feature puts on which waiting sequences are admitted, and where prefill chunks end.
+    """A limit a feature puts on which waiting sequences are admitted, where prefill chunks end, and which
+    running ones wait for their draw.
     Each method's default imposes nothing."""
 
     def fits(self, seq: Sequence, running: list) -> bool:
@@ -85,6 +86,11 @@ class AdmissionGate:
 
     def forget(self, seq: Sequence) -> None:
         """`seq` was admitted or finished: the gate drops what it kept of it."""
+
+    def waits_for_draw(self, seq: Sequence) -> bool:
+        """Whether `seq`, with a draw in a dispatched step not yet processed, must wait for it before it
+        joins another step (overlapped scheduling)."""
+        return False
 
     def chunk_end(self, seq: Sequence, start: int, end: int) -> int:
         """Where a prefill chunk of `seq` from `start` to `end` may end (<= `end`; `start`: not at all now)."""
@@ -298,16 +304,15 @@ class Scheduler:
 
         Only a plain decode or prompt chunk may: one seat (a fork needs the samples), no
         prompt logprobs still being collected (where they resume is known only once the
-        step is processed), no grammar waiting for its draw (its next mask needs that token),
+        step is processed), no gate waiting for its draw (a grammar's next mask needs that token),
         and, with a draw in flight, not at its length limit (a draw that is the last by
         length would make the next step's token a wasted one)."""
         if not seq.num_in_flight:
             return True
         if seq.num_seats > 1 or seq.wants_prompt_logprobs:
             return False
-        structured = seq.request.structured
-        if seq.num_pending and structured is not None and structured.needs_pending(seq.sample_index, seq.num_pending):
-            return False  # its grammar's next mask needs the token still being drawn
+        if seq.num_pending and any(gate.waits_for_draw(seq) for gate in self.gates):
+            return False  # e.g. its grammar's next mask needs the token still being drawn
         return not seq.num_pending or (
             seq.num_output_tokens + seq.num_pending < seq.params.max_tokens
             and seq.num_tokens_with_pending < self.config.max_model_len)

@@ -176,7 +176,7 @@ class Request:
         self.error: Optional[str] = None
         self.stream = False  # emit an output every step (else only when finished)
         self.sampling_row = None  # packed sampling parameters, set by the engine
-        self.structured = None  # its grammar's matchers (serving.core.structured_output), set by the engine
+        self.part_state: dict = {}  # what step parts keep of the request, by the part's key (set at admission)
         self.control_rows = None  # its rows of logit bias, masks (serving.core.sampling_controls), if it uses them
         # Prefix-cache isolation: requests with different salts, or made under other weights, share no cached pages.
         self.cache_salt = cache_salt

@@ -40,11 +40,23 @@ NO_WARM_UP = {"seconds": 0.0, "compiled": 0, "shapes": 0}
 class StepPart:
     """The hooks of one feature; each does nothing unless the feature overrides it."""
 
-    # Whether the part reads requests' `SamplingParams.extra_args`: a request that gives some to an engine
-    # none of whose parts reads them is refused (they would be ignored).
-    takes_extra_args = False
+    # The fields of `SamplingParams` the part acts on, of those only a part acts on (`sampling_params.
+    # part_fields`: extra_args, structured_outputs, ...): a request that sets one on an engine none of
+    # whose parts takes it is refused (it would be ignored).
+    takes_fields: tuple = ()
     # The `EngineOption.part` of the options this part serves (None: none).
     serves: Optional[str] = None
+    # Whether a step the part gave inputs to (`step_inputs` not None) is processed before the next step is
+    # scheduled, under overlapped scheduling: the part's next inputs depend on the step's tokens.
+    results_before_next_step = False
+
+    def attach(self, engine) -> None:
+        """The engine the part serves exists (its tokenizer, EOS ids, scheduler): called once, before any
+        request, for parts built before the engine."""
+
+    def gate(self):
+        """A `scheduler.AdmissionGate` the part puts on scheduling (None: none)."""
+        return None
 
     def admit(self, request) -> None:
         """Checks a request at admission (`Engine.make_request`, before anything is queued); raises
@@ -77,6 +89,18 @@ class StepPart:
     def after_step(self) -> None:
         """Runs once the step's outputs are made."""
 
+    # --- each token a sequence takes (its sampled ones, and those parts bring), for a request some part
+    # keeps state of (`Request.part_state`, set at admission) ------------------------------------------
+    def replace_token(self, seq, token: int) -> int:
+        """The token `seq` takes for its drawn `token` (before it reaches the output): `token` itself, or
+        another the part's state of the request forces in its place."""
+        return token
+
+    def took_token(self, seq, token: int) -> Optional[str]:
+        """`seq` took `token` (now in its output) and has not finished: the reason to finish it with now
+        (e.g. "stop"), or None."""
+        return None
+
     # --- device inputs of the part's own (see the module's docstring) ---------------------------------
     def step_input_spec(self, rows: int) -> Optional[Any]:
         """The part's device inputs of a step with `rows` logit rows: a pytree of `jax.ShapeDtypeStruct`
@@ -86,8 +110,15 @@ class StepPart:
     def step_inputs(self, batch) -> Any:
         """The part's host arrays for the packed step `batch` (`input_batch.StepBatch`: its rows are
         `batch.sample_rows` then prompt-logprob rows, then padding up to `batch.shape.S`), matching
-        `step_input_spec(batch.shape.S)`; only called when that is not None."""
+        `step_input_spec(batch.shape.S)`; only called when that is not None. None: the step takes the
+        part's `idle_inputs`, kept on the device, and nothing is transferred."""
         raise NotImplementedError
+
+    def idle_inputs(self, rows: int) -> Any:
+        """The inputs of a step the part has nothing for (`step_inputs` None, and warm-up's steps): host
+        arrays matching `step_input_spec(rows)` under which `apply_to_logits` changes nothing. Zeros by
+        default."""
+        return jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), self.step_input_spec(rows))
 
     def apply_to_logits(self, inputs, logits):
         """Traced into the step program: `logits` [rows, vocab] float32 -> the same, adjusted by the part's
@@ -139,12 +170,10 @@ def input_specs(parts, rows: int, sharding) -> tuple:
                               part.step_input_spec(rows)) for part in parts)
 
 
-def empty_inputs(parts, rows: int) -> tuple:
-    """Zeros of each part's inputs (a step whose rows are all padding: warm-up's)."""
-    return tuple(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), part.step_input_spec(rows)) for part in parts)
-
-
-def inputs_from_leaves(parts, rows: int, leaves) -> tuple:
-    """The parts' inputs rebuilt from their leaves in order (a step another process announced)."""
-    tree = jax.tree.structure(tuple(part.step_input_spec(rows) for part in parts))
-    return jax.tree.unflatten(tree, list(leaves))
+def inputs_from_leaves(parts, rows: int, leaves, idle=()) -> tuple:
+    """The parts' inputs rebuilt from their leaves in order (a step another process announced); the
+    parts at the indices `idle` gave none (None in the result: their idle inputs)."""
+    given = [i for i in range(len(parts)) if i not in idle]
+    tree = jax.tree.structure(tuple(parts[i].step_input_spec(rows) for i in given))
+    inputs = dict(zip(given, jax.tree.unflatten(tree, list(leaves))))
+    return tuple(inputs.get(i) for i in range(len(parts)))

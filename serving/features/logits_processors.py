@@ -184,7 +184,7 @@ class _Processor:
 class LogitsProcessors(StepPart):
     """The engine's custom logits processors, as one step part with device inputs of its own."""
 
-    takes_extra_args = True
+    takes_fields = ("extra_args",)
 
     def __init__(self, specs, config: ProcessorConfig):
         """Loads and checks each processor; a ValueError names the first one that fails."""

@@ -38,6 +38,7 @@ from serving.core.step_parts import StepPart
 from serving.spec_decode import draft_model
 from serving.spec_decode.ngram import NgramProposer
 from serving.core.spec_options import check_options, default_draft_dir
+from serving.features.structured_output import grammar_of
 
 
 @dataclasses.dataclass
@@ -133,7 +134,7 @@ class SpecDecoder(StepPart):
             feeds = [(seq, limit) for seq, _, limit in feeds if limit > 0]
         drafts, _ = self.proposer.propose(feeds)
         for seq in running:
-            grammar = seq.request.structured
+            grammar = grammar_of(seq.request)
             if grammar is not None and drafts.get(seq.seq_id):
                 drafts[seq.seq_id] = grammar.valid_drafts(seq.sample_index, drafts[seq.seq_id])
         self.scheduler.set_drafts(drafts)

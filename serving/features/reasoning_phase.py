@@ -43,36 +43,7 @@ from typing import Optional
 
 import numpy as np
 
-# Where the output starts: inside a think block the prompt opened, or free to open one.
-STARTS = ("thinking", "undecided")
-
-
-@dataclasses.dataclass
-class ReasoningParams:
-    """The think tags of a request (as token ids) and its thinking budget.
-
-    `starts`: "thinking" when the prompt already opened the block (DeepSeek-R1 templates, or
-    Qwen3's when its generation prompt writes `<think>`); "undecided" when the model may open one
-    itself (the block then counts only if the output begins with `start_ids`). `budget`: the most
-    thinking tokens before the end tag is forced (None: no limit).
-    """
-
-    start_ids: list
-    end_ids: list
-    starts: str = "thinking"
-    budget: Optional[int] = None
-
-    def validate(self) -> None:
-        if not self.end_ids or not all(isinstance(t, int) for t in self.end_ids):
-            raise ValueError("reasoning: end_ids must be a non-empty list of token ids")
-        if self.starts not in STARTS:
-            raise ValueError(f"reasoning: starts must be one of {STARTS}, got {self.starts!r}")
-        if self.starts == "undecided" and not self.start_ids:
-            raise ValueError("reasoning: an undecided start needs start_ids")
-        if self.budget is not None and (not isinstance(self.budget, int) or isinstance(self.budget, bool)
-                                        or self.budget < 0):
-            raise ValueError(f"thinking_token_budget: must be an integer >= 0, got {self.budget!r}")
-
+from serving.core.format_params import ReasoningParams
 
 @dataclasses.dataclass
 class _Phase:

@@ -17,48 +17,34 @@ sets every masked token's logit to -inf before sampling.
 With overlapped scheduling a grammar sequence does not run ahead of its own
 samples, since its next mask depends on the token the running step draws: the
 engine processes a step with grammar rows before it schedules the next one
-(`Engine._process_grammar_step`), so those sequences join every step, and the
-scheduler never puts one with a draw in flight into a step.
+(`StepPart.results_before_next_step`), so those sequences join every step, and
+the scheduler never puts one with a draw in flight into a step (the part's
+scheduling gate, `waits_for_draw`).
+
+All of it reaches the engine as one step part, `StructuredOutputsPart`: it
+compiles a request's grammar at admission (with a reasoning model's thinking
+phase in front of it, `reasoning_phase`), gives each step its bitmask as the
+part's device input, and takes each drawn token into the grammar.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import threading
-from typing import Any, Optional, Union
+from typing import Optional
 
+import jax
 import numpy as np
 
+from serving.core.engine_args import STRUCTURED_OUTPUTS
+from serving.core.format_params import StructuredOutputsParams
+from serving.core.sampling_params import InvalidParameterError
+from serving.core.scheduler import AdmissionGate
+from serving.core.step_parts import StepPart
+from serving.features.reasoning_phase import PhasedGrammar
+
 log = logging.getLogger(__name__)
-
-# The keys of `StructuredOutputsParams` that say what to constrain to; exactly one is given.
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
-
-
-@dataclasses.dataclass
-class StructuredOutputsParams:
-    """What a request's output must match (vLLM's `structured_outputs` fields).
-
-    json: a JSON schema (dict or its JSON text); json_object: any JSON object; regex: a regular
-    expression the whole output matches; choice: one of these strings; grammar: a Lark grammar
-    (llguidance's dialect) or a GBNF one. `whitespace`: let JSON grammars put free whitespace between
-    tokens (None: the engine's `structured_outputs_whitespace` option).
-    """
-
-    json: Optional[Union[dict, str]] = None
-    json_object: Optional[bool] = None
-    regex: Optional[str] = None
-    choice: Optional[list] = None
-    grammar: Optional[str] = None
-    whitespace: Optional[bool] = None
-
-    def kind(self) -> str:
-        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
-        if len(given) != 1:
-            raise ValueError(f"give exactly one of {', '.join(KINDS)}; got {given or 'none'}")
-        return given[0]
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -278,35 +264,123 @@ def batch_mask(batch, width: int) -> Optional[np.ndarray]:
     phase thinking freely bars nothing, so its steps overlap as plain ones do)."""
     mask = None
     for row, (seq, sample_index) in enumerate(batch.sample_rows):
-        grammar = seq.request.structured
+        grammar = grammar_of(seq.request)
         if grammar is None or not grammar.constrains(sample_index):
             continue
         if mask is None:
             mask = np.full((batch.shape.S, width), -1, np.int32)
         mask[row] = grammar.masks[sample_index]
     for first, seq, sample_index, drafts in batch.draft_groups:
-        if seq.request.structured is not None:
+        grammar = grammar_of(seq.request)
+        if grammar is not None:
             if mask is None:
                 mask = np.full((batch.shape.S, width), -1, np.int32)
-            seq.request.structured.fill_draft_masks(sample_index, drafts, mask, first)
+            grammar.fill_draft_masks(sample_index, drafts, mask, first)
     return mask
 
 
-def finish_complete(seq, finish) -> None:
-    """Ends a sample whose grammar is complete (reason "stop"), with the text as a stop would leave it."""
-    if seq.detokenizer is not None and seq.detokenizer.flush():
-        seq.text = seq.detokenizer.text
-    finish(seq, "stop")
+# --- the part -------------------------------------------------------------------------------
+KEY = "structured_outputs"  # the request's grammar in `Request.part_state`
 
 
-def from_request_dict(value: Any) -> StructuredOutputsParams:
-    """`StructuredOutputsParams` from a dict of its fields (as the HTTP API and `LLM` callers give it)."""
-    if isinstance(value, StructuredOutputsParams):
-        return value
-    if not isinstance(value, dict):
-        raise ValueError(f"must be an object with one of {', '.join(KINDS)}, got {type(value).__name__}")
-    fields = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
-    unknown = sorted(set(value) - fields)
-    if unknown:
-        raise ValueError(f"unknown keys {unknown} (it takes {', '.join(sorted(fields))})")
-    return StructuredOutputsParams(**value)
+def grammar_of(request):
+    """The request's grammar (a `RequestGrammar` or `PhasedGrammar`), or None: it has none."""
+    return request.part_state.get(KEY)
+
+
+class _WaitForDraw(AdmissionGate):
+    """A sequence whose grammar's next mask needs the token its step in flight draws sits out the next
+    step (with overlapped scheduling), rather than run under a mask that does not know that token."""
+
+    def waits_for_draw(self, seq) -> bool:
+        grammar = grammar_of(seq.request)
+        return grammar is not None and grammar.needs_pending(seq.sample_index, seq.num_pending)
+
+
+class StructuredOutputsPart(StepPart):
+    """Structured outputs and the thinking phase of reasoning requests, as one step part.
+
+    Admission compiles the request's grammar (a 400 naming `structured_outputs` or `reasoning` when it
+    cannot be used); each step's device input is the `[rows, ceil(vocab / 32)]` bitmask of its rows, a
+    resident all-ones one when no row is constrained; each drawn token advances its sample's grammar,
+    which ends the sample when nothing but the end may follow."""
+
+    serves = STRUCTURED_OUTPUTS
+    takes_fields = ("structured_outputs", "reasoning")
+    results_before_next_step = True
+
+    def __init__(self, vocab_size: int, whitespace: bool = False):
+        self.vocab_size = vocab_size
+        self.width = bitmask_width(vocab_size)
+        self.whitespace = whitespace
+        self.compiler: Optional[StructuredOutputs] = None
+        self.eos_token_ids: tuple = ()
+
+    def attach(self, engine) -> None:
+        self.eos_token_ids = engine.eos_token_ids
+        self.compiler = StructuredOutputs(engine.tokenizer, self.vocab_size, engine.eos_token_ids, self.whitespace)
+
+    def gate(self) -> AdmissionGate:
+        return _WaitForDraw()
+
+    def admit(self, request) -> None:
+        grammar = self._grammar(request.params)
+        if grammar is not None:
+            request.part_state[KEY] = grammar
+
+    def _grammar(self, params):
+        """The request's compiled grammar, or None; a 400 when it cannot be used. A reasoning request with
+        a thinking budget or a grammar gets a `PhasedGrammar`: free (or budgeted) thinking first, then the
+        grammar from the end tag on."""
+        grammar = None
+        if params.structured_outputs is not None:
+            try:
+                grammar = self.compiler.for_request(params.structured_outputs, params.n)
+            except (TypeError, ValueError) as e:
+                raise InvalidParameterError("structured_outputs", f"structured_outputs: {e}") from None
+        reasoning = params.reasoning
+        if reasoning is None or (grammar is None and reasoning.budget is None):
+            return grammar
+        bad = [t for t in reasoning.start_ids + reasoning.end_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidParameterError("reasoning", f"reasoning: think-tag token ids {bad} are not in the "
+                                                     f"vocabulary [0, {self.vocab_size})")
+        forced = set(reasoning.end_ids) | (set(reasoning.start_ids) if reasoning.starts == "undecided" else set())
+        if params.allowed_token_ids is not None and not forced <= set(params.allowed_token_ids):
+            raise InvalidParameterError("allowed_token_ids", "allowed_token_ids: must allow the think tags' "
+                                                             f"tokens {sorted(forced)}, which the reasoning "
+                                                             "phase may force")
+        ends = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
+        return PhasedGrammar(reasoning, grammar, params.n, self.width, ends)
+
+    # --- tokens ------------------------------------------------------------------------------------
+    def replace_token(self, seq, token: int) -> int:
+        """An ending token drawn while a request with a format thinks becomes the end tag's
+        (`PhasedGrammar.instead_of_ending`), so the request goes on to its answer."""
+        grammar = grammar_of(seq.request)
+        return token if grammar is None else grammar.instead_of_ending(seq.sample_index, token)
+
+    def took_token(self, seq, token: int) -> Optional[str]:
+        grammar = grammar_of(seq.request)
+        if grammar is None or not grammar.accept(seq.sample_index, token):
+            return None
+        # The grammar is complete (only the end may follow): the sample stops, its text as a stop leaves it.
+        if seq.detokenizer is not None and seq.detokenizer.flush():
+            seq.text = seq.detokenizer.text
+        return "stop"
+
+    # --- the device input --------------------------------------------------------------------------
+    def step_input_spec(self, rows: int):
+        return jax.ShapeDtypeStruct((rows, self.width), np.int32)
+
+    def idle_inputs(self, rows: int):
+        return np.full((rows, self.width), -1, np.int32)
+
+    def step_inputs(self, batch):
+        return batch_mask(batch, self.width)
+
+    def apply_to_logits(self, inputs, logits):
+        return apply_token_bitmask(logits, inputs)
+
+    def program_key(self):
+        return ("token-bitmask", self.width)
