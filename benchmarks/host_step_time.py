@@ -38,8 +38,8 @@ from model.config import LlamaConfig  # noqa: E402
 from model.tokenizer import ByteTokenizer  # noqa: E402
 from serving.core.engine import Engine, EngineConfig  # noqa: E402
 from serving.core.model_runner import PendingStep  # noqa: E402
-from serving.core.sampling_controls import init_state  # noqa: E402
 from serving.core.sampling_params import SamplingParams  # noqa: E402
+from serving.features.sampling_controls import SamplingControlsPart  # noqa: E402
 from serving.features.structured_output import StructuredOutputsPart  # noqa: E402
 
 VOCAB = 320  # the byte tokenizer's (grammars need real text tokens)
@@ -54,7 +54,6 @@ class InstantRunner:
 
     def __init__(self, cfg, max_num_seqs: int, logit_parts=()):
         self.cfg = cfg
-        self.controls = init_state(max_num_seqs, cfg.vocab_size)  # the slots of sampling controls
         self.logit_parts = tuple(logit_parts)  # their host inputs are built every step, as a real runner's
 
     def copy_pages(self, copies):
@@ -66,7 +65,7 @@ class InstantRunner:
     def warmup_stats(self):
         return None
 
-    def load_controls(self, slot, row):
+    def update_part_state(self, part, jitted, *host_args):
         pass
 
     def dispatch(self, batch) -> PendingStep:
@@ -88,7 +87,8 @@ def engine_for(case: str, num_seqs: int) -> Engine:
                           page_size=PAGE_SIZE, num_pages=num_seqs * pages_per_seq + 8, max_model_len=max_model_len,
                           async_scheduling=False, speculative_method="ngram" if spec else None,
                           num_speculative_tokens=3 if spec else 0)
-    parts = [StructuredOutputsPart(cfg.vocab_size)]  # what serving.features.build_parts gives a server
+    # what serving.features.build_parts gives a server
+    parts = [SamplingControlsPart(num_seqs, cfg.vocab_size), StructuredOutputsPart(cfg.vocab_size)]
     runner = InstantRunner(cfg, num_seqs, logit_parts=parts)
     speculator = None
     if spec:

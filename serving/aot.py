@@ -446,13 +446,16 @@ def chosen_shapes(buckets, which: str) -> list:
     return picks
 
 
-def logit_parts(cfg) -> tuple:
-    """The step parts with device inputs that a server of `cfg` built with default options compiles into
-    every step: structured outputs' token bitmask (`serving.features.build_parts`)."""
+def logit_parts(cfg, max_num_seqs: int = None) -> tuple:
+    """The step parts with device inputs that a server of `cfg` built with default options (and
+    `max_num_seqs`, where given) compiles into every step: sampling controls' slots and state, structured
+    outputs' token bitmask (`serving.features.build_parts`)."""
     from serving.core import engine_args, step_parts
     from serving.features import build_parts
 
     options = {o.name: o.default for o in engine_args.OPTIONS}
+    if max_num_seqs is not None:
+        options["max_num_seqs"] = max_num_seqs
     return step_parts.logit_parts(p for p in build_parts(options, cfg) if isinstance(p, step_parts.StepPart))
 
 
@@ -480,7 +483,7 @@ def run(args) -> dict:
     import numpy as np
     from kernels_pallas import pallas_supports_head_dim
     from model.cache import cache_builder
-    from serving.core import model_runner, sampling_controls, step_parts
+    from serving.core import model_runner, step_parts
     from sharding.layout import Layout
 
     layout = Layout.create(gpu_mesh(target, tp, args.num_hosts), "megatron")
@@ -496,15 +499,15 @@ def run(args) -> dict:
     rep = layout.replicated
     abstract = lambda tree: jax.tree.map(lambda x: _sds(np.shape(x), x.dtype, rep), tree)  # noqa: E731
     feed = _sds((buckets.max_num_seqs,), np.int32, rep)
-    controls = abstract(sampling_controls.init_state(args.max_num_seqs, cfg.vocab_size))
     kv_per_token = kv_pool / (num_pages * ps)
     page_shapes = [hlo_shape(x.dtype, x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(cache)]
 
-    parts = logit_parts(cfg)
+    parts = logit_parts(cfg, args.max_num_seqs)
+    states = tuple(None if (state := p.step_state()) is None else abstract(state) for p in parts)
     programs = []
     for shape in chosen_shapes(buckets, args.buckets):
         (_, isize), (_, fsize) = shape.offsets(shape.int_fields), shape.offsets(shape.float_fields)
-        step_args = (params, cache, _sds((isize,), np.int32, rep), _sds((fsize,), np.float32, rep), feed, controls,
+        step_args = (params, cache, _sds((isize,), np.int32, rep), _sds((fsize,), np.float32, rep), feed, states,
                      None, None, step_parts.input_specs(parts, shape.S, rep))
         kind = "decode" if shape.T <= buckets.max_num_seqs else "prefill"
         name = f"{kind} T={shape.T} S={shape.S} P={shape.P}"

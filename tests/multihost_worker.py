@@ -302,7 +302,7 @@ def replicated_state(llm: LLM) -> dict:
             h.update(np.asarray(x.addressable_data(0)).tobytes())
         return h.hexdigest()
 
-    return {"draft_cache": digest(llm.engine.spec.proposer.cache), "controls": digest(llm.engine.runner.controls)}
+    return {"draft_cache": digest(llm.engine.spec.proposer.cache), "controls": digest(llm.engine.runner.part_states)}
 
 
 def main() -> None:

@@ -188,7 +188,7 @@ class CountingBias(StepPart):
             boost[row] = (seq.request.params.extra_args or {}).get("boost", -1)
         return boost
 
-    def apply_to_logits(self, boost, logits):
+    def apply_to_logits(self, boost, logits, step):
         return logits + jnp.where(jnp.arange(self.vocab)[None, :] == boost[:, None], 1e4, 0.0)
 
     def new_tokens(self, out, sampled):

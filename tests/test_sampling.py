@@ -171,3 +171,17 @@ def test_find_stop_only_looks_at_new_text_and_picks_the_earliest():
     assert _find_stop("hello world", 5, ["wor", "o w"]) == (4, "o w")
     assert _find_stop("stop here", 2, ["stop"]) is None  # ended before the new text
     assert _find_stop("abcSTOP", 1, ["STOP"]) == (3, "STOP")
+
+
+def test_counts_past_int32_pack_as_the_largest_int32():
+    """A top_k or min_tokens a client may send (any non-negative integer) fits the step's int32 row."""
+    from types import SimpleNamespace
+
+    from serving.core import sampling_table
+
+    params = SamplingParams(top_k=2**45, min_tokens=2**40, max_tokens=None)
+    values = sampling_table.row_values(SimpleNamespace(params=params, seed=7))
+    views = {p.name: np.zeros((2, p.width) if p.width > 1 else 2, p.dtype) for p in sampling_table.ROW_PARAMS}
+    sampling_table.write_row(views, 1, values)
+    assert views["top_k"][1] == views["min_tokens"][1] == 2**31 - 1
+    assert sampling_table.row_values(SimpleNamespace(params=SamplingParams(top_k=-1), seed=7))["top_k"] == 0

@@ -1,4 +1,4 @@
-"""Logit bias, allowed / bad words, min_tokens and the penalties (serving.core.sampling_controls).
+"""Logit bias, allowed / bad words, min_tokens and the penalties (serving.features.sampling_controls).
 
 The device code is checked against a plain numpy reference written from
 vLLM's definitions; the engine tests check each control's effect, that a
@@ -20,7 +20,8 @@ from model.params import init_params
 from model.train import forward_dense
 from model.tokenizer import ByteTokenizer
 from serving import LLM, SamplingParams
-from serving.core import sampling_controls as sc
+from serving.core import step_parts
+from serving.features import sampling_controls as sc
 from serving.core.model_runner import compilation_count
 from serving.core.sampling_params import InvalidParameterError
 
@@ -136,7 +137,7 @@ def test_verifying_rows_see_the_drafts_before_them():
             group_start.append(first)
             outputs.append(output + drafts[:j])
     logits = np.random.default_rng(2).normal(0, 3, (len(cases), vocab)).astype(np.float32)
-    drafts_in = sc.Drafts(jnp.asarray(draft_token, jnp.int32), jnp.asarray(group_start, jnp.int32))
+    drafts_in = step_parts.Drafts(jnp.asarray(draft_token, jnp.int32), jnp.asarray(group_start, jnp.int32))
     st = sc.ControlState(*map(jnp.asarray, state))
     got = np.asarray(jax.jit(sc.apply)(jnp.asarray(logits), st, jnp.asarray(slot_of_row, jnp.int32),
                                        jnp.asarray(ti, jnp.int32), _penalties(cases), drafts_in))
@@ -157,8 +158,8 @@ def test_verifying_rows_see_the_drafts_before_them():
 
 def test_slots_are_taken_back_after_finish_preemption_and_fork():
     slots = sc.ControlSlots(2)
-    req = types.SimpleNamespace(control_rows=object())
-    plain = types.SimpleNamespace(control_rows=None)
+    req = types.SimpleNamespace(part_state={sc.KEY: object()})
+    plain = types.SimpleNamespace(part_state={})
     a, b, c, d = (types.SimpleNamespace(seq_id=i, request=r) for i, r in enumerate((req, req, plain, req)))
     item = lambda seq, samples=(0,): types.SimpleNamespace(seq=seq, sample_indices=samples)
     running = {0, 1, 2, 3}

@@ -28,7 +28,7 @@ from model.families import kv_bytes_per_token, num_params
 from model.generation_config import GenerationDefaults
 from model.quant import check_kv_cache_dtype, check_weight_dtype, kv_cache_dtype
 from model.quantize import quantize_params
-from serving.core import compute_dtype, engine_args, sampling_controls, step_parts
+from serving.core import compute_dtype, engine_args, step_parts
 from serving.core.block_manager import BlockManager, adapter_digest, is_cache_salt, releasing_window
 from serving.core.input_batch import Buckets, pack_step, sampling_row
 from serving.core.model_runner import ModelRunner
@@ -39,7 +39,7 @@ from serving.core.output_processor import OutputProcessor
 from serving.core.outputs import RequestOutput
 from serving.core.sampling_params import InvalidParameterError, SamplingParams, with_defaults
 from serving.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from serving.core.sequence import Request, Sequence, SequenceStatus
+from serving.core.sequence import Request, Sequence
 from serving.core.spec_options import check_options as check_spec_options, logit_rows as spec_logit_rows
 from serving.core.step_parts import StepPart
 from serving.core.stats import EngineStats, FinishedRequestStats, IterationStats, StatsLog
@@ -114,16 +114,11 @@ class Engine:
         self.runner = runner or runner_class(cfg, params, num_pages=num_pages, page_size=ps, buckets=self.buckets,
                                              backend=config.attention_backend, layout=layout,
                                              cache_dtype=self.cache_dtype, scan_layers=scans_layers(config.layer_loop),
-                                             control_slots=config.max_num_seqs,
                                              verify=config.speculative_method is not None,
                                              draft_rows=config.max_num_seqs * config.num_speculative_tokens
                                              if config.speculative_method == "draft" else 0,
                                              logit_parts=step_parts.logit_parts(parts),
                                              **self._lora_slots(config))
-        # Slots of the per-request rows of logit bias, penalties, ... (serving.core.sampling_controls).
-        self.control_slots = None
-        if getattr(self.runner, "controls", None) is not None:
-            self.control_slots = sampling_controls.ControlSlots(self.runner.controls.counts.shape[0])
         self.block_manager = BlockManager(num_pages, ps, config.enable_prefix_caching,
                                           window=None if config.speculative_method else releasing_window(cfg))
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, model_len,
@@ -244,8 +239,6 @@ class Engine:
                       cache_salt, priority, self.weights_epoch)
         req.images = images
         req.sampling_row = sampling_row(req)
-        if sampling_controls.used_fields(params):
-            req.control_rows = self._control_rows(req)
         taken = {field for part in self.parts for field in part.takes_fields}
         for field in params.part_fields():
             if field not in taken:
@@ -276,13 +269,6 @@ class Engine:
             return self.lora.acquire(name)
         except UnknownLoraError as e:
             raise InvalidParameterError("lora_request", f"lora_request: {e}") from None
-
-    def _control_rows(self, req: Request) -> sampling_controls.RequestRows:
-        """The request's constant rows of logit bias and masks; refuses it where they cannot be applied."""
-        why = None
-        if self.control_slots is None:
-            why = "is not supported by this engine: its model runner keeps no sampling-control slots"
-        return sampling_controls.request_rows(req, self.tokenizer, self.cfg.vocab_size, why)
 
     def _images(self, prompt, ids: list[int]):
         """(ids with image placeholders expanded, `RequestImages`) of a dict prompt carrying
@@ -446,15 +432,14 @@ class Engine:
         return out
 
     def _pack(self, out: SchedulerOutput, it: IterationStats) -> "_StepInFlight":
-        """The step's host inputs: pages copied first (copy-on-write), control rows loaded, the batch
-        packed into its bucket, then each part's inputs added."""
+        """The step's host inputs: pages copied first (copy-on-write), the batch packed into its bucket,
+        then each part's inputs added."""
         if out.copies:
             self.runner.copy_pages(out.copies)
         previous = self._in_flight.batch.draw_rows if self._in_flight is not None else None
-        slots = self._assign_control_slots(out) if self.control_slots is not None else None
         lora_slots = self.lora.assign(out.scheduled, self.scheduler.running) if self.lora is not None else None
         batch = pack_step(out, self.block_manager.tables, self.buckets, self.config.page_size, self.num_pages,
-                          previous, slots, shape_for=self.runner.step_shape, lora_slots=lora_slots)
+                          previous, shape_for=self.runner.step_shape, lora_slots=lora_slots)
         for part in self.parts:
             part.pack(batch)
         batch.part_inputs = tuple(part.step_inputs(batch) for part in getattr(self.runner, "logit_parts", ()))
@@ -520,16 +505,6 @@ class Engine:
         self._pending_finished = []
         return outputs
 
-    def _assign_control_slots(self, out: SchedulerOutput) -> dict:
-        """Slots for the step's sequences that use sampling controls; a sequence new to its slot has its
-        row written first (all its tokens are on the host then: a sequence gets a slot when it is
-        admitted, readmitted or forked, and each of those waits for its steps to be processed)."""
-        slots, loads = self.control_slots.assign(out.scheduled, lambda seq: seq.status is SequenceStatus.RUNNING)
-        for slot, seq in loads:
-            self.runner.load_controls(slot, sampling_controls.host_row(seq.request.control_rows,
-                                                                       seq.output_token_ids, self.cfg.vocab_size))
-        return slots
-
     def release_lora(self, req: Request) -> None:
         """A request made by `make_request` leaves the engine (or is dropped before it is queued): it lets go
         of its LoRA adapter."""
@@ -566,14 +541,14 @@ class Engine:
 
     def _replaced(self, seq: Sequence, tok: int) -> int:
         """The sequence's last token as the parts take it (`StepPart.replace_token`: a grammar's thinking
-        phase makes an ending token the end tag's). The device recorded the drawn token in the sequence's
-        control row, so a replaced token's row is written again from the host before its next step."""
+        phase makes an ending token the end tag's); every part then hears of it (`token_replaced`: state
+        the device recorded of the drawn token is stale)."""
         for part in self.parts:
             new = part.replace_token(seq, tok)
             if new != tok:
                 seq.token_ids[-1] = tok = new
-                if self.control_slots is not None:
-                    self.control_slots.release(seq.seq_id)
+                for other in self.parts:
+                    other.token_replaced(seq)
         return tok
 
     # --- shipping a prefill's KV between engines ----------------------------------------------------

@@ -26,6 +26,7 @@ from absl import flags
 
 from model.quant import KV_CACHE_DTYPE_CHOICES, WEIGHT_DTYPE_CHOICES
 from serving.core.compute_dtype import CHOICES as COMPUTE_DTYPE_CHOICES
+from serving.core.sampling_params import CONTROL_FIELDS
 from serving.core.spec_options import METHODS as SPECULATIVE_METHODS
 
 # What a preempted sequence's KV becomes (option preemption_mode; `serving.features.host_kv_tier`).
@@ -38,6 +39,8 @@ FIELD_PARTS = {
     "extra_args": "no logits processor that reads them (option logits_processors)",
     "structured_outputs": "no structured-outputs part (serving.features.build_parts builds one for every engine)",
     "reasoning": "no structured-outputs part, which runs the reasoning phase (serving.features.build_parts)",
+    **{field: "no sampling-controls part (serving.features.build_parts builds one for every engine)"
+       for field in CONTROL_FIELDS},
 }
 
 # The flags `define_flags` defines belong to its caller (absl lists a program's own flags under --help).

@@ -144,7 +144,7 @@ class StepShape:
         return image + (
                 ("tokens", T), ("feed_rows", T), ("positions", T), ("slots", T), ("cu_q_lens", S + 1), ("kv_lens", S),
                 ("block_tables", S * P), ("num_seqs", 1), ("logits_indices", S), ("sample_index", S),
-                ("token_index", S), ("target", S), ("control_slot", S), ("draft_token", S), ("group_start", S),
+                ("token_index", S), ("target", S), ("draft_token", S), ("group_start", S),
                 ("q_index", S), ("flags", NUM_FLAGS), ("lora_slot", T)) + sampling_table.buffer_fields(np.int32, S)
 
     @property
@@ -185,7 +185,6 @@ class StepShape:
         v["slots"][:] = pad_slot
         v["feed_rows"][:] = -1
         v["target"][:] = -1
-        v["control_slot"][:] = -1
         v["draft_token"][:] = -1  # no drafts: every row its own group
         v["group_start"][:] = np.arange(self.S)
         v["q_index"][:] = -1
@@ -226,12 +225,11 @@ def sampling_row(request) -> dict:
 
 
 def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: int, num_pages: int,
-              previous_draw_rows: Optional[dict] = None, control_slots: Optional[dict] = None,
+              previous_draw_rows: Optional[dict] = None,
               shape_for=None, lora_slots: Optional[dict] = None) -> StepBatch:
     """The padded host buffers of one scheduled step. `previous_draw_rows` is the `draw_rows` of the
     step dispatched just before (overlapped scheduling): a decode whose last token that step is
-    still drawing reads it from there on the device. `control_slots`: {seq_id: its slot of
-    `sampling_controls`} for the sequences that use those controls. `shape_for(bucket) -> bucket`
+    still drawing reads it from there on the device. `shape_for(bucket) -> bucket`
     may hand out a larger bucket than the step's own (one that is compiled already,
     `ModelRunner.step_shape`). A sequence with speculative drafts gets one row per draft and one
     more; where the draft model's distributions of its drafts are (`q_index`) is the speculative
@@ -301,7 +299,6 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
         tok_index = seq.num_output_tokens + seq.num_pending - 1
         draw_rows[seq.seq_id] = row
         nd = len(it.draft_token_ids)  # with drafts: one row per verified position, in order
-        slot = control_slots.get(seq.seq_id, -1) if control_slots else -1
         if nd:
             draft_groups.append((row, seq, it.sample_indices[0], it.draft_token_ids))
             v["draft_token"][row:row + nd] = it.draft_token_ids
@@ -311,7 +308,6 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
                 li[row] = cu[i] - 1 - nd + j
                 sampling_table.write_row(v, row, values)
                 si[row], ti[row] = s, tok_index + j
-                v["control_slot"][row] = slot
                 sample_rows.append((seq, s))
                 row += 1
     for i, it in enumerate(items):

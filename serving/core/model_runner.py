@@ -34,7 +34,7 @@ from model.layer_select import selects_layers
 from model import lora as lora_model
 from model.params import param_bytes, stack_layers
 from serving.core.input_batch import Buckets, StepShape, StepBatch
-from serving.core import bucket_plan, executable_store, rejection_sampler, sampling_controls, step_parts
+from serving.core import bucket_plan, executable_store, rejection_sampler, step_parts
 from serving.core.sampler import SamplingInputs, logprobs_of, sample, sample_ids
 from serving.core.sampling_table import ROW_PARAMS
 from serving.core.step_programs import StepPrograms, compiled_total
@@ -65,7 +65,7 @@ def feed_tokens(tokens, feed_rows, feed):
     return jnp.where(feed_rows >= 0, feed[jnp.maximum(feed_rows, 0)], tokens)
 
 
-def _step(params, cache, ibuf, fbuf, feed=None, controls=None, draft_probs=None, lora=None,
+def _step(params, cache, ibuf, fbuf, feed=None, part_states=(), draft_probs=None, lora=None,
           part_inputs=(), *, cfg: ModelConfig, backend: str, shape: StepShape, layout=None, verify: bool = False,
           lora_rank: int = 0, logit_parts: tuple = ()):
     """One engine step: forward over the ragged batch, then each logit row's token.
@@ -75,18 +75,17 @@ def _step(params, cache, ibuf, fbuf, feed=None, controls=None, draft_probs=None,
       (overlapped scheduling), and this step's ids come back padded the same way;
     * a vision-language model's steps carry, in the buffers, the image placeholder rows' embeddings
       and the multimodal RoPE positions (`StepShape.image_hidden`, `serving.core.multimodal`);
-    * `controls` (a `sampling_controls.ControlState`): rows holding a slot are adjusted by it before
-      sampling, and what they emit is recorded in it;
     * with `verify` (speculative decoding) a sequence's k + 1 rows check its drafts (the step's
       `draft_token` / `group_start` / `q_index` fields, `draft_probs` the draft model's distributions
       or None for point-mass drafts): acceptance runs here (`rejection_sampler`), rows after a
-      sequence's first rejection come back as -1, and the controls and parts' inputs of row j see drafts
-      0..j-1 as already drawn. Rows without drafts are sampled exactly as without `verify`;
+      sequence's first rejection come back as -1, and the parts of row j see drafts
+      0..j-1 as already drawn (`step_parts.StepView.drafts`). Rows without drafts are sampled exactly as without `verify`;
     * `lora` (the LoRA adapter slots, `model.lora.declare_slots`, padded to `lora_rank`): each token's
       `lora_slot` picks its adapter inside every target projection (`model.lora.attach`);
     * `part_inputs[i]`, the device inputs of the step part `logit_parts[i]` (`step_parts.StepPart.
-      step_input_spec`: structured outputs' token bitmask, logits processors' rows), which its
-      `apply_to_logits` applies after the controls.
+      step_input_spec`), which its `apply_to_logits` applies to the logits in the parts' order, and
+      `part_states[i]` its device state carried across steps (`StepPart.step_state`, None for none),
+      which it updates from the drawn ids (`record`) and the step returns.
     """
     v = shape.split(ibuf, fbuf)
     md, s = unpack_step(v)
@@ -100,11 +99,10 @@ def _step(params, cache, ibuf, fbuf, feed=None, controls=None, draft_probs=None,
             params = lora_model.attach(params, lora, v["lora_slot"], lora_rank)
         logits, cache = forward(params, cache, tokens, md, cfg, backend, layout, v.get("image_embeds"))
     raw = logits  # logprobs report the model's own distribution, as vLLM's do
-    drafts = sampling_controls.Drafts(v["draft_token"], v["group_start"]) if verify else None
-    if controls is not None:
-        logits = sampling_controls.apply(logits, controls, v["control_slot"], s.token_index, s, drafts)
-    for part, inputs in zip(logit_parts, part_inputs, strict=True):
-        logits = part.apply_to_logits(inputs, logits)
+    drafts = step_parts.Drafts(v["draft_token"], v["group_start"]) if verify else None
+    views = [step_parts.StepView(s.token_index, s, drafts, state) for state in part_states]
+    for part, inputs, view in zip(logit_parts, part_inputs, views, strict=True):
+        logits = part.apply_to_logits(inputs, logits, view)
     if verify:
         q_rows = None
         if draft_probs is not None:
@@ -115,16 +113,16 @@ def _step(params, cache, ibuf, fbuf, feed=None, controls=None, draft_probs=None,
         logprobs = logprobs_of(raw, jnp.maximum(ids, 0), s)
     else:
         ids, logprobs = sample(logits, s, raw)
-    if controls is not None:
-        controls = sampling_controls.record(controls, v["control_slot"], ids, drafts)
-        if getattr(layout, "replicated", None) is not None:
-            controls = jax.lax.with_sharding_constraint(controls, layout.replicated)
+    part_states = tuple(part.record(inputs, view.state, ids, view)
+                        for part, inputs, view in zip(logit_parts, part_inputs, views))
+    if getattr(layout, "replicated", None) is not None:  # placed as they came: replicated
+        part_states = jax.lax.with_sharding_constraint(part_states, layout.replicated)
     if feed is None:
-        return cache, ids, logprobs, None, controls
+        return cache, ids, logprobs, None, part_states
     next_feed = jax.lax.dynamic_update_slice(jnp.zeros_like(feed), ids[:feed.shape[0]], (0,))
     if getattr(layout, "replicated", None) is not None:  # the sharding the feed was placed with
         next_feed = jax.lax.with_sharding_constraint(next_feed, layout.replicated)
-    return cache, ids, logprobs, next_feed, controls
+    return cache, ids, logprobs, next_feed, part_states
 
 
 # Module level, so engines with the same model and buckets share compilations.
@@ -194,7 +192,7 @@ def _program(ref: tuple[str, str]):
 
 def compilation_count() -> int:
     """Executables compiled so far for the step and page-copy functions (all runners)."""
-    return (_step_jit._cache_size() + _copy_jit._cache_size() + sampling_controls.load_jit._cache_size()
+    return (_step_jit._cache_size() + _copy_jit._cache_size() + step_parts.state_programs_compiled()
             + _write_lora_jit._cache_size() + compiled_total() + executable_store.functions_compiled())
 
 
@@ -234,17 +232,16 @@ class PendingStep:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int, buckets: Buckets,
-                 backend: str = "auto", cache_dtype=None, layout=None, control_slots: int = 0,
+                 backend: str = "auto", cache_dtype=None, layout=None,
                  scan_layers: bool = False, verify: bool = False, draft_rows: int = 0, max_loras: int = 0,
                  max_lora_rank: int = 0, logit_parts: tuple = ()):
-        """`control_slots`: how many running sequences may use `sampling_controls` at once (0: none;
-        the state then does not exist). `scan_layers`: stack the
+        """`scan_layers`: stack the
         layers' weights and KV pages so the step scans over layers (`model.forward`), compiling one
         layer body whatever the depth. `verify`: steps check speculative drafts (`_step`); `draft_rows`:
         rows of the draft model's distributions a step takes (0: drafts are point masses). `max_loras`:
         LoRA adapter slots every step takes as an input, each padded to `max_lora_rank` (0: none).
         `logit_parts`: the step parts whose own device inputs every step takes (`step_parts.StepPart.
-        step_input_spec`), applied to the logits in this order."""
+        step_input_spec`), applied to the logits in this order, with their device state (`step_state`)."""
         self.cfg = cfg
         self.scan_layers = scan_layers
         self.verify = verify
@@ -254,7 +251,7 @@ class ModelRunner:
         self.backend = backend
         self.layout = layout
         self.logit_parts = tuple(logit_parts)
-        self._small_programs: dict = {}  # executables of the cache's zeroing, the page copies, the control loads
+        self._small_programs: dict = {}  # executables of the cache's zeroing, the page copies, the parts' state writes
         self.params, self.cache = self.place(params, cache_dtype)
         # The last step's sampled ids, padded to the most logit rows a step has: the next step
         # reads its placeholder tokens from it (`feed_tokens`) without a trip through the host.
@@ -264,13 +261,13 @@ class ModelRunner:
         self.programs = StepPrograms(self._lower_step, self._program_key, platform=jax.default_backend(),
                                      key_fields=PROGRAM_KEY_FIELDS,
                                      holds_cheaply=functools.partial(bucket_plan.holds_cheaply, buckets=buckets))
-        self.controls = None  # sampling_controls.ControlState, threaded through every step
         # The draft distributions a step without them reads (the draft model's output has this shape).
         self.no_drafts = None if draft_rows == 0 else self._place_feed(np.zeros((draft_rows, cfg.vocab_size),
                                                                                  np.float32))
-        if control_slots > 0:
-            # placed like the feed: on the one device, or replicated over the layout's mesh
-            self.controls = self._place_feed(sampling_controls.init_state(control_slots, cfg.vocab_size))
+        # The logit parts' device states, threaded through every step: placed like the feed (on the one
+        # device, or replicated over the layout's mesh).
+        self.part_states = tuple(None if (state := p.step_state()) is None else self._place_feed(state)
+                                 for p in self.logit_parts)
         self.lora_rank = max_lora_rank if max_loras > 0 else 0
         self.lora = self._place_lora(max_loras) if max_loras > 0 else None  # the adapter slots (`load_lora`)
 
@@ -318,7 +315,7 @@ class ModelRunner:
         sharding = self.layout.replicated
         if sharding.is_fully_addressable:
             return jax.device_put(arrays, sharding)
-        # Each leaf (a pytree such as the controls' state has several) as a global array built from this
+        # Each leaf (a pytree such as a part's state has several) as a global array built from this
         # process's copy.
         return jax.tree.map(lambda a: jax.make_array_from_process_local_data(sharding, a, np.shape(a)), arrays)
 
@@ -336,9 +333,10 @@ class ModelRunner:
             return self._run(*arrays[:2], static["shape"], probs, inputs)
         if kind == "copy":
             return self._copy(*arrays)
-        if kind == "controls":  # (slot, *row)
-            self.load_controls(int(arrays[0]), tuple(arrays[1:]))
-            return self.controls
+        if kind == "part-state":  # (the part's index, *host arguments of its program)
+            part = self.logit_parts[int(arrays[0])]
+            self.update_part_state(part, _program(static["program"]), *arrays[1:])
+            return self.part_states
         if kind == "lora":  # (slot, A and B of each target in name order)
             names = sorted(self.lora)
             self.load_lora(int(arrays[0]), {name: (arrays[1 + 2 * i], arrays[2 + 2 * i])
@@ -365,7 +363,7 @@ class ModelRunner:
     def register_replay(self, kind: str, handler, step_inputs: dict = None) -> None:
         """Replays announced calls of `kind` with `handler` on this process; `step_inputs` (name -> source)
         are the device inputs the calls leave for a replayed step."""
-        if kind in ("step", "copy", "controls", "cache", "lora"):
+        if kind in ("step", "copy", "part-state", "cache", "lora"):
             raise ValueError(f"{kind!r} is the runner's own kind of device call")
         self._replay_handlers = {**(self._replay_handlers or {}), kind: handler}
         self._step_inputs = {**(self._step_inputs or {}), **(step_inputs or {})}
@@ -389,12 +387,12 @@ class ModelRunner:
                 reads["idle_parts"] = idle
             self.dispatch_hook("step", ibuf, fbuf, *jax.tree.leaves(part_inputs), shape=shape, **reads)
         ibuf, fbuf = self._host_inputs(ibuf, fbuf)
-        args = (self.params, self.cache, ibuf, fbuf, self.feed, self.controls,
+        args = (self.params, self.cache, ibuf, fbuf, self.feed, self.part_states,
                 self.no_drafts if draft_probs is None else draft_probs, self.lora,
                 self._place_part_inputs(part_inputs, shape.S))
         # One compile path: a mesh spanning processes compiles here too, every process in the order of
         # the steps it runs (no background thread there, and no executables stored: `warm_up`).
-        self.cache, ids, lp, self.feed, self.controls = self.programs.get(shape)(*args)
+        self.cache, ids, lp, self.feed, self.part_states = self.programs.get(shape)(*args)
         return ids, lp
 
     def _place_part_inputs(self, part_inputs: tuple, rows: int) -> tuple:
@@ -420,15 +418,15 @@ class ModelRunner:
         (taken once, so a compile in another thread never touches arrays a running step donates)."""
         if self._specs is None:
             self._specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                       (self.params, self.cache, self.feed, self.controls, self.no_drafts, self.lora))
-        params, cache, feed, controls, no_drafts, lora = self._specs
+                                       (self.params, self.cache, self.feed, self.part_states, self.no_drafts, self.lora))
+        params, cache, feed, states, no_drafts, lora = self._specs
         sharding = None if self.layout is None else self.layout.replicated
         (_, isize), (_, fsize) = shape.offsets(shape.int_fields), shape.offsets(shape.float_fields)
         ibuf = jax.ShapeDtypeStruct((isize,), np.int32, sharding=sharding)
         fbuf = jax.ShapeDtypeStruct((fsize,), np.float32, sharding=sharding)
         placed = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])  # device inputs made on the host
         parts = step_parts.input_specs(self.logit_parts, shape.S, placed)
-        return params, cache, ibuf, fbuf, feed, controls, no_drafts, lora, parts
+        return params, cache, ibuf, fbuf, feed, states, no_drafts, lora, parts
 
     def _lower_step(self, shape: StepShape):
         return _step_jit.lower(*self._abstract_inputs(shape), cfg=self.cfg, backend=self.backend, shape=shape,
@@ -437,9 +435,9 @@ class ModelRunner:
 
     def _program_key(self, shape: StepShape):
         """Everything the step program of `shape` depends on (`PROGRAM_KEY_FIELDS` names each part)."""
-        params, cache, _, _, feed, controls, no_drafts, lora, _ = self._abstract_inputs(shape)
+        params, cache, _, _, feed, states, no_drafts, lora, _ = self._abstract_inputs(shape)
         if self._signature is None:
-            leaves, treedef = jax.tree.flatten((params, cache, feed, controls, no_drafts, lora))
+            leaves, treedef = jax.tree.flatten((params, cache, feed, states, no_drafts, lora))
             self._signature = (treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves))
         return ("step", self.cfg, self.backend, self.layout, shape, self.verify, self.lora_rank, self._signature,
                 tuple(part.program_key() for part in self.logit_parts))
@@ -485,13 +483,18 @@ class ModelRunner:
                                      slot, contents)
         self.lora = jax.device_put(lora, self._lora_shardings)  # (a no-op where the write kept them)
 
-    # --- sampling controls (serving.core.sampling_controls) --------------------------------------
-    def load_controls(self, slot: int, row: tuple) -> None:
-        """Writes one slot's row (`sampling_controls.host_row`) before the next step reads it."""
+    # --- the logit parts' device states (step_parts.StepPart.step_state) ----------------------------
+    def update_part_state(self, part, jitted, *host_args, name: str = None) -> None:
+        """Runs `jitted(state, *host_args) -> state` (one of `part.state_programs()`, donating the state) on
+        the part's device state, before the next step reads it. Multi-host: announced like every device call
+        (the part's index, then the arguments), replayed by `replay`."""
+        index = self.logit_parts.index(part)
         if self.dispatch_hook is not None:
-            self.dispatch_hook("controls", np.int32(slot), *row)
-        self.controls = executable_store.call(sampling_controls.load_jit, "load-controls", self._small_programs,
-                                              self.controls, *self._host_inputs(np.int32(slot), *row))
+            self.dispatch_hook("part-state", np.int32(index), *host_args, program=_program_ref(jitted))
+        name = name or next((n for j, n, _ in part.state_programs() if j is jitted), repr(_program_ref(jitted)))
+        state = executable_store.call(jitted, name, self._small_programs, self.part_states[index],
+                                      *self._host_inputs(*host_args))
+        self.part_states = self.part_states[:index] + (state,) + self.part_states[index + 1:]
 
     @property
     def param_bytes(self) -> int:
@@ -622,19 +625,18 @@ class ModelRunner:
         self.programs.end_call()
 
     def _warm_up_small_programs(self) -> None:
-        """Runs the page copy (all padding, so nothing moves) and the control row load once."""
+        """Runs the page copy (all padding, so nothing moves) and each part's state programs once."""
         size = self.max_copy_pairs
         self._copy(np.zeros(size, np.int32), np.full(size, self.num_pages, np.int32))
-        self._warm_up_controls()
+        for part, jitted, name, args in self._state_programs():
+            self.update_part_state(part, jitted, *args, name=name)
         if self.lora is not None:  # an empty adapter into slot 0, which nothing holds yet
             self.load_lora(0, lora_model.slot_arrays(None, self.cfg, self.lora_rank, np.float32))
 
-    def _warm_up_controls(self) -> None:
-        if self.controls is not None:  # slot 0 written as it starts (nothing holds it yet)
-            self.load_controls(0, self._empty_control_row())
-
-    def _empty_control_row(self) -> tuple:
-        return tuple(x[0] for x in sampling_controls.init_state(1, self.cfg.vocab_size))
+    def _state_programs(self) -> list:
+        """(part, jitted, name, example host arguments) of every logit part's state programs."""
+        return [(part, jitted, name, args) for part, state in zip(self.logit_parts, self.part_states)
+                if state is not None for jitted, name, args in part.state_programs()]
 
     def _small_program_calls(self) -> list:
         """(jitted, name, abstract arguments) of what `_warm_up_small_programs` runs, for
@@ -645,9 +647,9 @@ class ModelRunner:
 
         pairs = np.zeros(self.max_copy_pairs, np.int32)
         calls = [(_copy_jit, "copy-pages", abstract(self.cache, *self._host_inputs(pairs, pairs)))]
-        if self.controls is not None:
-            calls.append((sampling_controls.load_jit, "load-controls",
-                          abstract(self.controls, *self._host_inputs(np.int32(0), *self._empty_control_row()))))
+        for part, jitted, name, args in self._state_programs():
+            state = self.part_states[self.logit_parts.index(part)]
+            calls.append((jitted, name, abstract(state, *self._host_inputs(*args))))
         return calls
 
     def warm_up_order(self) -> list[StepShape]:

@@ -7,10 +7,10 @@ array whose page axis is split over `pipeline`. The block manager is unchanged: 
 the same on every stage, each stage holding those pages for its own layers.
 The step itself is `model_runner`'s: the layout supplies the forward pass
 (the model family's own blocks, `sharding.pipeline.pipeline_forward`), and
-everything around it is shared as it is: sampling controls (logit bias,
-penalties, `min_tokens`, bad words: `sampling_controls`' slot state, placed
-and threaded like the feed, replicated over the mesh) and the logit parts'
-device inputs (structured outputs' token bitmask, custom logits processors), all applied to the logits after the stages, which every
+everything around it is shared as it is: the logit parts'
+device inputs and states (sampling controls' slot state, placed and threaded
+like the feed, replicated over the mesh; structured outputs' token bitmask;
+custom logits processors), all applied to the logits after the stages, which every
 device holds; speculative decoding's verification, in the same step; a draft
 model replicated over the whole mesh (`replicated`), so its distributions feed
 the step as they are. KV transfer (`serving.disaggregation.kv_transfer`) reads

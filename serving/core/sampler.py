@@ -40,7 +40,8 @@ class SamplingInputs(NamedTuple):
     any_random: jax.Array  # [] bool
     any_filter: jax.Array  # [] bool, some row uses top-k or top-p
     want_logprobs: jax.Array  # [] bool
-    # Read only by serving.core.sampling_controls, for rows holding a control slot (None outside the step).
+    # Read only by the sampling-controls part (serving.features.sampling_controls), for rows holding a slot
+    # (None outside the step).
     presence_penalty: jax.Array = None  # [R] f32
     frequency_penalty: jax.Array = None  # [R] f32
     repetition_penalty: jax.Array = None  # [R] f32
@@ -149,7 +150,7 @@ def sample(logits: jax.Array, s: SamplingInputs, raw_logits=None):
 
     Logprobs are those of the model's raw distribution (before temperature
     and filters), as vLLM reports them: `raw_logits`, when `logits` were
-    adjusted by `sampling_controls` first.
+    adjusted by the step parts first (`step_parts.StepPart.apply_to_logits`).
     """
     ids = sample_ids(logits, s)
     return ids, logprobs_of(logits if raw_logits is None else raw_logits, ids, s)

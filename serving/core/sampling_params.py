@@ -29,6 +29,11 @@ class InvalidParameterError(ValueError):
         self.param = param
 
 
+# The fields the sampling-controls part applies on the device, and the value that leaves each off.
+CONTROL_FIELDS = {"logit_bias": None, "allowed_token_ids": None, "bad_words": None, "min_tokens": 0,
+                  "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+
+
 @dataclasses.dataclass
 class SamplingParams:
     """How to sample one request. `temperature=0` is greedy.
@@ -61,7 +66,7 @@ class SamplingParams:
     # A reasoning model's think tags and thinking budget (serving.features.reasoning_phase): the budget
     # forces the end tag once spent, and structured_outputs constrain only what follows the end tag.
     reasoning: Optional[ReasoningParams] = None
-    # Applied on the device through `serving.core.sampling_controls` (vLLM's definitions):
+    # Applied on the device by the sampling-controls part (`serving.features.sampling_controls`; vLLM's definitions):
     presence_penalty: float = 0.0  # subtracted from a token's logit once it is in the output
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
     repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt or output tokens
@@ -183,7 +188,7 @@ class SamplingParams:
             fields.append("structured_outputs")
         if self.reasoning is not None and self.reasoning.budget is not None:
             fields.append("reasoning")
-        return fields
+        return fields + [f for f, off in CONTROL_FIELDS.items() if getattr(self, f) not in (off, [], {})]
 
     def clone(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)

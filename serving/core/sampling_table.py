@@ -32,6 +32,11 @@ def _seed_words(request) -> tuple[int, int]:
     return _as_int32(seed >> 32), _as_int32(seed & 0xFFFFFFFF)
 
 
+# Counts past int32 mean the same as the largest int32: top_k beyond the vocabulary keeps every token,
+# and min_tokens beyond any context window holds off EOS for the whole request.
+_INT32_MAX = 2**31 - 1
+
+
 @dataclasses.dataclass(frozen=True)
 class RowParam:
     name: str
@@ -46,15 +51,15 @@ class RowParam:
 
 ROW_PARAMS: tuple[RowParam, ...] = (
     RowParam("temperature", np.float32, 0.0, lambda r: float(r.params.temperature), help="0 = greedy"),
-    RowParam("top_k", np.int32, 0, lambda r: int(r.params.top_k if r.params.top_k > 0 else 0), filters=True,
+    RowParam("top_k", np.int32, 0, lambda r: min(max(int(r.params.top_k), 0), _INT32_MAX), filters=True,
              help="<= 0 = off"),
     RowParam("top_p", np.float32, 1.0, lambda r: float(r.params.top_p), filters=True, help="1 = off"),
     RowParam("min_p", np.float32, 0.0, lambda r: float(r.params.min_p), help="0 = off"),
-    # Read by `sampling_controls.apply` for rows that hold a control slot (a request using any of them does).
+    # Read by `serving.features.sampling_controls.apply` for rows that hold a slot (a request using any of them does).
     RowParam("presence_penalty", np.float32, 0.0, lambda r: float(r.params.presence_penalty), help="0 = off"),
     RowParam("frequency_penalty", np.float32, 0.0, lambda r: float(r.params.frequency_penalty), help="0 = off"),
     RowParam("repetition_penalty", np.float32, 1.0, lambda r: float(r.params.repetition_penalty), help="1 = off"),
-    RowParam("min_tokens", np.int32, 0, lambda r: int(r.params.min_tokens),
+    RowParam("min_tokens", np.int32, 0, lambda r: min(int(r.params.min_tokens), _INT32_MAX),
              help="EOS and stop token ids are banned while token_index < min_tokens"),
     RowParam("key_data", np.int32, 0, _seed_words, width=2, device_dtype=np.uint32,
              help="the threefry key words of the request's seed"),

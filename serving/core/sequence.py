@@ -177,7 +177,6 @@ class Request:
         self.stream = False  # emit an output every step (else only when finished)
         self.sampling_row = None  # packed sampling parameters, set by the engine
         self.part_state: dict = {}  # what step parts keep of the request, by the part's key (set at admission)
-        self.control_rows = None  # its rows of logit bias, masks (serving.core.sampling_controls), if it uses them
         # Prefix-cache isolation: requests with different salts, or made under other weights, share no cached pages.
         self.cache_salt = cache_salt
         self.hash_root = weights_digest(salt_digest(cache_salt), weights_epoch)

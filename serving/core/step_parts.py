@@ -16,8 +16,9 @@ are its own pytree (not fields of the packed buffers) declares them with
 `step_input_spec`: a fixed shape per step bucket, so nothing recompiles once
 the buckets are compiled. The runner then gives the part's arrays
 (`step_inputs`, once per step) to its `apply_to_logits` inside the step
-program, after the engine's own adjustments of the logits (structured
-outputs' mask, sampling controls) and before sampling.
+program, in the parts' order, before sampling. A part may also keep device
+state of its own across steps (`step_state`: sampling controls' per-slot rows
+of bias and token counts), which the step reads and updates (`record`).
 
 Parts built outside `serving.core` (`serving.features`) reach the engine as
 `Engine(parts=...)`: each a part, or a function of the engine that builds one
@@ -29,7 +30,7 @@ option set without the part, rather than ignore it.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, NamedTuple, Optional
 
 import jax
 import numpy as np
@@ -120,10 +121,36 @@ class StepPart:
         default."""
         return jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), self.step_input_spec(rows))
 
-    def apply_to_logits(self, inputs, logits):
+    def apply_to_logits(self, inputs, logits, step: "StepView"):
         """Traced into the step program: `logits` [rows, vocab] float32 -> the same, adjusted by the part's
-        `inputs` (placed on the step's devices, replicated over a mesh)."""
+        `inputs` (placed on the step's devices, replicated over a mesh); `step` is what else the step knows
+        of its rows (`StepView`: the sampler's per-row values, drafts, the part's own device state)."""
         return logits
+
+    # --- device state of the part's own, carried from step to step (see `StepView`) -----------------
+    def step_state(self) -> Optional[Any]:
+        """The initial value of the part's device state (host arrays), or None: none. The runner places it
+        like the feed (on the one device, or replicated over the mesh) and threads it through every step,
+        donated: each step hands it to `apply_to_logits` (as `step.state`) and takes `record`'s result;
+        the part writes it between steps only through `runner.update_part_state` with one of its
+        `state_programs`."""
+        return None
+
+    def record(self, inputs, state, ids, step: "StepView"):
+        """Traced into the step program, after sampling: the part's device state given the ids the rows drew
+        (`ids` [rows] int32, -1 for a verified row past its sequence's first rejection)."""
+        return state
+
+    def state_programs(self) -> tuple:
+        """(jitted, name, example host arguments) of each program that writes the part's state (`jitted(state,
+        *host_args) -> state`, donating the state): module-level functions, so another process can run them
+        too; the runner compiles each at warm-up by running it once on its example, which must leave the
+        state as it was for every use that follows."""
+        return ()
+
+    def token_replaced(self, seq) -> None:
+        """A part replaced `seq`'s last drawn token (`replace_token`; the sequence has no step in flight): what
+        the part's device state recorded of the drawn token is stale."""
 
     def program_key(self) -> Any:
         """What `apply_to_logits` computes, as part of the step programs' key. The default, the part itself,
@@ -146,6 +173,26 @@ class StepPart:
     def warm_up(self) -> dict:
         """Compiles what the part runs on the device itself; {"seconds", "compiled", "shapes"}."""
         return dict(NO_WARM_UP)
+
+
+class Drafts(NamedTuple):
+    """The drafted tokens a verifying step's rows follow (speculative decoding), as the step reads them.
+
+    A verifying sequence has k + 1 consecutive rows; row j predicts the token after drafts 0..j-1, so
+    a part that depends on the output so far sees those drafts as output tokens already, exactly as
+    the plain step would when it drew them one at a time."""
+
+    token: Any  # [R] i32: the draft the row checks (-1: none; the last row of a group has none)
+    group_start: Any  # [R] i32: the first row of the row's sequence (a row on its own: itself)
+
+
+class StepView(NamedTuple):
+    """What the step program gives a part's `apply_to_logits` and `record` beside its own inputs."""
+
+    token_index: Any  # [R] i32: the output position the row draws (tokens drawn before it, drafts included)
+    sampling: Any  # the sampler's per-row values (`sampler.SamplingInputs`: penalties, min_tokens, ...)
+    drafts: Optional[Drafts]  # what a verifying step's rows follow; None for a step that verifies nothing
+    state: Any = None  # the part's device state (`StepPart.step_state`), None for a part without one
 
 
 def logit_parts(parts) -> tuple:
@@ -177,3 +224,19 @@ def inputs_from_leaves(parts, rows: int, leaves, idle=()) -> tuple:
     tree = jax.tree.structure(tuple(parts[i].step_input_spec(rows) for i in given))
     inputs = dict(zip(given, jax.tree.unflatten(tree, list(leaves))))
     return tuple(inputs.get(i) for i in range(len(parts)))
+
+
+# --- programs that write parts' device states, counted with the runner's compilations -----------------
+_STATE_PROGRAMS: list = []
+
+
+def state_program(jitted):
+    """Registers a module-level jitted program of a part's `state_programs`, so that the runner's
+    `compilation_count` (which tests of "nothing recompiles after warm-up" read) includes it; returns it."""
+    _STATE_PROGRAMS.append(jitted)
+    return jitted
+
+
+def state_programs_compiled() -> int:
+    """Executables compiled so far for the registered state programs (`state_program`)."""
+    return sum(jitted._cache_size() for jitted in _STATE_PROGRAMS)

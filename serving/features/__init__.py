@@ -10,6 +10,7 @@ options ask for, in one place, and the caller hands them to the engine
 | `host_kv_tier` | the host tier of the prefix cache and swap preemption | kv_offload_bytes, kv_offloading_size, preemption_mode |
 | `kv_imports` | requests resuming a prefill another engine shipped (disaggregated serving) | (always on) |
 | `structured_output` (+ `reasoning_phase`) | structured outputs and reasoning requests' thinking phase: a grammar per request, its token bitmask in every step | structured_outputs_whitespace (always on) |
+| `sampling_controls` | logit bias, allowed / bad words, min_tokens, the penalties: per-slot device rows, applied in the step | (always on) |
 | `logits_processors` | custom logits processors, run inside the step | logits_processors |
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 from serving.features import host_kv_tier
 from serving.features.kv_imports import KVImports
 from serving.features.logits_processors import LogitsProcessors, ProcessorConfig
+from serving.features.sampling_controls import SamplingControlsPart
 from serving.features.structured_output import StructuredOutputsPart
 
 
@@ -35,7 +37,8 @@ def build_parts(options: dict, cfg) -> list:
         parts.append(build_tier)
     # An import's write must not land on a page before the host tier has copied it out.
     parts.append(lambda engine: KVImports.for_engine(engine, before_write=tier[0].flush if tier else None))
-    # Applied to the logits in this order: a grammar's mask, then the custom processors.
+    # Applied to the logits in this order: sampling controls, a grammar's mask, then the custom processors.
+    parts.append(SamplingControlsPart(options["max_num_seqs"], cfg.vocab_size))
     parts.append(StructuredOutputsPart(cfg.vocab_size, bool(options.get("structured_outputs_whitespace"))))
     if options.get("logits_processors"):
         parts.append(LogitsProcessors(options["logits_processors"],

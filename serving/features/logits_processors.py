@@ -211,7 +211,7 @@ class LogitsProcessors(StepPart):
         samples = step_samples(batch)
         return tuple(p.rows_for(samples) for p in self.processors)
 
-    def apply_to_logits(self, inputs, logits):
+    def apply_to_logits(self, inputs, logits, step):
         for p, rows in zip(self.processors, inputs, strict=True):
             logits = p.instance.apply(rows, logits).astype(logits.dtype)
         return logits

@@ -379,7 +379,7 @@ class StructuredOutputsPart(StepPart):
     def step_inputs(self, batch):
         return batch_mask(batch, self.width)
 
-    def apply_to_logits(self, inputs, logits):
+    def apply_to_logits(self, inputs, logits, step):
         return apply_token_bitmask(logits, inputs)
 
     def program_key(self):

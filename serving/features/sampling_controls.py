@@ -20,7 +20,8 @@ transfer, so it lives on the device in a `ControlState` of `num_slots` rows:
   tokens (`record`), so overlapped scheduling (the next step dispatched
   before the host sees this one's token) stays exact.
 
-A step's logits pass through `apply` before the sampler: the additive bias
+The part (`SamplingControlsPart`) holds the slots and the state; a step's
+logits pass through `apply` before the sampler: the additive bias
 (logit bias, -inf outside `allowed_token_ids` and on single-token bad words),
 multi-token bad words, the `min_tokens` hold-off, then the penalties; the
 order is vLLM's. Rows without a slot are returned untouched, and a batch
@@ -37,7 +38,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.core.sampling_params import InvalidParameterError
+from serving.core import step_parts
+from serving.core.sampling_params import CONTROL_FIELDS, InvalidParameterError
+from serving.core.sequence import SequenceStatus
+from serving.core.step_parts import Drafts, StepPart
 
 # Multi-token bad words: how many a request may give and how many tokens each may have. The step
 # checks every slot's words against its last MAX_BAD_WORD_TOKENS - 1 output tokens.
@@ -48,8 +52,8 @@ _NONE = -1  # no token (a recent-token position before the output began; an unus
 
 
 # The SamplingParams fields applied here, and the value that leaves each off.
-FIELDS = {"logit_bias": None, "allowed_token_ids": None, "bad_words": None, "min_tokens": 0,
-          "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+FIELDS = CONTROL_FIELDS
+KEY = "sampling_controls"  # the part's entry of `Request.part_state`: the request's `RequestRows`
 
 
 def used_fields(params) -> list[str]:
@@ -191,7 +195,7 @@ class ControlSlots:
         slots, loads = {}, []
         for item in scheduled:
             seq = item.seq
-            if not item.sample_indices or seq.request.control_rows is None:
+            if not item.sample_indices or KEY not in seq.request.part_state:
                 continue
             if seq.seq_id not in self.held:
                 self.held[seq.seq_id] = (self.free.pop(), seq)
@@ -217,18 +221,7 @@ def _load(state: ControlState, slot, *row) -> ControlState:
     return ControlState(*(x.at[slot].set(r) for x, r in zip(state, row)))
 
 
-load_jit = jax.jit(_load, donate_argnums=(0,))
-
-
-class Drafts(NamedTuple):
-    """The drafted tokens a verifying step's rows follow (speculative decoding), as the step reads them.
-
-    A verifying sequence has k + 1 consecutive rows; row j predicts the token after drafts 0..j-1, so
-    its controls see those drafts as output tokens already (counts for the penalties, the recent
-    tokens for bad words), exactly as the plain step would when it drew them one at a time."""
-
-    token: jax.Array  # [R] i32: the draft the row checks (-1: none; the last row of a group has none)
-    group_start: jax.Array  # [R] i32: the first row of the row's sequence (a row on its own: itself)
+load_jit = step_parts.state_program(jax.jit(_load, donate_argnums=(0,)))
 
 
 def _row_counts(state: ControlState, idx, drafts: Optional[Drafts]):
@@ -313,3 +306,71 @@ def record(state: ControlState, slot, ids, drafts: Optional[Drafts] = None) -> C
     shifted = jnp.concatenate([recent[:, 1:], tok[:, None]], axis=1)
     recent = state.recent.at[jnp.where(last, slot, n)].set(shifted, mode="drop")
     return state._replace(counts=counts, recent=recent)
+
+
+# --- the part ----------------------------------------------------------------------------------------
+
+
+class SamplingControlsPart(StepPart):
+    """Sampling controls as a step part: checks and keeps each request's rows at admission, hands out slots
+    once a step is scheduled (writing a new holder's row first), gives each step its rows' slots, and
+    applies and records the controls inside the step program."""
+
+    takes_fields = tuple(FIELDS)
+
+    def __init__(self, num_slots: int, vocab: int):
+        self.num_slots, self.vocab = num_slots, vocab
+        self.slots = ControlSlots(num_slots)
+        self.tokenizer = self.runner = None
+        self._step_slots: dict = {}  # seq_id -> slot, of the step being packed
+
+    def attach(self, engine) -> None:
+        self.tokenizer, self.runner = engine.tokenizer, engine.runner
+
+    def admit(self, request) -> None:
+        if used_fields(request.params):
+            request.part_state[KEY] = request_rows(request, self.tokenizer, self.vocab)
+
+    def after_schedule(self, out) -> None:
+        """Slots for the step's sequences that use controls; a sequence new to its slot has its row written
+        first (all its tokens are on the host then: a sequence gets a slot when it is admitted, readmitted
+        or forked, and each of those waits for its steps to be processed)."""
+        self._step_slots, loads = self.slots.assign(out.scheduled, lambda seq: seq.status is SequenceStatus.RUNNING)
+        for slot, seq in loads:
+            row = host_row(seq.request.part_state[KEY], seq.output_token_ids, self.vocab)
+            self.runner.update_part_state(self, load_jit, np.int32(slot), *row)
+
+    def token_replaced(self, seq) -> None:
+        self.slots.release(seq.seq_id)
+
+    # --- device side --------------------------------------------------------------------------------
+    def step_input_spec(self, rows: int):
+        return jax.ShapeDtypeStruct((rows,), np.int32)
+
+    def idle_inputs(self, rows: int):
+        return np.full(rows, -1, np.int32)
+
+    def step_inputs(self, batch):
+        """Each row's slot (-1: none; padding and prompt-logprob rows hold none); None: no row holds one."""
+        if not self._step_slots:
+            return None
+        slots = np.full(batch.shape.S, -1, np.int32)
+        for row, (seq, _) in enumerate(batch.sample_rows):
+            slots[row] = self._step_slots.get(seq.seq_id, -1)
+        return slots
+
+    def apply_to_logits(self, slot, logits, step):
+        return apply(logits, step.state, slot, step.token_index, step.sampling, step.drafts)
+
+    def step_state(self):
+        return init_state(self.num_slots, self.vocab)
+
+    def record(self, slot, state, ids, step):
+        return record(state, slot, ids, step.drafts)
+
+    def state_programs(self) -> tuple:
+        empty = tuple(x[0] for x in init_state(1, self.vocab))  # into slot 0, which nothing holds yet
+        return ((load_jit, "load-controls", (np.int32(0),) + empty),)
+
+    def program_key(self):
+        return ("sampling-controls", self.num_slots, self.vocab)
