@@ -27,7 +27,7 @@ from model.vision.config import VisionConfig
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 # Grouped weight kinds of published quantized checkpoints (`model.quant.grouped_kind`).
-_GROUPED_WEIGHTS = re.compile(r"fp8_g[1-9][0-9]*")
+_GROUPED_WEIGHTS = re.compile(r"(fp8|int4)_g[1-9][0-9]*")
 
 _DTYPES = {
     "float32": jnp.float32,

@@ -65,8 +65,11 @@ def checkpoint_format(hf: dict) -> QuantFormat | None:
     method = qc.get("quant_method")
     if method == "fp8":
         return _fp8_format(qc)
+    if method == "gptq":
+        from model.quant_gptq import gptq_format
+        return gptq_format(qc, QuantFormat)
     raise ConversionError(f"quantization_config.quant_method {method!r} is not supported; supported: 'fp8' "
-                 f"(fine-grained block-scaled FP8)")
+                 f"(fine-grained block-scaled FP8), 'gptq' (4-bit, sym)")
 
 
 def _fp8_format(qc: dict) -> QuantFormat:
@@ -132,6 +135,9 @@ def read_quantized(plan, located: dict[str, str], cfg: ModelConfig, fmt: QuantFo
     a quantized weight's `.data` and `.scale`) from a quantized checkpoint: names, shapes and dtypes
     checked from the headers first (one `ConversionError`), then read one tensor at a time."""
     files = _Files(located)
+    if fmt.method == "gptq":
+        from model.quant_gptq import read_gptq
+        return read_gptq(plan, files, located, cfg, fmt, decl_flat)
     scale_names = [t.hf + "_scale_inv" for t in plan if t.hf + "_scale_inv" in located]
     check_names(list(plan) + [types.SimpleNamespace(hf=n) for n in scale_names], located, cfg,
                  f"a {cfg.num_layers}-layer {fmt.method} checkpoint", f"a {cfg.num_layers}-layer model as config.json "

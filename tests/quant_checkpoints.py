@@ -72,3 +72,70 @@ def fp8_block_checkpoint(model, directory: str, block=(128, 128)):
     with open(path, "w") as f:
         json.dump(cfg, f, indent=2)
     return model
+
+
+def pack_int4(codes: torch.Tensor, dim: int) -> torch.Tensor:
+    """uint 4-bit codes (0..15) -> int32 words, eight consecutive codes along `dim` per word, code j in
+    bits 4j..4j+3 (GPTQ's qweight along the input, its qzeros along the output)."""
+    codes = codes.to(torch.int64).movedim(dim, -1)
+    codes = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 8, 8)
+    words = sum(codes[..., j] << (4 * j) for j in range(8))
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)  # the bits, as int32
+    return words.movedim(-1, dim).contiguous()
+
+
+def gptq_quantize(w: torch.Tensor, group: int, g_idx: torch.Tensor | None = None):
+    """GPTQ-style symmetric 4-bit (round to nearest; the zero point is 8): (qweight, qzeros, scales, g_idx,
+    the dequantized weight) of a [out, in] weight, packed as the gptq v1 format stores them."""
+    out, inp = w.shape
+    if g_idx is None:
+        g_idx = torch.arange(inp, dtype=torch.int32) // group
+    w = w.float()
+    groups = inp // group
+    amax = torch.stack([w[:, g_idx == g].abs().amax(dim=1) for g in range(groups)])  # [G, out]
+    scales = (torch.where(amax > 0, amax, torch.ones_like(amax)) * 2 / 15).to(torch.float16)
+    s = scales.float()[g_idx.long()].T  # [out, in]
+    q = torch.clamp(torch.round(w / s) + 8, 0, 15).to(torch.int64)  # [out, in]
+    zeros = torch.full((groups, out), 8, dtype=torch.int64)
+    qweight = pack_int4(q.T, 0)  # [in / 8, out]
+    qzeros = pack_int4(zeros - 1, 1)  # v1: zero - 1, [G, out / 8]
+    return qweight, qzeros, scales, g_idx.to(torch.int32), (q - 8).float() * s
+
+
+def gptq_checkpoint(model, directory: str, group: int = 128, desc_act: bool = False, seed: int = 0):
+    """Writes `model` as a 4-bit GPTQ checkpoint (AutoGPTQ's tensors and `quantization_config`); returns
+    `model` with its linear weights set to the dequantized values (in place). desc_act True writes a
+    g_idx that assigns columns to groups in a shuffled order, as act-order quantization does."""
+    from safetensors.torch import save_file
+
+    model.save_pretrained(directory)
+    for name in os.listdir(directory):
+        if name.endswith(".safetensors") or name.endswith(".index.json"):
+            os.remove(os.path.join(directory, name))
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    with torch.no_grad():
+        for name, w in model.state_dict().items():
+            if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                continue
+            if _is_linear(name):
+                g_idx = None
+                if desc_act:
+                    g_idx = (torch.arange(w.shape[1]) // group)[torch.randperm(w.shape[1], generator=gen)]
+                qw, qz, sc, gi, deq = gptq_quantize(w, group, g_idx)
+                base = name[: -len(".weight")]
+                tensors.update({base + ".qweight": qw, base + ".qzeros": qz, base + ".scales": sc,
+                                base + ".g_idx": gi})
+                w.copy_(deq.to(w.dtype))
+            else:
+                tensors[name] = w.contiguous()
+    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": desc_act,
+                                  "sym": True, "damp_percent": 0.01, "true_sequential": True,
+                                  "checkpoint_format": "gptq", "lm_head": False}
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2)
+    return model

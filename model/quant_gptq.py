@@ -1,0 +1,139 @@
+"""GPTQ 4-bit checkpoints (`quantization_config.quant_method` "gptq", as AutoGPTQ / GPTQModel publish
+them) read into the grouped weight kind `int4_g<group>` (`model.quant.GroupQuantizedArray` with int4 data).
+
+Each quantized linear `<name>` is stored as (in = input columns, out = output rows, G = in / group):
+
+* `<name>.qweight` int32 `[in / 8, out]`: eight 4-bit codes q per word along the input, code j of word
+  i (bits 4j..4j+3) being input column 8i + j;
+* `<name>.qzeros` int32 `[G, out / 8]`: the zero points packed the same way along the output; the gptq
+  v1 format (`checkpoint_format` "gptq", the default) stores zero - 1;
+* `<name>.scales` fp16 `[G, out]`; `<name>.g_idx` int32 `[in]`: the group of each input column.
+
+The weight is `W[o, i] = scales[g_idx[i], o] * (q[i, o] - zero[g_idx[i], o])`. With `sym` true every zero
+is 8, so `q - 8` is exactly an int4 in [-8, 7]: it loads as int4 data with one scale per output row and
+per group of `group` consecutive input columns, never widened on the host (the step widens it inside
+the jitted matmul, `model.quant.dequantize_grouped`). The zeros are checked to be 8 at load.
+
+Not read (a `ConversionError` naming the field): bits other than 4, `sym` false, `desc_act` true with a
+`g_idx` that is not `i // group` (the groups of such a checkpoint are not contiguous), another
+`checkpoint_format` than "gptq", and mixture-of-experts checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import numpy as np
+from absl import logging
+
+from model.hf_checks import ConversionError, check_names
+from model.quant import quantize_grouped
+
+PARTS = (".qweight", ".qzeros", ".scales")
+
+
+def gptq_format(qc: dict, make):
+    """The `QuantFormat` (built by `make(method, weight_dtype, block, ignore)`) of a GPTQ config."""
+    def refuse(field, value, only):
+        raise ConversionError(f"quantization_config.{field} {value!r} is not supported for quant_method 'gptq' "
+                              f"(only {only})")
+    bits = qc.get("bits")
+    if bits != 4:
+        refuse("bits", bits, "4")
+    if qc.get("sym", True) is not True:
+        refuse("sym", qc.get("sym"), "true: symmetric zero points")
+    fmt = qc.get("checkpoint_format", "gptq")
+    if fmt != "gptq":
+        refuse("checkpoint_format", fmt, "'gptq', the v1 layout")
+    group = qc.get("group_size")
+    if not isinstance(group, int) or isinstance(group, bool) or group <= 0 or group % 8:
+        refuse("group_size", group, "a positive multiple of 8")
+    ignore = qc.get("modules_to_not_convert") or ()
+    return make("gptq", f"int4_g{group}", (1, group), tuple(ignore))
+
+
+def unpack_int4(words: np.ndarray, axis: int) -> np.ndarray:
+    """int32 words -> their eight 4-bit codes (uint8 0..15) along `axis`, code j from bits 4j..4j+3."""
+    w = np.asarray(words).view(np.uint32)
+    codes = np.stack([(w >> (4 * j)) & 0xF for j in range(8)], axis=axis + 1).astype(np.uint8)
+    shape = list(w.shape)
+    shape[axis] *= 8
+    return codes.reshape(shape)
+
+
+def read_gptq(plan, files, located, cfg, fmt, decl_flat) -> dict:
+    """Our flat {name: array} from a GPTQ checkpoint (see the module doc)."""
+    group = fmt.block[1]
+    quantized = {t.hf for t in plan if t.hf.endswith(".weight") and t.hf[:-7] + ".qweight" in located}
+    names = []
+    for t in plan:
+        base = t.hf[:-7]
+        if t.hf in quantized:
+            names += [base + p for p in PARTS] + ([base + ".g_idx"] if base + ".g_idx" in located else [])
+        else:
+            names.append(t.hf)
+    check_names([types.SimpleNamespace(hf=n) for n in names], located, cfg,
+                f"a {cfg.num_layers}-layer gptq checkpoint", f"a {cfg.num_layers}-layer model as config.json describes it")
+    if any(t.stack is not None for t in plan):
+        raise ConversionError("quant_method 'gptq': mixture-of-experts checkpoints are not read yet")
+    for t in plan:
+        if t.hf in quantized and t.ours + ".data" not in decl_flat:
+            raise ConversionError(f"tensor {t.hf[:-7]}.qweight is quantized, but {t.ours} is not a linear weight "
+                                  f"this model quantizes")
+        if t.hf in quantized:
+            _check(t, files, located, group)
+    flat, requantized = {}, []
+    for t in plan:
+        if t.hf in quantized:
+            data, scale = _weight(t, files, located, group, decl_flat[t.ours + ".data"], decl_flat[t.ours + ".scale"])
+        elif t.ours + ".data" in decl_flat:  # a float linear weight (lm_head): the model's kind
+            d = decl_flat[t.ours + ".data"]
+            w = np.asarray(t.relayout(files.read(t.hf)), np.float32)
+            q = quantize_grouped(w, d.dtype, len(decl_flat[t.ours + ".scale"].shape) - 1, group)
+            data, scale = np.asarray(q.data), np.asarray(q.scale)
+            requantized.append(t.hf)
+        else:
+            flat[t.ours] = np.array(t.relayout(files.read(t.hf)), dtype=np.dtype(cfg.jnp_dtype), order="C")
+            continue
+        flat[t.ours + ".data"], flat[t.ours + ".scale"] = data, scale
+    if requantized:
+        logging.info("gptq checkpoint: %d float linear weight(s) quantized to %s at load (%s)", len(requantized),
+                     cfg.weight_dtype, ", ".join(requantized[:3]) + (" ..." if len(requantized) > 3 else ""))
+    return flat
+
+
+def _check(t, files, located, group: int) -> None:
+    base = t.hf[:-7]
+    out, inp = t.hf_shape
+    want = {".qweight": ("I32", (inp // 8, out)), ".qzeros": ("I32", (inp // group, out // 8)),
+            ".scales": (("F16", "BF16", "F32"), (inp // group, out))}
+    if inp % group or out % 8:
+        raise ConversionError(f"tensor {base}.qweight: [{out}, {inp}] is not whole groups of {group} inputs "
+                              f"and words of 8 outputs")
+    for part, (dtypes, shape) in want.items():
+        dtype, got = files.info(base + part)
+        if got != shape or dtype not in (dtypes if isinstance(dtypes, tuple) else (dtypes,)):
+            raise ConversionError(f"tensor {base}{part} is {dtype} {list(got)}; group_size {group} over "
+                                  f"[{out}, {inp}] implies {dtypes} {list(shape)}")
+    if base + ".g_idx" in located:
+        g_idx = np.asarray(files.read(base + ".g_idx"))
+        if g_idx.shape != (inp,) or not np.array_equal(g_idx, np.arange(inp) // group):
+            raise ConversionError(f"tensor {base}.g_idx is not i // group_size (desc_act true reorders the "
+                                  f"groups): quantization_config.desc_act true is not supported")
+
+
+def _weight(t, files, located, group: int, data_decl, scale_decl):
+    """int4 data `q - 8` relaid out as ours, and the [G, out] scales as [out..., G]."""
+    base = t.hf[:-7]
+    q = unpack_int4(files.read(base + ".qweight"), 0)  # [in, out], 0..15
+    zeros = unpack_int4(files.read(base + ".qzeros"), 1).astype(np.int16) + 1  # gptq v1 stores zero - 1
+    if not np.all(zeros == 8):
+        raise ConversionError(f"tensor {base}.qzeros holds zero points other than 8: asymmetric weights "
+                              f"(quantization_config.sym false) are not supported")
+    data = q.T.astype(np.int8) - 8  # [out, in], in [-8, 7]
+    ours = np.ascontiguousarray(t.relayout(data))
+    scales = np.asarray(files.read(base + ".scales"), np.float32).T  # [out, G]
+    if ours.shape != tuple(data_decl.shape) or scales.size != math.prod(scale_decl.shape):
+        raise ConversionError(f"tensor {base}.qweight: its layout in this family is not a reshape of [out, in]")
+    return ours, np.ascontiguousarray(scales.reshape(scale_decl.shape))
