@@ -389,6 +389,26 @@ def compile_program(name: str, jitted, args, kwargs, target: GpuTarget) -> tuple
     return entry, hlo
 
 
+# serving.aot's device names where sharding.hardware spells them otherwise.
+_PLANNER_DEVICE = {"a100-80g": "a100-80gb"}
+
+
+def planner_vs_xla(cfg, args, entry: dict, *, kv_pool_tokens: int) -> dict:
+    """`sharding.estimate.step_memory` for this program's layout beside XLA's memory analysis of it:
+    the planner's weights + KV pool + activations against XLA's arguments + temporaries per device."""
+    from sharding.estimate import DTYPE_BYTES, PlanInputs, step_memory
+    from sharding.hardware import get_gpu
+
+    kv = None if args.kv_cache_dtype in (None, "auto") else args.kv_cache_dtype
+    inp = PlanInputs(cfg=cfg, gpu=get_gpu(_PLANNER_DEVICE.get(args.device, args.device)),
+                     tp=args.tensor_parallel_size, context_len=args.context_len,
+                     kv_dtype=kv if kv in DTYPE_BYTES else None, reserve_bytes=0.0)
+    predicted = step_memory(inp, tokens=entry["tokens"], sequences=entry["sequences"], kv_pool_tokens=kv_pool_tokens)
+    xla = entry["argument_bytes"] + entry["temp_bytes"]
+    return {**predicted, "xla_bytes": xla, "ratio": round(predicted["total_bytes"] / xla, 4),
+            "activation_ratio": round(predicted["activation_bytes"] / max(entry["temp_bytes"], 1), 3)}
+
+
 def plan(cfg, args, layout, target: GpuTarget) -> dict:
     """The engine's sizing for the device: weights and page bytes per device, the KV pool, the buckets."""
     import jax
@@ -525,6 +545,7 @@ def run(args) -> dict:
             kv = entry["ideal_bytes"] - sizing["weights_bytes"]
             entry["hlo_bytes"] = hlo_traffic(hlo, page_shapes) + int(kv)
             entry["traffic_ratio"] = round(entry["hlo_bytes"] / entry["ideal_bytes"], 3)
+            entry["planner"] = planner_vs_xla(cfg, args, entry, kv_pool_tokens=num_pages * ps)
         programs.append(entry)
     if not args.skip_small_programs:
         pairs = _sds((buckets.max_num_seqs,), np.int32, rep)
@@ -610,6 +631,15 @@ def format_text(report: dict) -> str:
             if "roofline_s" in p else " " * 27
         lines.append(f"{p['name']:<28}{p['compile_s']:>10.1f}{_gb(p['argument_bytes']):>8}{_gb(p['output_bytes']):>8}"
                      f"{_gb(p['temp_bytes']):>9}{roof}  {ks or '-'} / {cs or '-'}")
+    planned = [p for p in report["programs"] if "planner" in p]
+    if planned:
+        lines.append(f"{'planner vs XLA, GB/device':<28}{'weights':>10}{'KV':>8}{'act':>9}{'total':>8}{'XLA':>8}"
+                     f"{'ratio':>7}")
+        for p in planned:
+            e = p["planner"]
+            lines.append(f"{p['name']:<28}{_gb(e['weights_bytes']):>10}{_gb(e['kv_pool_bytes']):>8}"
+                         f"{_gb(e['activation_bytes']):>9}{_gb(e['total_bytes']):>8}{_gb(e['xla_bytes']):>8}"
+                         f"{e['ratio']:>7.3f}")
     return "\n".join(lines)
 
 

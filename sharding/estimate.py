@@ -342,6 +342,35 @@ def plan(inp: PlanInputs) -> dict:
     }
 
 
+# The sampler's working set per logit row, in fp32 [vocab] arrays: the model's logits, the parts'
+# adjusted logits, the probabilities, the sorted values of top-k / top-p and the raw logprobs.
+SAMPLER_VOCAB_ROWS = 5
+
+
+def step_memory(inp: PlanInputs, *, tokens: int, sequences: int, kv_pool_tokens: int) -> dict:
+    """Per-device bytes of one engine step of `tokens` rows over `sequences` sequences with a KV pool of
+    `kv_pool_tokens` tokens, as this module models them (compared with XLA's memory analysis of the same
+    compiled step by `serving.aot`):
+
+      * weights and the KV pool: `plan`'s per-device accounting (the first pipeline stage's share);
+      * activations: the larger of the sampler's `SAMPLER_VOCAB_ROWS` fp32 vocabulary rows per sequence
+        and one layer's widest activations per token (residual, normed input, the MLP's gate and up
+        halves on this device), since XLA reuses the layer body's buffers before the sampler runs."""
+    p = plan(inp)
+    if "memory" not in p:
+        raise ValueError("; ".join(p["problems"]))
+    cfg, tp = inp.cfg, inp.tp
+    act_b = 2 if dtype_bytes(inp.w_dtype) < 4 else 4
+    intermediate = getattr(cfg, "moe_intermediate_size", 0) or cfg.intermediate_size
+    layer = tokens * (2 * cfg.hidden_size + 2 * intermediate / tp) * act_b
+    sampler = sequences * cfg.vocab_size * 4 * SAMPLER_VOCAB_ROWS
+    weights = p["memory"]["weight_bytes_per_device"]
+    kv = p["memory"]["kv_bytes_per_token_per_device"] * kv_pool_tokens
+    activations = max(layer, sampler)
+    return {"weights_bytes": int(weights), "kv_pool_bytes": int(kv), "activation_bytes": int(activations),
+            "total_bytes": int(weights + kv + activations)}
+
+
 def _inputs(inp: PlanInputs) -> dict:
     return {"model": inp.model_name, "device": inp.gpu.name, "tp": inp.tp, "pp": inp.pp,
             "microbatches": inp.microbatches, "context_len": inp.context_len, "batch": inp.batch,

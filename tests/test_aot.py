@@ -99,6 +99,27 @@ def test_llama3_8b_decode_compiles_for_one_h100():
     assert 3e-3 < decode["roofline_s"] < 8e-3
 
 
+@pytest.mark.parametrize("preset", [
+    ("llama3-8b", "h100-sxm", 1, "1:1:4,64:64:8192"),
+    ("qwen3-8b", "h200", 1, "64:64:8192"),
+    ("llama3-70b", "h100-sxm", 8, "1:1:128"),  # the all-gathered embedding is XLA's temp, not the planner's
+])
+def test_the_planners_memory_is_within_5_percent_of_xlas(preset):
+    """sharding.estimate's weights + KV pool + activations per device against XLA's arguments + temporaries
+    of the same compiled step (the plan's arithmetic and the engine's real layout must agree)."""
+    _needs_plugin()
+    model, device, tp, buckets = preset
+    proc = _run("--model", model, "--device", device, "--tensor_parallel_size", str(tp), "--buckets", buckets,
+                "--layer_loop", "unroll", "--skip_small_programs", "--format", "json", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    for program in report["programs"]:
+        planner = program["planner"]
+        assert planner["weights_bytes"] == pytest.approx(report["weights_bytes"], rel=0.01), program["name"]
+        assert planner["kv_pool_bytes"] == pytest.approx(report["kv_pool_bytes"], rel=0.01), program["name"]
+        assert 0.95 <= planner["ratio"] <= 1.05, (program["name"], planner)
+
+
 def test_a_layout_that_does_not_fit_exits_2():
     _needs_plugin()
     proc = _run("--model", "llama3-70b", "--device", "h100-sxm", timeout=120)
