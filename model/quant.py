@@ -82,7 +82,7 @@ SCALE_BYTES = 4
 WEIGHT_DTYPE_CHOICES = ("auto", "int8", "fp8")
 # Weight kinds a published quantized checkpoint loads as (`model.quant_formats`): "<storage>_g<group>",
 # data in the storage dtype with one scale per output row and per `group` consecutive input columns.
-# "int4_g<group>": GPTQ's symmetric 4-bit codes (`model.quant_gptq`), q - 8 in [-8, 7], held one per int8
+# "int4_g<group>": GPTQ / AWQ 4-bit codes less their zero point (`model.quant_gptq`), held one per int8
 # byte (XLA CPU refuses committed jnp.int4 arguments to compiled programs: their layout is not the packed one).
 GROUPED_STORAGE = {"fp8": jnp.float8_e4m3fn, "int4": jnp.int8}
 _GROUPED = re.compile(r"(fp8|int4)_g([1-9][0-9]*)")

@@ -68,8 +68,11 @@ def checkpoint_format(hf: dict) -> QuantFormat | None:
     if method == "gptq":
         from model.quant_gptq import gptq_format
         return gptq_format(qc, QuantFormat)
+    if method == "awq":
+        from model.quant_gptq import awq_format
+        return awq_format(qc, QuantFormat)
     raise ConversionError(f"quantization_config.quant_method {method!r} is not supported; supported: 'fp8' "
-                 f"(fine-grained block-scaled FP8), 'gptq' (4-bit, sym)")
+                 f"(fine-grained block-scaled FP8), 'gptq' (4-bit, sym), 'awq' (4-bit gemm)")
 
 
 def _fp8_format(qc: dict) -> QuantFormat:
@@ -135,7 +138,7 @@ def read_quantized(plan, located: dict[str, str], cfg: ModelConfig, fmt: QuantFo
     a quantized weight's `.data` and `.scale`) from a quantized checkpoint: names, shapes and dtypes
     checked from the headers first (one `ConversionError`), then read one tensor at a time."""
     files = _Files(located)
-    if fmt.method == "gptq":
+    if fmt.method in ("gptq", "awq"):
         from model.quant_gptq import read_gptq
         return read_gptq(plan, files, located, cfg, fmt, decl_flat)
     scale_names = [t.hf + "_scale_inv" for t in plan if t.hf + "_scale_inv" in located]

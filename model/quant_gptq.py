@@ -1,4 +1,4 @@
-"""GPTQ 4-bit checkpoints (`quantization_config.quant_method` "gptq", as AutoGPTQ / GPTQModel publish
+"""GPTQ and AWQ 4-bit checkpoints (`quantization_config.quant_method` "gptq", as AutoGPTQ / GPTQModel publish
 them) read into the grouped weight kind `int4_g<group>` (`model.quant.GroupQuantizedArray` with int4 data).
 
 Each quantized linear `<name>` is stored as (in = input columns, out = output rows, G = in / group):
@@ -14,7 +14,11 @@ is 8, so `q - 8` is exactly an int4 in [-8, 7]: it loads as int4 data with one s
 per group of `group` consecutive input columns, never widened on the host (the step widens it inside
 the jitted matmul, `model.quant.dequantize_grouped`). The zeros are checked to be 8 at load.
 
-Not read (a `ConversionError` naming the field): bits other than 4, `sym` false, `desc_act` true with a
+AWQ (`quant_method` "awq", `version` "gemm"): `qweight` int32 `[in, out / 8]` and `qzeros` `[G, out / 8]`
+packed along the output in AWQ's interleaved order (`AWQ_ORDER`), zeros as stored (0..15), `scales`
+fp16 `[G, out]`; it loads into the same kind with codes `q - zero` (exact in [-15, 15]).
+
+Not read for GPTQ (a `ConversionError` naming the field): bits other than 4, `sym` false, `desc_act` true with a
 `g_idx` that is not `i // group` (the groups of such a checkpoint are not contiguous), another
 `checkpoint_format` than "gptq", and mixture-of-experts checkpoints.
 """
@@ -53,6 +57,26 @@ def gptq_format(qc: dict, make):
     return make("gptq", f"int4_g{group}", (1, group), tuple(ignore))
 
 
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ gemm: nibble p of a word holds output 8k + AWQ_ORDER[p]
+
+
+def awq_format(qc: dict, make):
+    """The `QuantFormat` of an AWQ config (version "gemm", 4-bit, zero points): codes q - zero."""
+    def refuse(field, value, only):
+        raise ConversionError(f"quantization_config.{field} {value!r} is not supported for quant_method 'awq' "
+                              f"(only {only})")
+    if qc.get("bits") != 4:
+        refuse("bits", qc.get("bits"), "4")
+    if str(qc.get("version", "gemm")).lower() != "gemm":
+        refuse("version", qc.get("version"), "'gemm'")
+    if qc.get("zero_point", True) is not True:
+        refuse("zero_point", qc.get("zero_point"), "true")
+    group = qc.get("group_size")
+    if not isinstance(group, int) or isinstance(group, bool) or group <= 0 or group % 8:
+        refuse("group_size", group, "a positive multiple of 8")
+    return make("awq", f"int4_g{group}", (1, group), tuple(qc.get("modules_to_not_convert") or ()))
+
+
 def unpack_int4(words: np.ndarray, axis: int) -> np.ndarray:
     """int32 words -> their eight 4-bit codes (uint8 0..15) along `axis`, code j from bits 4j..4j+3."""
     w = np.asarray(words).view(np.uint32)
@@ -74,19 +98,20 @@ def read_gptq(plan, files, located, cfg, fmt, decl_flat) -> dict:
         else:
             names.append(t.hf)
     check_names([types.SimpleNamespace(hf=n) for n in names], located, cfg,
-                f"a {cfg.num_layers}-layer gptq checkpoint", f"a {cfg.num_layers}-layer model as config.json describes it")
+                f"a {cfg.num_layers}-layer {fmt.method} checkpoint", f"a {cfg.num_layers}-layer model as config.json describes it")
     if any(t.stack is not None for t in plan):
-        raise ConversionError("quant_method 'gptq': mixture-of-experts checkpoints are not read yet")
+        raise ConversionError(f"quant_method {fmt.method!r}: mixture-of-experts checkpoints are not read yet")
     for t in plan:
         if t.hf in quantized and t.ours + ".data" not in decl_flat:
             raise ConversionError(f"tensor {t.hf[:-7]}.qweight is quantized, but {t.ours} is not a linear weight "
                                   f"this model quantizes")
         if t.hf in quantized:
-            _check(t, files, located, group)
+            _check(t, files, located, group, fmt.method)
     flat, requantized = {}, []
     for t in plan:
         if t.hf in quantized:
-            data, scale = _weight(t, files, located, group, decl_flat[t.ours + ".data"], decl_flat[t.ours + ".scale"])
+            data, scale = _weight(t, files, located, group, decl_flat[t.ours + ".data"], decl_flat[t.ours + ".scale"],
+                                  fmt.method == "awq")
         elif t.ours + ".data" in decl_flat:  # a float linear weight (lm_head): the model's kind
             d = decl_flat[t.ours + ".data"]
             w = np.asarray(t.relayout(files.read(t.hf)), np.float32)
@@ -103,10 +128,11 @@ def read_gptq(plan, files, located, cfg, fmt, decl_flat) -> dict:
     return flat
 
 
-def _check(t, files, located, group: int) -> None:
+def _check(t, files, located, group: int, fmt_method: str = "gptq") -> None:
     base = t.hf[:-7]
     out, inp = t.hf_shape
-    want = {".qweight": ("I32", (inp // 8, out)), ".qzeros": ("I32", (inp // group, out // 8)),
+    words = (inp, out // 8) if fmt_method == "awq" else (inp // 8, out)
+    want = {".qweight": ("I32", words), ".qzeros": ("I32", (inp // group, out // 8)),
             ".scales": (("F16", "BF16", "F32"), (inp // group, out))}
     if inp % group or out % 8:
         raise ConversionError(f"tensor {base}.qweight: [{out}, {inp}] is not whole groups of {group} inputs "
@@ -123,17 +149,29 @@ def _check(t, files, located, group: int) -> None:
                                   f"groups): quantization_config.desc_act true is not supported")
 
 
-def _weight(t, files, located, group: int, data_decl, scale_decl):
+def _weight(t, files, located, group: int, data_decl, scale_decl, awq: bool = False):
     """int4 data `q - 8` relaid out as ours, and the [G, out] scales as [out..., G]."""
     base = t.hf[:-7]
+    if awq:  # [in, out / 8] words along the output, interleaved; zeros as they are
+        inv = np.argsort(AWQ_ORDER)
+        q = unpack_int4(files.read(base + ".qweight"), 1)
+        q = q.reshape(q.shape[0], -1, 8)[..., inv].reshape(q.shape)
+        z = unpack_int4(files.read(base + ".qzeros"), 1)
+        z = z.reshape(z.shape[0], -1, 8)[..., inv].reshape(z.shape)
+        scales = np.asarray(files.read(base + ".scales"), np.float32).T  # [out, G]
+        data = q.T.astype(np.int8) - np.repeat(z.T.astype(np.int8), group, axis=1)  # [out, in], in [-15, 15]
+        return _ours(t, base, data, scales, data_decl, scale_decl)
     q = unpack_int4(files.read(base + ".qweight"), 0)  # [in, out], 0..15
     zeros = unpack_int4(files.read(base + ".qzeros"), 1).astype(np.int16) + 1  # gptq v1 stores zero - 1
     if not np.all(zeros == 8):
         raise ConversionError(f"tensor {base}.qzeros holds zero points other than 8: asymmetric weights "
                               f"(quantization_config.sym false) are not supported")
     data = q.T.astype(np.int8) - 8  # [out, in], in [-8, 7]
+    return _ours(t, base, data, np.asarray(files.read(base + ".scales"), np.float32).T, data_decl, scale_decl)
+
+
+def _ours(t, base, data, scales, data_decl, scale_decl):
     ours = np.ascontiguousarray(t.relayout(data))
-    scales = np.asarray(files.read(base + ".scales"), np.float32).T  # [out, G]
     if ours.shape != tuple(data_decl.shape) or scales.size != math.prod(scale_decl.shape):
         raise ConversionError(f"tensor {base}.qweight: its layout in this family is not a reshape of [out, in]")
     return ours, np.ascontiguousarray(scales.reshape(scale_decl.shape))

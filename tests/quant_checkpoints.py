@@ -139,3 +139,53 @@ def gptq_checkpoint(model, directory: str, group: int = 128, desc_act: bool = Fa
     with open(path, "w") as f:
         json.dump(cfg, f, indent=2)
     return model
+
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ gemm: nibble p of a word holds column 8k + AWQ_ORDER[p]
+
+
+def pack_awq(codes: torch.Tensor) -> torch.Tensor:
+    """[rows, cols] 4-bit codes -> int32 [rows, cols / 8] in AWQ's interleaved nibble order."""
+    c = codes.to(torch.int64).reshape(codes.shape[0], -1, 8)[..., list(AWQ_ORDER)]
+    return pack_int4(c.reshape(codes.shape), 1)
+
+
+def awq_checkpoint(model, directory: str, group: int = 128):
+    """Writes `model` as a 4-bit AWQ gemm checkpoint (asymmetric, zero points 0..15): qweight int32
+    [in, out / 8], qzeros int32 [in / group, out / 8], scales fp16 [in / group, out]; returns `model` with
+    its linear weights set to the dequantized values (in place)."""
+    from safetensors.torch import save_file
+
+    model.save_pretrained(directory)
+    for name in os.listdir(directory):
+        if name.endswith(".safetensors") or name.endswith(".index.json"):
+            os.remove(os.path.join(directory, name))
+    tensors = {}
+    with torch.no_grad():
+        for name, w in model.state_dict().items():
+            if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                continue
+            if not _is_linear(name):
+                tensors[name] = w.contiguous()
+                continue
+            out, inp = w.shape
+            g = w.float().T.reshape(inp // group, group, out)  # [G, group, out]
+            lo, hi = g.amin(dim=1), g.amax(dim=1)
+            scales = ((hi - lo).clamp(min=1e-5) / 15).to(torch.float16)
+            s = scales.float()
+            zeros = torch.clamp(torch.round(-lo / s), 0, 15)
+            q = torch.clamp(torch.round(g / s[:, None]) + zeros[:, None], 0, 15)  # [G, group, out]
+            deq = ((q - zeros[:, None]) * s[:, None]).reshape(inp, out).T
+            base = name[: -len(".weight")]
+            tensors.update({base + ".qweight": pack_awq(q.reshape(inp, out)), base + ".qzeros": pack_awq(zeros),
+                            base + ".scales": scales.contiguous()})
+            w.copy_(deq.to(w.dtype))
+    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm",
+                                  "zero_point": True}
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2)
+    return model

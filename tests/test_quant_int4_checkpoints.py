@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 from model.checkpoint import load_checkpoint  # noqa: E402
 from model.convert_hf import ConversionError, convert  # noqa: E402
 from model.quant import GroupQuantizedArray, dequantize_grouped  # noqa: E402
-from quant_checkpoints import gptq_checkpoint  # noqa: E402
+from quant_checkpoints import awq_checkpoint, gptq_checkpoint  # noqa: E402
 from test_hf_parity import Runner, hf_logits, make_hf_model, run_one_call  # noqa: E402
 
 SMALL = dict(vocab_size=320, hidden_size=256, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
@@ -95,7 +95,6 @@ def _edit_quant(hf_dir, tmp_path, **changes):
     (dict(bits=8), "quantization_config.bits 8 is not supported for quant_method 'gptq'"),
     (dict(sym=False), "quantization_config.sym False is not supported"),
     (dict(checkpoint_format="gptq_v2"), "quantization_config.checkpoint_format 'gptq_v2' is not supported"),
-    (dict(quant_method="awq", version="gemm"), "quantization_config.quant_method 'awq' is not supported"),
     (dict(group_size=64), r"q_proj.qzeros is I32 \[2, 32\]; group_size 64 over \[256, 256\] implies I32 \[4, 32\]"),
 ])
 def test_an_unsupported_gptq_variant_is_refused_naming_the_field(gptq, tmp_path, changes, words):
@@ -111,3 +110,46 @@ def test_gptq_act_order_g_idx_is_refused_naming_desc_act(tmp_path):
     gptq_checkpoint(make_hf_model(seed=4, **SMALL), str(tmp_path / "hf"), group=128, desc_act=True)
     with pytest.raises(ConversionError, match="desc_act true is not supported"):
         convert(str(tmp_path / "hf"), str(tmp_path / "out"), dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def awq(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("awq"))
+    ref = awq_checkpoint(make_hf_model(seed=6, **SMALL), os.path.join(d, "hf"), group=128)
+    convert(os.path.join(d, "hf"), os.path.join(d, "out"), dtype="float32", progress=False)
+    return os.path.join(d, "hf"), ref, os.path.join(d, "out")
+
+
+def test_awq_gemm_matches_the_dequantized_model_and_serves_its_greedy_tokens(awq, tmp_path):
+    from serving import LLM, SamplingParams
+
+    hf_dir, ref, out = awq
+    cfg, params = load_checkpoint(out)
+    assert cfg.weight_dtype == "int4_g128"
+    down = params.layers[0].w_down
+    np.testing.assert_allclose(np.asarray(dequantize_grouped(down)),
+                               ref.model.layers[0].mlp.down_proj.weight.detach().numpy(), rtol=1e-6, atol=1e-7)
+    ours = {s: log_softmax(v) for s, v in run_one_call(Runner(cfg, params, seed=0), PROMPTS).items()}
+    for s, ids in enumerate(PROMPTS):
+        diff = np.abs(ours[s] - log_softmax(hf_logits(ref, ids))).max()
+        print(f"awq prompt {s}: max |dlogprob| {diff:.2e}")
+        assert diff < 1e-4, (s, diff)
+    llm = LLM(model=hf_dir, compilation_cache_dir=str(tmp_path / "cache" / "jax"), max_num_seqs=2,
+              max_num_batched_tokens=32, num_pages=16, max_model_len=64, dtype="float32")
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    for ids, o in zip(PROMPTS, outs):
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, min_new_tokens=16,
+                                eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        assert list(o.outputs[0].token_ids) == want
+
+
+@pytest.mark.parametrize("changes, words", [
+    (dict(version="gemv"), "quantization_config.version 'gemv' is not supported for quant_method 'awq'"),
+    (dict(bits=8), "quantization_config.bits 8 is not supported for quant_method 'awq'"),
+    (dict(zero_point=False), "quantization_config.zero_point False is not supported"),
+])
+def test_an_unsupported_awq_variant_is_refused_naming_the_field(awq, tmp_path, changes, words):
+    bad = _edit_quant(awq[0], tmp_path, **changes)
+    with pytest.raises(ConversionError, match=words):
+        convert(bad, str(tmp_path / "out"), dtype="float32", progress=False)
