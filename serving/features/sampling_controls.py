@@ -32,6 +32,7 @@ Values live in arrays, never in static arguments: no value recompiles the step.
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple, Optional
 
 import jax
@@ -321,11 +322,15 @@ class SamplingControlsPart(StepPart):
     def __init__(self, num_slots: int, vocab: int):
         self.num_slots, self.vocab = num_slots, vocab
         self.slots = ControlSlots(num_slots)
-        self.tokenizer = self.runner = None
+        self.tokenizer = None
+        self._runner = lambda: None  # a weak reference: see `attach`
         self._step_slots: dict = {}  # seq_id -> slot, of the step being packed
 
     def attach(self, engine) -> None:
-        self.tokenizer, self.runner = engine.tokenizer, engine.runner
+        """Keeps the runner weakly: the part is a static argument of the step program, so JAX's tracing
+        cache holds it past the engine's life, and a strong reference would keep the runner's weights, KV
+        pool and executables alive with it."""
+        self.tokenizer, self._runner = engine.tokenizer, weakref.ref(engine.runner)
 
     def admit(self, request) -> None:
         if used_fields(request.params):
@@ -338,7 +343,7 @@ class SamplingControlsPart(StepPart):
         self._step_slots, loads = self.slots.assign(out.scheduled, lambda seq: seq.status is SequenceStatus.RUNNING)
         for slot, seq in loads:
             row = host_row(seq.request.part_state[KEY], seq.output_token_ids, self.vocab)
-            self.runner.update_part_state(self, load_jit, np.int32(slot), *row)
+            self._runner().update_part_state(self, load_jit, np.int32(slot), *row)
 
     def token_replaced(self, seq) -> None:
         self.slots.release(seq.seq_id)
