@@ -89,18 +89,9 @@ _GROUPED = re.compile(r"(fp8|int4)_g([1-9][0-9]*)")
 KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "fp8", "bfloat16", "float16", "float32")
 
 
-@dataclasses.dataclass(frozen=True)
-class QuantizedArray:
-    """A quantized tensor: `data` (int8 / fp8) and `scale` (fp32) over its leading dims.
-
-    For a weight ([out..., in...]), `scale` has the weight's output dims
-    (`data.shape[:scale.ndim]`); for a KV page array, every dim but head_dim
-    (`data.shape[:-1]`). Either field may also hold an `ArrayInfo` or
-    `ShapeDtypeStruct` (declarations, abstract trees).
-    """
-
-    data: Any
-    scale: Any
+class _ShapedByData:
+    """An array stand-in whose shape and dtype are its `data`'s (so code that reads a weight's shape works
+    on quantized weights unchanged)."""
 
     @property
     def shape(self):
@@ -113,6 +104,20 @@ class QuantizedArray:
     @property
     def ndim(self) -> int:
         return len(self.data.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedArray(_ShapedByData):
+    """A quantized tensor: `data` (int8 / fp8) and `scale` (fp32) over its leading dims.
+
+    For a weight ([out..., in...]), `scale` has the weight's output dims
+    (`data.shape[:scale.ndim]`); for a KV page array, every dim but head_dim
+    (`data.shape[:-1]`). Either field may also hold an `ArrayInfo` or
+    `ShapeDtypeStruct` (declarations, abstract trees).
+    """
+
+    data: Any
+    scale: Any
 
 
 jax.tree_util.register_dataclass(QuantizedArray, data_fields=["data", "scale"], meta_fields=[])
@@ -156,7 +161,7 @@ def dequantize(q: QuantizedArray, dtype=jnp.float32) -> jax.Array:
 # --------------------------------------------------------------------------- grouped weights
 
 @dataclasses.dataclass(frozen=True)
-class GroupQuantizedArray:
+class GroupQuantizedArray(_ShapedByData):
     """A weight quantized in groups along its input: `data` (fp8 e4m3) with the weight's shape
     [out..., in...], `scale` fp32 `[out..., G]`: one scale per output row and per `group` consecutive
     entries of the flattened input dims (G = ceil(in / group); the last group may be partial).
@@ -171,18 +176,6 @@ class GroupQuantizedArray:
     data: Any
     scale: Any
     group: int = 128
-
-    @property
-    def shape(self):
-        return self.data.shape
-
-    @property
-    def dtype(self):
-        return self.data.dtype
-
-    @property
-    def ndim(self) -> int:
-        return len(self.data.shape)
 
     def reshape(self, *shape) -> "GroupQuantizedArray":
         """The same weight under another [out..., in...] split of its dims (the products of the output

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import torch
 
@@ -63,14 +64,9 @@ def fp8_block_checkpoint(model, directory: str, block=(128, 128)):
             else:
                 tensors[name] = w.contiguous()
     save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
-    path = os.path.join(directory, "config.json")
-    with open(path) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                  "weight_block_size": list(block),
-                                  "modules_to_not_convert": [] if model.config.tie_word_embeddings else ["lm_head"]}
-    with open(path, "w") as f:
-        json.dump(cfg, f, indent=2)
+    untouched = [] if model.config.tie_word_embeddings else ["lm_head"]
+    _set_quantization_config(directory, {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                         "weight_block_size": list(block), "modules_to_not_convert": untouched})
     return model
 
 
@@ -130,14 +126,9 @@ def gptq_checkpoint(model, directory: str, group: int = 128, desc_act: bool = Fa
             else:
                 tensors[name] = w.contiguous()
     save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
-    path = os.path.join(directory, "config.json")
-    with open(path) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": desc_act,
-                                  "sym": True, "damp_percent": 0.01, "true_sequential": True,
-                                  "checkpoint_format": "gptq", "lm_head": False}
-    with open(path, "w") as f:
-        json.dump(cfg, f, indent=2)
+    _set_quantization_config(directory, {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": desc_act,
+                                         "sym": True, "damp_percent": 0.01, "true_sequential": True,
+                                         "checkpoint_format": "gptq", "lm_head": False})
     return model
 
 
@@ -181,11 +172,42 @@ def awq_checkpoint(model, directory: str, group: int = 128):
                             base + ".scales": scales.contiguous()})
             w.copy_(deq.to(w.dtype))
     save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    _set_quantization_config(directory, {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm",
+                                         "zero_point": True})
+    return model
+
+
+def _set_quantization_config(directory: str, quantization_config: dict) -> None:
+    """Writes `quantization_config` into the checkpoint's config.json, as the quantizers do."""
     path = os.path.join(directory, "config.json")
     with open(path) as f:
         cfg = json.load(f)
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm",
-                                  "zero_point": True}
+    cfg["quantization_config"] = quantization_config
     with open(path, "w") as f:
         json.dump(cfg, f, indent=2)
-    return model
+
+
+def edited_quantization_config(hf_dir: str, directory: str, **changes) -> str:
+    """A copy of `hf_dir` in `directory` with `changes` made to its quantization_config (a variant to refuse)."""
+    shutil.copytree(hf_dir, directory)
+    with open(os.path.join(directory, "config.json")) as f:
+        qc = json.load(f)["quantization_config"]
+    _set_quantization_config(directory, {**qc, **changes})
+    return directory
+
+
+def assert_serves_greedy_tokens(hf_dir: str, ref, prompts, cache_dir: str, weight_dtype: str | None = None) -> None:
+    """`LLM` on the checkpoint draws, for 16 greedy tokens, what transformers' `ref` (the float model with the
+    dequantized weights) generates."""
+    from serving import LLM, SamplingParams
+
+    llm = LLM(model=hf_dir, compilation_cache_dir=cache_dir, max_num_seqs=2, max_num_batched_tokens=32,
+              num_pages=16, max_model_len=64, dtype="float32")
+    if weight_dtype is not None:
+        assert llm.config.weight_dtype == weight_dtype
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    for ids, out in zip(prompts, outs):
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, min_new_tokens=16,
+                                eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        assert list(out.outputs[0].token_ids) == want

@@ -5,9 +5,7 @@ and served greedily through `LLM`."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +17,9 @@ transformers = pytest.importorskip("transformers")
 from model.checkpoint import load_checkpoint  # noqa: E402
 from model.convert_hf import ConversionError, convert  # noqa: E402
 from model.quant import GroupQuantizedArray, dequantize_grouped  # noqa: E402
-from quant_checkpoints import fp8_block_checkpoint  # noqa: E402
+from quant_checkpoints import (  # noqa: E402
+    assert_serves_greedy_tokens, edited_quantization_config, fp8_block_checkpoint,
+)
 from test_hf_parity import Runner, hf_logits, make_hf_model, run_one_call  # noqa: E402
 
 # Every dimension but head_dim ends in a partial 128-block: hidden 192, kv rows 64, ffw 320.
@@ -99,29 +99,8 @@ def test_fp8_block_matches_transformers_loading_the_checkpoint(tmp_path):
 
 
 def test_fp8_block_serves_the_dequantized_models_greedy_tokens(fp8_edge, tmp_path):
-    from serving import LLM, SamplingParams
-
     hf_dir, ref, _ = fp8_edge
-    llm = LLM(model=hf_dir, compilation_cache_dir=str(tmp_path / "cache" / "jax"), max_num_seqs=2,
-              max_num_batched_tokens=32, num_pages=16, max_model_len=64, dtype="float32")
-    assert llm.config.weight_dtype == "fp8_g128"
-    outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-    for ids, out in zip(PROMPTS, outs):
-        with torch.no_grad():
-            want = ref.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, min_new_tokens=16,
-                                eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
-        assert list(out.outputs[0].token_ids) == want
-
-
-def _edit_quant(hf_dir, tmp_path, **changes):
-    path = str(tmp_path / "bad")
-    shutil.copytree(hf_dir, path)
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"].update(changes)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    return path
+    assert_serves_greedy_tokens(hf_dir, ref, PROMPTS[:2], str(tmp_path / "cache" / "jax"), weight_dtype="fp8_g128")
 
 
 @pytest.mark.parametrize("changes, words", [
@@ -131,13 +110,13 @@ def _edit_quant(hf_dir, tmp_path, **changes):
     (dict(fmt="e5m2"), "quantization_config.fmt 'e5m2'"),
 ])
 def test_an_unsupported_method_or_variant_is_refused_naming_the_field(fp8_edge, tmp_path, changes, words):
-    bad = _edit_quant(fp8_edge[0], tmp_path, **changes)
+    bad = edited_quantization_config(fp8_edge[0], str(tmp_path / "bad"), **changes)
     with pytest.raises(ConversionError, match=words.replace("(", r"\(").replace("[", r"\[")):
         convert(bad, str(tmp_path / "out"), dtype="float32", progress=False)
     assert not os.path.exists(tmp_path / "out")
 
 
 def test_a_block_size_the_scales_do_not_fit_is_refused(fp8_edge, tmp_path):
-    bad = _edit_quant(fp8_edge[0], tmp_path, weight_block_size=[64, 64])
+    bad = edited_quantization_config(fp8_edge[0], str(tmp_path / "bad"), weight_block_size=[64, 64])
     with pytest.raises(ConversionError, match=r"_scale_inv has shape \[2, 2\]; weight_block_size \[64, 64\] over \[192, 192\] implies \[3, 3\]"):
         convert(bad, str(tmp_path / "out"), dtype="float32", progress=False)

@@ -5,9 +5,7 @@ run these on CPU without the GPTQ packages (optimum / gptqmodel), so it is not c
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +17,9 @@ pytest.importorskip("transformers")
 from model.checkpoint import load_checkpoint  # noqa: E402
 from model.convert_hf import ConversionError, convert  # noqa: E402
 from model.quant import GroupQuantizedArray, dequantize_grouped  # noqa: E402
-from quant_checkpoints import awq_checkpoint, gptq_checkpoint  # noqa: E402
+from quant_checkpoints import (  # noqa: E402
+    assert_serves_greedy_tokens, awq_checkpoint, edited_quantization_config, gptq_checkpoint,
+)
 from test_hf_parity import Runner, hf_logits, make_hf_model, run_one_call  # noqa: E402
 
 SMALL = dict(vocab_size=320, hidden_size=256, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
@@ -64,31 +64,10 @@ def test_gptq_matches_the_dequantized_model(gptq):
 
 
 def test_gptq_serves_the_dequantized_models_greedy_tokens(gptq, tmp_path):
-    from serving import LLM, SamplingParams
-
     group, hf_dir, ref, _ = gptq
     if group != 128:
         pytest.skip("served once (group 128): the step is the same for every group")
-    llm = LLM(model=hf_dir, compilation_cache_dir=str(tmp_path / "cache" / "jax"), max_num_seqs=2,
-              max_num_batched_tokens=32, num_pages=16, max_model_len=64, dtype="float32")
-    assert llm.config.weight_dtype == "int4_g128"
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-    for ids, out in zip(PROMPTS, outs):
-        with torch.no_grad():
-            want = ref.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, min_new_tokens=16,
-                                eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
-        assert list(out.outputs[0].token_ids) == want
-
-
-def _edit_quant(hf_dir, tmp_path, **changes):
-    path = str(tmp_path / "bad")
-    shutil.copytree(hf_dir, path)
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"].update(changes)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    return path
+    assert_serves_greedy_tokens(hf_dir, ref, PROMPTS, str(tmp_path / "cache" / "jax"), weight_dtype="int4_g128")
 
 
 @pytest.mark.parametrize("changes, words", [
@@ -100,7 +79,7 @@ def _edit_quant(hf_dir, tmp_path, **changes):
 def test_an_unsupported_gptq_variant_is_refused_naming_the_field(gptq, tmp_path, changes, words):
     if gptq[0] != 128:
         pytest.skip("one checkpoint is enough")
-    bad = _edit_quant(gptq[1], tmp_path, **changes)
+    bad = edited_quantization_config(gptq[1], str(tmp_path / "bad"), **changes)
     with pytest.raises(ConversionError, match=words):
         convert(bad, str(tmp_path / "out"), dtype="float32", progress=False)
     assert not os.path.exists(tmp_path / "out")
@@ -121,8 +100,6 @@ def awq(tmp_path_factory):
 
 
 def test_awq_gemm_matches_the_dequantized_model_and_serves_its_greedy_tokens(awq, tmp_path):
-    from serving import LLM, SamplingParams
-
     hf_dir, ref, out = awq
     cfg, params = load_checkpoint(out)
     assert cfg.weight_dtype == "int4_g128"
@@ -134,14 +111,7 @@ def test_awq_gemm_matches_the_dequantized_model_and_serves_its_greedy_tokens(awq
         diff = np.abs(ours[s] - log_softmax(hf_logits(ref, ids))).max()
         print(f"awq prompt {s}: max |dlogprob| {diff:.2e}")
         assert diff < 1e-4, (s, diff)
-    llm = LLM(model=hf_dir, compilation_cache_dir=str(tmp_path / "cache" / "jax"), max_num_seqs=2,
-              max_num_batched_tokens=32, num_pages=16, max_model_len=64, dtype="float32")
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-    for ids, o in zip(PROMPTS, outs):
-        with torch.no_grad():
-            want = ref.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, min_new_tokens=16,
-                                eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
-        assert list(o.outputs[0].token_ids) == want
+    assert_serves_greedy_tokens(hf_dir, ref, PROMPTS, str(tmp_path / "cache" / "jax"))
 
 
 @pytest.mark.parametrize("changes, words", [
@@ -150,6 +120,6 @@ def test_awq_gemm_matches_the_dequantized_model_and_serves_its_greedy_tokens(awq
     (dict(zero_point=False), "quantization_config.zero_point False is not supported"),
 ])
 def test_an_unsupported_awq_variant_is_refused_naming_the_field(awq, tmp_path, changes, words):
-    bad = _edit_quant(awq[0], tmp_path, **changes)
+    bad = edited_quantization_config(awq[0], str(tmp_path / "bad"), **changes)
     with pytest.raises(ConversionError, match=words):
         convert(bad, str(tmp_path / "out"), dtype="float32", progress=False)
