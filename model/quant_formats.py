@@ -27,6 +27,7 @@ import json
 import math
 import os
 import types
+from typing import Callable
 
 import ml_dtypes
 import numpy as np
@@ -34,7 +35,7 @@ from absl import logging
 
 from model.config import ModelConfig
 from model.hf_checks import ConversionError, check_names
-from model.quant import GroupQuantizedArray, quantize_grouped
+from model.quant import quantize_grouped
 
 # safetensors dtype names -> numpy dtypes (what `_read_raw` maps).
 _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -133,54 +134,76 @@ class _Files:
         return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=tuple(meta["shape"]))
 
 
+@dataclasses.dataclass(frozen=True)
+class WeightReader:
+    """How a format stores one quantized linear weight `t` (a plan entry); `read_quantized` does the rest."""
+
+    marker: Callable  # t -> the tensor whose presence says `t` is quantized (FP8: `<name>_scale_inv`)
+    tensor_names: Callable  # (t, located) -> the checkpoint tensors that stand for the quantized weight
+    check: Callable  # (t, files, located, fmt) -> None; a ConversionError where a tensor does not fit
+    weight: Callable  # (t, files, fmt, data_decl, scale_decl) -> (data, scale) in our layout
+
+
+def _reader(fmt: QuantFormat) -> WeightReader:
+    if fmt.method in ("gptq", "awq"):
+        from model import quant_gptq
+
+        return WeightReader(quant_gptq.marker, quant_gptq.tensor_names, quant_gptq.check, quant_gptq.weight)
+    return WeightReader(lambda t: t.hf + "_scale_inv", lambda t, located: [t.hf, t.hf + "_scale_inv"],
+                        _check_fp8, _fp8_weight)
+
+
 def read_quantized(plan, located: dict[str, str], cfg: ModelConfig, fmt: QuantFormat, decl_flat: dict) -> dict:
     """Our flat {name: array} (`model.params.flatten_params` naming of `cfg`'s declarations `decl_flat`:
     a quantized weight's `.data` and `.scale`) from a quantized checkpoint: names, shapes and dtypes
     checked from the headers first (one `ConversionError`), then read one tensor at a time."""
-    files = _Files(located)
-    if fmt.method in ("gptq", "awq"):
-        from model.quant_gptq import read_gptq
-        return read_gptq(plan, files, located, cfg, fmt, decl_flat)
-    scale_names = [t.hf + "_scale_inv" for t in plan if t.hf + "_scale_inv" in located]
-    check_names(list(plan) + [types.SimpleNamespace(hf=n) for n in scale_names], located, cfg,
-                 f"a {cfg.num_layers}-layer {fmt.method} checkpoint", f"a {cfg.num_layers}-layer model as config.json "
-                 f"describes it")
+    files, reader = _Files(located), _reader(fmt)
+    quantized = {t.hf for t in plan if reader.marker(t) in located}
+    names = [n for t in plan for n in (reader.tensor_names(t, located) if t.hf in quantized else [t.hf])]
+    check_names([types.SimpleNamespace(hf=n) for n in names], located, cfg,
+                f"a {cfg.num_layers}-layer {fmt.method} checkpoint", f"a {cfg.num_layers}-layer model as config.json "
+                f"describes it")
     if any(t.stack is not None for t in plan):
         raise ConversionError(f"quant_method {fmt.method!r}: mixture-of-experts checkpoints are not read yet")
     for t in plan:
+        if t.hf in quantized:
+            if t.ours + ".data" not in decl_flat:
+                raise ConversionError(f"tensor {t.hf} is quantized, but {t.ours} is not a linear weight this model "
+                                      f"quantizes")
+            reader.check(t, files, located, fmt)
+            continue
         dtype, shape = files.info(t.hf)
         if shape != tuple(t.hf_shape):
             raise ConversionError(f"tensor {t.hf} has shape {list(shape)}, but config.json implies {list(t.hf_shape)}")
-        quantized = t.hf + "_scale_inv" in located
-        if quantized and t.ours + ".data" not in decl_flat:
-            raise ConversionError(f"tensor {t.hf} is quantized, but {t.ours} is not a linear weight this model quantizes")
-        if quantized:
-            _check_fp8(t, dtype, shape, files, fmt)
-        elif dtype not in FLOAT_DTYPES:
-            raise ConversionError(f"tensor {t.hf} has dtype {dtype} and no weight_scale_inv beside it")
+        if dtype not in FLOAT_DTYPES:
+            raise ConversionError(f"tensor {t.hf} has dtype {dtype} and no {reader.marker(t)} beside it")
     flat, requantized = {}, []
     for t in plan:
-        if t.hf + "_scale_inv" in located:
-            q = _fp8_weight(t, files, fmt, decl_flat[t.ours + ".data"], decl_flat[t.ours + ".scale"])
+        if t.hf in quantized:
+            data, scale = reader.weight(t, files, fmt, decl_flat[t.ours + ".data"], decl_flat[t.ours + ".scale"])
         elif t.ours + ".data" in decl_flat:  # a float linear weight (modules_to_not_convert): the model's kind
-            data, scale = decl_flat[t.ours + ".data"], decl_flat[t.ours + ".scale"]
+            data_decl, scale_decl = decl_flat[t.ours + ".data"], decl_flat[t.ours + ".scale"]
             w = np.asarray(t.relayout(files.read(t.hf)), np.float32)
-            q = quantize_grouped(w, data.dtype, len(scale.shape) - 1, fmt.block[1])
+            q = quantize_grouped(w, data_decl.dtype, len(scale_decl.shape) - 1, fmt.block[1])
+            data, scale = np.asarray(q.data), np.asarray(q.scale)
             requantized.append(t.hf)
         else:
             flat[t.ours] = np.array(t.relayout(files.read(t.hf)), dtype=np.dtype(cfg.jnp_dtype), order="C")
             continue
-        flat[t.ours + ".data"], flat[t.ours + ".scale"] = np.asarray(q.data), np.asarray(q.scale)
+        flat[t.ours + ".data"], flat[t.ours + ".scale"] = data, scale
     if requantized:
         logging.info("%s checkpoint: %d float linear weight(s) quantized to %s at load (%s)", fmt.method,
                      len(requantized), cfg.weight_dtype,
                      ", ".join(requantized[:3]) + (" ..." if len(requantized) > 3 else ""))
-    logging.warning("%s checkpoint: weights stay %s with their block scales; activations are not quantized "
+    logging.warning("%s checkpoint: weights stay %s with their scales; activations are not quantized "
                     "(weight-only: the matmuls run in %s)", fmt.method, cfg.weight_dtype, cfg.dtype)
     return flat
 
 
-def _check_fp8(t, dtype: str, shape, files: _Files, fmt: QuantFormat) -> None:
+def _check_fp8(t, files: _Files, located, fmt: QuantFormat) -> None:
+    dtype, shape = files.info(t.hf)
+    if shape != tuple(t.hf_shape):
+        raise ConversionError(f"tensor {t.hf} has shape {list(shape)}, but config.json implies {list(t.hf_shape)}")
     if dtype != "F8_E4M3":
         raise ConversionError(f"tensor {t.hf} has dtype {dtype}; quant_method 'fp8' stores F8_E4M3 weights")
     if len(shape) != 2:
@@ -194,7 +217,7 @@ def _check_fp8(t, dtype: str, shape, files: _Files, fmt: QuantFormat) -> None:
         raise ConversionError(f"tensor {t.hf}_scale_inv has dtype {sdtype}; block scales are float")
 
 
-def _fp8_weight(t, files: _Files, fmt: QuantFormat, data_decl, scale_decl) -> GroupQuantizedArray:
+def _fp8_weight(t, files: _Files, fmt: QuantFormat, data_decl, scale_decl) -> tuple[np.ndarray, np.ndarray]:
     """One block-scaled weight: its fp8 data relaid out as ours (a reshape of the head dims), each
     block's scale repeated over the block's rows ([out, G] -> our output dims)."""
     data = files.read(t.hf)
@@ -205,4 +228,4 @@ def _fp8_weight(t, files: _Files, fmt: QuantFormat, data_decl, scale_decl) -> Gr
     if ours.shape != tuple(data_decl.shape) or rows.size != math.prod(scale_decl.shape):
         raise ConversionError(f"tensor {t.hf}: its layout in this family is not a reshape of [out, in]; "
                      f"quant_method {fmt.method!r} is not read for it")
-    return GroupQuantizedArray(ours, np.ascontiguousarray(rows.reshape(scale_decl.shape)), fmt.block[1])
+    return ours, np.ascontiguousarray(rows.reshape(scale_decl.shape))

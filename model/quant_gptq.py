@@ -1,5 +1,6 @@
 """GPTQ and AWQ 4-bit checkpoints (`quantization_config.quant_method` "gptq", as AutoGPTQ / GPTQModel publish
-them) read into the grouped weight kind `int4_g<group>` (`model.quant.GroupQuantizedArray` with int4 data).
+them) read into the grouped weight kind `int4_g<group>` (`model.quant.GroupQuantizedArray`, its 4-bit codes
+held one per int8 byte).
 
 Each quantized linear `<name>` is stored as (in = input columns, out = output rows, G = in / group):
 
@@ -10,7 +11,7 @@ Each quantized linear `<name>` is stored as (in = input columns, out = output ro
 * `<name>.scales` fp16 `[G, out]`; `<name>.g_idx` int32 `[in]`: the group of each input column.
 
 The weight is `W[o, i] = scales[g_idx[i], o] * (q[i, o] - zero[g_idx[i], o])`. With `sym` true every zero
-is 8, so `q - 8` is exactly an int4 in [-8, 7]: it loads as int4 data with one scale per output row and
+is 8, so `q - 8` is exactly a 4-bit code in [-8, 7]: it loads as those codes with one scale per output row and
 per group of `group` consecutive input columns, never widened on the host (the step widens it inside
 the jitted matmul, `model.quant.dequantize_grouped`). The zeros are checked to be 8 at load.
 
@@ -26,22 +27,31 @@ Not read for GPTQ (a `ConversionError` naming the field): bits other than 4, `sy
 from __future__ import annotations
 
 import math
-import types
 
 import numpy as np
-from absl import logging
 
-from model.hf_checks import ConversionError, check_names
-from model.quant import quantize_grouped
+from model.hf_checks import ConversionError
 
 PARTS = (".qweight", ".qzeros", ".scales")
 
 
+def _refuser(method: str):
+    def refuse(field, value, only):
+        raise ConversionError(f"quantization_config.{field} {value!r} is not supported for quant_method {method!r} "
+                              f"(only {only})")
+    return refuse
+
+
+def _group_size(qc: dict, refuse) -> int:
+    group = qc.get("group_size")
+    if not isinstance(group, int) or isinstance(group, bool) or group <= 0 or group % 8:
+        refuse("group_size", group, "a positive multiple of 8")
+    return group
+
+
 def gptq_format(qc: dict, make):
     """The `QuantFormat` (built by `make(method, weight_dtype, block, ignore)`) of a GPTQ config."""
-    def refuse(field, value, only):
-        raise ConversionError(f"quantization_config.{field} {value!r} is not supported for quant_method 'gptq' "
-                              f"(only {only})")
+    refuse = _refuser("gptq")
     bits = qc.get("bits")
     if bits != 4:
         refuse("bits", bits, "4")
@@ -50,11 +60,8 @@ def gptq_format(qc: dict, make):
     fmt = qc.get("checkpoint_format", "gptq")
     if fmt != "gptq":
         refuse("checkpoint_format", fmt, "'gptq', the v1 layout")
-    group = qc.get("group_size")
-    if not isinstance(group, int) or isinstance(group, bool) or group <= 0 or group % 8:
-        refuse("group_size", group, "a positive multiple of 8")
-    ignore = qc.get("modules_to_not_convert") or ()
-    return make("gptq", f"int4_g{group}", (1, group), tuple(ignore))
+    group = _group_size(qc, refuse)
+    return make("gptq", f"int4_g{group}", (1, group), tuple(qc.get("modules_to_not_convert") or ()))
 
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ gemm: nibble p of a word holds output 8k + AWQ_ORDER[p]
@@ -62,18 +69,14 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ gemm: nibble p of a word holds outpu
 
 def awq_format(qc: dict, make):
     """The `QuantFormat` of an AWQ config (version "gemm", 4-bit, zero points): codes q - zero."""
-    def refuse(field, value, only):
-        raise ConversionError(f"quantization_config.{field} {value!r} is not supported for quant_method 'awq' "
-                              f"(only {only})")
+    refuse = _refuser("awq")
     if qc.get("bits") != 4:
         refuse("bits", qc.get("bits"), "4")
     if str(qc.get("version", "gemm")).lower() != "gemm":
         refuse("version", qc.get("version"), "'gemm'")
     if qc.get("zero_point", True) is not True:
         refuse("zero_point", qc.get("zero_point"), "true")
-    group = qc.get("group_size")
-    if not isinstance(group, int) or isinstance(group, bool) or group <= 0 or group % 8:
-        refuse("group_size", group, "a positive multiple of 8")
+    group = _group_size(qc, refuse)
     return make("awq", f"int4_g{group}", (1, group), tuple(qc.get("modules_to_not_convert") or ()))
 
 
@@ -86,52 +89,34 @@ def unpack_int4(words: np.ndarray, axis: int) -> np.ndarray:
     return codes.reshape(shape)
 
 
-def read_gptq(plan, files, located, cfg, fmt, decl_flat) -> dict:
-    """Our flat {name: array} from a GPTQ checkpoint (see the module doc)."""
-    group = fmt.block[1]
-    quantized = {t.hf for t in plan if t.hf.endswith(".weight") and t.hf[:-7] + ".qweight" in located}
-    names = []
-    for t in plan:
-        base = t.hf[:-7]
-        if t.hf in quantized:
-            names += [base + p for p in PARTS] + ([base + ".g_idx"] if base + ".g_idx" in located else [])
-        else:
-            names.append(t.hf)
-    check_names([types.SimpleNamespace(hf=n) for n in names], located, cfg,
-                f"a {cfg.num_layers}-layer {fmt.method} checkpoint", f"a {cfg.num_layers}-layer model as config.json describes it")
-    if any(t.stack is not None for t in plan):
-        raise ConversionError(f"quant_method {fmt.method!r}: mixture-of-experts checkpoints are not read yet")
-    for t in plan:
-        if t.hf in quantized and t.ours + ".data" not in decl_flat:
-            raise ConversionError(f"tensor {t.hf[:-7]}.qweight is quantized, but {t.ours} is not a linear weight "
-                                  f"this model quantizes")
-        if t.hf in quantized:
-            _check(t, files, located, group, fmt.method)
-    flat, requantized = {}, []
-    for t in plan:
-        if t.hf in quantized:
-            data, scale = _weight(t, files, located, group, decl_flat[t.ours + ".data"], decl_flat[t.ours + ".scale"],
-                                  fmt.method == "awq")
-        elif t.ours + ".data" in decl_flat:  # a float linear weight (lm_head): the model's kind
-            d = decl_flat[t.ours + ".data"]
-            w = np.asarray(t.relayout(files.read(t.hf)), np.float32)
-            q = quantize_grouped(w, d.dtype, len(decl_flat[t.ours + ".scale"].shape) - 1, group)
-            data, scale = np.asarray(q.data), np.asarray(q.scale)
-            requantized.append(t.hf)
-        else:
-            flat[t.ours] = np.array(t.relayout(files.read(t.hf)), dtype=np.dtype(cfg.jnp_dtype), order="C")
-            continue
-        flat[t.ours + ".data"], flat[t.ours + ".scale"] = data, scale
-    if requantized:
-        logging.info("gptq checkpoint: %d float linear weight(s) quantized to %s at load (%s)", len(requantized),
-                     cfg.weight_dtype, ", ".join(requantized[:3]) + (" ..." if len(requantized) > 3 else ""))
-    return flat
+def _unpack_awq(words) -> np.ndarray:
+    """AWQ's [rows, cols / 8] words -> [rows, cols] codes in column order (undoing `AWQ_ORDER`)."""
+    codes = unpack_int4(words, 1)
+    return codes.reshape(codes.shape[0], -1, 8)[..., np.argsort(AWQ_ORDER)].reshape(codes.shape)
 
 
-def _check(t, files, located, group: int, fmt_method: str = "gptq") -> None:
-    base = t.hf[:-7]
+# --- the format's part of `model.quant_formats.read_quantized` (a `WeightReader`) -----------------------
+
+def _base(t) -> str:
+    return t.hf[: -len(".weight")]
+
+
+def marker(t) -> str:
+    """The tensor that says the linear weight `t` is quantized: its `qweight` (in place of `<name>.weight`)."""
+    return _base(t) + ".qweight"
+
+
+def tensor_names(t, located) -> list[str]:
+    base = _base(t)
+    return [base + p for p in PARTS] + ([base + ".g_idx"] if base + ".g_idx" in located else [])
+
+
+def check(t, files, located, fmt) -> None:
+    """The packed tensors' dtypes and shapes against the weight's [out, in] and the group size, and a
+    `g_idx` that keeps the groups contiguous."""
+    base, group, awq = _base(t), fmt.block[1], fmt.method == "awq"
     out, inp = t.hf_shape
-    words = (inp, out // 8) if fmt_method == "awq" else (inp // 8, out)
+    words = (inp, out // 8) if awq else (inp // 8, out)
     want = {".qweight": ("I32", words), ".qzeros": ("I32", (inp // group, out // 8)),
             ".scales": (("F16", "BF16", "F32"), (inp // group, out))}
     if inp % group or out % 8:
@@ -149,28 +134,21 @@ def _check(t, files, located, group: int, fmt_method: str = "gptq") -> None:
                                   f"groups): quantization_config.desc_act true is not supported")
 
 
-def _weight(t, files, located, group: int, data_decl, scale_decl, awq: bool = False):
-    """int4 data `q - 8` relaid out as ours, and the [G, out] scales as [out..., G]."""
-    base = t.hf[:-7]
-    if awq:  # [in, out / 8] words along the output, interleaved; zeros as they are
-        inv = np.argsort(AWQ_ORDER)
-        q = unpack_int4(files.read(base + ".qweight"), 1)
-        q = q.reshape(q.shape[0], -1, 8)[..., inv].reshape(q.shape)
-        z = unpack_int4(files.read(base + ".qzeros"), 1)
-        z = z.reshape(z.shape[0], -1, 8)[..., inv].reshape(z.shape)
-        scales = np.asarray(files.read(base + ".scales"), np.float32).T  # [out, G]
+def weight(t, files, fmt, data_decl, scale_decl):
+    """The int8-held codes (GPTQ: q - 8; AWQ: q - zero) relaid out as ours, and the [G, out] scales as
+    [out..., G]."""
+    base, group = _base(t), fmt.block[1]
+    scales = np.asarray(files.read(base + ".scales"), np.float32).T  # [out, G]
+    if fmt.method == "awq":  # [in, out / 8] words along the output, interleaved; zeros as they are
+        q, z = _unpack_awq(files.read(base + ".qweight")), _unpack_awq(files.read(base + ".qzeros"))
         data = q.T.astype(np.int8) - np.repeat(z.T.astype(np.int8), group, axis=1)  # [out, in], in [-15, 15]
-        return _ours(t, base, data, scales, data_decl, scale_decl)
-    q = unpack_int4(files.read(base + ".qweight"), 0)  # [in, out], 0..15
-    zeros = unpack_int4(files.read(base + ".qzeros"), 1).astype(np.int16) + 1  # gptq v1 stores zero - 1
-    if not np.all(zeros == 8):
-        raise ConversionError(f"tensor {base}.qzeros holds zero points other than 8: asymmetric weights "
-                              f"(quantization_config.sym false) are not supported")
-    data = q.T.astype(np.int8) - 8  # [out, in], in [-8, 7]
-    return _ours(t, base, data, np.asarray(files.read(base + ".scales"), np.float32).T, data_decl, scale_decl)
-
-
-def _ours(t, base, data, scales, data_decl, scale_decl):
+    else:
+        q = unpack_int4(files.read(base + ".qweight"), 0)  # [in, out], 0..15
+        zeros = unpack_int4(files.read(base + ".qzeros"), 1).astype(np.int16) + 1  # gptq v1 stores zero - 1
+        if not np.all(zeros == 8):
+            raise ConversionError(f"tensor {base}.qzeros holds zero points other than 8: asymmetric weights "
+                                  f"(quantization_config.sym false) are not supported")
+        data = q.T.astype(np.int8) - 8  # [out, in], in [-8, 7]
     ours = np.ascontiguousarray(t.relayout(data))
     if ours.shape != tuple(data_decl.shape) or scales.size != math.prod(scale_decl.shape):
         raise ConversionError(f"tensor {base}.qweight: its layout in this family is not a reshape of [out, in]")
