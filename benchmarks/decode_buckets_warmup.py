@@ -48,7 +48,7 @@ def main():
                   added=[list(s) for s in added])
     programs = llm.engine.runner.programs
     for T, S, P in added + [s for s in b.all_shapes() if s in shared]:
-        shape = StepShape(T, S, P, b.image_hidden)
+        shape = b.step_shape(T, S, P)
         t, c = time.perf_counter(), time.process_time()
         programs.warm_up([shape], background=False)
         row = {"T": T, "S": S, "P": P, "added": (T, S, P) in added, "seconds": time.perf_counter() - t,

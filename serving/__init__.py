@@ -19,7 +19,7 @@ _EXPORTS = {
     "InvalidParameterError": "serving.core.sampling_params",
     "LLM": "serving.llm",
     "Logprob": "serving.core.outputs",
-    "LoRARequest": "serving.core.lora_manager",
+    "LoRARequest": "serving.features.lora",
     "RequestOutput": "serving.core.outputs",
     "SamplingParams": "serving.core.sampling_params",
 }

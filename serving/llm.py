@@ -24,7 +24,7 @@ from model.tokenizer import ByteTokenizer, load_tokenizer
 from serving import model_source
 from serving.cluster import distributed, multihost
 from serving.core import compile_cache, engine_args, weights as weight_updates
-from serving.core.lora_manager import LoRARequest, parse_lora_modules
+from serving.features.lora import LoRARequest, LoraManager, parse_lora_modules
 from serving.core.engine import Engine, EngineConfig
 from serving.core.outputs import RequestOutput
 from serving.core.sampling_params import InvalidParameterError, SamplingParams
@@ -214,10 +214,11 @@ class LLM:
     def _register_lora_modules(self, spec) -> None:
         """The adapters of option `lora_modules`, registered (read and checked) before anything runs."""
         modules = parse_lora_modules(spec)
-        if modules and self.engine.lora is None:
+        manager = self.engine.part(LoraManager)
+        if modules and manager is None:
             raise ValueError("lora_modules needs enable_lora=True")
         for name, path in modules.items():
-            self.engine.lora.register(name, path)
+            manager.register(name, path)
 
     def _lora_name(self, lora_request) -> Optional[str]:
         """The adapter name of a `lora_request` (a `LoRARequest` or a registered name; None: the base
@@ -227,7 +228,7 @@ class LLM:
         if not isinstance(lora_request, LoRARequest):
             raise TypeError(f"lora_request must be a LoRARequest, an adapter name or None, got "
                             f"{type(lora_request).__name__}")
-        manager = self.engine.lora
+        manager = self.engine.part(LoraManager)
         if manager is not None and lora_request.lora_path is not None:
             known = manager.path(lora_request.lora_name)
             if known is None:
@@ -373,10 +374,11 @@ class LLM:
         reqs = []
         try:
             for p, sp, name, pr in zip(prompts, sampling_params, names, priority):
-                reqs.append(engine.make_request(f"llm-{next(self._ids)}", p, sp, priority=pr, lora_name=name))
+                reqs.append(engine.make_request(f"llm-{next(self._ids)}", p, sp, priority=pr,
+                                                part_args={"lora_name": name}))
         except BaseException:
-            for r in reqs:  # made, never queued: they let go of their adapters
-                engine.release_lora(r)
+            for r in reqs:  # made, never queued: the parts let go of them (their adapters)
+                engine.drop_request(r)
             raise
         engine.expect(reqs)  # under warmup="as_needed", their buckets start compiling now
         try:

@@ -45,6 +45,7 @@ from model.tokenizer import ByteTokenizer
 from serving import LLM, SamplingParams
 from serving.core.format_params import ReasoningParams
 from serving.features.host_kv_tier import HostKVTier
+from serving.features.lora import LoraManager
 from test_disagg_engine import prefill, submit_import
 
 V = 300  # a byte tokenizer's vocabulary fits (structured outputs need a tokenizer)
@@ -208,14 +209,14 @@ def salt_of(features, wave: int):
 
 def lora_of(engine, name: str):
     """The job's adapter on `engine` (None where it serves none)."""
-    return None if engine.lora is None else LORA_OF[name]
+    return None if engine.part(LoraManager) is None else LORA_OF[name]
 
 
 def run_jobs(engine, jobs, wave: int, without_lora: bool = False) -> dict:
     """Runs the jobs at once on `engine`; {name: RequestOutput}. A job with kv_transfer is left out here."""
     for name, features, prompt in jobs:
         engine.add_request(f"{name}#{wave}", prompt, job_params(features), cache_salt=salt_of(features, wave),
-                           lora_name=None if without_lora else lora_of(engine, name))
+                           part_args={"lora_name": None if without_lora else lora_of(engine, name)})
     return {rid.split("#")[0]: out for rid, out in run_to_completion(engine).items()}
 
 
@@ -312,7 +313,7 @@ def reference(weights, adapters, config):
     if key not in _REFERENCES:
         llm = build(weights, adapters, key)
         outs = run_jobs(llm.engine, JOBS, wave=1)
-        if llm.engine.lora is not None:
+        if llm.engine.part(LoraManager) is not None:
             plain = [j for j in JOBS if "kv_transfer" not in j[1]]
             base = run_jobs(llm.engine, plain, wave=3, without_lora=True)
             for adapter in ("a", "b"):
@@ -363,7 +364,7 @@ def test_every_pair_gives_the_plain_engines_tokens(weights, adapters, config):
     for name, features, prompt in again:
         wave = 2 if "salt" in features and "prefix" not in features else 1
         engine.add_request(f"{name}#again", prompt, job_params(features), cache_salt=salt_of(features, wave),
-                           lora_name=lora_of(engine, name))
+                           part_args={"lora_name": lora_of(engine, name)})
     second = {rid.split("#")[0]: out for rid, out in run_to_completion(engine).items()}
     for name, features, _ in again:
         assert [o.token_ids for o in second[name].outputs] == [o.token_ids for o in want[name].outputs], name

@@ -16,6 +16,7 @@ pytest.importorskip("peft")
 from serving import LLM, LoRARequest, SamplingParams  # noqa: E402
 from serving.core.model_runner import compilation_count  # noqa: E402
 from tests.test_hf_parity import hf_greedy, save_and_convert, scale_weights_  # noqa: E402
+from serving.features.lora import LoraManager, adapter_name  # noqa: E402
 from tests.test_lora_format import BASES, make_adapter  # noqa: E402
 
 MAX_TOKENS = 6
@@ -79,14 +80,14 @@ def test_mixed_batch_equals_alone_and_slots_change_without_recompiles(setup, llm
     alone = [greedy(llm, [p], lora)[0] for p, lora in zip(batch, loras)]
     before = compilation_count()
     assert greedy(llm, batch, loras) == alone
-    manager = llm.engine.lora
+    manager = llm.engine.part(LoraManager)
     assert manager.unregister("code") == 0
     with pytest.raises(Exception, match="no LoRA adapter named 'code'"):
         greedy(llm, [batch[0]], "code")
     late = greedy(llm, batch[:2], [LoRARequest("late", 4, paths["late"]), "sql"])
     assert late[0] == hf_greedy(peft_models["late"], batch[0], MAX_TOKENS)
     assert late[1] == alone[1]
-    llm.engine.lora.register("code", paths["code"])  # back, for the other tests
+    llm.engine.part(LoraManager).register("code", paths["code"])  # back, for the other tests
     assert greedy(llm, [batch[3]], "code")[0] == alone[3]
     assert compilation_count() == before, "changing adapters recompiled a program"
 
@@ -95,20 +96,20 @@ def test_more_adapters_than_slots_never_share_a_step(setup, llm, monkeypatch):
     """Four adapters (and the base) with three slots: every step holds at most max_loras distinct ones, and
     every request still gets its tokens alone."""
     _, _, _, paths, _ = setup
-    if "late" not in llm.engine.lora.names():
-        llm.engine.lora.register("late", paths["late"])
+    if "late" not in llm.engine.part(LoraManager).names():
+        llm.engine.part(LoraManager).register("late", paths["late"])
     batch = prompts(10, seed=3, length=6)
     loras = [None, "sql", "chat", "code", "late"] * 2
     alone = {i: greedy(llm, [p], lora)[0] for i, (p, lora) in enumerate(zip(batch, loras))}
     seen = []
-    assign = llm.engine.lora.assign
+    assign = llm.engine.part(LoraManager).assign
 
     def spy(scheduled, running):
         scheduled = list(scheduled)
-        seen.append({it.seq.request.lora_name for it in scheduled} - {None})
+        seen.append({adapter_name(it.seq) for it in scheduled} - {None})
         return assign(scheduled, running)
 
-    monkeypatch.setattr(llm.engine.lora, "assign", spy)
+    monkeypatch.setattr(llm.engine.part(LoraManager), "assign", spy)
     assert greedy(llm, batch, loras) == [alone[i] for i in range(len(batch))]
     assert max(len(s) for s in seen) <= 3 and set().union(*seen) == {"sql", "chat", "code", "late"}
 
@@ -134,17 +135,17 @@ def test_unloading_an_adapter_in_use_is_deferred(llm, setup):
     _, _, _, paths, _ = setup
     engine = llm.engine
     engine.add_request("busy", prompts(1, seed=5)[0], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
-                       lora_name="chat")
-    assert engine.lora.unregister("chat") == 1  # deferred: one request still uses it
-    assert "chat" not in engine.lora.names()
+                       part_args={"lora_name": "chat"})
+    assert engine.part(LoraManager).unregister("chat") == 1  # deferred: one request still uses it
+    assert "chat" not in engine.part(LoraManager).names()
     with pytest.raises(Exception, match="no LoRA adapter named 'chat'"):
-        engine.make_request("new", [5, 6, 7], lora_name="chat")
+        engine.make_request("new", [5, 6, 7], part_args={"lora_name": "chat"})
     outs = []
     while engine.has_unfinished_requests():
         outs += engine.step()
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
-    assert engine.lora.path("chat") is None  # gone once its request finished
-    engine.lora.register("chat", paths["chat"])
+    assert engine.part(LoraManager).path("chat") is None  # gone once its request finished
+    engine.part(LoraManager).register("chat", paths["chat"])
 
 
 def test_lora_options_are_checked(setup):
@@ -172,7 +173,7 @@ def test_kv_export_import_carries_the_adapter(llm):
     first = sp.clone()
     first.max_tokens = 1
     exports = []
-    req = engine.make_request("pre", p, first, lora_name="sql")
+    req = engine.make_request("pre", p, first, part_args={"lora_name": "sql"})
     req.kv_export = kt.Exporter(exports.append)
     engine.enqueue(req)
     run_to_completion(engine)
@@ -181,12 +182,12 @@ def test_kv_export_import_carries_the_adapter(llm):
     assert header["lora"]["name"] == "sql"
     imp = kt.to_import(header, body, engine.cfg, engine.runner.kv_dtype)
     for other in (None, "chat"):
-        wrong = engine.make_request(f"wrong-{other}", p, sp, lora_name=other)
+        wrong = engine.make_request(f"wrong-{other}", p, sp, part_args={"lora_name": other})
         with pytest.raises(InvalidParameterError, match="computed under LoRA adapter 'sql'"):
             kt.check_import(wrong, imp)
-        engine.release_lora(wrong)
+        engine.drop_request(wrong)
     engine.reset_prefix_cache()
-    req = engine.make_request("resume", p, sp, lora_name="sql")
+    req = engine.make_request("resume", p, sp, part_args={"lora_name": "sql"})
     kt.check_import(req, imp)
     req.kv_import = imp
     engine.enqueue(req)
@@ -212,7 +213,7 @@ def test_tensor_parallel_slots(tmp_path_factory):
     loras = [None, "a", "b"]
     want = [hf_greedy(models[lora], p, MAX_TOKENS) for p, lora in zip(batch, loras)]  # PEFT's, on one device
     tp = LLM(config=cfg, params=params, lora_modules=modules, tensor_parallel_size=2, **ENGINE)
-    slots = tp.engine.runner.lora
+    slots = tp.engine.runner.weight_states[0]
     assert slots["wq"][1].sharding.spec[1] is not None and slots["wq"][0].sharding.spec[2] is None
     assert slots["wo"][0].sharding.spec[2] is not None and slots["w_down"][0].sharding.spec[2] is not None
     assert greedy(tp, batch, loras) == want
@@ -229,11 +230,11 @@ def test_pipeline_stages(setup, llm):
     alone = [greedy(llm, [p], lora)[0] for p, lora in zip(batch, loras)]
     pp = LLM(config=cfg, params=params, lora_modules=modules, pipeline_parallel_size=2, num_microbatches=2,
              **ENGINE)
-    a_wq = pp.engine.runner.lora["wq"][0]
+    a_wq = pp.engine.runner.weight_states[0]["wq"][0]
     assert a_wq.shape[:2] == (2, cfg.num_layers // 2) and a_wq.sharding.spec[0] == "pipeline"
     assert greedy(pp, batch, loras) == alone
     before = compilation_count()
-    pp.engine.lora.register("late", paths["late"])
+    pp.engine.part(LoraManager).register("late", paths["late"])
     assert greedy(pp, batch[:2], ["late", "sql"])[1] == alone[1]
     assert compilation_count() == before
 

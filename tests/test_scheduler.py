@@ -170,14 +170,15 @@ def test_a_request_waiting_for_a_lora_slot_is_passed_but_not_starved():
     """One slot (max_loras=1), adapter "a" running: a request of adapter "b" waits for the slot, keeping
     its place, while base-model requests and requests of "a" behind it are admitted; once it has waited
     LORA_PASS_LIMIT steps only base-model requests pass it, "a" drains, and "b" runs next."""
-    from serving.core.lora_manager import LORA_PASS_LIMIT, LoraAdmission
+    from serving.features.lora import KEY, LORA_PASS_LIMIT, Adapter, LoraAdmission
 
     gate = LoraAdmission(max_loras=1)
     s = Scheduler(SchedulerConfig(8, 64, 256), BlockManager(64, 4), gates=[gate])
 
     def add(rid, lora, max_tokens):
         seq = make_seq([3, 4, 5], rid, max_tokens=max_tokens)
-        seq.request.lora_name = lora
+        if lora is not None:  # as the LoRA part admits it
+            seq.request.part_state[KEY] = Adapter(lora, b"digest")
         s.add(seq)
         return seq
 

@@ -40,7 +40,10 @@ class UnloadLoraAdapterRequest(BaseModel):
 
 def manager_of(engine):
     """The engine's `LoraManager` (None without `--enable_lora`); `engine` is an `AsyncEngine` or an `Engine`."""
-    return getattr(getattr(engine, "engine", engine), "lora", None)
+    from serving.features.lora import LoraManager  # (imports jax, which a process that only routes does not load)
+
+    inner = getattr(engine, "engine", engine)
+    return inner.part(LoraManager) if hasattr(inner, "part") else None
 
 
 def resolve_model(engine, base_name: str, model: Optional[str]) -> bool:
@@ -59,7 +62,7 @@ def resolve_model(engine, base_name: str, model: Optional[str]) -> bool:
 def engine_kwargs() -> dict:
     """`AsyncEngine.generate` keyword arguments for the current request's adapter (none for the base model)."""
     name = current_lora.get()
-    return {} if name is None else {"lora_name": name}
+    return {} if name is None else {"part_args": {"lora_name": name}}
 
 
 def adapter_cards(engine, base_name: str, max_model_len: int) -> list:
@@ -75,7 +78,7 @@ def add_lora_routes(app: FastAPI, ctx, keyed: list) -> None:
     """Mounts the load / unload routes (the caller mounts them only when runtime updates are allowed)."""
     # Imported here: they import jax, which a process that only routes requests does not load.
     from model.lora import LoraError, LoraNotFoundError
-    from serving.core.lora_manager import UnknownLoraError
+    from serving.features.lora import UnknownLoraError
 
     def manager():
         m = manager_of(ctx.engine)

@@ -84,11 +84,12 @@ class AsyncEngine:
     async def generate(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                        request_id: str = "", *, cache_salt: Optional[str] = None, kv_import=None,
                        kv_export=None, priority: int = 0,
-                       lora_name: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+                       part_args: Optional[dict] = None) -> AsyncIterator[RequestOutput]:
         """Yields cumulative outputs of one request until it finishes.
 
         `cache_salt` isolates the request's prefix-cache pages and `priority` orders it under the priority
-        scheduling policy (`Engine.make_request`); `lora_name` runs it with that LoRA adapter.
+        scheduling policy, and `part_args` are the request arguments the engine's parts read
+        (`Engine.make_request`: the LoRA adapter it runs with).
         `kv_import` (a `kv_transfer.KVImport`) resumes the request from a shipped prefill instead of
         computing its prompt; `kv_export` (a `kv_transfer.Exporter`) gathers its prompt's K/V on the engine
         thread when its first token is sampled (see `serving.disaggregation.kv_transfer`). Each hook's
@@ -100,7 +101,7 @@ class AsyncEngine:
         if self._error is not None:
             raise EngineDeadError("the engine loop has stopped") from self._error
         make = functools.partial(self.engine.make_request, request_id, prompt, params, cache_salt=cache_salt,
-                                 priority=priority, lora_name=lora_name)
+                                 priority=priority, part_args=part_args)
         if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
             if self._media_pool is None:
                 self._media_pool = concurrent.futures.ThreadPoolExecutor(max_workers=MEDIA_WORKERS,
@@ -114,7 +115,7 @@ class AsyncEngine:
                 if hook is not None:
                     hook.check(self.engine, req)
         except BaseException:
-            self.engine.release_lora(req)  # never queued: it lets go of its LoRA adapter
+            self.engine.drop_request(req)  # never queued: the parts let go of it (its LoRA adapter)
             raise
         req.kv_import, req.kv_export = kv_import, kv_export
         loop = asyncio.get_running_loop()

@@ -29,12 +29,11 @@ from model.generation_config import GenerationDefaults
 from model.quant import check_kv_cache_dtype, check_weight_dtype, kv_cache_dtype
 from model.quantize import quantize_params
 from serving.core import compute_dtype, engine_args, step_parts
-from serving.core.block_manager import BlockManager, adapter_digest, is_cache_salt, releasing_window
+from serving.core.block_manager import BlockManager, is_cache_salt, releasing_window
 from serving.core.input_batch import Buckets, pack_step, sampling_row
 from serving.core.model_runner import ModelRunner
 from serving.core.multimodal import ImageChunks, Multimodal
 from serving.core.kv_pool import default_num_pages
-from serving.core.lora_manager import LoraAdmission, LoraManager, UnknownLoraError
 from serving.core.output_processor import OutputProcessor
 from serving.core.outputs import RequestOutput
 from serving.core.sampling_params import InvalidParameterError, SamplingParams, with_defaults
@@ -107,7 +106,7 @@ class Engine:
         self.buckets = Buckets(config.max_num_batched_tokens, rows, -(-model_len // ps),
                                config.min_token_bucket, -(-config.min_context_bucket // ps),
                                image_hidden=cfg.hidden_size if cfg.vision is not None else 0,
-                               decode_step=config.decode_bucket_step)
+                               decode_step=config.decode_bucket_step, token_fields=step_parts.token_fields(parts))
         runner_class = ModelRunner
         if getattr(layout, "pipeline_parallel_size", 1) > 1:  # staged params and KV cache
             from serving.core.pipeline_runner import PipelineRunner as runner_class
@@ -117,21 +116,13 @@ class Engine:
                                              verify=config.speculative_method is not None,
                                              draft_rows=config.max_num_seqs * config.num_speculative_tokens
                                              if config.speculative_method == "draft" else 0,
-                                             logit_parts=step_parts.logit_parts(parts),
-                                             **self._lora_slots(config))
+                                             weight_parts=step_parts.weight_parts(parts),
+                                             logit_parts=step_parts.logit_parts(parts))
         self.block_manager = BlockManager(num_pages, ps, config.enable_prefix_caching,
                                           window=None if config.speculative_method else releasing_window(cfg))
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, model_len,
                                                    rows, policy=config.scheduling_policy),
-                                   self.block_manager,
-                                   gates=[LoraAdmission(config.max_loras)] if config.enable_lora else [])
-        # LoRA adapters: registered, host-loaded and in device slots (None without enable_lora).
-        self.lora = None
-        if config.enable_lora:
-            if getattr(self.runner, "lora", None) is None:
-                raise ValueError("enable_lora needs a model runner with LoRA slots")
-            self.lora = LoraManager(cfg, self.runner, max_loras=config.max_loras,
-                                    max_lora_rank=config.max_lora_rank, max_cpu_loras=config.max_cpu_loras)
+                                   self.block_manager)
         self.spec = None  # the speculative-decoding part
         if config.speculative_method is not None:
             if speculator is None:
@@ -163,8 +154,9 @@ class Engine:
                 part.attach(self)
         self.parts = [p for p in (p if isinstance(p, StepPart) else p(self) for p in parts) if p is not None]
         engine_args.check_served(config, {part.serves for part in self.parts})
-        step_parts.check_applied(self.parts, getattr(self.runner, "logit_parts", ()))
-        self.parts += ([self.spec] if self.spec is not None else []) + ([self.lora] if self.lora is not None else [])
+        step_parts.check_applied(self.parts, getattr(self.runner, "logit_parts", ())
+                                 + getattr(self.runner, "weight_parts", ()))
+        self.parts += [self.spec] if self.spec is not None else []
         # Image inputs of a vision-language model: admission-time encoding, per-step rows (`multimodal`).
         self.multimodal = None
         if cfg.vision is not None:  # (pipeline stages: the rows merge before the first stage, `sharding.pipeline`)
@@ -184,25 +176,18 @@ class Engine:
         look inside one)."""
         return next((p for p in self.parts if isinstance(p, kind)), None)
 
-
-    @staticmethod
-    def _lora_slots(config) -> dict:
-        """The runner's LoRA slot arguments (none without enable_lora)."""
-        if not config.enable_lora:
-            return {}
-        return {"max_loras": config.max_loras, "max_lora_rank": config.max_lora_rank}
-
     # --- requests ------------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
                      arrival_time: Optional[float] = None, cache_salt: Optional[str] = None,
-                     priority: int = 0, lora_name: Optional[str] = None) -> Request:
+                     priority: int = 0, part_args: Optional[dict] = None) -> Request:
         """Validates and tokenizes a request without queueing it (thread-safe).
 
         `cache_salt` (or a dict prompt's "cache_salt", as vLLM's prompts carry it) isolates the
         request's prefix-cache pages: only requests with the same salt share them. `priority`: lower
-        runs first under `scheduling_policy="priority"`; under "fcfs" only 0 is accepted. `lora_name`:
-        the registered LoRA adapter the request runs with (None: the base model); its pages are keyed
-        by the adapter's weights too.
+        runs first under `scheduling_policy="priority"`; under "fcfs" only 0 is accepted. `part_args`:
+        request arguments the parts read (`StepPart.takes_args`, e.g. the adapter a request runs with);
+        one that no part takes is refused. A request made here and never queued must be
+        dropped (`drop_request`): a part may hold something for it from here on.
         """
         params = (params or self.default_sampling_params).clone()
         params.validate(self.cfg.vocab_size)
@@ -244,12 +229,24 @@ class Engine:
             if field not in taken:
                 raise InvalidParameterError(field, f"{field}: given, but this engine runs "
                                                    f"{engine_args.FIELD_PARTS.get(field, 'no part that acts on it')}")
-        for part in self.parts:
-            part.admit(req)
-        if lora_name is not None:  # last: from here on the request holds its adapter until it leaves
-            req.lora_name, req.lora_digest = lora_name, self._acquire_lora(lora_name)
-            req.hash_root = adapter_digest(req.hash_root, req.lora_digest)
+        req.part_args = self._part_args(part_args)
+        try:
+            for part in self.parts:
+                part.admit(req)
+        except BaseException:  # a part admitted before the one refusing it lets go of what it took
+            self.drop_request(req)
+            raise
         return req
+
+    def _part_args(self, part_args: Optional[dict]) -> dict:
+        """The request arguments given (None values left out), each taken by one of the engine's parts."""
+        given = {name: value for name, value in (part_args or {}).items() if value is not None}
+        taken = {name for part in self.parts for name in part.takes_args}
+        for name, value in given.items():
+            if name not in taken:
+                field, why = engine_args.ARG_PARTS.get(name, (name, "is given, but no part of this engine takes it"))
+                raise InvalidParameterError(field, f"{field}: {value!r} {why}")
+        return given
 
     def _check_priority(self, priority) -> None:
         if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)) \
@@ -260,15 +257,6 @@ class Engine:
             raise InvalidParameterError("priority", f"priority: {priority} given, but the server schedules "
                                                     f"'{self.config.scheduling_policy}' (start it with "
                                                     "scheduling_policy=priority to honour priorities)")
-
-    def _acquire_lora(self, name: str) -> bytes:
-        if self.lora is None:
-            raise InvalidParameterError("lora_request", f"lora_request: {name!r} names a LoRA adapter, but this engine "
-                                                        "serves none (enable_lora is off)")
-        try:
-            return self.lora.acquire(name)
-        except UnknownLoraError as e:
-            raise InvalidParameterError("lora_request", f"lora_request: {e}") from None
 
     def _images(self, prompt, ids: list[int]):
         """(ids with image placeholders expanded, `RequestImages`) of a dict prompt carrying
@@ -336,7 +324,7 @@ class Engine:
 
     def enqueue(self, req: Request) -> None:
         if req.request_id in self.requests:
-            self.release_lora(req)
+            self.drop_request(req)
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
         if not any(part.enqueue(req) for part in self.parts):  # (a part may take it: a shipped prefill)
@@ -345,8 +333,8 @@ class Engine:
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
                     arrival_time: Optional[float] = None, stream: bool = False,
                     cache_salt: Optional[str] = None, priority: int = 0,
-                    lora_name: Optional[str] = None) -> Request:
-        req = self.make_request(request_id, prompt, params, arrival_time, cache_salt, priority, lora_name)
+                    part_args: Optional[dict] = None) -> Request:
+        req = self.make_request(request_id, prompt, params, arrival_time, cache_salt, priority, part_args)
         req.stream = stream
         self.enqueue(req)
         return req
@@ -361,7 +349,7 @@ class Engine:
                 continue
             for part in self.parts:
                 part.abort(req)
-            self.release_lora(req)
+            self.drop_request(req)
             for seq in req.seqs:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, "abort")
@@ -437,9 +425,8 @@ class Engine:
         if out.copies:
             self.runner.copy_pages(out.copies)
         previous = self._in_flight.batch.draw_rows if self._in_flight is not None else None
-        lora_slots = self.lora.assign(out.scheduled, self.scheduler.running) if self.lora is not None else None
         batch = pack_step(out, self.block_manager.tables, self.buckets, self.config.page_size, self.num_pages,
-                          previous, shape_for=self.runner.step_shape, lora_slots=lora_slots)
+                          previous, shape_for=self.runner.step_shape)
         for part in self.parts:
             part.pack(batch)
         batch.part_inputs = tuple(part.step_inputs(batch) for part in getattr(self.runner, "logit_parts", ()))
@@ -498,18 +485,18 @@ class Engine:
                 it.finished.append(self._finished_stats(req, reason, now))
                 self.stats_log.count_finished(reason)
                 if self.requests.pop(req.request_id, None) is not None:
-                    self.release_lora(req)
+                    self.drop_request(req)
             if finished or req.stream:
                 outputs.append(self.outputs.make_output(req))
         it.finished.extend(self._pending_finished)
         self._pending_finished = []
         return outputs
 
-    def release_lora(self, req: Request) -> None:
-        """A request made by `make_request` leaves the engine (or is dropped before it is queued): it lets go
-        of its LoRA adapter."""
-        if self.lora is not None:
-            self.lora.release(req.lora_name)
+    def drop_request(self, req: Request) -> None:
+        """A request made by `make_request` leaves the engine (finished, aborted, or dropped before it was
+        queued): each part lets go of what it holds for it (`StepPart.leave`)."""
+        for part in self.parts:
+            part.leave(req)
 
     def _finished_stats(self, req: Request, reason: str, now: float) -> FinishedRequestStats:
         m = req.metrics
@@ -578,8 +565,6 @@ class Engine:
             page_size=self.config.page_size, warmup=self.runner.warmup_stats(),
             spec_decode=None if self.spec is None else dataclasses.replace(
                 self.spec.stats, accepted_per_position=list(self.spec.stats.accepted_per_position)),
-            lora=None if self.lora is None else self.lora.info(list(self.scheduler.running),
-                                                               list(self.scheduler.waiting)),
             **{k: v for part in self.parts for k, v in part.engine_stats().items()})
 
     def warm_up(self, background: bool = False) -> dict:

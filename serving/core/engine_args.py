@@ -43,6 +43,13 @@ FIELD_PARTS = {
        for field in CONTROL_FIELDS},
 }
 
+# The request arguments parts take (`StepPart.takes_args`): the field a request that gives one to an engine
+# without the part is refused under, and why.
+ARG_PARTS = {
+    "lora_name": ("lora_request", "names a LoRA adapter, but this engine serves none (enable_lora is off)"),
+}
+LORA = "LoRA"  # the part of the LoRA options (`serving.features.lora`)
+
 # The flags `define_flags` defines belong to its caller (absl lists a program's own flags under --help).
 flags.disclaim_key_flags()
 
@@ -157,7 +164,7 @@ OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("enable_lora", bool, False,
                  "Serve LoRA adapters (PEFT format) on the base model: requests pick one by name (the OpenAI "
                  "routes' model, LLM.generate's lora_request); one step mixes base rows and up to max_loras "
-                 "adapters."),
+                 "adapters.", part=LORA),
     EngineOption("max_loras", int, 1, "Most distinct LoRA adapters in one step (device slots, each padded to "
                                       "max_lora_rank; with enable_lora)."),
     EngineOption("max_lora_rank", int, 16, "Largest LoRA rank served; a higher-rank adapter is refused."),

@@ -59,6 +59,8 @@ class Buckets:
     # > 0: decode-sized token buckets at every multiple of this, besides the powers of two
     # (`token_sizes`; the engine option `decode_bucket_step`); 0: powers of two only.
     decode_step: int = 0
+    # ((name, fill), ...): the step parts' per-token int32 fields (`StepPart.token_fields`), in every step.
+    token_fields: tuple = ()
 
     def __post_init__(self):
         if self.max_num_seqs > self.max_num_batched_tokens:
@@ -120,6 +122,10 @@ class Buckets:
         pages = self.pages_for(n)  # (an error for a table longer than max_model_len either way)
         return self.page_sizes[-1] if self.one_page_bucket(num_tokens_bucket) else pages
 
+    def step_shape(self, T: int, S: int, P: int) -> "StepShape":
+        """The buffers' layout of bucket (T, S, P): with this model's image fields and the parts' token fields."""
+        return StepShape(T, S, P, self.image_hidden, self.token_fields)
+
     def all_shapes(self) -> list[tuple[int, int, int]]:
         return [(t, self.seqs_for(t), p) for t in self.token_sizes
                 for p in (self.page_sizes[-1:] if self.one_page_bucket(t) else self.page_sizes)]
@@ -136,6 +142,9 @@ class StepShape:
     # "span_end" [T] (int; the end of the image a token is in, read where images are attended both ways)
     # and "image_embeds" [T, image_hidden] (float), filled by `serving.core.multimodal.Multimodal.pack`.
     image_hidden: int = 0
+    # ((name, fill), ...): int32 fields of T entries the step parts add (`StepPart.token_fields`), filled with
+    # `fill` where a part writes nothing.
+    token_fields: tuple = ()
 
     @property
     def int_fields(self):
@@ -145,7 +154,8 @@ class StepShape:
                 ("tokens", T), ("feed_rows", T), ("positions", T), ("slots", T), ("cu_q_lens", S + 1), ("kv_lens", S),
                 ("block_tables", S * P), ("num_seqs", 1), ("logits_indices", S), ("sample_index", S),
                 ("token_index", S), ("target", S), ("draft_token", S), ("group_start", S),
-                ("q_index", S), ("flags", NUM_FLAGS), ("lora_slot", T)) + sampling_table.buffer_fields(np.int32, S)
+                ("q_index", S), ("flags", NUM_FLAGS)) + tuple((name, T) for name, _ in self.token_fields) \
+            + sampling_table.buffer_fields(np.int32, S)
 
     @property
     def float_fields(self):
@@ -188,7 +198,8 @@ class StepShape:
         v["draft_token"][:] = -1  # no drafts: every row its own group
         v["group_start"][:] = np.arange(self.S)
         v["q_index"][:] = -1
-        v["lora_slot"][:] = -1  # every token runs the base model alone (`model.lora`)
+        for name, fill in self.token_fields:
+            v[name][:] = fill
         sampling_table.reset(v)
         return ibuf, fbuf, v
 
@@ -218,6 +229,10 @@ class StepBatch:
     # idle inputs); empty: none.
     part_inputs: tuple = ()
 
+    def views(self) -> dict:
+        """Named numpy views of the packed buffers (`StepShape.split`), for parts that write fields of theirs."""
+        return self.shape.split(self.ibuf, self.fbuf)
+
 
 def sampling_row(request) -> dict:
     """A request's per-row sampling values (`sampling_table.row_values`), computed once per request."""
@@ -226,15 +241,14 @@ def sampling_row(request) -> dict:
 
 def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: int, num_pages: int,
               previous_draw_rows: Optional[dict] = None,
-              shape_for=None, lora_slots: Optional[dict] = None) -> StepBatch:
+              shape_for=None) -> StepBatch:
     """The padded host buffers of one scheduled step. `previous_draw_rows` is the `draw_rows` of the
     step dispatched just before (overlapped scheduling): a decode whose last token that step is
     still drawing reads it from there on the device. `shape_for(bucket) -> bucket`
     may hand out a larger bucket than the step's own (one that is compiled already,
     `ModelRunner.step_shape`). A sequence with speculative drafts gets one row per draft and one
     more; where the draft model's distributions of its drafts are (`q_index`) is the speculative
-    part's to add (`SpecDecoder.pack`). `lora_slots`: {adapter name: its slot} for the step's requests
-    that use a LoRA adapter (`serving.core.lora_manager`); their tokens carry the slot (`lora_slot`)."""
+    part's to add (`SpecDecoder.pack`), as the parts' per-token fields (`Buckets.token_fields`) are theirs."""
     items = out.scheduled
     n = len(items)
     n_new = np.fromiter((it.num_new_tokens for it in items), np.int64, n)
@@ -245,7 +259,7 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
     S = buckets.seqs_for(T)
     seq_tables = [tables[it.seq.seq_id] for it in items]
     P = buckets.step_pages(T, max((len(t) for t in seq_tables), default=1))
-    shape = StepShape(T, S, P, buckets.image_hidden)
+    shape = buckets.step_shape(T, S, P)
     if shape_for is not None:
         shape = shape_for(shape)
     ibuf, fbuf, v = shape.empty(num_pages * page_size)
@@ -269,11 +283,6 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
                      cu_q_lens=v["cu_q_lens"], kv_lens=v["kv_lens"], block_tables=v["block_tables"])
     first = cu - n_new
     kv_lens = starts + n_new
-    if lora_slots:
-        for i, it in enumerate(items):
-            name = it.seq.request.lora_name
-            if name is not None:
-                v["lora_slot"][first[i]:cu[i]] = lora_slots[name]
     v["num_seqs"][0] = n
 
     sample_rows: list[tuple[Sequence, int]] = []

@@ -31,7 +31,6 @@ from model.cache import BatchMetadata, StackedKVCache, cache_builder, cache_byte
 from model.config import ModelConfig
 from model.forward import forward
 from model.layer_select import selects_layers
-from model import lora as lora_model
 from model.params import param_bytes, stack_layers
 from serving.core.input_batch import Buckets, StepShape, StepBatch
 from serving.core import bucket_plan, executable_store, rejection_sampler, step_parts
@@ -65,9 +64,9 @@ def feed_tokens(tokens, feed_rows, feed):
     return jnp.where(feed_rows >= 0, feed[jnp.maximum(feed_rows, 0)], tokens)
 
 
-def _step(params, cache, ibuf, fbuf, feed=None, part_states=(), draft_probs=None, lora=None,
+def _step(params, cache, ibuf, fbuf, feed=None, part_states=(), draft_probs=None, weight_states=(),
           part_inputs=(), *, cfg: ModelConfig, backend: str, shape: StepShape, layout=None, verify: bool = False,
-          lora_rank: int = 0, logit_parts: tuple = ()):
+          weight_parts: tuple = (), logit_parts: tuple = ()):
     """One engine step: forward over the ragged batch, then each logit row's token.
 
     Every feature a row can need is an input of this one program:
@@ -80,8 +79,9 @@ def _step(params, cache, ibuf, fbuf, feed=None, part_states=(), draft_probs=None
       or None for point-mass drafts): acceptance runs here (`rejection_sampler`), rows after a
       sequence's first rejection come back as -1, and the parts of row j see drafts
       0..j-1 as already drawn (`step_parts.StepView.drafts`). Rows without drafts are sampled exactly as without `verify`;
-    * `lora` (the LoRA adapter slots, `model.lora.declare_slots`, padded to `lora_rank`): each token's
-      `lora_slot` picks its adapter inside every target projection (`model.lora.attach`);
+    * `weight_states[i]`, the device state of the step part `weight_parts[i]` (`step_parts.StepPart.
+      weight_state`: adapter slots), which its `apply_to_weights` applies to the weights before the forward,
+      reading the step's packed fields (its per-token fields among them);
     * `part_inputs[i]`, the device inputs of the step part `logit_parts[i]` (`step_parts.StepPart.
       step_input_spec`), which its `apply_to_logits` applies to the logits in the parts' order, and
       `part_states[i]` its device state carried across steps (`StepPart.step_state`, None for none),
@@ -90,13 +90,14 @@ def _step(params, cache, ibuf, fbuf, feed=None, part_states=(), draft_probs=None
     v = shape.split(ibuf, fbuf)
     md, s = unpack_step(v)
     tokens = v["tokens"] if feed is None else feed_tokens(v["tokens"], v["feed_rows"], feed)
+    extra = {}  # what a layout with a forward of its own (pipeline stages) takes to adapt its stages' layers
+    for part, state in zip(weight_parts, weight_states, strict=True):
+        params, more = part.apply_to_weights(state, v, params, layout)
+        extra.update(more)
     # A vision-language model's steps carry the embeddings of image placeholder rows.
-    if hasattr(layout, "forward"):  # a layout with a forward of its own (pipeline stages), which stages the slots
-        extra = {} if lora is None else {"lora": (lora, v["lora_slot"], lora_rank)}
+    if hasattr(layout, "forward"):
         logits, cache = layout.forward(params, cache, tokens, md, cfg, backend, v.get("image_embeds"), **extra)
     else:
-        if lora is not None:
-            params = lora_model.attach(params, lora, v["lora_slot"], lora_rank)
         logits, cache = forward(params, cache, tokens, md, cfg, backend, layout, v.get("image_embeds"))
     raw = logits  # logprobs report the model's own distribution, as vLLM's do
     drafts = step_parts.Drafts(v["draft_token"], v["group_start"]) if verify else None
@@ -126,7 +127,8 @@ def _step(params, cache, ibuf, fbuf, feed=None, part_states=(), draft_probs=None
 
 
 # Module level, so engines with the same model and buckets share compilations.
-_step_jit = jax.jit(_step, static_argnames=("cfg", "backend", "shape", "layout", "verify", "lora_rank", "logit_parts"),
+_step_jit = jax.jit(_step, static_argnames=("cfg", "backend", "shape", "layout", "verify", "weight_parts",
+                                            "logit_parts"),
                     donate_argnums=(1, 5))
 
 
@@ -165,9 +167,6 @@ def _stacked(layer):
 
 
 _copy_jit = jax.jit(_copy_pages, donate_argnums=(0,))
-# Writes one LoRA slot (a traced index, so any slot, any adapter: one program). Not donated: with overlapped
-# scheduling the step still in flight may read the slot being replaced, and keeps the arrays it was given.
-_write_lora_jit = jax.jit(lora_model.write_slot)
 
 
 @functools.cache
@@ -193,13 +192,13 @@ def _program(ref: tuple[str, str]):
 def compilation_count() -> int:
     """Executables compiled so far for the step and page-copy functions (all runners)."""
     return (_step_jit._cache_size() + _copy_jit._cache_size() + step_parts.state_programs_compiled()
-            + _write_lora_jit._cache_size() + compiled_total() + executable_store.functions_compiled())
+            + compiled_total() + executable_store.functions_compiled())
 
 
 # What `ModelRunner._program_key` holds, in order: `StepPrograms.why` names a recompile's cause by these.
 PROGRAM_KEY_FIELDS = ("program", "model config", "attention backend", "layout", "bucket", "verifies drafts",
-                      "LoRA rank", "argument signature (tree, then shape, dtype and sharding of each leaf)",
-                      "step parts' device inputs")
+                      "argument signature (tree, then shape, dtype and sharding of each leaf)",
+                      "step parts' weight adaptations", "step parts' device inputs")
 
 
 class StepResult:
@@ -233,13 +232,13 @@ class PendingStep:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int, buckets: Buckets,
                  backend: str = "auto", cache_dtype=None, layout=None,
-                 scan_layers: bool = False, verify: bool = False, draft_rows: int = 0, max_loras: int = 0,
-                 max_lora_rank: int = 0, logit_parts: tuple = ()):
+                 scan_layers: bool = False, verify: bool = False, draft_rows: int = 0, weight_parts: tuple = (),
+                 logit_parts: tuple = ()):
         """`scan_layers`: stack the
         layers' weights and KV pages so the step scans over layers (`model.forward`), compiling one
         layer body whatever the depth. `verify`: steps check speculative drafts (`_step`); `draft_rows`:
-        rows of the draft model's distributions a step takes (0: drafts are point masses). `max_loras`:
-        LoRA adapter slots every step takes as an input, each padded to `max_lora_rank` (0: none).
+        rows of the draft model's distributions a step takes (0: drafts are point masses). `weight_parts`: the
+        step parts whose device state adapts the weights in every step (`step_parts.StepPart.weight_state`).
         `logit_parts`: the step parts whose own device inputs every step takes (`step_parts.StepPart.
         step_input_spec`), applied to the logits in this order, with their device state (`step_state`)."""
         self.cfg = cfg
@@ -251,6 +250,7 @@ class ModelRunner:
         self.backend = backend
         self.layout = layout
         self.logit_parts = tuple(logit_parts)
+        self.weight_parts = tuple(weight_parts)
         self._small_programs: dict = {}  # executables of the cache's zeroing, the page copies, the parts' state writes
         self.params, self.cache = self.place(params, cache_dtype)
         # The last step's sampled ids, padded to the most logit rows a step has: the next step
@@ -268,8 +268,10 @@ class ModelRunner:
         # device, or replicated over the layout's mesh).
         self.part_states = tuple(None if (state := p.step_state()) is None else self._place_feed(state)
                                  for p in self.logit_parts)
-        self.lora_rank = max_lora_rank if max_loras > 0 else 0
-        self.lora = self._place_lora(max_loras) if max_loras > 0 else None  # the adapter slots (`load_lora`)
+        # The weight parts' device states, inputs of every step (placed by each part).
+        self.weight_states = tuple(p.weight_state(cfg, self.params, self.layout) for p in self.weight_parts)
+        # The name each state program's executable is kept under (`update_part_state`), taken once.
+        self._state_program_names = {jitted: name for _, jitted, name, _ in self._state_programs()}
 
     # --- placement: the one hook for shardings -----------------------------------------------
     def place(self, params, cache_dtype=None):
@@ -334,14 +336,9 @@ class ModelRunner:
         if kind == "copy":
             return self._copy(*arrays)
         if kind == "part-state":  # (the part's index, *host arguments of its program)
-            part = self.logit_parts[int(arrays[0])]
+            part = (self.logit_parts + self.weight_parts)[int(arrays[0])]
             self.update_part_state(part, _program(static["program"]), *arrays[1:])
-            return self.part_states
-        if kind == "lora":  # (slot, A and B of each target in name order)
-            names = sorted(self.lora)
-            self.load_lora(int(arrays[0]), {name: (arrays[1 + 2 * i], arrays[2 + 2 * i])
-                                            for i, name in enumerate(names)})
-            return self.lora
+            return self.part_states, self.weight_states
         if kind == "cache":  # a program of another package over the cache (`run_on_cache`)
             static = dict(static)
             return self.run_on_cache(_program(static.pop("program")), *arrays, **static)
@@ -363,7 +360,7 @@ class ModelRunner:
     def register_replay(self, kind: str, handler, step_inputs: dict = None) -> None:
         """Replays announced calls of `kind` with `handler` on this process; `step_inputs` (name -> source)
         are the device inputs the calls leave for a replayed step."""
-        if kind in ("step", "copy", "part-state", "cache", "lora"):
+        if kind in ("step", "copy", "part-state", "cache"):
             raise ValueError(f"{kind!r} is the runner's own kind of device call")
         self._replay_handlers = {**(self._replay_handlers or {}), kind: handler}
         self._step_inputs = {**(self._step_inputs or {}), **(step_inputs or {})}
@@ -388,7 +385,7 @@ class ModelRunner:
             self.dispatch_hook("step", ibuf, fbuf, *jax.tree.leaves(part_inputs), shape=shape, **reads)
         ibuf, fbuf = self._host_inputs(ibuf, fbuf)
         args = (self.params, self.cache, ibuf, fbuf, self.feed, self.part_states,
-                self.no_drafts if draft_probs is None else draft_probs, self.lora,
+                self.no_drafts if draft_probs is None else draft_probs, self.weight_states,
                 self._place_part_inputs(part_inputs, shape.S))
         # One compile path: a mesh spanning processes compiles here too, every process in the order of
         # the steps it runs (no background thread there, and no executables stored: `warm_up`).
@@ -418,28 +415,30 @@ class ModelRunner:
         (taken once, so a compile in another thread never touches arrays a running step donates)."""
         if self._specs is None:
             self._specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                       (self.params, self.cache, self.feed, self.part_states, self.no_drafts, self.lora))
-        params, cache, feed, states, no_drafts, lora = self._specs
+                                       (self.params, self.cache, self.feed, self.part_states, self.no_drafts,
+                                        self.weight_states))
+        params, cache, feed, states, no_drafts, weights = self._specs
         sharding = None if self.layout is None else self.layout.replicated
         (_, isize), (_, fsize) = shape.offsets(shape.int_fields), shape.offsets(shape.float_fields)
         ibuf = jax.ShapeDtypeStruct((isize,), np.int32, sharding=sharding)
         fbuf = jax.ShapeDtypeStruct((fsize,), np.float32, sharding=sharding)
         placed = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])  # device inputs made on the host
         parts = step_parts.input_specs(self.logit_parts, shape.S, placed)
-        return params, cache, ibuf, fbuf, feed, states, no_drafts, lora, parts
+        return params, cache, ibuf, fbuf, feed, states, no_drafts, weights, parts
 
     def _lower_step(self, shape: StepShape):
         return _step_jit.lower(*self._abstract_inputs(shape), cfg=self.cfg, backend=self.backend, shape=shape,
-                               layout=self.layout, verify=self.verify, lora_rank=self.lora_rank,
+                               layout=self.layout, verify=self.verify, weight_parts=self.weight_parts,
                                logit_parts=self.logit_parts)
 
     def _program_key(self, shape: StepShape):
         """Everything the step program of `shape` depends on (`PROGRAM_KEY_FIELDS` names each part)."""
-        params, cache, _, _, feed, states, no_drafts, lora, _ = self._abstract_inputs(shape)
+        params, cache, _, _, feed, states, no_drafts, weights, _ = self._abstract_inputs(shape)
         if self._signature is None:
-            leaves, treedef = jax.tree.flatten((params, cache, feed, states, no_drafts, lora))
+            leaves, treedef = jax.tree.flatten((params, cache, feed, states, no_drafts, weights))
             self._signature = (treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves))
-        return ("step", self.cfg, self.backend, self.layout, shape, self.verify, self.lora_rank, self._signature,
+        return ("step", self.cfg, self.backend, self.layout, shape, self.verify, self._signature,
+                tuple(part.program_key() for part in self.weight_parts),
                 tuple(part.program_key() for part in self.logit_parts))
 
     _specs = None
@@ -455,46 +454,30 @@ class ModelRunner:
     def stop_warm_up(self) -> None:
         self.programs.stop()
 
-    # --- LoRA adapter slots (model.lora, serving.core.lora_manager) -------------------------------
-    def _place_lora(self, max_loras: int):
-        """Every slot empty (all zeros), each array sharded like its base weight."""
-        decl, self._lora_shardings = self._lora_slot_layout(
-            lora_model.declare_slots(self.cfg, max_loras, self.lora_rank, self.cfg.jnp_dtype))
-        return lora_model.zeros_like_tree(decl, self._lora_shardings)
-
-    def _lora_slot_layout(self, decl: dict):
-        """(declaration, shardings) of the slots on this runner's devices (the pipeline runner stages them)."""
-        shardings = lora_model.slot_shardings(self.params, decl)
-        if shardings is None:
-            shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), decl)
-        return decl, shardings
-
-    def load_lora(self, slot: int, contents: dict) -> None:
-        """Writes one adapter slot (`model.lora.slot_arrays`: the adapter's A/B padded to the slot rank, all
-        zeros to empty it) before the next step reads it. Data only: no step recompiles. Multi-host: announced
-        like every device call (slot, then each target's A and B in name order), replayed by `replay`."""
-        contents = jax.tree.map(lambda x: np.asarray(x, self.cfg.jnp_dtype), contents)
-        slot = np.int32(slot)
-        if self.dispatch_hook is not None:
-            self.dispatch_hook("lora", slot, *(x for name in sorted(contents) for x in contents[name]))
-        if self._spans_processes():  # host inputs as global arrays (each process holds the same copy)
-            slot, contents = self._host_inputs(slot, contents)
-        lora = executable_store.call(_write_lora_jit, "write-lora-slot", self._small_programs, self.lora,
-                                     slot, contents)
-        self.lora = jax.device_put(lora, self._lora_shardings)  # (a no-op where the write kept them)
-
-    # --- the logit parts' device states (step_parts.StepPart.step_state) ----------------------------
-    def update_part_state(self, part, jitted, *host_args, name: str = None) -> None:
-        """Runs `jitted(state, *host_args) -> state` (one of `part.state_programs()`, donating the state) on
-        the part's device state, before the next step reads it. Multi-host: announced like every device call
-        (the part's index, then the arguments), replayed by `replay`."""
-        index = self.logit_parts.index(part)
+    # --- the parts' device states (step_parts.StepPart.step_state, weight_state) ---------------------
+    def update_part_state(self, part, jitted, *host_args) -> None:
+        """Runs `jitted(state, *host_args) -> state` (one of `part.state_programs()`) on the part's device
+        state, before the next step reads it; a weight part's new state keeps its old shardings. Data only:
+        no step recompiles. Multi-host: announced like every device call (the part's index among the logit
+        parts then the weight parts, then the arguments), replayed by `replay`."""
+        index = (self.logit_parts + self.weight_parts).index(part)
         if self.dispatch_hook is not None:
             self.dispatch_hook("part-state", np.int32(index), *host_args, program=_program_ref(jitted))
-        name = name or next((n for j, n, _ in part.state_programs() if j is jitted), repr(_program_ref(jitted)))
-        state = executable_store.call(jitted, name, self._small_programs, self.part_states[index],
-                                      *self._host_inputs(*host_args))
-        self.part_states = self.part_states[:index] + (state,) + self.part_states[index + 1:]
+        old = self._part_state(part)
+        state = executable_store.call(jitted, self._state_program_names[jitted], self._small_programs,
+                                      old, *self._host_inputs(*host_args))
+        if part in self.weight_parts:
+            i = self.weight_parts.index(part)
+            state = jax.device_put(state, jax.tree.map(lambda x: x.sharding, old))  # (a no-op where it kept them)
+            self.weight_states = self.weight_states[:i] + (state,) + self.weight_states[i + 1:]
+        else:
+            self.part_states = self.part_states[:index] + (state,) + self.part_states[index + 1:]
+
+    def _part_state(self, part):
+        """The device state of a logit part (`step_state`) or a weight part (`weight_state`)."""
+        if part in self.weight_parts:
+            return self.weight_states[self.weight_parts.index(part)]
+        return self.part_states[self.logit_parts.index(part)]
 
     @property
     def param_bytes(self) -> int:
@@ -628,15 +611,15 @@ class ModelRunner:
         """Runs the page copy (all padding, so nothing moves) and each part's state programs once."""
         size = self.max_copy_pairs
         self._copy(np.zeros(size, np.int32), np.full(size, self.num_pages, np.int32))
-        for part, jitted, name, args in self._state_programs():
-            self.update_part_state(part, jitted, *args, name=name)
-        if self.lora is not None:  # an empty adapter into slot 0, which nothing holds yet
-            self.load_lora(0, lora_model.slot_arrays(None, self.cfg, self.lora_rank, np.float32))
+        for part, jitted, _, args in self._state_programs():
+            self.update_part_state(part, jitted, *args)
 
     def _state_programs(self) -> list:
-        """(part, jitted, name, example host arguments) of every logit part's state programs."""
-        return [(part, jitted, name, args) for part, state in zip(self.logit_parts, self.part_states)
-                if state is not None for jitted, name, args in part.state_programs()]
+        """(part, jitted, name, example host arguments) of every state program of the logit parts with a state
+        and of the weight parts."""
+        with_state = [p for p, state in zip(self.logit_parts, self.part_states) if state is not None]
+        return [(part, jitted, name, args) for part in with_state + list(self.weight_parts)
+                for jitted, name, args in part.state_programs()]
 
     def _small_program_calls(self) -> list:
         """(jitted, name, abstract arguments) of what `_warm_up_small_programs` runs, for
@@ -648,14 +631,14 @@ class ModelRunner:
         pairs = np.zeros(self.max_copy_pairs, np.int32)
         calls = [(_copy_jit, "copy-pages", abstract(self.cache, *self._host_inputs(pairs, pairs)))]
         for part, jitted, name, args in self._state_programs():
-            state = self.part_states[self.logit_parts.index(part)]
+            state = self._part_state(part)
             calls.append((jitted, name, abstract(state, *self._host_inputs(*args))))
         return calls
 
     def warm_up_order(self) -> list[StepShape]:
         """Every bucket, smallest first: the batch-1 decode first and the bucket that holds every step
         last (the two a background warm-up compiles before serving), decode-sized buckets early."""
-        return sorted((StepShape(T, S, P, self.buckets.image_hidden) for T, S, P in self.buckets.all_shapes()),
+        return sorted((self.buckets.step_shape(T, S, P) for T, S, P in self.buckets.all_shapes()),
                       key=lambda s: (s.T, s.P))
 
     def _warm_up_shapes(self, run_step) -> int:
@@ -664,7 +647,7 @@ class ModelRunner:
         pad = self.num_pages * self.page_size
         shapes = self.buckets.all_shapes()
         for T, S, P in shapes:
-            shape = StepShape(T, S, P, self.buckets.image_hidden)
+            shape = self.buckets.step_shape(T, S, P)
             ibuf, fbuf, _ = shape.empty(pad)
             run_step(ibuf, fbuf, shape)
         self._warm_up_small_programs()

@@ -16,9 +16,9 @@ model replicated over the whole mesh (`replicated`), so its distributions feed
 the step as they are. KV transfer (`serving.disaggregation.kv_transfer`) reads
 the layout's `pipeline_parallel_size` and gathers and scatters each stage's
 layers in its own block of the page axis, the payload keeping the unstaged
-`[layers, ...]` order. LoRA adapter slots are staged like the layers
-(`PipelineLayout.stage_lora_slots`: each stage holds its layers' slots) and the
-tokens' slots travel in the step's packed buffer as without stages.
+`[layers, ...]` order. A weight part's state (LoRA adapter slots) is placed by
+the part, which stages it like the layers (`PipelineLayout.stage_lora_slots`),
+and the layout's forward adapts each stage's layers with it.
 """
 
 from __future__ import annotations
@@ -39,9 +39,6 @@ class PipelineRunner(ModelRunner):
         staged = self.layout.stage_params(self.cfg, params)
         cache = self.layout.init_cache(self.cfg, self.num_pages, self.page_size, cache_dtype)
         return staged, cache
-
-    def _lora_slot_layout(self, decl: dict):
-        return self.layout.stage_lora_slots(self.cfg, self.params, decl)
 
     def _copy(self, src, dst):
         if self.dispatch_hook is not None:  # multi-host: announced like every device call

@@ -188,7 +188,11 @@ class SamplingParams:
             fields.append("structured_outputs")
         if self.reasoning is not None and self.reasoning.budget is not None:
             fields.append("reasoning")
-        return fields + [f for f, off in CONTROL_FIELDS.items() if getattr(self, f) not in (off, [], {})]
+        return fields + self.control_fields()
+
+    def control_fields(self) -> list[str]:
+        """The sampling controls (`CONTROL_FIELDS`) this request turns on: each not at its off value."""
+        return [f for f, off in CONTROL_FIELDS.items() if getattr(self, f) not in (off, [], {})]
 
     def clone(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)

@@ -34,8 +34,8 @@ priority are preempted for it before the step is planned. With every priority eq
 
 Features limit admission and chunking through gates (`AdmissionGate`, given as
 `Scheduler(gates=...)`), which name no feature here: a waiting sequence a gate
-does not fit now (LoRA: its adapter would be one more than the device's slots,
-`lora_manager.LoraAdmission`) is skipped, keeping its place, and the sequences
+does not fit now (an adapter that would be one more than the device's adapter
+slots, `serving.features`' gates) is skipped, keeping its place, and the sequences
 behind it are considered (vLLM V1's scheduler does the same). So that it is not
 starved by a stream of sequences that do fit, once a gate says it has waited too
 long (`AdmissionGate.waited`) only sequences that need nothing of that gate pass
@@ -409,7 +409,7 @@ class Scheduler:
             i += 1
 
         seats = self.num_seats_running
-        i = 0  # the queue position considered: sequences waiting for a LoRA slot are passed, keeping theirs
+        i = 0  # the queue position considered: sequences a gate holds are passed, keeping theirs
         starving: set = set()  # gates a sequence ahead has waited for too long: only sequences they do not limit pass
         while i < len(self.waiting) and not preempted and budget > 0 and rows_left > 0:
             seq = self.waiting[i]

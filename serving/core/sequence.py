@@ -177,6 +177,7 @@ class Request:
         self.stream = False  # emit an output every step (else only when finished)
         self.sampling_row = None  # packed sampling parameters, set by the engine
         self.part_state: dict = {}  # what step parts keep of the request, by the part's key (set at admission)
+        self.part_args: dict = {}  # the request arguments step parts read (`StepPart.takes_args`), set at admission
         # Prefix-cache isolation: requests with different salts, or made under other weights, share no cached pages.
         self.cache_salt = cache_salt
         self.hash_root = weights_digest(salt_digest(cache_salt), weights_epoch)
@@ -188,10 +189,6 @@ class Request:
         # Image inputs (`serving.core.multimodal.RequestImages`): where each image's placeholder tokens
         # are, its digest and encoder output, the prompt's multimodal positions; None for a text prompt.
         self.images = None
-        # The LoRA adapter the request runs with (its name; None: the base model). Its pages are keyed by
-        # the adapter too (`hash_root`, set by the engine with it).
-        self.lora_name: Optional[str] = None
-        self.lora_digest: Optional[bytes] = None  # the digest of that adapter's weights
 
     @property
     def is_finished(self) -> bool:

@@ -18,7 +18,17 @@ the buckets are compiled. The runner then gives the part's arrays
 (`step_inputs`, once per step) to its `apply_to_logits` inside the step
 program, in the parts' order, before sampling. A part may also keep device
 state of its own across steps (`step_state`: sampling controls' per-slot rows
-of bias and token counts), which the step reads and updates (`record`).
+of bias and token counts), which the step reads and updates (`record`). A part
+that changes the weights a step computes with (LoRA adapters) keeps a device
+state placed as it chooses (`weight_state`: sharded like the weights it adapts)
+and applies it before the forward (`apply_to_weights`), reading per-token fields
+it adds to the packed step (`token_fields`: each token's adapter slot).
+
+A request reaches the parts through its sampling parameters (`takes_fields`)
+and through request arguments beside them (`takes_args`: the adapter it runs
+with), which the engine keeps in `Request.part_args` and refuses when no part
+takes them; a part lets go of what it holds for a request when the request
+leaves (`leave`), however it leaves.
 
 Parts built outside `serving.core` (`serving.features`) reach the engine as
 `Engine(parts=...)`: each a part, or a function of the engine that builds one
@@ -45,6 +55,10 @@ class StepPart:
     # part_fields`: extra_args, structured_outputs, ...): a request that sets one on an engine none of
     # whose parts takes it is refused (it would be ignored).
     takes_fields: tuple = ()
+    # The request arguments the part reads (`Engine.make_request(part_args=...)`, kept in `Request.part_args`):
+    # arguments beside the sampling parameters, such as the LoRA adapter a request runs with. A request
+    # giving one that none of the engine's parts takes is refused, naming it (`engine_args.ARG_PARTS`).
+    takes_args: tuple = ()
     # The `EngineOption.part` of the options this part serves (None: none).
     serves: Optional[str] = None
     # Whether a step the part gave inputs to (`step_inputs` not None) is processed before the next step is
@@ -70,6 +84,11 @@ class StepPart:
 
     def abort(self, request) -> None:
         """`request` is aborted: the part lets go of whatever it holds of it."""
+
+    def leave(self, request) -> None:
+        """`request` left the engine: finished, aborted, or made by `make_request` and dropped before it was
+        queued (or refused there by a later part's `admit`). Called once or more per request, for requests
+        the part may never have admitted: the part lets go of what it holds for it, once."""
 
     def before_schedule(self, touched: dict, it) -> None:
         """Runs before the scheduler: requests that produced output go into `touched` ({request id:
@@ -101,6 +120,13 @@ class StepPart:
         """`seq` took `token` (now in its output) and has not finished: the reason to finish it with now
         (e.g. "stop"), or None."""
         return None
+
+    # --- per-token fields of the packed step ---------------------------------------------------------
+    def token_fields(self) -> dict:
+        """{name: fill}: int32 fields of one entry per token that the part adds to the packed step's int
+        buffer (`input_batch.StepShape.token_fields`), each `fill` where the part writes nothing; the part
+        writes them in `pack` (`batch.views()`) and reads them inside the step (`apply_to_weights`)."""
+        return {}
 
     # --- device inputs of the part's own (see the module's docstring) ---------------------------------
     def step_input_spec(self, rows: int) -> Optional[Any]:
@@ -147,6 +173,22 @@ class StepPart:
         too; the runner compiles each at warm-up by running it once on its example, which must leave the
         state as it was for every use that follows."""
         return ()
+
+    # --- device state that adapts the weights (adapter slots) ----------------------------------------
+    def weight_state(self, cfg, params, layout) -> Optional[Any]:
+        """The part's device state that the step applies to the weights (placed: the part chooses its
+        shardings from the placed `params` of the model `cfg` and the runner's `layout`; called as the
+        runner is built, so the part has not been attached yet), or None: the part does not touch
+        the weights. Unlike `step_state` it is an input of every step, not threaded through it; the part
+        writes it between steps through `runner.update_part_state` with one of its `state_programs`, and
+        the result keeps the shardings of the state it replaces."""
+        return None
+
+    def apply_to_weights(self, state, views: dict, params, layout) -> tuple:
+        """Traced into the step program before the forward: (`params` adapted by the part's `state` and the
+        step's packed fields `views` (its `token_fields` among them), keyword arguments for a layout with a
+        forward of its own (pipeline stages), which adapts its stages' layers itself)."""
+        return params, {}
 
     def token_replaced(self, seq) -> None:
         """A part replaced `seq`'s last drawn token (`replace_token`; the sequence has no step in flight): what
@@ -200,11 +242,22 @@ def logit_parts(parts) -> tuple:
     return tuple(p for p in parts if isinstance(p, StepPart) and p.step_input_spec(1) is not None)
 
 
+def weight_parts(parts) -> tuple:
+    """The built parts among `parts` that adapt the weights inside the step (`StepPart.apply_to_weights`),
+    in order: those overriding `weight_state`."""
+    return tuple(p for p in parts if isinstance(p, StepPart) and type(p).weight_state is not StepPart.weight_state)
+
+
+def token_fields(parts) -> tuple:
+    """((name, fill), ...) of every built part's per-token fields (`StepPart.token_fields`), in order."""
+    return tuple(item for p in parts if isinstance(p, StepPart) for item in p.token_fields().items())
+
+
 def check_applied(parts, applied) -> None:
-    """Refuses a part with device inputs of its own that the runner does not apply (`applied`: its
-    `logit_parts`): one built from the engine, after the runner, or given to an engine over a runner built
-    elsewhere. Its step would leave the part out."""
-    missing = [p for p in logit_parts(parts) if p not in applied]
+    """Refuses a part with device inputs or weight state of its own that the runner does not apply
+    (`applied`: its `logit_parts` and `weight_parts`): one built from the engine, after the runner, or given
+    to an engine over a runner built elsewhere. Its step would leave the part out."""
+    missing = [p for p in logit_parts(parts) + weight_parts(parts) if p not in applied]
     if missing:
         raise ValueError(f"{type(missing[0]).__name__}: a part with device inputs of its own must be given "
                          "built (not as a function of the engine) to an engine that builds its runner")

@@ -68,6 +68,7 @@ from serving.core.kv_pages import (  # noqa: F401
     HostKV, _gather_pages, _parts, _write_tokens, cache_stages, compilation_count, gather, gather_jit,
     padded_pages, padded_tokens, token_slots, transfer_sizes, write, write_jit)
 from serving.disaggregation import kv_wire
+from serving.features.lora import request_adapter
 
 VERSION = 4  # 3: each array lists its dtype, int8 / fp8 pages with "k_scale" / "v_scale"; 4: "images", "mrope_delta"
 KV_ARRAYS = ("k", "v")  # the arrays of every payload
@@ -181,9 +182,10 @@ def lora_identity(req) -> Optional[dict]:
     """The LoRA adapter a request runs with, as a payload names it: {"name", "digest" (hex of its
     weights' digest)}; None for the base model. K/V computed under one adapter resumes only a request of
     the same adapter with the same weights."""
-    if getattr(req, "lora_name", None) is None:
+    adapter = request_adapter(req)
+    if adapter is None:
         return None
-    return {"name": req.lora_name, "digest": req.lora_digest.hex()}
+    return {"name": adapter.name, "digest": adapter.digest.hex()}
 
 
 @dataclasses.dataclass

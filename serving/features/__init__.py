@@ -12,6 +12,7 @@ options ask for, in one place, and the caller hands them to the engine
 | `structured_output` (+ `reasoning_phase`) | structured outputs and reasoning requests' thinking phase: a grammar per request, its token bitmask in every step | structured_outputs_whitespace (always on) |
 | `sampling_controls` | logit bias, allowed / bad words, min_tokens, the penalties: per-slot device rows, applied in the step | (always on) |
 | `logits_processors` | custom logits processors, run inside the step | logits_processors |
+| `lora` | LoRA adapters: registration, admission by adapter, device slots adapting the weights in the step | enable_lora, max_loras, max_lora_rank, max_cpu_loras |
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 from serving.features import host_kv_tier
 from serving.features.kv_imports import KVImports
 from serving.features.logits_processors import LogitsProcessors, ProcessorConfig
+from serving.features.lora import LoraManager
 from serving.features.sampling_controls import SamplingControlsPart
 from serving.features.structured_output import StructuredOutputsPart
 
@@ -40,6 +42,9 @@ def build_parts(options: dict, cfg) -> list:
     # Applied to the logits in this order: sampling controls, a grammar's mask, then the custom processors.
     parts.append(SamplingControlsPart(options["max_num_seqs"], cfg.vocab_size))
     parts.append(StructuredOutputsPart(cfg.vocab_size, bool(options.get("structured_outputs_whitespace"))))
+    if options.get("enable_lora"):
+        parts.append(LoraManager(cfg, max_loras=options["max_loras"], max_lora_rank=options["max_lora_rank"],
+                                 max_cpu_loras=options["max_cpu_loras"]))
     if options.get("logits_processors"):
         parts.append(LogitsProcessors(options["logits_processors"],
                                       ProcessorConfig(vocab_size=cfg.vocab_size, max_num_seqs=options["max_num_seqs"])))

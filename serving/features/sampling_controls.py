@@ -52,14 +52,7 @@ _ANY = -2  # a prefix position a shorter word does not use (matches every token)
 _NONE = -1  # no token (a recent-token position before the output began; an unused bad word)
 
 
-# The SamplingParams fields applied here, and the value that leaves each off.
-FIELDS = CONTROL_FIELDS
 KEY = "sampling_controls"  # the part's entry of `Request.part_state`: the request's `RequestRows`
-
-
-def used_fields(params) -> list[str]:
-    """The controls a request turns on (a request with any needs a slot)."""
-    return [f for f, off in FIELDS.items() if getattr(params, f) not in (off, [], {})]
 
 
 class ControlState(NamedTuple):
@@ -139,13 +132,9 @@ def check_bad_words(ids: list[list[int]]) -> Optional[str]:
     return None
 
 
-def request_rows(req, tokenizer, vocab: int, unsupported: Optional[str] = None) -> RequestRows:
-    """A request's `RequestRows`, or an `InvalidParameterError` naming its first control when the
-    engine cannot apply them (`unsupported`: why) or its bad words do not fit."""
+def request_rows(req, tokenizer, vocab: int) -> RequestRows:
+    """A request's `RequestRows`, or an `InvalidParameterError` naming `bad_words` when they do not fit."""
     p = req.params
-    if unsupported is not None:
-        field = used_fields(p)[0]
-        raise InvalidParameterError(field, f"{field}: {unsupported}")
     words: list[list[int]] = []
     if p.bad_words:
         if tokenizer is None:
@@ -317,7 +306,7 @@ class SamplingControlsPart(StepPart):
     once a step is scheduled (writing a new holder's row first), gives each step its rows' slots, and
     applies and records the controls inside the step program."""
 
-    takes_fields = tuple(FIELDS)
+    takes_fields = tuple(CONTROL_FIELDS)  # the SamplingParams fields applied here
 
     def __init__(self, num_slots: int, vocab: int):
         self.num_slots, self.vocab = num_slots, vocab
@@ -333,7 +322,7 @@ class SamplingControlsPart(StepPart):
         self.tokenizer, self._runner = engine.tokenizer, weakref.ref(engine.runner)
 
     def admit(self, request) -> None:
-        if used_fields(request.params):
+        if request.params.control_fields():  # a request with any needs a slot
             request.part_state[KEY] = request_rows(request, self.tokenizer, self.vocab)
 
     def after_schedule(self, out) -> None:

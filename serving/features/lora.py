@@ -1,4 +1,5 @@
-"""Which LoRA adapters the engine serves, which are loaded in host memory, and which occupy device slots.
+"""LoRA adapters as a step part: which adapters the engine serves, which are loaded in host memory, which
+occupy device slots, and how a step's tokens run with theirs.
 
 Three tiers, as vLLM has them:
 
@@ -7,14 +8,21 @@ Three tiers, as vLLM has them:
   (`model.lora.load_adapter`), so a bad one is refused then, with its reason, never at first use.
 * *host*: the adapters' matrices in host memory, an LRU of at most `max_cpu_loras`; an evicted one is
   read again from its path when a request needs it.
-* *slots*: the `max_loras` device slots every step takes (`ModelRunner.load_lora`). An adapter gets a
-  slot when a step schedules one of its requests; a slot is reused only when no running sequence
-  uses its adapter, least recently used first. The scheduler never runs more than `max_loras`
+* *slots*: the `max_loras` device slots every step takes, the part's weight state
+  (`StepPart.weight_state`, written by `write_slot_jit` through `ModelRunner.update_part_state`). An
+  adapter gets a slot when a step schedules one of its requests; a slot is reused only when no running
+  sequence uses its adapter, least recently used first. The scheduler never runs more than `max_loras`
   distinct adapters at once (`LoraAdmission`, the scheduler's gate), so a slot is always free or reusable.
+
+Inside the step each token's slot (the per-token field `lora_slot`, -1 for the base model) picks its
+adapter in every target projection (`model.lora.attach`; a pipeline layout attaches each stage's
+layers itself, `sharding.pipeline`), so one step mixes base-model rows and up to `max_loras` adapters.
+A request names its adapter as the request argument `lora_name` (`Engine.make_request(part_args=...)`);
+its prefix-cache pages are keyed by the adapter's weights too.
 
 Unloading an adapter that unfinished requests use is deferred: new requests can no longer name it,
 and it leaves once its last request finishes (`after_step`). Requests count as users from the
-moment `acquire` admits them until the engine `release`s them, so a request on its way to the
+moment `admit` acquires their adapter until they `leave` the engine, so a request on its way to the
 engine's queue holds its adapter too.
 
 Thread-safety: registration, unloading and `acquire` run on the API's threads; slot assignment,
@@ -27,14 +35,23 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-from typing import Iterable, Optional
+import weakref
+from typing import Iterable, NamedTuple, Optional
 
+import jax
 import numpy as np
 
 from model import lora as lora_model
 from model.lora import LoraAdapter, LoraError
+from serving.core import engine_args, step_parts
+from serving.core.block_manager import adapter_digest
+from serving.core.sampling_params import InvalidParameterError
 from serving.core.scheduler import AdmissionGate
 from serving.core.step_parts import StepPart
+
+KEY = "lora"  # the part's entry of `Request.part_state`: the request's `Adapter`
+ARG = "lora_name"  # the request argument naming the adapter (`Request.part_args`)
+FIELD = "lora_slot"  # the per-token field of the packed step: the token's slot, -1 for the base model
 
 # Steps a request waiting for a LoRA slot lets requests of the running adapters pass it (base-model
 # requests always may: they hold no slot).
@@ -43,6 +60,33 @@ LORA_PASS_LIMIT = 32
 
 class UnknownLoraError(LookupError):
     """A request or an unload named an adapter that is not registered (or is being unloaded)."""
+
+
+class Adapter(NamedTuple):
+    """The adapter a request runs with: its name and the digest of its weights when the request was admitted."""
+
+    name: str
+    digest: bytes
+
+
+def request_adapter(request) -> Optional[Adapter]:
+    """The adapter `request` runs with (None: the base model)."""
+    return request.part_state.get(KEY)
+
+
+def adapter_name(seq) -> Optional[str]:
+    """The adapter name of a sequence's request (None: the base model)."""
+    adapter = seq.request.part_state.get(KEY)
+    return None if adapter is None else adapter.name
+
+
+# Writes one slot (a traced index, so any slot, any adapter: one program); the contents come as the leaves
+# of `model.lora.slot_arrays` in the slots' tree order. Not donated: with overlapped scheduling the step
+# still in flight may read the slot being replaced, and keeps the arrays it was given.
+@step_parts.state_program
+@jax.jit
+def write_slot_jit(slots, slot, *contents):
+    return lora_model.write_slot(slots, slot, jax.tree.unflatten(jax.tree.structure(slots), list(contents)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,13 +129,13 @@ class LoraAdmission(AdmissionGate):
         self.waits: dict[int, int] = {}  # seq_id -> steps it has waited for a slot
 
     def needs(self, seq) -> bool:
-        return seq.request.lora_name is not None
+        return adapter_name(seq) is not None
 
     def fits(self, seq, running) -> bool:
-        name = seq.request.lora_name
+        name = adapter_name(seq)
         if name is None:
             return True
-        active = {s.request.lora_name for s in running} - {None}
+        active = {adapter_name(s) for s in running} - {None}
         return name in active or len(active) < self.max_loras
 
     def waited(self, seq) -> bool:
@@ -103,13 +147,23 @@ class LoraAdmission(AdmissionGate):
 
 
 class LoraManager(StepPart):
-    def __init__(self, cfg, runner, *, max_loras: int, max_lora_rank: int, max_cpu_loras: Optional[int] = None):
+    """The LoRA part (see the module's docstring): built from the options before the engine
+    (`serving.features.build_parts`), it adds the adapter slots to every step the runner compiles."""
+
+    takes_args = (ARG,)
+    serves = engine_args.LORA
+
+    def __init__(self, cfg, *, max_loras: int, max_lora_rank: int, max_cpu_loras: Optional[int] = None):
         if max_loras < 1 or max_lora_rank < 1:
             raise ValueError(f"max_loras ({max_loras}) and max_lora_rank ({max_lora_rank}) must be >= 1 with LoRA")
         if max_cpu_loras is not None and max_cpu_loras < max_loras:
             raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
         lora_model.check_model(cfg)
-        self.cfg, self.runner = cfg, runner
+        self.cfg = cfg  # the engine's own once it is attached (its compute dtype)
+        # The engine, weakly: the part is a static argument of the step program, so JAX's tracing cache holds it
+        # past the engine's life, and a strong reference would keep the runner's weights and KV pool alive.
+        self._engine = lambda: None
+        self._step_slots: dict[str, int] = {}  # adapter name -> slot, of the step being packed
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.max_cpu_loras = max_cpu_loras or max_loras
         self._lock = threading.Lock()
@@ -162,7 +216,31 @@ class LoraManager(StepPart):
     def path(self, name: str) -> Optional[str]:
         return self.registered.get(name)
 
-    # --- requests ------------------------------------------------------------------------------------
+    # --- the engine and its requests ----------------------------------------------------------------
+    def attach(self, engine) -> None:
+        self.cfg, self._engine = engine.cfg, weakref.ref(engine)
+
+    def gate(self):
+        return LoraAdmission(self.max_loras)
+
+    def admit(self, request) -> None:
+        """Acquires the adapter the request names (`lora_name`), keying its prefix-cache pages by the adapter's
+        weights; refuses an adapter that is not loaded, naming `lora_request`."""
+        name = request.part_args.get(ARG)
+        if name is None:
+            return
+        try:
+            digest = self.acquire(name)
+        except UnknownLoraError as e:
+            raise InvalidParameterError("lora_request", f"lora_request: {e}") from None
+        request.part_state[KEY] = Adapter(name, digest)
+        request.hash_root = adapter_digest(request.hash_root, digest)
+
+    def leave(self, request) -> None:
+        adapter = request.part_state.pop(KEY, None)
+        if adapter is not None:
+            self.release(adapter.name)
+
     def acquire(self, name: str) -> bytes:
         """A new request uses adapter `name`: returns the digest of its weights (what the request's
         prefix-cache pages are keyed by); `UnknownLoraError` when no such adapter can be used."""
@@ -184,14 +262,28 @@ class LoraManager(StepPart):
                 del self.users[name]
 
     # --- slots (engine thread) -----------------------------------------------------------------------
+    def after_schedule(self, out) -> None:
+        engine = self._engine()
+        self._step_slots = self.assign(out.scheduled, engine.scheduler.running if engine is not None else ())
+
+    def pack(self, batch) -> None:
+        """Each scheduled token of an adapter's request carries the adapter's slot (`lora_slot`)."""
+        if not self._step_slots:
+            return
+        field = batch.views()[FIELD]
+        for seq, first, _, n in batch.token_spans:
+            name = adapter_name(seq)
+            if name is not None:
+                field[first:first + n] = self._step_slots[name]
+
     def assign(self, scheduled: Iterable, running: Iterable) -> dict[str, int]:
         """{adapter name: slot} for the scheduled items' adapters, loading each into a slot it lacks: a
         free slot, else the least recently used one that no running sequence's adapter holds."""
         self._step += 1
-        wanted = {it.seq.request.lora_name for it in scheduled} - {None}
+        wanted = {adapter_name(it.seq) for it in scheduled} - {None}
         if not wanted:
             return {}
-        pinned = {s.request.lora_name for s in running} | wanted
+        pinned = {adapter_name(s) for s in running} | wanted
         out = {}
         for name in sorted(wanted):
             with self._lock:
@@ -205,8 +297,7 @@ class LoraManager(StepPart):
                     raise RuntimeError(f"no LoRA slot free for {name!r}: {len(pinned)} adapters in use, "
                                        f"max_loras={self.max_loras}")
                 slot = min(free, key=lambda i: (self.slots[i] is not None, self._slot_used[i]))
-                self.runner.load_lora(slot, lora_model.slot_arrays(self._host_copy(name), self.cfg,
-                                                                   self.max_lora_rank, np.float32))
+                self._load(slot, self._host_copy(name))
                 self.slots[slot] = key
             self._slot_used[slot] = self._step
             out[name] = slot
@@ -249,12 +340,59 @@ class LoraManager(StepPart):
             for name in [n for n in self.unloading if not self.users[n]]:
                 self._drop(name)
 
+    # --- the device slots ----------------------------------------------------------------------------
+    def _slot_contents(self, adapter: Optional[LoraAdapter]) -> list:
+        """One slot's contents (`model.lora.slot_arrays`, in the compute dtype) as `write_slot_jit`'s leaves."""
+        contents = lora_model.slot_arrays(adapter, self.cfg, self.max_lora_rank, np.float32)
+        return [np.asarray(x, self.cfg.jnp_dtype) for x in jax.tree.leaves(contents)]
+
+    def _load(self, slot: int, adapter: Optional[LoraAdapter]) -> None:
+        """Writes an adapter (None: zeros) into a device slot before the next step reads it."""
+        self._engine().runner.update_part_state(self, write_slot_jit, np.int32(slot), *self._slot_contents(adapter))
+
+    def token_fields(self) -> dict:
+        return {FIELD: -1}
+
+    def weight_state(self, cfg, params, layout):
+        """Every slot empty (all zeros), each array sharded like its base weight (a pipeline layout stages
+        them like the layers)."""
+        self.cfg = cfg
+        decl = lora_model.declare_slots(cfg, self.max_loras, self.max_lora_rank, cfg.jnp_dtype)
+        if hasattr(layout, "stage_lora_slots"):
+            decl, shardings = layout.stage_lora_slots(cfg, params, decl)
+        else:
+            shardings = lora_model.slot_shardings(params, decl)
+            if shardings is None:
+                shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), decl)
+        return lora_model.zeros_like_tree(decl, shardings)
+
+    def apply_to_weights(self, state, views, params, layout):
+        if hasattr(layout, "forward"):  # pipeline stages: the layout attaches each stage's layers
+            return params, {"lora": (state, views[FIELD], self.max_lora_rank)}
+        return lora_model.attach(params, state, views[FIELD], self.max_lora_rank), {}
+
+    def state_programs(self) -> tuple:
+        if self._empty_slot is None:  # (asked for again at warm-up: made once)
+            self._empty_slot = (np.int32(0), *self._slot_contents(None))  # into slot 0, which nothing holds yet
+        return ((write_slot_jit, "write-lora-slot", self._empty_slot),)
+
+    _empty_slot = None
+
+    def program_key(self):
+        return ("lora", self.max_loras, self.max_lora_rank)
+
     # --- metrics -------------------------------------------------------------------------------------
+    def engine_stats(self) -> dict:
+        engine = self._engine()
+        if engine is None:
+            return {}
+        return {"lora": self.info(list(engine.scheduler.running), list(engine.scheduler.waiting))}
+
     def info(self, running: Iterable, waiting: Iterable) -> dict:
         """vLLM's `lora_requests_info` labels: the adapters of running and of waiting requests (comma-
         separated names) and max_lora; plus the requests admitted per adapter."""
-        run = sorted({s.request.lora_name for s in running} - {None})
-        wait = sorted({s.request.lora_name for s in waiting} - {None})
+        run = sorted({adapter_name(s) for s in running} - {None})
+        wait = sorted({adapter_name(s) for s in waiting} - {None})
         with self._lock:
             totals = dict(self.requests_total)
         return {"running_lora_adapters": ",".join(run), "waiting_lora_adapters": ",".join(wait),
