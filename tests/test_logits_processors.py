@@ -6,10 +6,12 @@ One engine with both processors serves most tests; the HTTP tests come last, sin
 runs its loop owns that engine.
 """
 
+import dataclasses
 import json
 import os
 
 import httpx
+import jax
 import jax.numpy as jnp
 import jsonschema
 import numpy as np
@@ -22,6 +24,7 @@ from serving import LLM, SamplingParams
 from serving.core.engine import Engine, EngineConfig
 from serving.core.model_runner import compilation_count
 from serving.core.sampling_params import InvalidParameterError
+from serving.core import step_parts
 from serving.core.step_parts import StepPart
 from serving.llm import default_checkpoint_dir
 from serving.server import ServerThread
@@ -215,6 +218,113 @@ def test_a_part_from_a_test_module_admits_schedules_adds_inputs_and_processes_re
     assert STAR not in outs["plain"].outputs[0].token_ids
     assert part.admitted == ["boosted", "plain"] and part.scheduled >= 7
     assert sorted(part.sampled) == sorted(outs["boosted"].outputs[0].token_ids + outs["plain"].outputs[0].token_ids)
+
+
+@step_parts.state_program
+@jax.jit
+def set_head_scale(state, scale):
+    """The `HeadScale` part's state program: its one float."""
+    return jnp.asarray(scale, state.dtype)
+
+
+class HeadScale(StepPart):
+    """A part of this module's own that adapts the weights: a request argument `head_scale` (refused below 0)
+    scales the final norm's weight for the steps that hold the request's tokens, through a device state the
+    part places and writes itself and a per-token field it fills. It records what it admits, packs and lets go
+    of, so the test sees every hook run."""
+
+    takes_args = ("head_scale",)
+
+    def __init__(self):
+        self.admitted, self.left, self.packed = [], [], []
+        self._runner = None
+
+    def attach(self, engine):
+        self._runner = engine.runner
+
+    def admit(self, request):
+        scale = request.part_args.get("head_scale")
+        if scale is None:
+            return
+        if scale < 0:
+            raise InvalidParameterError("head_scale", "head_scale: must be >= 0")
+        request.part_state["head_scale"] = float(scale)
+        self.admitted.append(request.request_id)
+
+    def leave(self, request):
+        if request.part_state.pop("head_scale", None) is not None:
+            self.left.append(request.request_id)
+
+    def after_schedule(self, out):
+        scales = {it.seq.request.part_state.get("head_scale") for it in out.scheduled} - {None}
+        assert len(scales) <= 1, "the test runs one scaled request at a time"
+        if scales:
+            self._runner.update_part_state(self, set_head_scale, np.float32(scales.pop()))
+
+    def token_fields(self):
+        return {"head_scaled": 0}
+
+    def pack(self, batch):
+        field = batch.views()["head_scaled"]
+        for seq, first, _, n in batch.token_spans:
+            if "head_scale" in seq.request.part_state:
+                field[first:first + n] = 1
+        self.packed.append(field.copy())
+
+    def weight_state(self, cfg, params, layout):
+        return jax.device_put(np.float32(1.0), jax.devices()[0])
+
+    def apply_to_weights(self, state, views, params, layout):
+        scale = jnp.where(jnp.any(views["head_scaled"] > 0), state, 1.0)
+        return dataclasses.replace(params, final_norm=params.final_norm * scale), {}
+
+    def state_programs(self):
+        return ((set_head_scale, "set-head-scale", (np.float32(1.0),)),)
+
+
+class RefusesAll(StepPart):
+    """Refuses every request that gives `refuse`, after the parts before it admitted it."""
+
+    takes_args = ("refuse",)
+
+    def admit(self, request):
+        if request.part_args.get("refuse"):
+            raise InvalidParameterError("refuse", "refuse: refused")
+
+
+def test_a_weight_part_from_a_test_module_takes_arguments_fields_and_state_and_lets_go():
+    """The hooks a LoRA-like part uses, on a part of this module: its request argument, its per-token field, its
+    weight state written between steps and applied inside the step, and `leave` once per request it holds,
+    however the request leaves (finished, aborted, refused by a later part); an argument no part takes is a 400."""
+    directory = default_checkpoint_dir()
+    cfg, params = load_checkpoint(directory, None, load_config(directory))
+    part = HeadScale()
+    engine = Engine(cfg, params, load_tokenizer(directory, cfg.vocab_size), EngineConfig(**ENGINE),
+                    parts=[part, RefusesAll()])
+    sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    with pytest.raises(InvalidParameterError, match="head_scale: must be >= 0"):
+        engine.make_request("negative", [1, 70, 71], sp, part_args={"head_scale": -1.0})
+    with pytest.raises(InvalidParameterError, match="'x' is given, but no part of this engine takes it") as e:
+        engine.make_request("unknown", [1, 70, 71], sp, part_args={"colour": "x"})
+    assert e.value.param == "colour"
+    engine.warm_up()
+    before = compilation_count()
+    engine.add_request("zeroed", [1, 70, 71], sp, part_args={"head_scale": 0.0})
+    zeroed = run_to_completion(engine)["zeroed"].outputs[0].token_ids
+    assert zeroed == [0] * 5  # a zero final norm: every logit 0, and the greedy draw the first id
+    assert part.packed[0][:3].tolist() == [1, 1, 1] and not part.packed[0][3:].any()
+    engine.add_request("plain", [1, 70, 71], sp)
+    plain = run_to_completion(engine)["plain"].outputs[0].token_ids
+    assert plain != zeroed and not part.packed[-1].any()
+    engine.add_request("doubled", [1, 70, 71], sp, part_args={"head_scale": 2.0})  # (greedy: a positive scale)
+    assert run_to_completion(engine)["doubled"].outputs[0].token_ids == plain
+    assert compilation_count() == before, "writing the part's state recompiled a program"
+    engine.add_request("aborted", [1, 70, 71], sp, part_args={"head_scale": 0.0})
+    engine.abort_request("aborted")
+    with pytest.raises(InvalidParameterError, match="refuse: refused"):
+        engine.make_request("refused", [1, 70, 71], sp, part_args={"head_scale": 0.0, "refuse": True})
+    assert part.admitted == ["zeroed", "doubled", "aborted", "refused"]
+    assert part.left == ["zeroed", "doubled", "aborted", "refused"]
 
 
 # --- over HTTP (last: the server's loop owns the engine from here on) ---------------------------------
