@@ -40,7 +40,7 @@ def main():
     llm = LLM(warmup=False, compilation_cache_dir="", decode_bucket_step=args.step)
     b = llm.engine.buckets
     pow2 = Buckets(b.max_num_batched_tokens, b.max_num_seqs, b.max_pages_per_seq, b.min_tokens, b.min_pages,
-                   b.image_hidden, decode_step=0)
+                   decode_step=0)
     shared = set(pow2.all_shapes())
     added = [s for s in b.all_shapes() if s not in shared]
     result.update(token_sizes=b.token_sizes, powers_of_two_token_sizes=pow2.token_sizes,

@@ -55,7 +55,7 @@ from model.config import LlamaConfig  # noqa: E402
 from model.params import init_params  # noqa: E402
 from serving import LLM, SamplingParams  # noqa: E402
 from serving.features.host_kv_tier import HostKVTier  # noqa: E402
-from serving.core import kv_pages  # noqa: E402
+from serving.features import kv_pages  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8,

@@ -53,6 +53,7 @@ from model.families.gemma3_vl import config_from_hf as gemma3_config  # noqa: E4
 from model.vision import encoder  # noqa: E402
 from model.vision.config import QWEN2_5_VL, VisionConfig  # noqa: E402
 from serving import LLM, SamplingParams  # noqa: E402
+from serving.features.multimodal import Multimodal  # noqa: E402
 from model.vision import encoder_buckets  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -101,7 +102,7 @@ def make_images(n: int, size: int, seed: int) -> list[np.ndarray]:
 
 def run(llm, prompts, sp, label: str) -> dict:
     engine = llm.engine
-    mm = engine.multimodal
+    mm = engine.part(Multimodal)
     before = dict(mm.seconds)
     t0 = time.monotonic()
     reqs = [engine.make_request(f"{label}-{i}", p, sp, arrival_time=t0) for i, p in enumerate(prompts)]
@@ -128,7 +129,7 @@ def run(llm, prompts, sp, label: str) -> dict:
 
 def encoder_padding(llm, sizes: list[tuple[int, int]], repeats: int) -> list[dict]:
     """Seconds of the padded (bucketed) and the exact encoder per image size, each compiled first."""
-    mm, v = llm.engine.multimodal, llm.config.vision
+    mm, v = llm.engine.part(Multimodal), llm.config.vision
     rng = np.random.default_rng(7)
     out = []
     for h, w in sizes:
@@ -211,7 +212,7 @@ def main():
     best = lambda a, b: b if a is None or b["requests_per_s"] > a["requests_per_s"] else a  # noqa: E731
     for rep in range(args.repeats):  # best of: the machine is shared, the slow runs are the others' load
         images = make_images(args.requests, args.image_size, rep)
-        llm.engine.multimodal.cache = type(llm.engine.multimodal.cache)(llm.engine.multimodal.cache.capacity_bytes)
+        llm.engine.part(Multimodal).cache = type(llm.engine.part(Multimodal).cache)(llm.engine.part(Multimodal).cache.capacity_bytes)
         llm.engine.reset_prefix_cache()
         cold = best(cold, run(llm, [image_prompt(im) for im in images], sp, f"cold{rep}"))
         llm.engine.reset_prefix_cache()

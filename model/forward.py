@@ -68,7 +68,7 @@ def merge_image_embeds(x, tokens, image_embeds, cfg: LlamaConfig, span_end=None)
     from `image_embeds` `[T, embed]` (None: `x` as it is). Pipeline stages merge them the same way, on the
     first stage (`sharding.pipeline`).
 
-    `span_end` `[T]` (the step's "span_end" rows, `serving.core.multimodal`): the end of the image each
+    `span_end` `[T]` (the step's "span_end" rows, `serving.features.multimodal`): the end of the image each
     row is in, 0 outside every image. A placeholder id outside an image is a token the model generated
     (or a draft of one): it keeps its own embedding, as transformers embeds a generated token. None:
     every placeholder id is an image's."""

@@ -252,7 +252,7 @@ class LLM:
         a dict prompt may carry "cache_salt" (requests share cached prefix pages only with
         requests of the same salt) and, for a vision-language model, "multi_modal_data": {"image":
         a PIL image, a uint8 [H, W, C] array, or a list of them}, one per image placeholder token
-        of the prompt, in order (`serving.core.multimodal`). `priority` (one per prompt, or one for
+        of the prompt, in order (`serving.features.multimodal`). `priority` (one per prompt, or one for
         all; lower runs first) orders the requests under `scheduling_policy="priority"`, as vLLM's
         `LLM.generate` does.
         `lora_request` (needs `enable_lora`): a `LoRARequest` (registered on first use when it names a

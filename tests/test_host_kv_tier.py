@@ -18,7 +18,7 @@ from conftest import ragged_prompts, run_to_completion, tiny_config
 from model.families import kv_bytes_per_token
 from model.params import init_params
 from serving import LLM, SamplingParams
-from serving.core import kv_pages
+from serving.features import kv_pages
 from serving.core.block_manager import BlockManager, HostHit, salt_digest
 from serving.core.engine import Engine, EngineConfig
 from serving.features.host_kv_tier import HostKVTier, HostPagePool, offload_bytes

@@ -25,6 +25,7 @@ from serving.core.engine import Engine, EngineConfig
 from serving.core.model_runner import compilation_count
 from serving.core.sampling_params import InvalidParameterError
 from serving.core import step_parts
+from serving.core.input_batch import TokenField
 from serving.core.step_parts import StepPart
 from serving.llm import default_checkpoint_dir
 from serving.server import ServerThread
@@ -262,7 +263,7 @@ class HeadScale(StepPart):
             self._runner.update_part_state(self, set_head_scale, np.float32(scales.pop()))
 
     def token_fields(self):
-        return {"head_scaled": 0}
+        return (TokenField("head_scaled"),)
 
     def pack(self, batch):
         field = batch.views()["head_scaled"]

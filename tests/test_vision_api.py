@@ -28,10 +28,11 @@ openai = pytest.importorskip("openai")
 from PIL import Image  # noqa: E402
 
 from serving import LLM  # noqa: E402
+from serving.features.multimodal import Multimodal  # noqa: E402
 from serving.api import http_protocol as P  # noqa: E402
 from serving.api.chat_template import IMAGE_SENTINEL, encode_chat  # noqa: E402
 from serving.api.media import MediaOptions  # noqa: E402
-from serving.core.multimodal import expand_placeholders  # noqa: E402
+from serving.features.multimodal import expand_placeholders  # noqa: E402
 from serving.server import ServerThread  # noqa: E402
 from test_vision_engine import ENGINE, NEW_TOKENS, hf_generate, images  # noqa: E402
 from test_vision_qwen2_5_vl import IMAGE_ID, build_converted, hf_pixels  # noqa: E402
@@ -137,7 +138,7 @@ def test_jpeg_webp_and_fetched_urls(served):
     s = served
     for fmt, media_type in (("JPEG", "image/jpeg"), ("WEBP", "image/webp")):
         assert ask(s, data_url(encoded(s.a, fmt), media_type)).usage.completion_tokens == NEW_TOKENS
-    cache = s.llm.engine.multimodal.cache
+    cache = s.llm.engine.part(Multimodal).cache
     hits = cache.hits
     inline = ask(s, data_url(s.png)).choices[0].message.content
     fetched = ask(s, s.files + "/a.png").choices[0].message.content

@@ -20,10 +20,12 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from serving import LLM, SamplingParams  # noqa: E402
+from serving.features.multimodal import Multimodal  # noqa: E402
 from conftest import run_to_completion  # noqa: E402
 from model.vision import encoder  # noqa: E402
 from model.vision import encoder_buckets  # noqa: E402
-from serving.core import model_runner, multimodal  # noqa: E402
+from serving.core import model_runner  # noqa: E402
+from serving.features import multimodal  # noqa: E402
 from serving.core.sampling_params import InvalidParameterError  # noqa: E402
 from serving.disaggregation import kv_transfer as kt  # noqa: E402
 from serving.disaggregation import kv_wire  # noqa: E402
@@ -188,7 +190,7 @@ def test_disaggregated_prefill_ships_the_images(reference, monkeypatch):
     got = run_to_completion(dec)
     assert got["a"].outputs[0].token_ids == want[0].outputs[0].token_ids
     assert got["c"].outputs[0].token_ids == want[1].outputs[0].token_ids
-    assert len(dec.multimodal.cache) == 0
+    assert len(dec.part(Multimodal).cache) == 0
 
     # The decode side's prefix cache names blocks by the shipped digests: the same image hits every full
     # page of the prompt, an image differing in one patch only the text-only first page.
@@ -227,7 +229,7 @@ def test_encoder_buckets_are_exact_and_compiled_at_warm_up(reference):
     """Images of sizes never seen before encode, padded to their bucket, to the exact encoder's output,
     and compile nothing once the engine's warm-up compiled the buckets."""
     llm = LLM(reference[0], **ENGINE)
-    mm, v = llm.engine.multimodal, llm.config.vision
+    mm, v = llm.engine.part(Multimodal), llm.config.vision
     sizes = encoder_buckets.bucket_sizes(v)
     assert sizes == (16, 32, 64, 128, 256)  # min_pixels 56 x 56 .. max_pixels 28 x 28 x 64, in 14-pixel patches
     assert mm in llm.engine.parts  # the engine's warm-up runs the part's: here alone, not the step buckets

@@ -1,4 +1,4 @@
-"""Image requests through the engine (`serving.core.multimodal`), against transformers' `generate`.
+"""Image requests through the engine (`serving.features.multimodal`), against transformers' `generate`.
 
 The tiny random Qwen2.5-VL of `test_vision_qwen2_5_vl` is served by `LLM` with a 16-token step budget
 (every image's 40 placeholder tokens are cut across prefill chunks) and a KV pool too small for the
@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
 
 from serving import LLM, SamplingParams  # noqa: E402
+from serving.features.multimodal import Multimodal  # noqa: E402
 from serving.core.sampling_params import InvalidParameterError  # noqa: E402
 from test_vision_qwen2_5_vl import END_ID, IMAGE_ID, START_ID, build_converted, hf_pixels  # noqa: E402
 
@@ -99,7 +100,7 @@ def test_prefix_cache_never_shares_an_image_it_does_not_hold(served):
     # Only the text-only first page is shared: the pages holding image b's tokens are not image a's.
     assert hits() - h0 == PAGE
     assert list(other.outputs[0].token_ids) == hf_generate(model, processor, b, list(other.prompt_token_ids))
-    cache = llm.engine.multimodal.cache
+    cache = llm.engine.part(Multimodal).cache
     h1, enc_hits = hits(), cache.hits
     again = llm.generate([prompt(a)], greedy())[0]
     n = len(again.prompt_token_ids)
@@ -163,7 +164,7 @@ def test_chat_takes_images(served):
 
 
 def test_encoder_cache_evicts_least_recent_past_its_bytes():
-    from serving.core.multimodal import Encoded, EncoderCache
+    from serving.features.multimodal import Encoded, EncoderCache
 
     entry = lambda: Encoded(np.zeros((4, 8), np.float32), (1, 4, 4))  # noqa: E731  (128 bytes)
     cache = EncoderCache(capacity_bytes=300)
@@ -178,7 +179,7 @@ def test_encoder_cache_evicts_least_recent_past_its_bytes():
 
 
 def test_placeholders_expand_once():
-    from serving.core.multimodal import expand_placeholders
+    from serving.features.multimodal import expand_placeholders
 
     assert expand_placeholders([5, IMAGE_ID, 6, IMAGE_ID], IMAGE_ID, [3, 2]) == (
         [5, IMAGE_ID, IMAGE_ID, IMAGE_ID, 6, IMAGE_ID, IMAGE_ID], [1, 5])

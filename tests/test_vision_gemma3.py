@@ -393,7 +393,7 @@ def test_pipeline_stages_match_transformers(served):
 
 
 def test_chunk_stop_never_cuts_an_image_attended_both_ways():
-    from serving.core.multimodal import Encoded, PlacedImage, RequestImages
+    from serving.features.multimodal import Encoded, PlacedImage, RequestImages
 
     enc = Encoded(np.zeros((IMAGE_TOKENS, 4), np.float32), (1, 8, 8))
     images = RequestImages([PlacedImage(b"a", 11, enc), PlacedImage(b"b", 40, enc)], None, 0, bidirectional=True)

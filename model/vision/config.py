@@ -78,7 +78,7 @@ class VisionConfig:
     def bidirectional(self) -> bool:
         """Whether the decoder attends among one image's tokens both ways (Gemma 3), not causally:
         steps then carry each image token's span end (`kernels_pallas.reference`, `span_end`) and a
-        prefill chunk never ends inside an image (`serving.core.multimodal`)."""
+        prefill chunk never ends inside an image (`serving.features.multimodal`)."""
         return self.kind == GEMMA3_SIGLIP
 
     @property

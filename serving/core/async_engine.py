@@ -12,7 +12,7 @@ never blocks the loop and the loop never blocks the event loop.
 Validation runs in the caller (`generate` raises `InvalidParameterError` at
 once, before anything is queued). A prompt carrying images is made in a
 bounded pool of worker threads instead: its preprocessing and encoding
-(`serving.core.multimodal`) would otherwise hold the event loop. A generator that is closed or cancelled
+(`serving.features.multimodal`) would otherwise hold the event loop. A generator that is closed or cancelled
 before its request finished (a client disconnect) aborts the request, which
 frees its KV pages at the next loop iteration.
 """

@@ -56,7 +56,7 @@ import numpy as np
 def block_digest(parent: Optional[bytes], token_ids, extra: bytes = b"") -> bytes:
     """Chained digest of one full block: H(parent digest, the block's token ids[, extra]). `extra` is
     what else decides the block's K/V: the content digests of the images whose placeholder tokens the
-    block holds (`serving.core.multimodal`), so prompts differing only in an image share no page."""
+    block holds (`serving.features.multimodal`), so prompts differing only in an image share no page."""
     h = hashlib.blake2b(digest_size=16)
     h.update(parent or b"root")
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())

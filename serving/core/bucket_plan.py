@@ -34,7 +34,7 @@ def holds_cheaply(holder: StepShape, shape: StepShape, buckets: Buckets) -> bool
     `PAD_FREE_TOKENS`) and at most twice the pages (or a bucket whose attention visits only each row's
     live pages whatever the page count, `Buckets.one_page_bucket`). Padding a 16-token decode into a
     512-token prefill program would cost more per step than a compile saves over a run."""
-    if holder.T < shape.T or holder.S < shape.S or holder.P < shape.P or holder.image_hidden != shape.image_hidden:
+    if holder.T < shape.T or holder.S < shape.S or holder.P < shape.P or holder.token_fields != shape.token_fields:
         return False
     tokens_ok = holder.T <= max(2 * shape.T, PAD_FREE_TOKENS)
     pages_ok = holder.P <= 2 * shape.P or buckets.one_page_bucket(holder.T)

@@ -32,7 +32,6 @@ from serving.core import compute_dtype, engine_args, step_parts
 from serving.core.block_manager import BlockManager, is_cache_salt, releasing_window
 from serving.core.input_batch import Buckets, pack_step, sampling_row
 from serving.core.model_runner import ModelRunner
-from serving.core.multimodal import ImageChunks, Multimodal
 from serving.core.kv_pool import default_num_pages
 from serving.core.output_processor import OutputProcessor
 from serving.core.outputs import RequestOutput
@@ -58,6 +57,10 @@ PRIORITY_LIMIT = 2**31 - 1  # a request's priority is a 32-bit signed integer (a
 # state per sample from the start (a grammar's matcher and mask), so `n` must be bounded, while the
 # scheduler runs samples beyond max_num_seqs as seats free up.
 N_LIMIT = 128
+
+
+# The keys of a dict prompt the engine reads itself; parts take others (`StepPart.takes_prompt_keys`).
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 
 
 class ContextLengthError(InvalidParameterError):
@@ -105,7 +108,6 @@ class Engine:
             rows = spec_logit_rows(config.max_num_seqs, config.max_num_batched_tokens, config.num_speculative_tokens)
         self.buckets = Buckets(config.max_num_batched_tokens, rows, -(-model_len // ps),
                                config.min_token_bucket, -(-config.min_context_bucket // ps),
-                               image_hidden=cfg.hidden_size if cfg.vision is not None else 0,
                                decode_step=config.decode_bucket_step, token_fields=step_parts.token_fields(parts))
         runner_class = ModelRunner
         if getattr(layout, "pipeline_parallel_size", 1) > 1:  # staged params and KV cache
@@ -116,7 +118,7 @@ class Engine:
                                              verify=config.speculative_method is not None,
                                              draft_rows=config.max_num_seqs * config.num_speculative_tokens
                                              if config.speculative_method == "draft" else 0,
-                                             weight_parts=step_parts.weight_parts(parts),
+                                             forward_parts=step_parts.forward_parts(parts),
                                              logit_parts=step_parts.logit_parts(parts))
         self.block_manager = BlockManager(num_pages, ps, config.enable_prefix_caching,
                                           window=None if config.speculative_method else releasing_window(cfg))
@@ -155,15 +157,8 @@ class Engine:
         self.parts = [p for p in (p if isinstance(p, StepPart) else p(self) for p in parts) if p is not None]
         engine_args.check_served(config, {part.serves for part in self.parts})
         step_parts.check_applied(self.parts, getattr(self.runner, "logit_parts", ())
-                                 + getattr(self.runner, "weight_parts", ()))
+                                 + getattr(self.runner, "forward_parts", ()))
         self.parts += [self.spec] if self.spec is not None else []
-        # Image inputs of a vision-language model: admission-time encoding, per-step rows (`multimodal`).
-        self.multimodal = None
-        if cfg.vision is not None:  # (pipeline stages: the rows merge before the first stage, `sharding.pipeline`)
-            self.multimodal = Multimodal(cfg, self.runner.params.vision, cache_bytes=config.encoder_cache_mb << 20,
-                                         limit_per_prompt=config.limit_mm_per_prompt)
-            self.parts.append(self.multimodal)
-            self.scheduler.gates.append(ImageChunks())
         self.scheduler.gates += [gate for gate in (part.gate() for part in self.parts) if gate is not None]
         # Overlapped scheduling needs a runner that dispatches without waiting; speculative
         # steps choose the next step's drafts from this step's tokens, so they run one at a time.
@@ -200,10 +195,7 @@ class Engine:
         if cache_salt is not None and not is_cache_salt(cache_salt):
             raise InvalidParameterError("cache_salt", f"cache_salt: must be a non-empty string, got {cache_salt!r}")
         text, ids = self._prompt_ids(prompt)
-        images = self._images(prompt, ids)
-        if images is not None:
-            ids, images = images
-            self._check_image_fits(images, params)
+        ids, content = self._expand_prompt(prompt, ids, params)
         n_limit = max(N_LIMIT, self.config.max_num_seqs)
         if params.n > n_limit:
             raise InvalidParameterError("n", f"n: {params.n} samples requested; at most {n_limit} per request")
@@ -222,7 +214,7 @@ class Engine:
             seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
         req = Request(request_id, text, ids, params, seed, arrival_time or time.monotonic(), self.eos_token_ids,
                       cache_salt, priority, self.weights_epoch)
-        req.images = images
+        req.prompt_content = content
         req.sampling_row = sampling_row(req)
         taken = {field for part in self.parts for field in part.takes_fields}
         for field in params.part_fields():
@@ -258,45 +250,33 @@ class Engine:
                                                     f"'{self.config.scheduling_policy}' (start it with "
                                                     "scheduling_policy=priority to honour priorities)")
 
-    def _images(self, prompt, ids: list[int]):
-        """(ids with image placeholders expanded, `RequestImages`) of a dict prompt carrying
-        "multi_modal_data": {"image": an image or a list of them}; None for a prompt without images."""
-        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
-        if data is None:
-            return None
-        if not isinstance(data, dict) or set(data) - {"image"}:
-            raise InvalidParameterError("multi_modal_data", "multi_modal_data: expected {'image': an image or a "
-                                                            f"list of images}}, got {type(data).__name__} "
-                                                            f"{sorted(data) if isinstance(data, dict) else ''}")
-        images = data.get("image")
-        images = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
-        if not images:
-            return None
-        if self.multimodal is None:
-            raise InvalidParameterError("multi_modal_data", "multi_modal_data: this model does not take images")
-        return self.multimodal.prepare(ids, images)
-
-    def _check_image_fits(self, images, params) -> None:
-        """An image attended both ways is prefilled in one step (`RequestImages.chunk_stop`): refuses one
-        larger than a step's token budget (or, with prompt logprobs, its logit rows), which could never run."""
-        if not images.bidirectional:
-            return
-        limit, what = self.scheduler.config.max_num_batched_tokens, "max_num_batched_tokens"
-        if params.prompt_logprobs is not None and self.scheduler.config.logit_rows < limit:
-            limit, what = self.scheduler.config.logit_rows, "the logit rows of one step (prompt_logprobs)"
-        for i, im in enumerate(images.images):
-            if im.encoded.num_tokens > limit:
-                raise InvalidParameterError("multi_modal_data", f"multi_modal_data.image[{i}]: its "
-                                            f"{im.encoded.num_tokens} tokens are prefilled in one step and exceed "
-                                            f"{what}={limit}")
+    def _expand_prompt(self, prompt, ids: list[int], params) -> tuple[list[int], object]:
+        """(the prompt's ids, the content a part placed in it, or None): a dict prompt's entries beyond its text
+        or ids go to the part that takes them (`StepPart.expand_prompt`: images)."""
+        if not isinstance(prompt, dict):
+            return ids, None
+        extra = set(prompt) - PROMPT_KEYS
+        taken = {key for part in self.parts for key in part.takes_prompt_keys}
+        for key in sorted(extra - taken):
+            raise InvalidParameterError(key, f"{key}: {engine_args.PROMPT_KEY_PARTS.get(key, 'no part takes it')}")
+        content = None
+        for part in self.parts:
+            if extra & set(part.takes_prompt_keys):
+                placed = part.expand_prompt(prompt, ids, params)
+                if placed is not None:
+                    if content is not None:
+                        raise InvalidParameterError("prompt", "prompt: two parts placed content in one prompt")
+                    ids, content = placed
+        return ids, content
 
     def _prompt_ids(self, prompt) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):
-            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "cache_salt", "multi_modal_data"})
+            known = PROMPT_KEYS | set(engine_args.PROMPT_KEY_PARTS) | {k for p in self.parts for k in p.takes_prompt_keys}
+            unknown = sorted(set(prompt) - known)
             if unknown:
                 raise InvalidParameterError("prompt", f"prompt: unknown keys {unknown} in a dict prompt (it takes "
                                                       f"'prompt' or 'prompt_token_ids', 'cache_salt' and "
-                                                      f"'multi_modal_data')")
+                                                      f"{sorted(known - PROMPT_KEYS)})")
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
             elif "prompt" in prompt:

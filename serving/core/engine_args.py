@@ -49,6 +49,9 @@ ARG_PARTS = {
     "lora_name": ("lora_request", "names a LoRA adapter, but this engine serves none (enable_lora is off)"),
 }
 LORA = "LoRA"  # the part of the LoRA options (`serving.features.lora`)
+# The keys of a dict prompt parts take (`StepPart.takes_prompt_keys`): why a prompt giving one to an engine
+# without that part is refused.
+PROMPT_KEY_PARTS = {"multi_modal_data": "this model does not take images"}
 
 # The flags `define_flags` defines belong to its caller (absl lists a program's own flags under --help).
 flags.disclaim_key_flags()

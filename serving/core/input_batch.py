@@ -53,13 +53,10 @@ class Buckets:
     max_pages_per_seq: int
     min_tokens: int = 1
     min_pages: int = 1
-    # A vision-language model's hidden size: every step then carries image embeddings and multimodal
-    # RoPE positions (`StepShape.image_hidden`, `serving.core.multimodal`); 0 for a text model.
-    image_hidden: int = 0
     # > 0: decode-sized token buckets at every multiple of this, besides the powers of two
     # (`token_sizes`; the engine option `decode_bucket_step`); 0: powers of two only.
     decode_step: int = 0
-    # ((name, fill), ...): the step parts' per-token int32 fields (`StepPart.token_fields`), in every step.
+    # The step parts' per-token fields (`TokenField`s, `StepPart.token_fields`), in every step.
     token_fields: tuple = ()
 
     def __post_init__(self):
@@ -123,12 +120,36 @@ class Buckets:
         return self.page_sizes[-1] if self.one_page_bucket(num_tokens_bucket) else pages
 
     def step_shape(self, T: int, S: int, P: int) -> "StepShape":
-        """The buffers' layout of bucket (T, S, P): with this model's image fields and the parts' token fields."""
-        return StepShape(T, S, P, self.image_hidden, self.token_fields)
+        """The buffers' layout of bucket (T, S, P), the parts' token fields included."""
+        return StepShape(T, S, P, self.token_fields)
 
     def all_shapes(self) -> list[tuple[int, int, int]]:
         return [(t, self.seqs_for(t), p) for t in self.token_sizes
                 for p in (self.page_sizes[-1:] if self.one_page_bucket(t) else self.page_sizes)]
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenField:
+    """A field of the packed step that a step part adds (`StepPart.token_fields`), sized by the step's
+    tokens: `shape` has -1 where the step's token count T goes (`(-1,)`: one entry per token; `(3, -1)`:
+    three rows of T; `(-1, 64)`: T rows of 64). Int32 fields travel in the int buffer, float32 ones in
+    the float buffer; `fill` is what the field holds where the part writes nothing."""
+
+    name: str
+    shape: tuple = (-1,)
+    dtype: str = "int32"  # "int32" or "float32"
+    fill: float = 0
+
+    def __post_init__(self):
+        if self.shape.count(-1) != 1 or self.dtype not in ("int32", "float32"):
+            raise ValueError(f"token field {self.name!r}: its shape needs one -1 (the tokens) and its dtype must be "
+                             f"int32 or float32, got {self.shape} {self.dtype}")
+
+    def shape_for(self, T: int) -> tuple:
+        return tuple(T if d == -1 else d for d in self.shape)
+
+    def size(self, T: int) -> int:
+        return int(np.prod(self.shape_for(T)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,29 +159,25 @@ class StepShape:
     T: int
     S: int
     P: int
-    # > 0 (a vision-language model's hidden size): the step also carries "rope_positions" [3, T] and
-    # "span_end" [T] (int; the end of the image a token is in, read where images are attended both ways)
-    # and "image_embeds" [T, image_hidden] (float), filled by `serving.core.multimodal.Multimodal.pack`.
-    image_hidden: int = 0
-    # ((name, fill), ...): int32 fields of T entries the step parts add (`StepPart.token_fields`), filled with
-    # `fill` where a part writes nothing.
+    # The step parts' fields (`TokenField`s, `StepPart.token_fields`: a LoRA token's adapter slot, an image
+    # row's embedding), after the engine's own.
     token_fields: tuple = ()
+
+    def _part_fields(self, dtype: str) -> tuple:
+        return tuple((f.name, f.size(self.T)) for f in self.token_fields if f.dtype == dtype)
 
     @property
     def int_fields(self):
         T, S, P = self.T, self.S, self.P
-        image = (("rope_positions", 3 * T), ("span_end", T)) if self.image_hidden else ()
-        return image + (
-                ("tokens", T), ("feed_rows", T), ("positions", T), ("slots", T), ("cu_q_lens", S + 1), ("kv_lens", S),
+        return (("tokens", T), ("feed_rows", T), ("positions", T), ("slots", T), ("cu_q_lens", S + 1), ("kv_lens", S),
                 ("block_tables", S * P), ("num_seqs", 1), ("logits_indices", S), ("sample_index", S),
                 ("token_index", S), ("target", S), ("draft_token", S), ("group_start", S),
-                ("q_index", S), ("flags", NUM_FLAGS)) + tuple((name, T) for name, _ in self.token_fields) \
+                ("q_index", S), ("flags", NUM_FLAGS)) + self._part_fields("int32") \
             + sampling_table.buffer_fields(np.int32, S)
 
     @property
     def float_fields(self):
-        image = (("image_embeds", self.T * self.image_hidden),) if self.image_hidden else ()
-        return sampling_table.buffer_fields(np.float32, self.S) + image
+        return sampling_table.buffer_fields(np.float32, self.S) + self._part_fields("float32")
 
     @staticmethod
     def offsets(fields):
@@ -181,9 +198,8 @@ class StepShape:
             for name, (o, n) in offs.items():
                 views[name] = buf[o:o + n]
         views["block_tables"] = views["block_tables"].reshape(self.S, self.P)
-        if self.image_hidden:
-            views["rope_positions"] = views["rope_positions"].reshape(3, self.T)
-            views["image_embeds"] = views["image_embeds"].reshape(self.T, self.image_hidden)
+        for f in self.token_fields:
+            views[f.name] = views[f.name].reshape(f.shape_for(self.T))
         sampling_table.shaped(views, self.S)
         return views
 
@@ -198,8 +214,8 @@ class StepShape:
         v["draft_token"][:] = -1  # no drafts: every row its own group
         v["group_start"][:] = np.arange(self.S)
         v["q_index"][:] = -1
-        for name, fill in self.token_fields:
-            v[name][:] = fill
+        for f in self.token_fields:
+            v[f.name][:] = f.fill
         sampling_table.reset(v)
         return ibuf, fbuf, v
 

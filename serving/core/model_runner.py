@@ -43,8 +43,7 @@ def unpack_step(v: dict) -> tuple[BatchMetadata, SamplingInputs]:
     """The batch metadata and sampling inputs inside a step's split buffers (`StepShape.split`)."""
     md = BatchMetadata(positions=v["positions"], slot_mapping=v["slots"], cu_q_lens=v["cu_q_lens"],
                        kv_lens=v["kv_lens"], block_tables=v["block_tables"], num_seqs=v["num_seqs"][0],
-                       logits_indices=v["logits_indices"], rope_positions=v.get("rope_positions"),
-                       span_end=v.get("span_end"))
+                       logits_indices=v["logits_indices"])
     flags = v["flags"]
     params = {p.name: v[p.name] if p.device_dtype is None else jax.lax.bitcast_convert_type(v[p.name], p.device_dtype)
               for p in ROW_PARAMS}
@@ -66,22 +65,22 @@ def feed_tokens(tokens, feed_rows, feed):
 
 def _step(params, cache, ibuf, fbuf, feed=None, part_states=(), draft_probs=None, weight_states=(),
           part_inputs=(), *, cfg: ModelConfig, backend: str, shape: StepShape, layout=None, verify: bool = False,
-          weight_parts: tuple = (), logit_parts: tuple = ()):
+          forward_parts: tuple = (), logit_parts: tuple = ()):
     """One engine step: forward over the ragged batch, then each logit row's token.
 
     Every feature a row can need is an input of this one program:
     * `feed` (the previous step's sampled ids, [max rows]): placeholder tokens are filled from it
       (overlapped scheduling), and this step's ids come back padded the same way;
-    * a vision-language model's steps carry, in the buffers, the image placeholder rows' embeddings
-      and the multimodal RoPE positions (`StepShape.image_hidden`, `serving.core.multimodal`);
     * with `verify` (speculative decoding) a sequence's k + 1 rows check its drafts (the step's
       `draft_token` / `group_start` / `q_index` fields, `draft_probs` the draft model's distributions
       or None for point-mass drafts): acceptance runs here (`rejection_sampler`), rows after a
       sequence's first rejection come back as -1, and the parts of row j see drafts
       0..j-1 as already drawn (`step_parts.StepView.drafts`). Rows without drafts are sampled exactly as without `verify`;
-    * `weight_states[i]`, the device state of the step part `weight_parts[i]` (`step_parts.StepPart.
-      weight_state`: adapter slots), which its `apply_to_weights` applies to the weights before the forward,
-      reading the step's packed fields (its per-token fields among them);
+    * the step parts `forward_parts` act before the forward, each reading the step's packed fields (its
+      own token fields among them): `apply_to_inputs` adds to the batch metadata and the forward's inputs
+      (a vision-language model's image rows and multimodal positions), `apply_to_weights` adapts the
+      weights with the part's device state `weight_states[i]` (`step_parts.StepPart.weight_state`: LoRA
+      adapter slots; None for a part without one);
     * `part_inputs[i]`, the device inputs of the step part `logit_parts[i]` (`step_parts.StepPart.
       step_input_spec`), which its `apply_to_logits` applies to the logits in the parts' order, and
       `part_states[i]` its device state carried across steps (`StepPart.step_state`, None for none),
@@ -90,15 +89,16 @@ def _step(params, cache, ibuf, fbuf, feed=None, part_states=(), draft_probs=None
     v = shape.split(ibuf, fbuf)
     md, s = unpack_step(v)
     tokens = v["tokens"] if feed is None else feed_tokens(v["tokens"], v["feed_rows"], feed)
-    extra = {}  # what a layout with a forward of its own (pipeline stages) takes to adapt its stages' layers
-    for part, state in zip(weight_parts, weight_states, strict=True):
+    extra = {}  # the forward's keyword arguments the parts add
+    for part, state in zip(forward_parts, weight_states, strict=True):
+        md, more = part.apply_to_inputs(v, md)
+        extra.update(more)
         params, more = part.apply_to_weights(state, v, params, layout)
         extra.update(more)
-    # A vision-language model's steps carry the embeddings of image placeholder rows.
-    if hasattr(layout, "forward"):
-        logits, cache = layout.forward(params, cache, tokens, md, cfg, backend, v.get("image_embeds"), **extra)
+    if hasattr(layout, "forward"):  # a layout with a forward of its own (pipeline stages)
+        logits, cache = layout.forward(params, cache, tokens, md, cfg, backend, **extra)
     else:
-        logits, cache = forward(params, cache, tokens, md, cfg, backend, layout, v.get("image_embeds"))
+        logits, cache = forward(params, cache, tokens, md, cfg, backend, layout, **extra)
     raw = logits  # logprobs report the model's own distribution, as vLLM's do
     drafts = step_parts.Drafts(v["draft_token"], v["group_start"]) if verify else None
     views = [step_parts.StepView(s.token_index, s, drafts, state) for state in part_states]
@@ -127,7 +127,7 @@ def _step(params, cache, ibuf, fbuf, feed=None, part_states=(), draft_probs=None
 
 
 # Module level, so engines with the same model and buckets share compilations.
-_step_jit = jax.jit(_step, static_argnames=("cfg", "backend", "shape", "layout", "verify", "weight_parts",
+_step_jit = jax.jit(_step, static_argnames=("cfg", "backend", "shape", "layout", "verify", "forward_parts",
                                             "logit_parts"),
                     donate_argnums=(1, 5))
 
@@ -232,13 +232,14 @@ class PendingStep:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int, buckets: Buckets,
                  backend: str = "auto", cache_dtype=None, layout=None,
-                 scan_layers: bool = False, verify: bool = False, draft_rows: int = 0, weight_parts: tuple = (),
+                 scan_layers: bool = False, verify: bool = False, draft_rows: int = 0, forward_parts: tuple = (),
                  logit_parts: tuple = ()):
         """`scan_layers`: stack the
         layers' weights and KV pages so the step scans over layers (`model.forward`), compiling one
         layer body whatever the depth. `verify`: steps check speculative drafts (`_step`); `draft_rows`:
-        rows of the draft model's distributions a step takes (0: drafts are point masses). `weight_parts`: the
-        step parts whose device state adapts the weights in every step (`step_parts.StepPart.weight_state`).
+        rows of the draft model's distributions a step takes (0: drafts are point masses). `forward_parts`: the
+        step parts that act before the forward in every step (`step_parts.forward_parts`), each with its
+        device state adapting the weights (`StepPart.weight_state`, None for none).
         `logit_parts`: the step parts whose own device inputs every step takes (`step_parts.StepPart.
         step_input_spec`), applied to the logits in this order, with their device state (`step_state`)."""
         self.cfg = cfg
@@ -250,7 +251,7 @@ class ModelRunner:
         self.backend = backend
         self.layout = layout
         self.logit_parts = tuple(logit_parts)
-        self.weight_parts = tuple(weight_parts)
+        self.forward_parts = tuple(forward_parts)
         self._small_programs: dict = {}  # executables of the cache's zeroing, the page copies, the parts' state writes
         self.params, self.cache = self.place(params, cache_dtype)
         # The last step's sampled ids, padded to the most logit rows a step has: the next step
@@ -268,8 +269,8 @@ class ModelRunner:
         # device, or replicated over the layout's mesh).
         self.part_states = tuple(None if (state := p.step_state()) is None else self._place_feed(state)
                                  for p in self.logit_parts)
-        # The weight parts' device states, inputs of every step (placed by each part).
-        self.weight_states = tuple(p.weight_state(cfg, self.params, self.layout) for p in self.weight_parts)
+        # The forward parts' weight states, inputs of every step (placed by each part; None: none).
+        self.weight_states = tuple(p.weight_state(cfg, self.params, self.layout) for p in self.forward_parts)
         # The name each state program's executable is kept under (`update_part_state`), taken once.
         self._state_program_names = {jitted: name for _, jitted, name, _ in self._state_programs()}
 
@@ -336,7 +337,7 @@ class ModelRunner:
         if kind == "copy":
             return self._copy(*arrays)
         if kind == "part-state":  # (the part's index, *host arguments of its program)
-            part = (self.logit_parts + self.weight_parts)[int(arrays[0])]
+            part = (self.logit_parts + self.forward_parts)[int(arrays[0])]
             self.update_part_state(part, _program(static["program"]), *arrays[1:])
             return self.part_states, self.weight_states
         if kind == "cache":  # a program of another package over the cache (`run_on_cache`)
@@ -428,7 +429,7 @@ class ModelRunner:
 
     def _lower_step(self, shape: StepShape):
         return _step_jit.lower(*self._abstract_inputs(shape), cfg=self.cfg, backend=self.backend, shape=shape,
-                               layout=self.layout, verify=self.verify, weight_parts=self.weight_parts,
+                               layout=self.layout, verify=self.verify, forward_parts=self.forward_parts,
                                logit_parts=self.logit_parts)
 
     def _program_key(self, shape: StepShape):
@@ -438,7 +439,7 @@ class ModelRunner:
             leaves, treedef = jax.tree.flatten((params, cache, feed, states, no_drafts, weights))
             self._signature = (treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves))
         return ("step", self.cfg, self.backend, self.layout, shape, self.verify, self._signature,
-                tuple(part.program_key() for part in self.weight_parts),
+                tuple(part.program_key() for part in self.forward_parts),
                 tuple(part.program_key() for part in self.logit_parts))
 
     _specs = None
@@ -457,26 +458,26 @@ class ModelRunner:
     # --- the parts' device states (step_parts.StepPart.step_state, weight_state) ---------------------
     def update_part_state(self, part, jitted, *host_args) -> None:
         """Runs `jitted(state, *host_args) -> state` (one of `part.state_programs()`) on the part's device
-        state, before the next step reads it; a weight part's new state keeps its old shardings. Data only:
+        state, before the next step reads it; a forward part's new state keeps its old shardings. Data only:
         no step recompiles. Multi-host: announced like every device call (the part's index among the logit
-        parts then the weight parts, then the arguments), replayed by `replay`."""
-        index = (self.logit_parts + self.weight_parts).index(part)
+        parts then the forward parts, then the arguments), replayed by `replay`."""
+        index = (self.logit_parts + self.forward_parts).index(part)
         if self.dispatch_hook is not None:
             self.dispatch_hook("part-state", np.int32(index), *host_args, program=_program_ref(jitted))
         old = self._part_state(part)
         state = executable_store.call(jitted, self._state_program_names[jitted], self._small_programs,
                                       old, *self._host_inputs(*host_args))
-        if part in self.weight_parts:
-            i = self.weight_parts.index(part)
+        if part in self.forward_parts:
+            i = self.forward_parts.index(part)
             state = jax.device_put(state, jax.tree.map(lambda x: x.sharding, old))  # (a no-op where it kept them)
             self.weight_states = self.weight_states[:i] + (state,) + self.weight_states[i + 1:]
         else:
             self.part_states = self.part_states[:index] + (state,) + self.part_states[index + 1:]
 
     def _part_state(self, part):
-        """The device state of a logit part (`step_state`) or a weight part (`weight_state`)."""
-        if part in self.weight_parts:
-            return self.weight_states[self.weight_parts.index(part)]
+        """The device state of a logit part (`step_state`) or a forward part (`weight_state`)."""
+        if part in self.forward_parts:
+            return self.weight_states[self.forward_parts.index(part)]
         return self.part_states[self.logit_parts.index(part)]
 
     @property
@@ -615,10 +616,10 @@ class ModelRunner:
             self.update_part_state(part, jitted, *args)
 
     def _state_programs(self) -> list:
-        """(part, jitted, name, example host arguments) of every state program of the logit parts with a state
-        and of the weight parts."""
-        with_state = [p for p, state in zip(self.logit_parts, self.part_states) if state is not None]
-        return [(part, jitted, name, args) for part in with_state + list(self.weight_parts)
+        """(part, jitted, name, example host arguments) of every state program of the parts with a state."""
+        with_state = [p for p, state in zip(self.logit_parts + self.forward_parts, self.part_states + self.weight_states)
+                      if state is not None]
+        return [(part, jitted, name, args) for part in with_state
                 for jitted, name, args in part.state_programs()]
 
     def _small_program_calls(self) -> list:

@@ -16,7 +16,7 @@ model replicated over the whole mesh (`replicated`), so its distributions feed
 the step as they are. KV transfer (`serving.disaggregation.kv_transfer`) reads
 the layout's `pipeline_parallel_size` and gathers and scatters each stage's
 layers in its own block of the page axis, the payload keeping the unstaged
-`[layers, ...]` order. A weight part's state (LoRA adapter slots) is placed by
+`[layers, ...]` order. A forward part's weight state (LoRA adapter slots) is placed by
 the part, which stages it like the layers (`PipelineLayout.stage_lora_slots`),
 and the layout's forward adapts each stage's layers with it.
 """

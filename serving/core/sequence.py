@@ -86,10 +86,10 @@ class Sequence:
         return self.request.kv_export is not None
 
     def block_extra(self, start: int, end: int) -> bytes:
-        """What besides its tokens decides the K/V of positions start..end (`block_digest`): the content
-        digests of the request's images placed there; b"" for a text prompt."""
-        images = self.request.images
-        return b"" if images is None else images.digests_between(start, end)
+        """What besides its tokens decides the K/V of positions start..end (`block_digest`): the digests of
+        the prompt's content placed there (`Request.prompt_content`: images); b"" for a text prompt."""
+        content = self.request.prompt_content
+        return b"" if content is None else content.digests_between(start, end)
 
     @property
     def hash_root(self) -> Optional[bytes]:
@@ -186,9 +186,10 @@ class Request:
         # token exists; set by the caller that asked for them (the engine calls their methods, never imports them).
         self.kv_import = None
         self.kv_export = None
-        # Image inputs (`serving.core.multimodal.RequestImages`): where each image's placeholder tokens
-        # are, its digest and encoder output, the prompt's multimodal positions; None for a text prompt.
-        self.images = None
+        # What a part placed in the prompt besides its token ids (`StepPart.expand_prompt`; images, where each
+        # one's placeholder tokens are, its digest and encoder output), None for a plain prompt: its digests
+        # (`digests_between(start, end)`) name the pages that hold it (`Sequence.block_extra`).
+        self.prompt_content = None
 
     @property
     def is_finished(self) -> bool:

@@ -59,6 +59,9 @@ class StepPart:
     # arguments beside the sampling parameters, such as the LoRA adapter a request runs with. A request
     # giving one that none of the engine's parts takes is refused, naming it (`engine_args.ARG_PARTS`).
     takes_args: tuple = ()
+    # The keys of a dict prompt the part reads (`expand_prompt`: "multi_modal_data", images); a prompt giving one
+    # that none of the engine's parts takes is refused, naming it (`engine_args.PROMPT_KEY_PARTS`).
+    takes_prompt_keys: tuple = ()
     # The `EngineOption.part` of the options this part serves (None: none).
     serves: Optional[str] = None
     # Whether a step the part gave inputs to (`step_inputs` not None) is processed before the next step is
@@ -71,6 +74,14 @@ class StepPart:
 
     def gate(self):
         """A `scheduler.AdmissionGate` the part puts on scheduling (None: none)."""
+        return None
+
+    def expand_prompt(self, prompt: dict, ids: list, params) -> Optional[tuple]:
+        """A dict prompt's entries under the part's `takes_prompt_keys`, placed in the prompt before the
+        request is made (`Engine.make_request`, on the caller's thread): (the prompt's ids with the content
+        placed in them (image placeholders expanded), the content, which the request keeps as
+        `Request.prompt_content`), or None when the prompt brings the part nothing; raises
+        `InvalidParameterError` naming the key to refuse it."""
         return None
 
     def admit(self, request) -> None:
@@ -122,11 +133,11 @@ class StepPart:
         return None
 
     # --- per-token fields of the packed step ---------------------------------------------------------
-    def token_fields(self) -> dict:
-        """{name: fill}: int32 fields of one entry per token that the part adds to the packed step's int
-        buffer (`input_batch.StepShape.token_fields`), each `fill` where the part writes nothing; the part
-        writes them in `pack` (`batch.views()`) and reads them inside the step (`apply_to_weights`)."""
-        return {}
+    def token_fields(self) -> tuple:
+        """The fields sized by the step's tokens that the part adds to the packed step (`input_batch.TokenField`s:
+        a name, a shape with -1 for the tokens, int32 or float32, a fill value); the part writes them in `pack`
+        (`batch.views()`) and reads them inside the step (`apply_to_weights`, `apply_to_inputs`)."""
+        return ()
 
     # --- device inputs of the part's own (see the module's docstring) ---------------------------------
     def step_input_spec(self, rows: int) -> Optional[Any]:
@@ -190,6 +201,12 @@ class StepPart:
         forward of its own (pipeline stages), which adapts its stages' layers itself)."""
         return params, {}
 
+    def apply_to_inputs(self, views: dict, md) -> tuple:
+        """Traced into the step program before the forward: (the batch metadata `md` (`model.cache.
+        BatchMetadata`) with what the part's fields of `views` add to it, keyword arguments of the forward
+        the part's fields make): an image row's embedding and multimodal positions."""
+        return md, {}
+
     def token_replaced(self, seq) -> None:
         """A part replaced `seq`'s last drawn token (`replace_token`; the sequence has no step in flight): what
         the part's device state recorded of the drawn token is stale."""
@@ -211,6 +228,10 @@ class StepPart:
 
     def reset_prefix_cache(self) -> None:
         """The engine forgets its cached prefix pages: the part forgets what it caches of them."""
+
+    def weights_replaced(self) -> None:
+        """The engine's weights were replaced (`serving.core.weights`): the part forgets what it cached of what
+        the old ones computed (an image encoder's outputs)."""
 
     def warm_up(self) -> dict:
         """Compiles what the part runs on the device itself; {"seconds", "compiled", "shapes"}."""
@@ -242,22 +263,24 @@ def logit_parts(parts) -> tuple:
     return tuple(p for p in parts if isinstance(p, StepPart) and p.step_input_spec(1) is not None)
 
 
-def weight_parts(parts) -> tuple:
-    """The built parts among `parts` that adapt the weights inside the step (`StepPart.apply_to_weights`),
-    in order: those overriding `weight_state`."""
-    return tuple(p for p in parts if isinstance(p, StepPart) and type(p).weight_state is not StepPart.weight_state)
+def forward_parts(parts) -> tuple:
+    """The built parts among `parts` that act before the forward inside the step, in order: those overriding
+    `weight_state`, `apply_to_weights` or `apply_to_inputs`."""
+    hooks = ("weight_state", "apply_to_weights", "apply_to_inputs")
+    return tuple(p for p in parts if isinstance(p, StepPart)
+                 and any(getattr(type(p), hook) is not getattr(StepPart, hook) for hook in hooks))
 
 
 def token_fields(parts) -> tuple:
-    """((name, fill), ...) of every built part's per-token fields (`StepPart.token_fields`), in order."""
-    return tuple(item for p in parts if isinstance(p, StepPart) for item in p.token_fields().items())
+    """Every built part's fields of the packed step (`StepPart.token_fields`), in order."""
+    return tuple(field for p in parts if isinstance(p, StepPart) for field in p.token_fields())
 
 
 def check_applied(parts, applied) -> None:
     """Refuses a part with device inputs or weight state of its own that the runner does not apply
-    (`applied`: its `logit_parts` and `weight_parts`): one built from the engine, after the runner, or given
+    (`applied`: its `logit_parts` and `forward_parts`): one built from the engine, after the runner, or given
     to an engine over a runner built elsewhere. Its step would leave the part out."""
-    missing = [p for p in logit_parts(parts) + weight_parts(parts) if p not in applied]
+    missing = [p for p in logit_parts(parts) + forward_parts(parts) if p not in applied]
     if missing:
         raise ValueError(f"{type(missing[0]).__name__}: a part with device inputs of its own must be given "
                          "built (not as a function of the engine) to an engine that builds its runner")

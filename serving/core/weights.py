@@ -82,7 +82,8 @@ def update_weights(engine, weights, version: Optional[int] = None) -> int:
         _replace_leaves(runner, treedef, names, placers)
     finally:  # even a failure part-way moves the prefix cache on: its pages may hold K/V of mixed weights
         engine.weights_epoch += 1
-        _refresh_image_encoder(engine)
+        for part in engine.parts:  # (an image encoder's cached outputs were computed by the old weights)
+            part.weights_replaced()
     engine.weight_version = engine.weight_version + 1 if version is None else int(version)
     return engine.weight_version
 
@@ -215,13 +216,3 @@ def _replace_leaves(runner, treedef, names: list[str], placers: list) -> None:
         runner.params = jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def _refresh_image_encoder(engine) -> None:
-    """A vision-language engine encodes images with the new encoder weights and forgets what the old
-    ones encoded."""
-    mm = engine.multimodal
-    if mm is None:
-        return
-    from serving.core.multimodal import EncoderCache
-
-    mm.vision_weights = engine.runner.params.vision
-    mm.cache = EncoderCache(mm.cache.capacity_bytes)

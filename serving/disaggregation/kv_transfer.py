@@ -1,7 +1,7 @@
 """Moving a finished prefill's KV between engines: the hooks the engine calls, the payload.
 
 The device programs it runs (the page gather and the token scatter) are
-`serving.core.kv_pages`'s, shared with the prefix cache's host tier; the model
+`serving.features.kv_pages`'s, shared with the prefix cache's host tier; the model
 runner only runs them over its cache (`ModelRunner.run_on_cache`, which places
 the host inputs, donates and keeps the cache's shardings), so they work under
 tensor parallelism too, and `serving.core` never imports this package.
@@ -43,7 +43,7 @@ first placeholder position, patch grid and token count, and `mrope_delta` the
 multimodal-RoPE offset of positions after the prompt; the body ends with the
 images' encoder outputs (`image_embeds`, float32 `[image tokens, hidden]`, after
 the last layer). The decode side rebuilds the request's images from them
-(`serving.core.multimodal.EncodedImage`): the digests name its prefix-cache
+(`serving.features.multimodal.EncodedImage`): the digests name its prefix-cache
 blocks as the prefill side's, the positions continue past the prompt, and a
 recompute after preemption has the embeddings it needs.
 """
@@ -61,10 +61,10 @@ import numpy as np
 from model.families import kv_bytes_per_token
 from model.quant import SCALE_DTYPE, is_quantized_dtype
 from serving.core.block_manager import is_cache_salt
-from serving.core.multimodal import Encoded, EncodedImage
+from serving.features.multimodal import Encoded, EncodedImage
 # The device programs and the host form of K/V (the prefix cache's host tier runs them too); imported
 # under the names this module has always offered.
-from serving.core.kv_pages import (  # noqa: F401
+from serving.features.kv_pages import (  # noqa: F401
     HostKV, _gather_pages, _parts, _write_tokens, cache_stages, compilation_count, gather, gather_jit,
     padded_pages, padded_tokens, token_slots, transfer_sizes, write, write_jit)
 from serving.disaggregation import kv_wire
@@ -79,7 +79,7 @@ class PayloadError(kv_wire.WireError):
     """An authenticated KV payload that does not fit this engine (an HTTP 400, or 413 when too large)."""
 
 
-# --- the device programs (`gather`, `write`) are `serving.core.kv_pages`'s --------------------------
+# --- the device programs (`gather`, `write`) are `serving.features.kv_pages`'s --------------------------
 
 def warm_up(engine) -> int:
     """Compiles the gather and the scatter for every size `engine` can ship or receive; returns how many
@@ -166,7 +166,7 @@ class Exporter:
 def request_images(req) -> tuple[tuple, int]:
     """((first placeholder position, `EncodedImage`) of each image of the request's prompt, the prompt's
     multimodal-RoPE delta); ((), 0) for a text prompt."""
-    ri = getattr(req, "images", None)
+    ri = req.prompt_content
     if ri is None:
         return (), 0
     return tuple((im.start, EncodedImage(im.digest, im.encoded)) for im in ri.images), int(ri.delta)

@@ -50,7 +50,7 @@ import numpy as np
 from kernels_pallas.pow2 import next_pow2, powers_of_two
 from model.families import kv_bytes_per_token
 from model.quant import SCALE_DTYPE, is_quantized_dtype
-from serving.core import kv_pages
+from serving.features import kv_pages
 from serving.core.block_manager import NO_PAGE
 from serving.core.engine_args import HOST_KV_TIER, PREEMPTION_MODES
 from serving.core.sequence import SequenceStatus

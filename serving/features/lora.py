@@ -45,6 +45,7 @@ from model import lora as lora_model
 from model.lora import LoraAdapter, LoraError
 from serving.core import engine_args, step_parts
 from serving.core.block_manager import adapter_digest
+from serving.core.input_batch import TokenField
 from serving.core.sampling_params import InvalidParameterError
 from serving.core.scheduler import AdmissionGate
 from serving.core.step_parts import StepPart
@@ -350,8 +351,8 @@ class LoraManager(StepPart):
         """Writes an adapter (None: zeros) into a device slot before the next step reads it."""
         self._engine().runner.update_part_state(self, write_slot_jit, np.int32(slot), *self._slot_contents(adapter))
 
-    def token_fields(self) -> dict:
-        return {FIELD: -1}
+    def token_fields(self) -> tuple:
+        return (TokenField(FIELD, fill=-1),)
 
     def weight_state(self, cfg, params, layout):
         """Every slot empty (all zeros), each array sharded like its base weight (a pipeline layout stages

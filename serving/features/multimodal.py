@@ -1,15 +1,16 @@
-"""Image inputs in the engine: from the images a prompt carries to the step's inputs.
+"""Image inputs in the engine, a step part: from the images a prompt carries to the step's inputs.
 
-At admission (`Multimodal.prepare`, on the caller's thread) each image is converted to RGB and named by
+At admission (`Multimodal.expand_prompt`, on the caller's thread) each image is converted to RGB and named by
 a digest of its pixels; the encoder's output for that digest comes from `EncoderCache` or is computed
 (preprocessing on the host, the encoder on the device, `model.vision.encoder`) and cached, so a repeated
 image is encoded once. Each image placeholder token of the prompt is expanded into the image's number of
 placeholder tokens (a prompt already expanded, as the HF processor leaves it, is taken as it is), and a
 decoder with multimodal RoPE gets the prompt's (temporal, height, width) positions. All of it is the
-request's `RequestImages`.
+request's `RequestImages`, its `prompt_content`.
 
-In every step (`Multimodal.pack`, a `StepPart`) each scheduled sequence writes its rows of the step's
-"rope_positions" and "image_embeds" fields (`input_batch.StepShape`): a prefill chunk takes the slice of
+In every step (`Multimodal.pack`) each scheduled sequence writes its rows of the step's
+"rope_positions" and "image_embeds" fields (the part's `token_fields`), which the step hands the
+forward (`apply_to_inputs`): a prefill chunk takes the slice of
 its images' embeddings that falls inside the chunk, wherever the chunk boundaries cut, and a decode
 continues the positions past the prompt. Preemption, prefix hits and recompute need nothing more: the
 rows follow from (request, first position, count) alone.
@@ -45,6 +46,7 @@ import dataclasses
 import hashlib
 import threading
 import time
+import weakref
 from typing import Optional
 
 import numpy as np
@@ -52,6 +54,7 @@ import numpy as np
 from model.vision import encoder
 from model.vision.qwen2_5_vl_processor import to_rgb
 from model.vision import encoder_buckets
+from serving.core.input_batch import TokenField
 from serving.core.sampling_params import InvalidParameterError
 from serving.core.scheduler import AdmissionGate
 from serving.core.step_parts import StepPart
@@ -180,20 +183,70 @@ class ImageChunks(AdmissionGate):
     (`RequestImages.chunk_stop`)."""
 
     def chunk_end(self, seq, start: int, end: int) -> int:
-        images = getattr(seq.request, "images", None)
+        images = seq.request.prompt_content
         return end if images is None else images.chunk_stop(start, end)
 
 
 class Multimodal(StepPart):
-    """The engine's image inputs (a `StepPart`): admission-time encoding and the per-step rows."""
+    """A vision-language model's image inputs (a `StepPart`, built from the options for a model with a vision
+    tower): admission-time encoding and the per-step rows, which the step hands the forward."""
 
-    def __init__(self, cfg, vision_weights, *, cache_bytes: int, limit_per_prompt: int):
+    takes_prompt_keys = (FIELD,)
+
+    def __init__(self, cfg, *, cache_bytes: int, limit_per_prompt: int):
         self.cfg = cfg
-        self.vision_weights = vision_weights  # placed on the device by the runner
+        # The runner, weakly (its params hold the vision weights): the part is a static argument of the step
+        # program, so JAX's tracing cache holds it past the engine's life.
+        self._runner = lambda: None
+        self._limits = None  # (the step's token budget, its logit rows): what one prefill step can hold
         self.cache = EncoderCache(cache_bytes)
         self.limit_per_prompt = limit_per_prompt
         self.seconds = {"preprocess": 0.0, "encode": 0.0}  # time spent, for benchmarks and stats
         self._time_lock = threading.Lock()
+
+    def attach(self, engine) -> None:
+        self._runner = weakref.ref(engine.runner)
+        self._limits = (engine.scheduler.config.max_num_batched_tokens, engine.scheduler.config.logit_rows)
+
+    @property
+    def vision_weights(self):
+        """The vision tower's weights, as the runner placed them (and as a weight update replaced them)."""
+        return self._runner().params.vision
+
+    def weights_replaced(self) -> None:
+        self.cache = EncoderCache(self.cache.capacity_bytes)  # outputs of the old encoder
+
+    def expand_prompt(self, prompt: dict, ids: list, params):
+        """(ids with image placeholders expanded, `RequestImages`) of a dict prompt carrying "multi_modal_data":
+        {"image": an image or a list of them}; None for a prompt without images."""
+        data = prompt.get(FIELD)
+        if data is None:
+            return None
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise InvalidParameterError(FIELD, f"{FIELD}: expected {{'image': an image or a list of images}}, got "
+                                               f"{type(data).__name__} {sorted(data) if isinstance(data, dict) else ''}")
+        images = data.get("image")
+        images = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
+        if not images:
+            return None
+        return self.prepare(ids, images)
+
+    def admit(self, request) -> None:
+        """An image attended both ways is prefilled in one step (`RequestImages.chunk_stop`): refuses one
+        larger than a step's token budget (or, with prompt logprobs, its logit rows), which could never run."""
+        images = request.prompt_content
+        if images is None or not images.bidirectional:
+            return
+        limit, what = self._limits[0], "max_num_batched_tokens"
+        if request.params.prompt_logprobs is not None and self._limits[1] < limit:
+            limit, what = self._limits[1], "the logit rows of one step (prompt_logprobs)"
+        for i, im in enumerate(images.images):
+            if im.encoded.num_tokens > limit:
+                raise InvalidParameterError(FIELD, f"{FIELD}.image[{i}]: its {im.encoded.num_tokens} tokens are "
+                                                   f"prefilled in one step and exceed {what}={limit}")
+
+    def gate(self):
+        return ImageChunks()
 
     def encoded(self, image, what: str) -> tuple[bytes, Encoded]:
         """(digest, encoder output) of one image; `what` names it in errors ("multi_modal_data.image[1]")."""
@@ -244,18 +297,33 @@ class Multimodal(StepPart):
         placed = [PlacedImage(d, s, e) for (d, e), s in zip(encoded, starts)]
         return ids, RequestImages(placed, rope, delta, bidirectional=self.cfg.vision.bidirectional)
 
+    # --- the step ------------------------------------------------------------------------------------
+    def token_fields(self) -> tuple:
+        """Every token's multimodal RoPE positions, the end of the image it is in (0: none) and its image
+        embedding row (zeros outside images)."""
+        return (TokenField("rope_positions", (3, -1)), TokenField("span_end"),
+                TokenField("image_embeds", (-1, self.cfg.hidden_size), "float32"))
+
     def pack(self, batch) -> None:
-        if not batch.shape.image_hidden:
-            return
-        v = batch.shape.split(batch.ibuf, batch.fbuf)
+        v = batch.views()
         rope, embeds = v["rope_positions"], v["image_embeds"]
         rope[:] = v["positions"][None, :]  # text: the three axes are the token's position
         spans = v["span_end"]
         spans[:] = 0  # text: no image, causal
         for seq, row, start, count in batch.token_spans:
-            images = seq.request.images
+            images = seq.request.prompt_content
             if images is not None:
                 images.fill(rope[:, row:row + count], embeds[row:row + count], start, count, spans[row:row + count])
+
+    def apply_to_inputs(self, views, md):
+        """The rows' multimodal positions and image ends join the batch metadata; their embeddings replace the
+        placeholder tokens' in the forward (`model.forward.merge_image_embeds`; a pipeline layout merges them
+        before its first stage)."""
+        md = dataclasses.replace(md, rope_positions=views["rope_positions"], span_end=views["span_end"])
+        return md, {"image_embeds": views["image_embeds"]}
+
+    def program_key(self):
+        return ("multimodal", self.cfg.hidden_size)
 
 
 def expand_placeholders(token_ids: list[int], image_token_id: int, counts: list[int]) -> tuple[list[int], list[int]]:
