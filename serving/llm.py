@@ -28,7 +28,7 @@ from serving.features.lora import LoRARequest, LoraManager, parse_lora_modules
 from serving.core.engine import Engine, EngineConfig
 from serving.core.outputs import RequestOutput
 from serving.core.sampling_params import InvalidParameterError, SamplingParams
-from serving.features import build_parts
+from serving.features import build_parts, sleep_mode
 
 log = logging.getLogger(__name__)
 
@@ -333,7 +333,27 @@ class LLM:
         if self.multihost is not None:
             raise NotImplementedError("update_weights in a multi-process run: every process would have to place "
                                       "its own shards; not supported yet")
-        return weight_updates.update_weights(self.engine, weights, version)
+        version = weight_updates.update_weights(self.engine, weights, version)
+        sleep_mode.weights_updated(self.engine)
+        return version
+
+    # --- sleep mode (serving.features.sleep_mode) -----------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Gives the device memory back between uses: level 1 moves the weights to host memory and lets the KV
+        pool go; level 2 drops the weights too (update them after `wake_up(tags=["weights"])`). The engine must
+        have no unfinished request; `generate` raises `EngineUnavailableError` until it is awake."""
+        if self.multihost is not None:
+            raise NotImplementedError("sleep in a multi-process run: not supported yet")
+        sleep_mode.sleep(self.engine, level)
+
+    def wake_up(self, tags: Optional[list] = None) -> None:
+        """Takes the memory of `tags` ("weights", "kv_cache"; default both) back; generation after a level-1
+        sleep is what it was before it."""
+        sleep_mode.wake_up(self.engine, tags)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return sleep_mode.is_sleeping(self.engine)
 
     @property
     def weight_version(self) -> int:

@@ -99,6 +99,11 @@ def define_flags(flag_values: Optional[flags.FlagValues] = None) -> None:
     flags.DEFINE_boolean("allow_runtime_lora_updating", False, "Mount POST /v1/load_lora_adapter and "
                          "/v1/unload_lora_adapter (behind --api_key when set), which load and unload LoRA adapters "
                          "while serving (needs --enable_lora).")
+    flags.DEFINE_boolean("enable_rl_routes", False, "Mount the routes an RL trainer drives the server with: POST "
+                         "/sleep, /wake_up, /reset_prefix_cache, /update_weights and GET /is_sleeping (behind "
+                         "--api_key when set). vLLM's VLLM_SERVER_DEV_MODE=1 turns them on too.")
+    flags.DEFINE_list("rl_checkpoint_roots", [], "Directories POST /update_weights may read checkpoints under "
+                      "(symlinks resolved); empty: it reads none.")
     flags.DEFINE_boolean("cache_salt_per_api_key", False, "Bind every request's prefix-cache salt to its API key, "
                          "so clients with different keys never share cached KV pages (needs --api_key).")
     flags.DEFINE_enum("tool_call_parser", None, sorted(PARSER_NAMES), "How tool calls are read from the output "
@@ -179,7 +184,7 @@ def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window
                 num_devices: int = 1, profile_dir: str | None = None, api_keys=None,
                 kv_transfer_secret: str | None = None, tool_call_parser: str | None = None, limits=None,
                 shutdown_timeout_s: float = 30.0, reasoning_parser: str | None = None, responses_store=None,
-                media=None, allow_lora_updates: bool = False):
+                media=None, allow_lora_updates: bool = False, rl_routes=None):
     """(FastAPI app, AsyncEngine, ServerMetrics) over an `LLM` whose engine is not yet running.
 
     The engine thread starts here; stop it with `async_engine.shutdown()`. `profile_dir` enables
@@ -190,7 +195,8 @@ def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window
     `app.state.drain` (`serving.api.drain.Drain`) drains the server, in-flight requests getting up to
     `shutdown_timeout_s`.
     `media` (`serving.api.media.MediaOptions`) says where image URLs may be fetched from and how much.
-    `allow_lora_updates` mounts the LoRA load / unload routes (`serving.api.lora_routes`).
+    `allow_lora_updates` mounts the LoRA load / unload routes (`serving.api.lora_routes`); `rl_routes`
+    (`serving.api.rl_routes.RLRouteOptions`, None: off) the routes an RL trainer drives the server with.
     """
     from serving.api.drain import Drain, DrainGate
     from serving.api.request_limits import RequestLimits, add_request_limits
@@ -214,7 +220,7 @@ def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window
                                  vocab_size=llm.config.vocab_size, profile_dir=profile_dir, api_keys=api_keys,
                                  kv_transfer_secret=kv_transfer_secret, tool_call_parser=tool_call_parser,
                                  reasoning_parser=reasoning_parser, responses_store=responses_store, media=media,
-                                 allow_lora_updates=allow_lora_updates)
+                                 allow_lora_updates=allow_lora_updates, rl_routes=rl_routes)
     except BaseException:  # an option create_app refuses: no engine thread is left running behind the error
         async_engine.shutdown()
         raise
@@ -305,7 +311,7 @@ class ServerThread:
                  peak=None, log_level: str = "warning", profile_dir: str | None = None, api_keys=None,
                  kv_transfer_secret: str | None = None, tool_call_parser: str | None = None, limits=None,
                  reasoning_parser: str | None = None, responses_store=None, media=None,
-                 allow_lora_updates: bool = False):
+                 allow_lora_updates: bool = False, rl_routes=None):
         import uvicorn
 
         self.app, self.async_engine, self.metrics = build_stack(llm, model_name, peak=peak,
@@ -314,7 +320,8 @@ class ServerThread:
                                                                 tool_call_parser=tool_call_parser, limits=limits,
                                                                 reasoning_parser=reasoning_parser,
                                                                 responses_store=responses_store, media=media,
-                                                                allow_lora_updates=allow_lora_updates)
+                                                                allow_lora_updates=allow_lora_updates,
+                                                                rl_routes=rl_routes)
         self.model_name = model_name or default_model_name(llm)
         self.host, self.port = host, port or free_port(host)
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level=log_level,
@@ -466,6 +473,15 @@ def _media_from_flags():
                         max_bytes=FLAGS.media_max_bytes, fetch_timeout_s=FLAGS.media_fetch_timeout_s)
 
 
+def _rl_routes_from_flags():
+    """The RL routes' options, or None when they are off (`serving.api.rl_routes`)."""
+    from serving.api import rl_routes
+
+    if not (FLAGS.enable_rl_routes or rl_routes.enabled_by_env()):
+        return None
+    return rl_routes.RLRouteOptions(checkpoint_roots=tuple(r for r in FLAGS.rl_checkpoint_roots if r.strip()))
+
+
 class _Start:
     """The server's start, phase by phase, keeping what each phase started so that a refusal in a later
     one (`create_app` refusing an option while the background warm-up compiles) stops it before exiting."""
@@ -530,7 +546,8 @@ class _Start:
             api_keys=api_keys, kv_transfer_secret=secret, tool_call_parser=FLAGS.tool_call_parser,
             limits=_limits_from_flags(), shutdown_timeout_s=FLAGS.shutdown_timeout_s,
             reasoning_parser=FLAGS.reasoning_parser, responses_store=responses_store_from_flags(),
-            media=_media_from_flags(), allow_lora_updates=FLAGS.allow_runtime_lora_updating)
+            media=_media_from_flags(), allow_lora_updates=FLAGS.allow_runtime_lora_updating,
+            rl_routes=_rl_routes_from_flags())
         if FLAGS.profile_dir:
             log.info("profiling: POST /start_profile and /stop_profile write traces under %s", FLAGS.profile_dir)
         if llm.multihost is not None:

@@ -42,12 +42,15 @@ from serving.api import reasoning as R
 from serving.api.profiling import TraceControl
 from serving.api.responses_store import ResponseStore
 from serving.core.async_engine import EngineDeadError
+from serving.core.engine import EngineUnavailableError
 from serving.core.engine import ContextLengthError
 from serving.api.answer_stream import DeltaTracker
 from serving.api.http_util import ClientGone, primed_stream, until_disconnect  # noqa: F401 (also imported from here)
 from serving.core.sampling_params import InvalidParameterError, SamplingParams
 
 log = logging.getLogger("ridgeline.http")
+# Seconds a client is told to wait (Retry-After) when the engine is asleep (`serving.api.rl_routes`).
+UNAVAILABLE_RETRY_AFTER_S = 5
 
 
 class ServingContext:
@@ -273,6 +276,9 @@ class ServingContext:
             except EngineDeadError as e:
                 queue.put_nowait((i, P.APIError(f"the engine has stopped: {e}", status=503, type="server_error",
                                                 code="engine_dead")))
+            except EngineUnavailableError as e:  # asleep (RL routes): come back later
+                queue.put_nowait((i, P.APIError(str(e), status=503, type="server_error", code="engine_unavailable",
+                                                headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)})))
             except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
                 queue.put_nowait((i, e))
             finally:
@@ -366,20 +372,21 @@ def _in_band_error(e: Exception) -> dict:
 
 
 def _error_response(err: P.APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=None,
                vocab_size: int | None = None, profile_dir: str | None = None, api_keys: APIKeys | None = None,
                kv_transfer_secret: str | None = None, tool_call_parser: str | None = None,
                reasoning_parser: str | None = None, responses_store=None,
-               media: MediaOptions | None = None, allow_lora_updates: bool = False) -> FastAPI:
+               media: MediaOptions | None = None, allow_lora_updates: bool = False, rl_routes=None) -> FastAPI:
     """The FastAPI app serving `engine` (an `AsyncEngine`) under the name `model_name`.
 
     `api_keys` guards the OpenAI and profiling routes (`serving.api.http_auth`); the internal KV
     routes of disaggregated serving are mounted only with a `kv_transfer_secret`, which signs
     and verifies their payloads (`serving.disaggregation.disagg`). `allow_lora_updates` mounts
-    `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (`serving.api.lora_routes`).
+    `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (`serving.api.lora_routes`). `rl_routes` (a
+    `serving.api.rl_routes.RLRouteOptions`) mounts the sleep, wake, prefix-cache reset and weight-update routes.
     """
     ctx = ServingContext(engine, tokenizer, model_name, max_model_len, metrics, vocab_size, api_keys, tool_call_parser,
                          reasoning_parser, media)
@@ -540,6 +547,10 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
     add_utility_routes(app, ctx, keyed)  # /tokenize, /detokenize, /version, /v1/models/{id}
     if allow_lora_updates:
         lora_routes.add_lora_routes(app, ctx, keyed)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
+    if rl_routes is not None:
+        from serving.api.rl_routes import add_rl_routes
+
+        add_rl_routes(app, ctx, keyed, rl_routes)  # /sleep, /wake_up, /is_sleeping, /reset_prefix_cache, ...
 
     from serving.api.responses_api import add_responses_routes
 

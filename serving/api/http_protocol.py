@@ -29,13 +29,14 @@ class APIError(Exception):
     """An error with an HTTP status that the app turns into OpenAI's error envelope."""
 
     def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | int | None = None):
+                 param: str | None = None, code: str | int | None = None, headers: dict | None = None):
         super().__init__(message)
         self.message = message
         self.status = status
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers  # extra response headers (Retry-After of a 503)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, type=self.type, param=self.param, code=self.code)

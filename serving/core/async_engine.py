@@ -156,6 +156,18 @@ class AsyncEngine:
             self.abort(request_id)
         return len(streams)
 
+    async def call(self, fn):
+        """Runs `fn(engine)` on the engine thread between two steps (nothing else touches the engine while it
+        runs) and returns its result, or raises what it raised: for operations on the engine as a whole
+        (sleep, weight updates) that must not race a step."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._inbox.append(("call", (fn, future)))
+        self._wake.set()
+        if self._error is not None:
+            raise EngineDeadError("the engine loop has stopped") from self._error
+        return await asyncio.wrap_future(future)
+
     def abort(self, request_id: str) -> None:
         """Aborts a request (no-op if unknown or done); its pages are freed before the next step."""
         with self._lock:
@@ -194,6 +206,12 @@ class AsyncEngine:
                     self.engine.enqueue(x)
                 except ValueError as e:
                     self._deliver(x.request_id, e)
+            elif kind == "call":
+                fn, future = x
+                try:
+                    future.set_result(fn(self.engine))
+                except Exception as e:  # noqa: BLE001 - the caller's to handle
+                    future.set_exception(e)
             else:
                 self.engine.abort_request(x)
 

@@ -67,6 +67,11 @@ class ContextLengthError(InvalidParameterError):
     """The prompt plus the requested tokens do not fit the context window."""
 
 
+class EngineUnavailableError(RuntimeError):
+    """The engine takes no request now, for a while (`Engine.unavailable` says why: asleep, or woken without
+    weights): a 503 over HTTP, to be retried later."""
+
+
 # How the engine batches, caches and samples: a frozen dataclass with one field per option of
 # `serving.core.engine_args` that the engine reads (same names, types, defaults; the help there says what each does).
 EngineConfig = engine_args.make_engine_config_class(__name__)
@@ -165,6 +170,9 @@ class Engine:
         self.overlap = config.async_scheduling and self.spec is None
         self._in_flight: Optional[_StepInFlight] = None  # dispatched, not yet processed
         self.weight_version = self.weights_epoch = 0  # label and count of weight updates (`serving.core.weights`)
+        # Why the engine takes no request now (None: it does): set and cleared by whoever made it so (sleep
+        # mode, `serving.features.sleep_mode`); `make_request` refuses every request meanwhile.
+        self.unavailable: Optional[str] = None
 
     def part(self, kind: type) -> Optional[StepPart]:
         """The engine's part of class `kind` (or of a subclass of it), or None (for tests and benchmarks that
@@ -184,6 +192,8 @@ class Engine:
         one that no part takes is refused. A request made here and never queued must be
         dropped (`drop_request`): a part may hold something for it from here on.
         """
+        if self.unavailable is not None:
+            raise EngineUnavailableError(self.unavailable)
         params = (params or self.default_sampling_params).clone()
         params.validate(self.cfg.vocab_size)
         self._check_priority(priority)

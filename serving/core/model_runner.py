@@ -175,6 +175,18 @@ def _replicate(sharding):
     return jax.jit(lambda x: x, out_shardings=sharding)
 
 
+def _specs_of(tree):
+    """The shapes, dtypes and shardings of a pytree of placed arrays."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def _zeros_like(specs):
+    """Zeroed arrays of `_specs_of`'s specs, each made where its sharding says (by one program, so a mesh over
+    several processes makes its own shards)."""
+    shardings = jax.tree.map(lambda s: s.sharding, specs)
+    return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), specs), out_shardings=shardings)()
+
+
 def _program_ref(jitted) -> tuple[str, str]:
     """(module, name) of a module-level program, so another process can import it (`_program`)."""
     module = sys.modules.get(getattr(jitted, "__module__", None) or "")
@@ -479,6 +491,43 @@ class ModelRunner:
         if part in self.forward_parts:
             return self.weight_states[self.forward_parts.index(part)]
         return self.part_states[self.logit_parts.index(part)]
+
+    # --- giving device memory back between uses (`serving.features.sleep_mode`) ----------------------
+    # The arrays are let go, not deleted: memory returns once nothing else holds them (a trainer that shares
+    # the engine's weights keeps its own). They come back with the same shapes, dtypes and shardings, so no
+    # step program compiles again.
+    _released_weights = None  # (specs, host copy or None) while the weights are released
+    _released_cache = None  # the cache's specs while it is released
+
+    def release_weights(self, keep_host_copy: bool) -> None:
+        """Lets the weights' device arrays go, keeping a host copy (`restore_weights` puts it back) or not (they
+        come back as zeros, for the caller to replace with `update_weights`)."""
+        if self.params is None:
+            return
+        host = jax.device_get(self.params) if keep_host_copy else None
+        self._released_weights = (_specs_of(self.params), host)
+        self.params = None
+
+    def restore_weights(self) -> bool:
+        """Places the released weights again; returns whether their contents came back (False: zeros)."""
+        if self._released_weights is None:
+            return True
+        specs, host = self._released_weights
+        shardings = jax.tree.map(lambda s: s.sharding, specs)
+        self.params = _zeros_like(specs) if host is None else jax.device_put(host, shardings)
+        self._released_weights = None
+        return host is not None
+
+    def release_cache(self) -> None:
+        """Lets the KV pool's device arrays go (its contents are lost: the caller forgets what it cached)."""
+        if self.cache is not None:
+            self._released_cache = _specs_of(self.cache)
+            self.cache = None
+
+    def restore_cache(self) -> None:
+        """A zeroed KV pool of the released one's shapes and shardings."""
+        if self._released_cache is not None:
+            self.cache, self._released_cache = _zeros_like(self._released_cache), None
 
     @property
     def param_bytes(self) -> int:

@@ -64,6 +64,8 @@ from model.quant import QuantizedArray, is_quantized, quantize
 def get_weights(engine):
     """The engine's weights as it serves them: the placed arrays themselves (shardings, stacking,
     quantization as loaded)."""
+    if engine.runner.params is None:
+        raise ValueError("the weights are asleep (sleep mode): wake them first (wake_up(tags=['weights']))")
     return engine.runner.params
 
 
@@ -73,6 +75,9 @@ def update_weights(engine, weights, version: Optional[int] = None) -> int:
     wrong structure, shape or dtype, before anything is replaced."""
     _check_version(version)
     runner = engine.runner
+    if runner.params is None:
+        raise ValueError("the weights are asleep (sleep mode): wake them first (wake_up(tags=['weights'])), then "
+                         "update them")
     weights = _engine_structure(runner.params, weights, engine.cfg)
     names, targets, treedef = _named_leaves(runner.params)
     given = _in_order(names, *_named_leaves(weights)[:2])
