@@ -2,6 +2,8 @@
 
 `config.json`'s `quantization_config` names the format (`quant_method`). Supported:
 
+* `"compressed-tensors"` (llm-compressor's w4a16, FP8 and int8 checkpoints): `model.quant_compressed`.
+* `"gptq"`, `"awq"` (4-bit): `model.quant_gptq`.
 * `"fp8"`: the fine-grained FP8 of transformers' `FineGrainedFP8Config` (Qwen3-*-FP8, DeepSeek-V3):
   every quantized linear weight is `float8_e4m3fn` `[out, in]` beside a `weight_scale_inv` `[ceil(out /
   bo), ceil(in / bi)]` (`weight_block_size` `[bo, bi]`; fp32 or bf16), the weight being
@@ -35,7 +37,7 @@ from absl import logging
 
 from model.config import ModelConfig
 from model.hf_checks import ConversionError, check_names
-from model.quant import quantize_grouped
+from model.quant import grouped_kind, quantize, quantize_grouped
 
 # safetensors dtype names -> numpy dtypes (what `_read_raw` maps).
 _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -72,8 +74,12 @@ def checkpoint_format(hf: dict) -> QuantFormat | None:
     if method == "awq":
         from model.quant_gptq import awq_format
         return awq_format(qc, QuantFormat)
+    if method == "compressed-tensors":
+        from model.quant_compressed import compressed_format
+        return compressed_format(qc, QuantFormat)
     raise ConversionError(f"quantization_config.quant_method {method!r} is not supported; supported: 'fp8' "
-                 f"(fine-grained block-scaled FP8), 'gptq' (4-bit, sym), 'awq' (4-bit gemm)")
+                 f"(fine-grained block-scaled FP8), 'gptq' (4-bit, sym), 'awq' (4-bit gemm), 'compressed-tensors' "
+                 f"(w4a16, fp8, int8)")
 
 
 def _fp8_format(qc: dict) -> QuantFormat:
@@ -145,6 +151,10 @@ class WeightReader:
 
 
 def _reader(fmt: QuantFormat) -> WeightReader:
+    if fmt.method.startswith("compressed-tensors"):
+        from model.quant_compressed import reader_for
+
+        return reader_for(fmt, WeightReader)
     if fmt.method in ("gptq", "awq"):
         from model import quant_gptq
 
@@ -184,7 +194,10 @@ def read_quantized(plan, located: dict[str, str], cfg: ModelConfig, fmt: QuantFo
         elif t.ours + ".data" in decl_flat:  # a float linear weight (modules_to_not_convert): the model's kind
             data_decl, scale_decl = decl_flat[t.ours + ".data"], decl_flat[t.ours + ".scale"]
             w = np.asarray(t.relayout(files.read(t.hf)), np.float32)
-            q = quantize_grouped(w, data_decl.dtype, len(scale_decl.shape) - 1, fmt.block[1])
+            if grouped_kind(cfg.weight_dtype) is not None:
+                q = quantize_grouped(w, data_decl.dtype, len(scale_decl.shape) - 1, fmt.block[1])
+            else:  # a per-output-channel kind (int8, fp8)
+                q = quantize(w, cfg.weight_dtype, len(scale_decl.shape))
             data, scale = np.asarray(q.data), np.asarray(q.scale)
             requantized.append(t.hf)
         else:

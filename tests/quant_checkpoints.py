@@ -1,6 +1,9 @@
 """Tiny Hugging Face checkpoints in the published quantized formats, written from a float transformers model
 following each format's layout (the tensors and `quantization_config` that the quantizers write).
 
+`compressed_tensors_checkpoint`: written by compressed-tensors itself (llm-compressor's format), its reference
+transformers' own loading of it.
+
 `fp8_block_checkpoint`: fine-grained FP8 (`quant_method` "fp8"): each linear weight `float8_e4m3fn`
 [out, in] beside `weight_scale_inv` [ceil(out / 128), ceil(in / 128)], block max scaled to 448.
 The float model is also returned with its linear weights replaced by the dequantized ones: the exact
@@ -175,6 +178,63 @@ def awq_checkpoint(model, directory: str, group: int = 128):
     _set_quantization_config(directory, {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm",
                                          "zero_point": True})
     return model
+
+
+# compressed-tensors weight schemes (llm-compressor's presets, weight side): name -> QuantizationArgs fields.
+COMPRESSED_SCHEMES = {
+    "w4a16": dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32),
+    "fp8-channel": dict(num_bits=8, type="float", symmetric=True, strategy="channel"),
+    "fp8-tensor": dict(num_bits=8, type="float", symmetric=True, strategy="tensor"),
+    "w8a8-channel": dict(num_bits=8, type="int", symmetric=True, strategy="channel"),
+}
+# Their activation side, as the presets have it (dynamic per-token; nothing for w4a16).
+COMPRESSED_ACTIVATIONS = {"w4a16": None, "fp8-channel": dict(num_bits=8, type="float", strategy="token", dynamic=True),
+                          "fp8-tensor": dict(num_bits=8, type="float", strategy="token", dynamic=True),
+                          "w8a8-channel": dict(num_bits=8, type="int", strategy="token", dynamic=True)}
+
+
+def compressed_tensors_checkpoint(model, directory: str, scheme: str):
+    """Writes `model` as a compressed-tensors checkpoint with the format's own library, as llm-compressor does:
+    the scheme applied to every Linear but lm_head, each weight's scale from its min / max
+    (`calculate_qparams`, round to nearest), compressed (`ModelCompressor.compress_model`) and saved with its
+    `quantization_config` (`update_config`). Returns the reference: transformers loading the saved checkpoint
+    with compressed-tensors' own decompression, its activation quantization off (the weights as the
+    checkpoint stands for them; what Ridgeline serves is weight-only)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs, QuantizationConfig, QuantizationScheme, apply_quantization_config, disable_quantization,
+    )
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    weights = QuantizationArgs(**COMPRESSED_SCHEMES[scheme])
+    acts = COMPRESSED_ACTIVATIONS[scheme]
+    config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(
+        targets=["Linear"], weights=weights, input_activations=None if acts is None else QuantizationArgs(**acts))},
+        ignore=["lm_head"])
+    apply_quantization_config(model, config, show_progress=False)
+    with torch.no_grad():
+        for _, module in model.named_modules():
+            if getattr(module, "quantization_scheme", None) is None:
+                continue
+            w = module.weight.float()
+            if weights.strategy == "group":
+                w = w.reshape(w.shape[0], -1, weights.group_size)
+                lo, hi = w.amin(-1), w.amax(-1)
+            elif weights.strategy == "channel":
+                lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+            else:
+                lo, hi = w.amin(), w.amax()
+            scale, _ = calculate_qparams(lo, hi, weights)
+            module.weight_scale.data = scale.to(module.weight_scale.dtype).reshape(module.weight_scale.shape)
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.save_pretrained(directory)
+    compressor.update_config(directory)
+    ref = AutoModelForCausalLM.from_pretrained(directory, quantization_config=CompressedTensorsConfig(dequantize=True),
+                                               dtype=torch.float32).eval()
+    ref.apply(disable_quantization)
+    return ref
 
 
 def _set_quantization_config(directory: str, quantization_config: dict) -> None:

@@ -1,0 +1,100 @@
+"""compressed-tensors checkpoints (`model.quant_compressed`): tiny random Llamas quantized and saved by the
+compressed-tensors library itself (w4a16 in groups, FP8 per channel and per tensor, int8 per channel), converted
+into Ridgeline's weight kinds without widening, compared with transformers loading the same checkpoint (its
+compressed-tensors decompression; activations not quantized, as Ridgeline serves them) and served greedily."""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+
+from model.checkpoint import load_checkpoint  # noqa: E402
+from model.convert_hf import ConversionError, convert  # noqa: E402
+from model.quant import GroupQuantizedArray, QuantizedArray  # noqa: E402
+from quant_checkpoints import (  # noqa: E402
+    assert_serves_greedy_tokens, compressed_tensors_checkpoint, edited_quantization_config,
+)
+from test_hf_parity import Runner, hf_logits, make_hf_model, run_one_call  # noqa: E402
+from test_quant_int4_checkpoints import PROMPTS, SMALL, log_softmax  # noqa: E402
+
+KINDS = {"w4a16": ("int4_g32", GroupQuantizedArray, jnp.int8), "fp8-channel": ("fp8", QuantizedArray, jnp.float8_e4m3fn),
+         "fp8-tensor": ("fp8", QuantizedArray, jnp.float8_e4m3fn), "w8a8-channel": ("int8", QuantizedArray, jnp.int8)}
+
+
+@pytest.fixture(scope="module", params=sorted(KINDS))
+def checkpoint(request, tmp_path_factory):
+    """(scheme, hf_dir, transformers' model of it, converted dir)."""
+    d = str(tmp_path_factory.mktemp(request.param))
+    hf_dir = os.path.join(d, "hf")
+    ref = compressed_tensors_checkpoint(make_hf_model(seed=5, **SMALL), hf_dir, request.param)
+    convert(hf_dir, os.path.join(d, "out"), dtype="float32", progress=False)
+    return request.param, hf_dir, ref, os.path.join(d, "out")
+
+
+def test_weights_load_as_the_kind_the_scheme_maps_to(checkpoint):
+    scheme, _, ref, out = checkpoint
+    kind, cls, dtype = KINDS[scheme]
+    cfg, params = load_checkpoint(out)
+    assert cfg.weight_dtype == kind
+    down = params.layers[0].w_down
+    assert isinstance(down, cls) and down.data.dtype == dtype and down.data.shape == (256, 384)
+    if scheme == "w4a16":
+        assert down.scale.shape == (256, 384 // 32)
+        assert -8 <= int(np.asarray(down.data).min()) and int(np.asarray(down.data).max()) <= 7
+    else:
+        assert down.scale.shape == (256,)
+        if scheme == "fp8-tensor":
+            assert np.unique(np.asarray(down.scale)).size == 1
+
+
+def test_logprobs_match_transformers_on_the_same_checkpoint(checkpoint):
+    scheme, _, ref, out = checkpoint
+    cfg, params = load_checkpoint(out)
+    ours = {s: log_softmax(v) for s, v in run_one_call(Runner(cfg, params, seed=0), PROMPTS).items()}
+    for s, ids in enumerate(PROMPTS):
+        diff = np.abs(ours[s] - log_softmax(hf_logits(ref, ids))).max()
+        print(f"compressed-tensors {scheme} prompt {s}: max |dlogprob| {diff:.2e}")
+        assert diff < 2e-4, (scheme, s, diff)  # float32 rounding: the scale multiplies the matmul's output here
+
+
+def test_serves_the_greedy_tokens_of_transformers(checkpoint, tmp_path):
+    scheme, hf_dir, ref, _ = checkpoint
+    if scheme not in ("w4a16", "fp8-channel"):
+        pytest.skip("served for two kinds: the step is the same program for the rest")
+    assert_serves_greedy_tokens(hf_dir, ref, PROMPTS, str(tmp_path / "cache" / "jax"), weight_dtype=KINDS[scheme][0])
+
+
+def _edit_weights(qc: dict, **changes) -> dict:
+    group = dict(qc["config_groups"]["group_0"])
+    group["weights"] = {**group["weights"], **changes}
+    return {"config_groups": {"group_0": group}}
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda qc: _edit_weights(qc, symmetric=False), "weights.symmetric False is not supported"),
+    (lambda qc: _edit_weights(qc, num_bits=8), "weights.num_bits 8 is not supported"),
+    (lambda qc: _edit_weights(qc, strategy="channel"), "weights.strategy 'channel' is not supported"),
+    (lambda qc: _edit_weights(qc, actorder="group"), "weights.actorder 'group' is not supported"),
+    (lambda qc: {"kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme"),
+    (lambda qc: {"format": "nvfp4-pack-quantized",
+                 "config_groups": {"group_0": {**qc["config_groups"]["group_0"], "format": "nvfp4-pack-quantized"}}},
+     "format 'nvfp4-pack-quantized' is not supported"),
+])
+def test_an_unsupported_variant_is_refused_naming_the_field(checkpoint, tmp_path, edit, words):
+    scheme, hf_dir, _, _ = checkpoint
+    if scheme != "w4a16":
+        pytest.skip("refusals checked on one checkpoint")
+    import json
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        qc = json.load(f)["quantization_config"]
+    edited = edited_quantization_config(hf_dir, str(tmp_path / "edited"), **edit(qc))
+    with pytest.raises(ConversionError, match=words):
+        convert(edited, str(tmp_path / "out"), dtype="float32", progress=False)
