@@ -25,10 +25,10 @@ from serving import model_source
 from serving.cluster import distributed, multihost
 from serving.core import compile_cache, engine_args, weights as weight_updates
 from serving.features.lora import LoRARequest, LoraManager, parse_lora_modules
-from serving.core.engine import Engine, EngineConfig
+from serving.core.engine import Engine, EngineConfig, EngineUnavailableError
 from serving.core.outputs import RequestOutput
 from serving.core.sampling_params import InvalidParameterError, SamplingParams
-from serving.features import build_parts, sleep_mode
+from serving.features import build_parts, pause, sleep_mode
 
 log = logging.getLogger(__name__)
 
@@ -355,6 +355,22 @@ class LLM:
     def is_sleeping(self) -> bool:
         return sleep_mode.is_sleeping(self.engine)
 
+    # --- pausing generation (serving.features.pause) --------------------------------------------------
+    def pause_generation(self, mode: str = "abort") -> str:
+        """Holds the engine's steps: "abort" ends unfinished requests with their tokens so far, "wait" lets the
+        started ones finish first, "keep" freezes them to continue on `resume_generation` (under the weights
+        the engine has then). `generate` refuses to run while paused. Returns the state."""
+        return pause.pause(self.engine, mode)
+
+    def resume_generation(self, recompute_kv: bool = False) -> None:
+        """Lets the steps run again; `recompute_kv` has the requests that continue recompute their K/V first
+        (after a weight update)."""
+        pause.resume(self.engine, recompute_kv)
+
+    @property
+    def is_paused(self) -> bool:
+        return pause.state(self.engine) != "running"
+
     @property
     def weight_version(self) -> int:
         """The version of the weights served: 0 as loaded, then what each `update_weights` set."""
@@ -391,6 +407,8 @@ class LLM:
             raise ValueError(f"{len(lora_request)} lora requests for {len(prompts)} prompts")
         names = [self._lora_name(lr) for lr in lora_request]
         engine = self.engine
+        if engine.steps_held():  # (nothing would run: this call would wait forever)
+            raise EngineUnavailableError("generation is paused: resume_generation() first")
         reqs = []
         try:
             for p, sp, name, pr in zip(prompts, sampling_params, names, priority):

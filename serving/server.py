@@ -100,7 +100,8 @@ def define_flags(flag_values: Optional[flags.FlagValues] = None) -> None:
                          "/v1/unload_lora_adapter (behind --api_key when set), which load and unload LoRA adapters "
                          "while serving (needs --enable_lora).")
     flags.DEFINE_boolean("enable_rl_routes", False, "Mount the routes an RL trainer drives the server with: POST "
-                         "/sleep, /wake_up, /reset_prefix_cache, /update_weights and GET /is_sleeping (behind "
+                         "/sleep, /wake_up, /pause, /resume, /reset_prefix_cache, /update_weights and GET "
+                         "/is_sleeping, /is_paused (behind "
                          "--api_key when set). vLLM's VLLM_SERVER_DEV_MODE=1 turns them on too.")
     flags.DEFINE_list("rl_checkpoint_roots", [], "Directories POST /update_weights may read checkpoints under "
                       "(symlinks resolved); empty: it reads none.")

@@ -362,7 +362,9 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> P.Usage:
 
 
 def _finish_reason(reason):
-    return None if reason is None else ("stop" if reason == "abort" else reason)
+    """The engine's finish reason as the OpenAI routes report it: as it is ("stop", "length", and vLLM's "abort"
+    for a request a pause ended with its tokens so far, `serving.features.pause`)."""
+    return reason
 
 
 def _in_band_error(e: Exception) -> dict:

@@ -1,6 +1,7 @@
 """The routes a reinforcement-learning trainer drives the server with, as vLLM's dev-mode routes are named:
-`POST /sleep?level=`, `POST /wake_up?tags=`, `GET /is_sleeping`, `POST /reset_prefix_cache` and
-`POST /update_weights` (`{"checkpoint": DIR, "version": N}`).
+`POST /sleep?level=`, `POST /wake_up?tags=`, `GET /is_sleeping`, `POST /pause?mode=abort|wait|keep`,
+`POST /resume?recompute_kv=`, `GET /is_paused`, `POST /reset_prefix_cache` and `POST /update_weights`
+(`{"checkpoint": DIR, "version": N}`).
 
 They change what every client is served, so they exist only when the server is started with
 `--enable_rl_routes` (or vLLM's `VLLM_SERVER_DEV_MODE=1`), and then behind the API key when keys are set.
@@ -14,6 +15,7 @@ the engine sleeps get a 503 with Retry-After (`http_app.ServingContext.stream_ou
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 from typing import Optional
@@ -70,14 +72,33 @@ def load_for_update(engine, directory: str):
 
 def add_rl_routes(app: FastAPI, ctx, keyed: list, options: RLRouteOptions) -> None:
     """Mounts the routes (the caller mounts them only when they are enabled)."""
-    from serving.features import sleep_mode
+    from serving.features import pause, sleep_mode
     from serving.core import weights as weight_updates
 
     async def on_engine(fn):
         try:
             return await ctx.engine.call(fn)
-        except sleep_mode.SleepError as e:
+        except (sleep_mode.SleepError, pause.PauseError) as e:
             raise P.APIError(str(e), code="invalid_value") from None
+
+    @app.post("/pause", dependencies=keyed)
+    async def pause_generation(mode: str = "abort"):
+        """Answers once paused: under "wait", after the started requests have finished."""
+        state = await on_engine(lambda engine: pause.pause(engine, mode))
+        while state == "draining":
+            await asyncio.sleep(0.05)
+            state = await on_engine(pause.state)
+        return {"is_paused": state == "paused", "mode": mode}
+
+    @app.post("/resume", dependencies=keyed)
+    async def resume_generation(recompute_kv: bool = False):
+        recomputed = await on_engine(lambda engine: pause.resume(engine, recompute_kv))
+        return {"is_paused": False, "recomputed_sequences": recomputed}
+
+    @app.get("/is_paused", dependencies=keyed)
+    async def is_paused():
+        state = await on_engine(pause.state)
+        return {"is_paused": state != "running", "state": state}
 
     @app.post("/sleep", dependencies=keyed)
     async def sleep(level: int = 1):

@@ -219,7 +219,9 @@ class AsyncEngine:
         try:
             while not self._stop:
                 self._drain_inbox()
-                if not self.engine.has_unfinished_requests():
+                engine = self.engine
+                # Idle, or paused (a part holds the steps) with nothing in flight to finish: wait for the inbox.
+                if not engine.has_output_ready() and (not engine.has_unfinished_requests() or engine.steps_held()):
                     self._wake.wait()
                     self._wake.clear()
                     continue

@@ -152,6 +152,7 @@ class Engine:
         self._rng = np.random.default_rng(config.seed)
         self._lock = threading.Lock()  # guards the seed generator (make_request may run on any thread)
         self._pending_finished: list[FinishedRequestStats] = []
+        self._emitted: list[RequestOutput] = []  # outputs made outside a step, returned by the next (`abort_request`)
         self._step_count = 0
         # The features that act inside a step, called in this order in each phase (`step_parts`): those
         # built outside the engine first, in their order (`parts`, each a part or a function building one of
@@ -329,8 +330,10 @@ class Engine:
         self.enqueue(req)
         return req
 
-    def abort_request(self, request_ids) -> None:
-        """Ends the requests at once and frees their pages; unknown ids are ignored."""
+    def abort_request(self, request_ids, emit: bool = False) -> None:
+        """Ends the requests at once and frees their pages; unknown ids are ignored. With `emit`, each one's
+        final output (its tokens so far, finish_reason "abort") is returned by the next `step()`, for callers
+        still waiting on it (a pause that aborts what runs: `serving.features.pause`)."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for rid in request_ids:
@@ -345,11 +348,23 @@ class Engine:
                     self.scheduler.finish(seq, "abort")
             self.stats_log.count_finished("abort")
             self._pending_finished.append(self._finished_stats(req, "abort", time.monotonic()))
+            if emit:
+                self._emitted.append(self.outputs.make_output(req))
 
     def has_unfinished_requests(self) -> bool:
         # A step still in flight when the last request ended holds only finished sequences:
         # the next call of `step` processes (and discards) it.
         return bool(self.requests)
+
+    def steps_held(self) -> bool:
+        """Whether a part holds the steps (generation paused, `StepPart.holds_steps`): `step()` then only
+        finishes the step in flight and returns what is ready, scheduling nothing."""
+        return any(part.holds_steps() for part in self.parts)
+
+    def has_output_ready(self) -> bool:
+        """Whether `step()` has something to return even with the steps held: a step in flight, or outputs
+        made outside a step (`abort_request(emit=True)`)."""
+        return bool(self._emitted) or self._in_flight is not None
 
     # --- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -364,6 +379,8 @@ class Engine:
         tokens (`StepPart.results_before_next_step`: structured outputs' masks) is processed first
         instead, so that its sequences' next inputs exist and they join step t+1.
         """
+        if self.steps_held():
+            return self._held_step()
         t0 = time.perf_counter()
         it = IterationStats(self._step_count, 0, 0, 0, 0, 0, 0.0, 0.0, 0)
         touched: dict[str, Request] = {}  # requests with output this step
@@ -379,7 +396,7 @@ class Engine:
             done, self._in_flight = self._in_flight, launched
         if done is not None:
             waited += self._process(done, it, touched)
-        outputs = self._outputs(touched, it)
+        outputs = self._take_emitted() + self._outputs(touched, it)
         for part in self.parts:
             part.after_step()
         it.host_seconds = time.perf_counter() - t0 - waited
@@ -387,6 +404,26 @@ class Engine:
         self._step_count += 1
         self.stats_log.record(it)
         return outputs
+
+    def _held_step(self) -> list[RequestOutput]:
+        """`step()` while a part holds the steps: the step in flight (overlapped scheduling) is processed, and
+        its outputs and those made outside a step are returned; nothing is scheduled."""
+        self.finish_in_flight()
+        return self._take_emitted()
+
+    def finish_in_flight(self) -> None:
+        """Processes the step in flight (overlapped scheduling) now, so every sequence has its tokens on the
+        host; its outputs come with the next `step()`."""
+        done, self._in_flight = self._in_flight, None
+        if done is not None:
+            it = IterationStats(self._step_count, 0, 0, 0, 0, 0, 0.0, 0.0, 0)
+            touched: dict[str, Request] = {}
+            self._process(done, it, touched)
+            self._emitted.extend(self._outputs(touched, it))
+
+    def _take_emitted(self) -> list[RequestOutput]:
+        emitted, self._emitted = self._emitted, []
+        return emitted
 
     def _schedule(self, it: IterationStats, touched: dict) -> SchedulerOutput:
         """The scheduler's decisions; a sequence that can never fit the pool ends with an error."""

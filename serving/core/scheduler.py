@@ -321,6 +321,19 @@ class Scheduler:
         """The first gate that does not fit `seq` now, or None."""
         return next((g for g in self.gates if not g.fits(seq, self.running)), None)
 
+    def preempt_running(self) -> int:
+        """Every running sequence back to the waiting queue with its pages freed, to be computed again from its
+        tokens when it runs next (never swapped: the caller wants its K/V recomputed, e.g. under new weights);
+        returns how many. The caller holds the steps, so no step of them is in flight."""
+        running = [s for s in self.running if not s.num_in_flight]
+        for seq in reversed(running):  # (each to the front: they keep their order)
+            self.running.remove(seq)
+            self.bm.free_seq(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self._enqueue(seq, front=True)
+        return len(running)
+
     def _preempt(self, seq: Sequence) -> None:
         if self.on_preempt is not None:
             self.on_preempt(seq)

@@ -120,6 +120,11 @@ class StepPart:
     def after_step(self) -> None:
         """Runs once the step's outputs are made."""
 
+    def holds_steps(self) -> bool:
+        """Whether the part holds the engine's steps now (generation paused): `Engine.step` then schedules
+        nothing and only finishes the step in flight."""
+        return False
+
     # --- each token a sequence takes (its sampled ones, and those parts bring), for a request some part
     # keeps state of (`Request.part_state`, set at admission) ------------------------------------------
     def replace_token(self, seq, token: int) -> int:

@@ -13,6 +13,7 @@ options ask for, in one place, and the caller hands them to the engine
 | `structured_output` (+ `reasoning_phase`) | structured outputs and reasoning requests' thinking phase: a grammar per request, its token bitmask in every step | structured_outputs_whitespace (always on) |
 | `sampling_controls` | logit bias, allowed / bad words, min_tokens, the penalties: per-slot device rows, applied in the step | (always on) |
 | `logits_processors` | custom logits processors, run inside the step | logits_processors |
+| `pause` | pausing generation (abort, wait, keep) and resuming it, by holding the engine's steps | (always on) |
 | `multimodal` | a vision-language model's images: placed in the prompt at admission (encoder outputs cached by image digest), their rows and positions in every step | encoder_cache_mb, limit_mm_per_prompt (a model with a vision tower) |
 | `lora` | LoRA adapters: registration, admission by adapter, device slots adapting the weights in the step | enable_lora, max_loras, max_lora_rank, max_cpu_loras |
 """
@@ -24,6 +25,7 @@ from serving.features.kv_imports import KVImports
 from serving.features.logits_processors import LogitsProcessors, ProcessorConfig
 from serving.features.lora import LoraManager
 from serving.features.multimodal import Multimodal
+from serving.features.pause import GenerationPause
 from serving.features.sampling_controls import SamplingControlsPart
 from serving.features.structured_output import StructuredOutputsPart
 
@@ -44,6 +46,7 @@ def build_parts(options: dict, cfg) -> list:
     parts.append(lambda engine: KVImports.for_engine(engine, before_write=tier[0].flush if tier else None))
     # Applied to the logits in this order: sampling controls, a grammar's mask, then the custom processors.
     parts.append(SamplingControlsPart(options["max_num_seqs"], cfg.vocab_size))
+    parts.append(GenerationPause())
     parts.append(StructuredOutputsPart(cfg.vocab_size, bool(options.get("structured_outputs_whitespace"))))
     if cfg.vision is not None:  # (pipeline stages: the rows merge before the first stage, `sharding.pipeline`)
         parts.append(Multimodal(cfg, cache_bytes=options["encoder_cache_mb"] << 20,
