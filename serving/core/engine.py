@@ -282,7 +282,8 @@ class Engine:
 
     def _prompt_ids(self, prompt) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):
-            known = PROMPT_KEYS | set(engine_args.PROMPT_KEY_PARTS) | {k for p in self.parts for k in p.takes_prompt_keys}
+            taken = {key for part in self.parts for key in part.takes_prompt_keys}
+            known = PROMPT_KEYS | set(engine_args.PROMPT_KEY_PARTS) | taken
             unknown = sorted(set(prompt) - known)
             if unknown:
                 raise InvalidParameterError("prompt", f"prompt: unknown keys {unknown} in a dict prompt (it takes "

@@ -19,8 +19,6 @@ the model through it instead; its staged params and cache are placed by
 from __future__ import annotations
 
 import functools
-import importlib
-import sys
 import time
 
 import jax
@@ -33,7 +31,7 @@ from model.forward import forward
 from model.layer_select import selects_layers
 from model.params import param_bytes, stack_layers
 from serving.core.input_batch import Buckets, StepShape, StepBatch
-from serving.core import bucket_plan, executable_store, rejection_sampler, step_parts
+from serving.core import bucket_plan, executable_store, placement, rejection_sampler, step_parts
 from serving.core.sampler import SamplingInputs, logprobs_of, sample, sample_ids
 from serving.core.sampling_table import ROW_PARAMS
 from serving.core.step_programs import StepPrograms, compiled_total
@@ -158,47 +156,7 @@ def _page_arrays(cache) -> list:
     return [cache.k, cache.v] if isinstance(cache, StackedKVCache) else list(cache.k) + list(cache.v)
 
 
-def _stacked(layer):
-    """The shardings of stacked layer weights: one layer's (`layer`, placed arrays), with the new leading
-    layer axis whole."""
-    return jax.tree.map(lambda x: jax.sharding.NamedSharding(x.sharding.mesh,
-                                                             jax.sharding.PartitionSpec(None, *x.sharding.spec)),
-                        layer)
-
-
 _copy_jit = jax.jit(_copy_pages, donate_argnums=(0,))
-
-
-@functools.cache
-def _replicate(sharding):
-    """A program that copies its inputs to `sharding` (replicated over a mesh spanning processes)."""
-    return jax.jit(lambda x: x, out_shardings=sharding)
-
-
-def _specs_of(tree):
-    """The shapes, dtypes and shardings of a pytree of placed arrays."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
-
-def _zeros_like(specs):
-    """Zeroed arrays of `_specs_of`'s specs, each made where its sharding says (by one program, so a mesh over
-    several processes makes its own shards)."""
-    shardings = jax.tree.map(lambda s: s.sharding, specs)
-    return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), specs), out_shardings=shardings)()
-
-
-def _program_ref(jitted) -> tuple[str, str]:
-    """(module, name) of a module-level program, so another process can import it (`_program`)."""
-    module = sys.modules.get(getattr(jitted, "__module__", None) or "")
-    for name, value in (vars(module) if module is not None else {}).items():
-        if value is jitted:
-            return module.__name__, name
-    raise ValueError(f"{jitted!r} is not a module-level name, so the other processes cannot run it")
-
-
-def _program(ref: tuple[str, str]):
-    module, name = ref
-    return getattr(importlib.import_module(module), name)
 
 
 def compilation_count() -> int:
@@ -297,7 +255,8 @@ class ModelRunner:
             cache_shardings = self.layout.cache_shardings(self.cfg, self.num_pages, self.page_size, cache_dtype)
         if self.scan_layers:
             if not selects_layers(params.layers, jax.default_backend()):  # else the scan picks per-layer arrays
-                params = stack_layers(params, None if self.layout is None else _stacked(params.layers[0]))
+                shardings = None if self.layout is None else placement.stacked_shardings(params.layers[0])
+                params = stack_layers(params, shardings)
             if cache_shardings is not None:  # one layer's page sharding covers the stacked pages too
                 cache_shardings = StackedKVCache(cache_shardings.k[0], cache_shardings.v[0], self.cfg.num_layers)
         # Zeroed by a program the store keeps (its argument-free signature says nothing: the name says what).
@@ -350,11 +309,11 @@ class ModelRunner:
             return self._copy(*arrays)
         if kind == "part-state":  # (the part's index, *host arguments of its program)
             part = (self.logit_parts + self.forward_parts)[int(arrays[0])]
-            self.update_part_state(part, _program(static["program"]), *arrays[1:])
+            self.update_part_state(part, placement.program(static["program"]), *arrays[1:])
             return self.part_states, self.weight_states
         if kind == "cache":  # a program of another package over the cache (`run_on_cache`)
             static = dict(static)
-            return self.run_on_cache(_program(static.pop("program")), *arrays, **static)
+            return self.run_on_cache(placement.program(static.pop("program")), *arrays, **static)
         raise ValueError(f"unknown device call {kind!r}")
 
     def announce(self, kind: str, *host_arrays, **static) -> None:
@@ -475,7 +434,7 @@ class ModelRunner:
         parts then the forward parts, then the arguments), replayed by `replay`."""
         index = (self.logit_parts + self.forward_parts).index(part)
         if self.dispatch_hook is not None:
-            self.dispatch_hook("part-state", np.int32(index), *host_args, program=_program_ref(jitted))
+            self.dispatch_hook("part-state", np.int32(index), *host_args, program=placement.program_ref(jitted))
         old = self._part_state(part)
         state = executable_store.call(jitted, self._state_program_names[jitted], self._small_programs,
                                       old, *self._host_inputs(*host_args))
@@ -505,7 +464,7 @@ class ModelRunner:
         if self.params is None:
             return
         host = jax.device_get(self.params) if keep_host_copy else None
-        self._released_weights = (_specs_of(self.params), host)
+        self._released_weights = (placement.specs_of(self.params), host)
         self.params = None
 
     def restore_weights(self) -> bool:
@@ -514,20 +473,20 @@ class ModelRunner:
             return True
         specs, host = self._released_weights
         shardings = jax.tree.map(lambda s: s.sharding, specs)
-        self.params = _zeros_like(specs) if host is None else jax.device_put(host, shardings)
+        self.params = placement.zeros_like(specs) if host is None else jax.device_put(host, shardings)
         self._released_weights = None
         return host is not None
 
     def release_cache(self) -> None:
         """Lets the KV pool's device arrays go (its contents are lost: the caller forgets what it cached)."""
         if self.cache is not None:
-            self._released_cache = _specs_of(self.cache)
+            self._released_cache = placement.specs_of(self.cache)
             self.cache = None
 
     def restore_cache(self) -> None:
         """A zeroed KV pool of the released one's shapes and shardings."""
         if self._released_cache is not None:
-            self.cache, self._released_cache = _zeros_like(self._released_cache), None
+            self.cache, self._released_cache = placement.zeros_like(self._released_cache), None
 
     @property
     def param_bytes(self) -> int:
@@ -593,11 +552,11 @@ class ModelRunner:
         shards; what a program that does not donate returns comes back replicated, so process 0 can read
         it from its own devices (a gather's pages, for KV export)."""
         if self.dispatch_hook is not None:
-            self.dispatch_hook("cache", *host_arrays, program=_program_ref(jitted), donate=donate, **static)
+            self.dispatch_hook("cache", *host_arrays, program=placement.program_ref(jitted), donate=donate, **static)
         inputs = self._host_inputs(*host_arrays)
         if not donate:
             outputs = jitted(self.cache, *inputs, **static)
-            return _replicate(self.layout.replicated)(outputs) if self._spans_processes() else outputs
+            return placement.replicate(self.layout.replicated)(outputs) if self._spans_processes() else outputs
         shardings = None if self.layout is None else tuple(x.sharding for x in jax.tree.leaves(self.cache))
         self.cache, outputs = jitted(self.cache, *inputs, cache_shardings=shardings, **static)
         return outputs
