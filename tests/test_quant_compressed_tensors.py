@@ -98,3 +98,19 @@ def test_an_unsupported_variant_is_refused_naming_the_field(checkpoint, tmp_path
     edited = edited_quantization_config(hf_dir, str(tmp_path / "edited"), **edit(qc))
     with pytest.raises(ConversionError, match=words):
         convert(edited, str(tmp_path / "out"), dtype="float32", progress=False)
+
+
+def test_two_way_tensor_parallelism_draws_the_same_tokens(checkpoint, tmp_path):
+    """The kinds shard as float weights do (data and scales split by the same rule table): TP=2 draws the
+    one-device greedy tokens."""
+    scheme, hf_dir, _, _ = checkpoint
+    if scheme not in ("w4a16", "w8a8-channel"):
+        pytest.skip("a grouped and a per-channel kind (fp8 shards as int8 does)")
+    from serving import LLM, SamplingParams
+
+    engine = dict(compilation_cache_dir=str(tmp_path / "cache"), max_num_seqs=2, max_num_batched_tokens=32,
+                  num_pages=16, max_model_len=64, dtype="float32")
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    one = [o.outputs[0].token_ids for o in LLM(model=hf_dir, **engine).generate(PROMPTS, sp)]
+    two = LLM(model=hf_dir, tensor_parallel_size=2, **engine)
+    assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, sp)] == one
