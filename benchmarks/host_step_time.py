@@ -52,9 +52,10 @@ class InstantRunner:
     byte that keeps every grammar open (a space inside a JSON string is always allowed), verifying rows
     accept their drafts."""
 
-    def __init__(self, cfg, max_num_seqs: int, logit_parts=()):
+    def __init__(self, cfg, max_num_seqs: int, logit_parts=(), sampler_part=None):
         self.cfg = cfg
         self.logit_parts = tuple(logit_parts)  # their host inputs are built every step, as a real runner's
+        self.sampler_part = sampler_part
 
     def copy_pages(self, copies):
         pass
@@ -70,7 +71,7 @@ class InstantRunner:
 
     def dispatch(self, batch) -> PendingStep:
         ids = np.full(batch.shape.S, ord("a"), np.int32)
-        for first, _, _, drafts in batch.draft_groups:
+        for first, _, _, drafts in batch.proposal_groups:
             ids[first:first + len(drafts)] = drafts
         return PendingStep(ids)
 
@@ -90,13 +91,13 @@ def engine_for(case: str, num_seqs: int) -> Engine:
     # what serving.features.build_parts gives a server
     parts = [SamplingControlsPart(num_seqs, cfg.vocab_size), StructuredOutputsPart(cfg.vocab_size)]
     runner = InstantRunner(cfg, num_seqs, logit_parts=parts)
-    speculator = None
     if spec:
         from serving.spec_decode import SpecDecoder
+        from serving.spec_decode.verifier import SpecVerifier
 
-        speculator = SpecDecoder.for_engine
-    engine = Engine(cfg, None, ByteTokenizer(VOCAB), config, runner=runner, speculator=speculator,
-                    parts=parts)
+        runner.sampler_part = SpecVerifier("ngram", 3, num_seqs, cfg.vocab_size)
+        parts += [runner.sampler_part, SpecDecoder.for_engine]
+    engine = Engine(cfg, None, ByteTokenizer(VOCAB), config, runner=runner, parts=parts)
     for i in range(num_seqs):
         kw = dict(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         if case == "grammar":

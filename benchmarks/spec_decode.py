@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from model.train import stdlib_files  # noqa: E402
 from serving import LLM, SamplingParams  # noqa: E402
+from serving.spec_decode import SpecDecoder
 
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, page_size=16, min_token_bucket=16,
               min_context_bucket=512, max_model_len=512, attention_backend="reference", enable_prefix_caching=False)
@@ -102,7 +103,7 @@ def main():
         for k in range(1, args.max_k + 1):
             llm = LLM(speculative_method=method, num_speculative_tokens=k, **ENGINE)
             run(llm, texts, args.new_tokens)  # compiles
-            spec = llm.engine.spec
+            spec = llm.engine.part(SpecDecoder)
             spec.stats.__init__(accepted_per_position=[0] * k)  # count the timed rounds only
             wall = cpu = float("inf")
             for _ in range(args.rounds):

@@ -26,6 +26,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from serving import LLM, SamplingParams  # noqa: E402
+from serving.spec_decode import SpecDecoder
 
 ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, page_size=16, min_token_bucket=16, min_context_bucket=256,
               max_model_len=256, enable_prefix_caching=False)
@@ -58,8 +59,8 @@ def measure(llm: LLM, requests: int, new_tokens: int) -> dict:
     batch = [PROMPTS[i % len(PROMPTS)] for i in range(requests)]
     llm.generate(batch, sp)  # compiles what the workload uses
     timer = Timer()
-    if eng.spec is not None:
-        timer.wrap(eng.spec, "propose", "propose")
+    if eng.part(SpecDecoder) is not None:
+        timer.wrap(eng.part(SpecDecoder), "propose", "propose")
     timer.wrap(eng, "_schedule", "schedule")
     timer.wrap(eng, "_pack", "pack")
     timer.wrap(eng, "_outputs", "outputs")

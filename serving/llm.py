@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import functools
 import logging
 import os
 import time
@@ -174,13 +173,8 @@ class LLM:
         self.config = config
         self.tokenizer = tokenizer
         engine_config = EngineConfig(**{o.name: opts[o.name] for o in engine_args.ENGINE_CONFIG_OPTIONS})
-        speculator = None
-        if engine_config.speculative_method is not None:
-            from serving.spec_decode import SpecDecoder
-
-            speculator = functools.partial(SpecDecoder.for_engine, draft=speculative_draft)
-        self.engine = Engine(config, params, tokenizer, engine_config, layout=layout, speculator=speculator,
-                             generation=generation, parts=build_parts(opts, config))
+        self.engine = Engine(config, params, tokenizer, engine_config, layout=layout, generation=generation,
+                             parts=build_parts(opts, config, draft=speculative_draft))
         self.config = self.engine.cfg  # with weight_dtype set when the engine quantized the weights
         self._register_lora_modules(opts["lora_modules"])
         self.load_seconds = time.perf_counter() - t0

@@ -45,6 +45,7 @@ import numpy as np  # noqa: E402
 from model.config import LlamaConfig  # noqa: E402
 from model.params import init_params  # noqa: E402
 from serving import LLM, SamplingParams  # noqa: E402
+from serving.spec_decode import SpecDecoder
 from serving.cluster import distributed
 
 CFG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=8, num_kv_heads=4,
@@ -280,7 +281,7 @@ def run_features(out_dir: str, layout: str) -> dict:
             role.end()
         with open(os.path.join(out_dir, f"export-{layout}.bin"), "wb") as f:
             f.write(shipped.pop("payload"))
-        spec = llm.engine.spec.stats
+        spec = llm.engine.part(SpecDecoder).stats
         shipped["spec"] = {"drafted": spec.num_draft_tokens, "accepted": spec.num_accepted_tokens}
     else:
         role.follow()
@@ -302,7 +303,7 @@ def replicated_state(llm: LLM) -> dict:
             h.update(np.asarray(x.addressable_data(0)).tobytes())
         return h.hexdigest()
 
-    return {"draft_cache": digest(llm.engine.spec.proposer.cache), "controls": digest(llm.engine.runner.part_states)}
+    return {"draft_cache": digest(llm.engine.part(SpecDecoder).proposer.cache), "controls": digest(llm.engine.runner.part_states)}
 
 
 def main() -> None:
@@ -334,7 +335,7 @@ def main() -> None:
     if args.variant:
         llm = variant_engine(**LAYOUTS["tp4"])
         outputs = llm.generate(prompts(), sampling(args.max_tokens))
-        spec = llm.engine.spec.stats
+        spec = llm.engine.part(SpecDecoder).stats
         result["variant"] = {"tokens": token_ids(outputs), "drafted": spec.num_draft_tokens,
                              "replayed": getattr(llm.multihost, "calls_by_kind", None)}
     if args.lora:

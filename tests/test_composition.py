@@ -43,6 +43,7 @@ from conftest import run_to_completion, tiny_config
 from model.params import init_params
 from model.tokenizer import ByteTokenizer
 from serving import LLM, SamplingParams
+from serving.spec_decode import SpecDecoder
 from serving.core.format_params import ReasoningParams
 from serving.features.host_kv_tier import HostKVTier
 from serving.features.lora import LoraManager
@@ -384,7 +385,7 @@ def test_every_pair_gives_the_plain_engines_tokens(weights, adapters, config):
                                      export_prefill(ref_llm.engine, name, features, prompt))
         assert received.outputs[0].token_ids == expected, (name, "imported by this engine")
 
-    if engine.spec is not None:
+    if engine.part(SpecDecoder) is not None:
         st = engine.stats().spec_decode
         assert st.num_accepted_tokens > 0, st
     tier = engine.part(HostKVTier)

@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from serving import LLM, LoRARequest, SamplingParams  # noqa: E402
+from serving.spec_decode import SpecDecoder
 from serving.core.model_runner import compilation_count  # noqa: E402
 from tests.test_hf_parity import hf_greedy, save_and_convert, scale_weights_  # noqa: E402
 from serving.features.lora import LoraManager, adapter_name  # noqa: E402
@@ -274,7 +275,7 @@ def test_mixed_batch_with_speculation_and_preemption(setup, llm, options):
     other = LLM(config=cfg, params=params, lora_modules=modules, **{**ENGINE, **options})
     assert run(other, batch, loras) == alone
     engine = other.engine
-    if engine.spec is not None:
+    if engine.part(SpecDecoder) is not None:
         assert engine.stats().spec_decode.num_accepted_tokens > 0
     else:
         assert engine.scheduler.num_preemptions > 0

@@ -24,6 +24,7 @@ from model.families import family_for_config
 from model.forward import forward_jit
 from model.params import abstract_params, init_params
 from serving import LLM, SamplingParams
+from serving.spec_decode import SpecDecoder
 from serving.core.input_batch import StepShape
 from serving.core.model_runner import _step_jit
 from sharding import MeshError, make_mesh, param_shardings
@@ -398,6 +399,6 @@ def test_speculative_decoding_through_the_stages_gives_the_plain_greedy_tokens(m
     assert st.num_drafts > 0 and st.num_accepted_tokens > 0
     if method == "draft":
         assert st.num_accepted_tokens < st.num_draft_tokens
-        draft = llm.engine.spec.proposer
+        draft = llm.engine.part(SpecDecoder).proposer
         mesh_devices = set(llm.engine.runner.layout.mesh.devices.flat)
         assert all(a.sharding.device_set == mesh_devices for a in jax.tree.leaves((draft.params, draft.cache)))

@@ -139,7 +139,7 @@ def test_verifying_rows_see_the_drafts_before_them():
             group_start.append(first)
             outputs.append(output + drafts[:j])
     logits = np.random.default_rng(2).normal(0, 3, (len(cases), vocab)).astype(np.float32)
-    drafts_in = step_parts.Drafts(jnp.asarray(draft_token, jnp.int32), jnp.asarray(group_start, jnp.int32))
+    drafts_in = step_parts.Proposals(jnp.asarray(draft_token, jnp.int32), jnp.asarray(group_start, jnp.int32))
     st = sc.ControlState(*map(jnp.asarray, state))
     got = np.asarray(jax.jit(sc.apply)(jnp.asarray(logits), st, jnp.asarray(slot_of_row, jnp.int32),
                                        jnp.asarray(ti, jnp.int32), _penalties(cases), drafts_in))

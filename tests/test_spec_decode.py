@@ -16,6 +16,7 @@ import pytest
 from conftest import run_with_random_arrivals, tiny_config
 from model.params import init_params
 from serving import LLM, SamplingParams
+from serving.spec_decode import SpecDecoder
 from serving.spec_decode import compilation_count
 from serving.spec_decode.ngram import NgramProposer
 
@@ -72,7 +73,7 @@ def assert_idle_and_clean(llm):
     eng = llm.engine
     assert eng.stats().kv_pages_used == 0
     eng.block_manager.check_invariants(live_seq_ids=())
-    draft_bm = getattr(eng.spec.proposer, "bm", None)
+    draft_bm = getattr(eng.part(SpecDecoder).proposer, "bm", None)
     if draft_bm is not None:
         assert draft_bm.num_used_blocks == 0
         draft_bm.check_invariants(live_seq_ids=())
@@ -130,7 +131,7 @@ def test_rejected_tokens_pages_are_released(params):
         for seq in eng.scheduler.running:
             table = eng.block_manager.tables[seq.seq_id]
             assert len(table) == -(-seq.num_computed_tokens // PAGE)
-        st = eng.spec.stats
+        st = eng.part(SpecDecoder).stats
         seen_rollback |= st.num_accepted_tokens < st.num_draft_tokens
         eng.block_manager.check_invariants()
     assert seen_rollback
@@ -215,7 +216,7 @@ def test_options_are_checked(params, draft):
     with pytest.raises(FileNotFoundError, match="draft model"):
         make_llm(params, speculative_method="draft", num_speculative_tokens=2, speculative_model="/nonexistent")
     off = make_llm(params)
-    assert off.engine.spec is None and off.engine.stats().spec_decode is None
+    assert off.engine.part(SpecDecoder) is None and off.engine.stats().spec_decode is None
 
 
 def test_spec_metrics_in_stats_and_prometheus(params):

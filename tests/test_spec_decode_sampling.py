@@ -27,7 +27,8 @@ from conftest import tiny_config
 from model.params import init_params
 from serving import LLM, SamplingParams
 from serving.core.sampler import SamplingInputs
-from serving.core import executable_store, rejection_sampler, step_programs
+from serving.core import executable_store, step_programs
+from serving.spec_decode import rejection_sampler
 
 # Critical values of chi-square at p = 0.001 by degrees of freedom.
 CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88,

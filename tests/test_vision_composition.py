@@ -20,6 +20,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from serving import LLM, SamplingParams  # noqa: E402
+from serving.spec_decode import SpecDecoder
 from serving.features.multimodal import Multimodal  # noqa: E402
 from conftest import run_to_completion  # noqa: E402
 from model.vision import encoder  # noqa: E402
@@ -103,7 +104,7 @@ def test_ngram_speculation_keeps_the_greedy_tokens(reference):
     llm = LLM(out_dir, speculative_method="ngram", num_speculative_tokens=3, **ENGINE)
     assert _greedy(llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
                                                         ignore_eos=True))) == _greedy(want)
-    assert llm.engine.spec.stats.num_draft_tokens > 0
+    assert llm.engine.part(SpecDecoder).stats.num_draft_tokens > 0
 
 
 def test_text_draft_model_drafts_for_the_vision_target(reference):
@@ -121,7 +122,7 @@ def test_text_draft_model_drafts_for_the_vision_target(reference):
     llm = LLM(out_dir, speculative_method="draft", num_speculative_tokens=3, speculative_draft=text_draft, **ENGINE)
     assert _greedy(llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
                                                         ignore_eos=True))) == _greedy(want)
-    assert llm.engine.spec.stats.num_accepted_tokens > 0
+    assert llm.engine.part(SpecDecoder).stats.num_accepted_tokens > 0
     with pytest.raises(ValueError, match="draft model takes images"):
         LLM(out_dir, speculative_method="draft", num_speculative_tokens=3, speculative_draft=(cfg, params), **ENGINE)
 

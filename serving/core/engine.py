@@ -14,7 +14,6 @@ the others.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import threading
@@ -38,7 +37,6 @@ from serving.core.outputs import RequestOutput
 from serving.core.sampling_params import InvalidParameterError, SamplingParams, with_defaults
 from serving.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from serving.core.sequence import Request, Sequence
-from serving.core.spec_options import check_options as check_spec_options, logit_rows as spec_logit_rows
 from serving.core.step_parts import StepPart
 from serving.core.stats import EngineStats, FinishedRequestStats, IterationStats, StatsLog
 
@@ -79,16 +77,13 @@ EngineConfig = engine_args.make_engine_config_class(__name__)
 
 class Engine:
     def __init__(self, cfg: ModelConfig, params, tokenizer=None, config: EngineConfig = EngineConfig(), *,
-                 runner=None, layout=None, speculator=None, generation: Optional[GenerationDefaults] = None,
+                 runner=None, layout=None, generation: Optional[GenerationDefaults] = None,
                  parts: Sequence[StepPart] = ()):
-        """`speculator(engine)`: builds the speculative-decoding part (a `step_parts.StepPart`, e.g.
-        `serving.spec_decode.SpecDecoder.for_engine`) when `config.speculative_method` is set.
-        `parts`: step parts built outside the engine (`serving.features.build_parts`), called after its own;
+        """`parts`: step parts built outside the engine (`serving.features.build_parts`), called after its own;
         those with device inputs of their own (`StepPart.step_input_spec`) are applied in every step.
         `generation`: the checkpoint's generation_config.json defaults (EOS ids, sampling parameters)."""
         check_weight_dtype(config.weight_dtype)
         check_kv_cache_dtype(config.kv_cache_dtype)
-        check_spec_options(config.speculative_method, config.num_speculative_tokens)
         if runner is None:  # the compute dtype, then load-time quantization of float weights ("auto": no-ops)
             cfg, params = compute_dtype.apply(cfg, params, config.dtype)
             cfg, params = quantize_params(params, cfg, config.weight_dtype)
@@ -108,9 +103,10 @@ class Engine:
             model_len = num_pages * ps
         self.max_model_len = model_len
         self.num_pages = num_pages
-        rows = config.max_num_seqs
-        if config.speculative_method is not None:  # k + 1 logit rows per verifying sequence
-            rows = spec_logit_rows(config.max_num_seqs, config.max_num_batched_tokens, config.num_speculative_tokens)
+        built = [p for p in parts if isinstance(p, StepPart)]  # (the parts built before the engine)
+        # The logit rows of a step: one per sequence, or what a part's proposals need (k + 1 per decode).
+        rows = max([config.max_num_seqs] + [r for p in built if (r := p.logit_rows(
+            config.max_num_seqs, config.max_num_batched_tokens)) is not None])
         self.buckets = Buckets(config.max_num_batched_tokens, rows, -(-model_len // ps),
                                config.min_token_bucket, -(-config.min_context_bucket // ps),
                                decode_step=config.decode_bucket_step, token_fields=step_parts.token_fields(parts))
@@ -120,23 +116,14 @@ class Engine:
         self.runner = runner or runner_class(cfg, params, num_pages=num_pages, page_size=ps, buckets=self.buckets,
                                              backend=config.attention_backend, layout=layout,
                                              cache_dtype=self.cache_dtype, scan_layers=scans_layers(config.layer_loop),
-                                             verify=config.speculative_method is not None,
-                                             draft_rows=config.max_num_seqs * config.num_speculative_tokens
-                                             if config.speculative_method == "draft" else 0,
+                                             sampler_part=step_parts.sampler_part(parts),
                                              forward_parts=step_parts.forward_parts(parts),
                                              logit_parts=step_parts.logit_parts(parts))
         self.block_manager = BlockManager(num_pages, ps, config.enable_prefix_caching,
-                                          window=None if config.speculative_method else releasing_window(cfg))
+                                          window=None if any(p.rolls_back for p in built) else releasing_window(cfg))
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, model_len,
                                                    rows, policy=config.scheduling_policy),
                                    self.block_manager)
-        self.spec = None  # the speculative-decoding part
-        if config.speculative_method is not None:
-            if speculator is None:
-                raise ValueError(f"speculative_method={config.speculative_method!r} needs the speculative-decoding "
-                                 "part: Engine(..., speculator=serving.spec_decode.SpecDecoder.for_engine), as LLM "
-                                 "passes it")
-            self.spec = speculator(self)
         self.generation = generation or GenerationDefaults()
         self.eos_token_ids = tuple(sorted(set(cfg.eos_token_ids) | set(getattr(tokenizer, "eos_ids", ()) or ())
                                           | set(self.generation.eos_token_ids)))
@@ -163,12 +150,12 @@ class Engine:
         self.parts = [p for p in (p if isinstance(p, StepPart) else p(self) for p in parts) if p is not None]
         engine_args.check_served(config, {part.serves for part in self.parts})
         step_parts.check_applied(self.parts, getattr(self.runner, "logit_parts", ())
-                                 + getattr(self.runner, "forward_parts", ()))
-        self.parts += [self.spec] if self.spec is not None else []
+                                 + getattr(self.runner, "forward_parts", ())
+                                 + (getattr(self.runner, "sampler_part", None),))
         self.scheduler.gates += [gate for gate in (part.gate() for part in self.parts) if gate is not None]
-        # Overlapped scheduling needs a runner that dispatches without waiting; speculative
-        # steps choose the next step's drafts from this step's tokens, so they run one at a time.
-        self.overlap = config.async_scheduling and self.spec is None
+        # Overlapped scheduling needs a runner that dispatches without waiting; a part whose next inputs follow
+        # each step's tokens (speculation's drafts: `StepPart.serial`) has the steps run one at a time.
+        self.overlap = config.async_scheduling and not any(p.serial for p in self.parts)
         self._in_flight: Optional[_StepInFlight] = None  # dispatched, not yet processed
         self.weight_version = self.weights_epoch = 0  # label and count of weight updates (`serving.core.weights`)
         # Why the engine takes no request now (None: it does): set and cleared by whoever made it so (sleep
@@ -591,8 +578,6 @@ class Engine:
             prompt_tokens=log_.prompt_tokens, generation_tokens=log_.generation_tokens,
             finished_by_reason=dict(log_.finished_by_reason), num_steps=log_.num_steps,
             page_size=self.config.page_size, warmup=self.runner.warmup_stats(),
-            spec_decode=None if self.spec is None else dataclasses.replace(
-                self.spec.stats, accepted_per_position=list(self.spec.stats.accepted_per_position)),
             **{k: v for part in self.parts for k, v in part.engine_stats().items()})
 
     def warm_up(self, background: bool = False) -> dict:
@@ -614,9 +599,9 @@ class Engine:
 
     def expect(self, requests) -> None:
         """`requests` are about to run together: their step buckets compile first (`warm_up_as_needed`)."""
-        drafts = self.config.num_speculative_tokens if self.spec is not None else 0  # rows a decode verifies
+        rows = max([1] + [p.rows_per_decode() for p in self.parts])  # a decode's rows (1 + its proposals)
         self.runner.expect([(len(r.prompt_token_ids), r.params.max_tokens or 1, r.params.n) for r in requests],
-                           rows_per_seq=1 + drafts)
+                           rows_per_seq=rows)
 
     def end_call(self) -> None:
         """The requests of the last `expect` are done: under `warm_up_as_needed` the buckets their steps were
@@ -640,8 +625,7 @@ class Engine:
             "prefix_caching": self.config.enable_prefix_caching, "attention_backend": self.config.attention_backend,
             "step_shapes": len(self.buckets.all_shapes()),
             "weight_dtype": cfg.weight_dtype or cfg.dtype, "kv_cache_dtype": str(np.dtype(self.cache_dtype)),
-            "speculative_method": self.config.speculative_method,
-            "num_speculative_tokens": self.config.num_speculative_tokens if self.spec is not None else 0,
+            "speculative_method": None, "num_speculative_tokens": 0,  # (the speculation part fills them in)
             "kv_offload_pages": 0, "kv_offload_bytes": 0,  # (the host KV tier's part fills them in)
             "preemption_mode": self.config.preemption_mode,
         }

@@ -27,8 +27,9 @@ from absl import flags
 from model.quant import KV_CACHE_DTYPE_CHOICES, WEIGHT_DTYPE_CHOICES
 from serving.core.compute_dtype import CHOICES as COMPUTE_DTYPE_CHOICES
 from serving.core.sampling_params import CONTROL_FIELDS
-from serving.core.spec_options import METHODS as SPECULATIVE_METHODS
 
+SPECULATIVE_METHODS = ("draft", "ngram")  # option speculative_method (`serving.spec_decode`)
+SPECULATION = "speculative decoding"  # the part of the speculation options (`serving.spec_decode.verifier`)
 # What a preempted sequence's KV becomes (option preemption_mode; `serving.features.host_kv_tier`).
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 HOST_KV_TIER = "host KV tier"  # the part of the host tier's options
@@ -143,7 +144,8 @@ OPTIONS: tuple[EngineOption, ...] = (
                  "KV cache storage: the model dtype (auto), or int8 / fp8 with per-token scales.",
                  choices=KV_CACHE_DTYPE_CHOICES),
     EngineOption("speculative_method", Optional[str], None,
-                 "Speculative decoding: a draft model or prompt lookup (unset: off).", choices=SPECULATIVE_METHODS),
+                 "Speculative decoding: a draft model or prompt lookup (unset: off).", choices=SPECULATIVE_METHODS,
+                 part=SPECULATION),
     EngineOption("num_speculative_tokens", int, 0, "Drafted tokens verified per step (with speculative_method)."),
     EngineOption("speculative_model", Optional[str], None,
                  "Draft model checkpoint directory for speculative_method=draft (default: the embedded draft "

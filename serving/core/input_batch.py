@@ -131,9 +131,10 @@ class Buckets:
 @dataclasses.dataclass(frozen=True)
 class TokenField:
     """A field of the packed step that a step part adds (`StepPart.token_fields`), sized by the step's
-    tokens: `shape` has -1 where the step's token count T goes (`(-1,)`: one entry per token; `(3, -1)`:
-    three rows of T; `(-1, 64)`: T rows of 64). Int32 fields travel in the int buffer, float32 ones in
-    the float buffer; `fill` is what the field holds where the part writes nothing."""
+    tokens or logit rows: `shape` has -1 where the step's token count T goes (`(-1,)`: one entry per token;
+    `(3, -1)`: three rows of T; `(-1, 64)`: T rows of 64) or -2 where its logit rows S go (`(-2,)`: one entry
+    per row). Int32 fields travel in the int buffer, float32 ones in the float buffer; `fill` is what the
+    field holds where the part writes nothing."""
 
     name: str
     shape: tuple = (-1,)
@@ -141,15 +142,15 @@ class TokenField:
     fill: float = 0
 
     def __post_init__(self):
-        if self.shape.count(-1) != 1 or self.dtype not in ("int32", "float32"):
-            raise ValueError(f"token field {self.name!r}: its shape needs one -1 (the tokens) and its dtype must be "
-                             f"int32 or float32, got {self.shape} {self.dtype}")
+        if self.shape.count(-1) + self.shape.count(-2) != 1 or self.dtype not in ("int32", "float32"):
+            raise ValueError(f"token field {self.name!r}: its shape needs one -1 (the tokens) or -2 (the rows) and "
+                             f"its dtype must be int32 or float32, got {self.shape} {self.dtype}")
 
-    def shape_for(self, T: int) -> tuple:
-        return tuple(T if d == -1 else d for d in self.shape)
+    def shape_for(self, T: int, S: int) -> tuple:
+        return tuple(T if d == -1 else S if d == -2 else d for d in self.shape)
 
-    def size(self, T: int) -> int:
-        return int(np.prod(self.shape_for(T)))
+    def size(self, T: int, S: int) -> int:
+        return int(np.prod(self.shape_for(T, S)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,15 +165,15 @@ class StepShape:
     token_fields: tuple = ()
 
     def _part_fields(self, dtype: str) -> tuple:
-        return tuple((f.name, f.size(self.T)) for f in self.token_fields if f.dtype == dtype)
+        return tuple((f.name, f.size(self.T, self.S)) for f in self.token_fields if f.dtype == dtype)
 
     @property
     def int_fields(self):
         T, S, P = self.T, self.S, self.P
         return (("tokens", T), ("feed_rows", T), ("positions", T), ("slots", T), ("cu_q_lens", S + 1), ("kv_lens", S),
                 ("block_tables", S * P), ("num_seqs", 1), ("logits_indices", S), ("sample_index", S),
-                ("token_index", S), ("target", S), ("draft_token", S), ("group_start", S),
-                ("q_index", S), ("flags", NUM_FLAGS)) + self._part_fields("int32") \
+                ("token_index", S), ("target", S), ("proposed_token", S), ("group_start", S),
+                ("flags", NUM_FLAGS)) + self._part_fields("int32") \
             + sampling_table.buffer_fields(np.int32, S)
 
     @property
@@ -199,7 +200,7 @@ class StepShape:
                 views[name] = buf[o:o + n]
         views["block_tables"] = views["block_tables"].reshape(self.S, self.P)
         for f in self.token_fields:
-            views[f.name] = views[f.name].reshape(f.shape_for(self.T))
+            views[f.name] = views[f.name].reshape(f.shape_for(self.T, self.S))
         sampling_table.shaped(views, self.S)
         return views
 
@@ -211,9 +212,8 @@ class StepShape:
         v["slots"][:] = pad_slot
         v["feed_rows"][:] = -1
         v["target"][:] = -1
-        v["draft_token"][:] = -1  # no drafts: every row its own group
+        v["proposed_token"][:] = -1  # no proposals: every row its own group
         v["group_start"][:] = np.arange(self.S)
-        v["q_index"][:] = -1
         for f in self.token_fields:
             v[f.name][:] = f.fill
         sampling_table.reset(v)
@@ -234,11 +234,13 @@ class StepBatch:
     # seq_id -> the row of its draw in this step's samples: where the next step, dispatched before
     # this one is processed, finds the token it feeds as a placeholder (`feed_rows`).
     draw_rows: dict = dataclasses.field(default_factory=dict)
-    # Speculative decoding: (first row, Sequence, sample_index, drafts) of each sequence verifying drafts;
-    # its rows are first_row .. first_row + len(drafts), row j following drafts 0..j-1.
-    draft_groups: list = dataclasses.field(default_factory=list)
-    # The draft model's distributions of those drafts, on device (None: drafts are point masses).
-    draft_probs: Optional[object] = None
+    # (first row, Sequence, sample_index, proposals) of each decode that checks proposed tokens
+    # (`Scheduler.set_proposals`); its rows are first_row .. first_row + len(proposals), row j following
+    # proposals 0..j-1.
+    proposal_groups: list = dataclasses.field(default_factory=list)
+    # The step's device-made input (`StepPart.device_input_spec`: a draft model's distributions), on device;
+    # None: zeros.
+    device_input: Optional[object] = None
     # (Sequence, first token row, first position, token count) of each scheduled sequence, in row order.
     token_spans: list = dataclasses.field(default_factory=list)
     # The device inputs of the runner's logit parts, in its order (`StepPart.step_inputs`; None: that part's
@@ -262,9 +264,8 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
     step dispatched just before (overlapped scheduling): a decode whose last token that step is
     still drawing reads it from there on the device. `shape_for(bucket) -> bucket`
     may hand out a larger bucket than the step's own (one that is compiled already,
-    `ModelRunner.step_shape`). A sequence with speculative drafts gets one row per draft and one
-    more; where the draft model's distributions of its drafts are (`q_index`) is the speculative
-    part's to add (`SpecDecoder.pack`), as the parts' per-token fields (`Buckets.token_fields`) are theirs."""
+    `ModelRunner.step_shape`). A decode with proposed tokens gets one row per proposal and one more; the
+    parts' fields (`Buckets.token_fields`) are theirs to fill (`StepPart.pack`)."""
     items = out.scheduled
     n = len(items)
     n_new = np.fromiter((it.num_new_tokens for it in items), np.int64, n)
@@ -283,9 +284,9 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
     toks: list[int] = []
     feeds: list[tuple[int, int]] = []  # (token index, row of the previous step's sample)
     for it in items:
-        if it.draft_token_ids:  # speculative: the last token, then the drafts to verify
-            toks += it.seq.token_ids[it.start:it.start + it.num_new_tokens - len(it.draft_token_ids)]
-            toks += it.draft_token_ids
+        if it.proposed_token_ids:  # the last token, then the proposals to check
+            toks += it.seq.token_ids[it.start:it.start + it.num_new_tokens - len(it.proposed_token_ids)]
+            toks += it.proposed_token_ids
         else:
             known = it.seq.token_ids[it.start:it.start + it.num_new_tokens]
             if len(known) < it.num_new_tokens:  # the last one is still on the device (a placeholder)
@@ -304,7 +305,7 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
     sample_rows: list[tuple[Sequence, int]] = []
     draw_rows: dict[int, int] = {}
     prompt_rows = []
-    draft_groups = []
+    proposal_groups = []
     want_logprobs = False
     any_random = any_filter = False
     row = 0
@@ -323,10 +324,10 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
         # Draws before this one, those still in flight included (this one is pending already).
         tok_index = seq.num_output_tokens + seq.num_pending - 1
         draw_rows[seq.seq_id] = row
-        nd = len(it.draft_token_ids)  # with drafts: one row per verified position, in order
+        nd = len(it.proposed_token_ids)  # with proposals: one row per checked position, in order
         if nd:
-            draft_groups.append((row, seq, it.sample_indices[0], it.draft_token_ids))
-            v["draft_token"][row:row + nd] = it.draft_token_ids
+            proposal_groups.append((row, seq, it.sample_indices[0], it.proposed_token_ids))
+            v["proposed_token"][row:row + nd] = it.proposed_token_ids
             v["group_start"][row:row + nd + 1] = row
         for s in it.sample_indices:
             for j in range(nd + 1):
@@ -348,4 +349,4 @@ def pack_step(out: SchedulerOutput, tables: dict, buckets: Buckets, page_size: i
     v["flags"][:] = (any_random, any_filter, want_logprobs)
     spans = [(it.seq, int(first[i]), int(starts[i]), int(n_new[i])) for i, it in enumerate(items)]
     return StepBatch(shape, ibuf, fbuf, total, n, sample_rows, prompt_rows, want_logprobs, int(kv_lens.sum()),
-                     draw_rows, draft_groups=draft_groups, token_spans=spans)
+                     draw_rows, proposal_groups=proposal_groups, token_spans=spans)

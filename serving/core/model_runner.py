@@ -31,8 +31,8 @@ from model.forward import forward
 from model.layer_select import selects_layers
 from model.params import param_bytes, stack_layers
 from serving.core.input_batch import Buckets, StepShape, StepBatch
-from serving.core import bucket_plan, executable_store, placement, rejection_sampler, step_parts
-from serving.core.sampler import SamplingInputs, logprobs_of, sample, sample_ids
+from serving.core import bucket_plan, executable_store, placement, step_parts
+from serving.core.sampler import SamplingInputs, sample
 from serving.core.sampling_table import ROW_PARAMS
 from serving.core.step_programs import StepPrograms, compiled_total
 
@@ -61,19 +61,19 @@ def feed_tokens(tokens, feed_rows, feed):
     return jnp.where(feed_rows >= 0, feed[jnp.maximum(feed_rows, 0)], tokens)
 
 
-def _step(params, cache, ibuf, fbuf, feed=None, part_states=(), draft_probs=None, weight_states=(),
-          part_inputs=(), *, cfg: ModelConfig, backend: str, shape: StepShape, layout=None, verify: bool = False,
+def _step(params, cache, ibuf, fbuf, feed=None, part_states=(), device_input=None, weight_states=(),
+          part_inputs=(), *, cfg: ModelConfig, backend: str, shape: StepShape, layout=None, sampler_part=None,
           forward_parts: tuple = (), logit_parts: tuple = ()):
     """One engine step: forward over the ragged batch, then each logit row's token.
 
     Every feature a row can need is an input of this one program:
     * `feed` (the previous step's sampled ids, [max rows]): placeholder tokens are filled from it
       (overlapped scheduling), and this step's ids come back padded the same way;
-    * with `verify` (speculative decoding) a sequence's k + 1 rows check its drafts (the step's
-      `draft_token` / `group_start` / `q_index` fields, `draft_probs` the draft model's distributions
-      or None for point-mass drafts): acceptance runs here (`rejection_sampler`), rows after a
-      sequence's first rejection come back as -1, and the parts of row j see drafts
-      0..j-1 as already drawn (`step_parts.StepView.drafts`). Rows without drafts are sampled exactly as without `verify`;
+    * a decode with k proposed tokens (`Scheduler.set_proposals`) has k + 1 rows, the step's
+      `proposed_token` / `group_start` fields saying what each follows, and the parts of row j see
+      proposals 0..j-1 as already drawn (`step_parts.StepView.proposals`); the one part that samples
+      instead of the runner (`sampler_part`: speculative decoding's verification) draws the ids, reading
+      `device_input`, an array its own device programs made (`StepPart.device_input_spec`);
     * the step parts `forward_parts` act before the forward, each reading the step's packed fields (its
       own token fields among them): `apply_to_inputs` adds to the batch metadata and the forward's inputs
       (a vision-language model's image rows and multimodal positions), `apply_to_weights` adapts the
@@ -98,18 +98,13 @@ def _step(params, cache, ibuf, fbuf, feed=None, part_states=(), draft_probs=None
     else:
         logits, cache = forward(params, cache, tokens, md, cfg, backend, layout, **extra)
     raw = logits  # logprobs report the model's own distribution, as vLLM's do
-    drafts = step_parts.Drafts(v["draft_token"], v["group_start"]) if verify else None
-    views = [step_parts.StepView(s.token_index, s, drafts, state) for state in part_states]
+    proposals = None if sampler_part is None else step_parts.Proposals(v["proposed_token"], v["group_start"])
+    views = [step_parts.StepView(s.token_index, s, proposals, state) for state in part_states]
     for part, inputs, view in zip(logit_parts, part_inputs, views, strict=True):
         logits = part.apply_to_logits(inputs, logits, view)
-    if verify:
-        q_rows = None
-        if draft_probs is not None:
-            q_rows = rejection_sampler.draft_rows(draft_probs, v["draft_token"], v["q_index"], logits.shape[-1])
-        ids = jax.lax.cond(jnp.any(v["draft_token"] >= 0),
-                           lambda: rejection_sampler.verify(logits, s, v["draft_token"], v["group_start"], q_rows),
-                           lambda: sample_ids(logits, s))
-        logprobs = logprobs_of(raw, jnp.maximum(ids, 0), s)
+    if sampler_part is not None:
+        ids, logprobs = sampler_part.sample(logits, raw, step_parts.StepView(s.token_index, s, proposals), v,
+                                            device_input)
     else:
         ids, logprobs = sample(logits, s, raw)
     part_states = tuple(part.record(inputs, view.state, ids, view)
@@ -125,7 +120,7 @@ def _step(params, cache, ibuf, fbuf, feed=None, part_states=(), draft_probs=None
 
 
 # Module level, so engines with the same model and buckets share compilations.
-_step_jit = jax.jit(_step, static_argnames=("cfg", "backend", "shape", "layout", "verify", "forward_parts",
+_step_jit = jax.jit(_step, static_argnames=("cfg", "backend", "shape", "layout", "sampler_part", "forward_parts",
                                             "logit_parts"),
                     donate_argnums=(1, 5))
 
@@ -166,7 +161,7 @@ def compilation_count() -> int:
 
 
 # What `ModelRunner._program_key` holds, in order: `StepPrograms.why` names a recompile's cause by these.
-PROGRAM_KEY_FIELDS = ("program", "model config", "attention backend", "layout", "bucket", "verifies drafts",
+PROGRAM_KEY_FIELDS = ("program", "model config", "attention backend", "layout", "bucket", "step parts' sampler",
                       "argument signature (tree, then shape, dtype and sharding of each leaf)",
                       "step parts' weight adaptations", "step parts' device inputs")
 
@@ -202,19 +197,19 @@ class PendingStep:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int, buckets: Buckets,
                  backend: str = "auto", cache_dtype=None, layout=None,
-                 scan_layers: bool = False, verify: bool = False, draft_rows: int = 0, forward_parts: tuple = (),
+                 scan_layers: bool = False, sampler_part=None, forward_parts: tuple = (),
                  logit_parts: tuple = ()):
         """`scan_layers`: stack the
         layers' weights and KV pages so the step scans over layers (`model.forward`), compiling one
-        layer body whatever the depth. `verify`: steps check speculative drafts (`_step`); `draft_rows`:
-        rows of the draft model's distributions a step takes (0: drafts are point masses). `forward_parts`: the
+        layer body whatever the depth. `sampler_part`: the step part that samples instead of the runner
+        (`step_parts.StepPart.sample`: speculative verification), with its device input. `forward_parts`: the
         step parts that act before the forward in every step (`step_parts.forward_parts`), each with its
         device state adapting the weights (`StepPart.weight_state`, None for none).
         `logit_parts`: the step parts whose own device inputs every step takes (`step_parts.StepPart.
         step_input_spec`), applied to the logits in this order, with their device state (`step_state`)."""
         self.cfg = cfg
         self.scan_layers = scan_layers
-        self.verify = verify
+        self.sampler_part = sampler_part
         self.num_pages = num_pages
         self.page_size = page_size
         self.buckets = buckets
@@ -232,9 +227,9 @@ class ModelRunner:
         self.programs = StepPrograms(self._lower_step, self._program_key, platform=jax.default_backend(),
                                      key_fields=PROGRAM_KEY_FIELDS,
                                      holds_cheaply=functools.partial(bucket_plan.holds_cheaply, buckets=buckets))
-        # The draft distributions a step without them reads (the draft model's output has this shape).
-        self.no_drafts = None if draft_rows == 0 else self._place_feed(np.zeros((draft_rows, cfg.vocab_size),
-                                                                                 np.float32))
+        # The sampler part's device input a step without one reads (zeros of its shape; None: it takes none).
+        spec = None if sampler_part is None else sampler_part.device_input_spec()
+        self.no_device_input = None if spec is None else self._place_feed(np.zeros(spec.shape, spec.dtype))
         # The logit parts' device states, threaded through every step: placed like the feed (on the one
         # device, or replicated over the layout's mesh).
         self.part_states = tuple(None if (state := p.step_state()) is None else self._place_feed(state)
@@ -300,8 +295,8 @@ class ModelRunner:
         handler = (self._replay_handlers or {}).get(kind)
         if handler is not None:
             return handler(*arrays, **static)
-        if kind == "step":  # (ibuf, fbuf, *given parts' input leaves); draft_probs: this process's own
-            probs = (self._step_inputs or {})["draft_probs"]() if static.get("draft_probs") else None
+        if kind == "step":  # (ibuf, fbuf, *given parts' input leaves); the device input: this process's own
+            probs = (self._step_inputs or {})["device_input"]() if static.get("device_input") else None
             inputs = step_parts.inputs_from_leaves(self.logit_parts, static["shape"].S, arrays[2:],
                                                    static.get("idle_parts", ()))
             return self._run(*arrays[:2], static["shape"], probs, inputs)
@@ -325,7 +320,7 @@ class ModelRunner:
 
     # What other packages plug into replay (a draft model): kind -> handler(*host_arrays, **static), running
     # this process's copy of an announced call; name -> source() of a device input a replayed step reads
-    # ("draft_probs": the distributions this process's own draft model left for the step).
+    # ("device_input": what this process's own part left for the step: its draft model's distributions).
     _replay_handlers: dict = None
     _step_inputs: dict = None
 
@@ -344,20 +339,20 @@ class ModelRunner:
                                            *self._host_inputs(src, dst))
         return self.cache
 
-    def _run(self, ibuf, fbuf, shape, draft_probs=None, part_inputs=None):
+    def _run(self, ibuf, fbuf, shape, device_input=None, part_inputs=None):
         """Dispatches one step; `part_inputs`: each logit part's host inputs, None for a part that gave none
         (all None: warm-up's empty batches)."""
         part_inputs = part_inputs or (None,) * len(self.logit_parts)
         if self.dispatch_hook is not None:
-            # A draft model's distributions: each process's own (its proposer replayed the drafting call).
-            reads = {} if draft_probs is None or draft_probs is self.no_drafts else {"draft_probs": True}
+            # The sampler part's device input: each process's own (its part replayed the call that made it).
+            reads = {} if device_input is None or device_input is self.no_device_input else {"device_input": True}
             idle = tuple(i for i, inputs in enumerate(part_inputs) if inputs is None)
             if idle:
                 reads["idle_parts"] = idle
             self.dispatch_hook("step", ibuf, fbuf, *jax.tree.leaves(part_inputs), shape=shape, **reads)
         ibuf, fbuf = self._host_inputs(ibuf, fbuf)
         args = (self.params, self.cache, ibuf, fbuf, self.feed, self.part_states,
-                self.no_drafts if draft_probs is None else draft_probs, self.weight_states,
+                self.no_device_input if device_input is None else device_input, self.weight_states,
                 self._place_part_inputs(part_inputs, shape.S))
         # One compile path: a mesh spanning processes compiles here too, every process in the order of
         # the steps it runs (no background thread there, and no executables stored: `warm_up`).
@@ -387,29 +382,30 @@ class ModelRunner:
         (taken once, so a compile in another thread never touches arrays a running step donates)."""
         if self._specs is None:
             self._specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                       (self.params, self.cache, self.feed, self.part_states, self.no_drafts,
+                                       (self.params, self.cache, self.feed, self.part_states, self.no_device_input,
                                         self.weight_states))
-        params, cache, feed, states, no_drafts, weights = self._specs
+        params, cache, feed, states, no_device_input, weights = self._specs
         sharding = None if self.layout is None else self.layout.replicated
         (_, isize), (_, fsize) = shape.offsets(shape.int_fields), shape.offsets(shape.float_fields)
         ibuf = jax.ShapeDtypeStruct((isize,), np.int32, sharding=sharding)
         fbuf = jax.ShapeDtypeStruct((fsize,), np.float32, sharding=sharding)
         placed = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])  # device inputs made on the host
         parts = step_parts.input_specs(self.logit_parts, shape.S, placed)
-        return params, cache, ibuf, fbuf, feed, states, no_drafts, weights, parts
+        return params, cache, ibuf, fbuf, feed, states, no_device_input, weights, parts
 
     def _lower_step(self, shape: StepShape):
         return _step_jit.lower(*self._abstract_inputs(shape), cfg=self.cfg, backend=self.backend, shape=shape,
-                               layout=self.layout, verify=self.verify, forward_parts=self.forward_parts,
+                               layout=self.layout, sampler_part=self.sampler_part, forward_parts=self.forward_parts,
                                logit_parts=self.logit_parts)
 
     def _program_key(self, shape: StepShape):
         """Everything the step program of `shape` depends on (`PROGRAM_KEY_FIELDS` names each part)."""
-        params, cache, _, _, feed, states, no_drafts, weights, _ = self._abstract_inputs(shape)
+        params, cache, _, _, feed, states, no_device_input, weights, _ = self._abstract_inputs(shape)
         if self._signature is None:
-            leaves, treedef = jax.tree.flatten((params, cache, feed, states, no_drafts, weights))
+            leaves, treedef = jax.tree.flatten((params, cache, feed, states, no_device_input, weights))
             self._signature = (treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves))
-        return ("step", self.cfg, self.backend, self.layout, shape, self.verify, self._signature,
+        return ("step", self.cfg, self.backend, self.layout, shape,
+                None if self.sampler_part is None else self.sampler_part.program_key(), self._signature,
                 tuple(part.program_key() for part in self.forward_parts),
                 tuple(part.program_key() for part in self.logit_parts))
 
@@ -519,7 +515,7 @@ class ModelRunner:
     def dispatch(self, batch: StepBatch) -> "PendingStep":
         """Starts one step and returns at once (JAX dispatches asynchronously); the host
         may do other work until it calls `result()`, the one synchronisation point."""
-        ids, lp = self._run(batch.ibuf, batch.fbuf, batch.shape, batch.draft_probs,
+        ids, lp = self._run(batch.ibuf, batch.fbuf, batch.shape, batch.device_input,
                             batch.part_inputs or None)
         return PendingStep(ids, lp if batch.want_logprobs else None)
 

@@ -131,11 +131,11 @@ class ScheduledSeq:
     sample_indices: tuple  # samples drawn from this step's last row ((), (i,), or range(n) at a fork)
     prompt_logprob_start: int = 0  # prompt positions [start, end) get a logprob row
     prompt_logprob_end: int = 0
-    draft_token_ids: tuple = ()  # speculative drafts run after the last token (one more row each)
+    proposed_token_ids: tuple = ()  # a part's proposals, run after the last token (one more row each)
 
     @property
     def num_rows(self) -> int:
-        return (len(self.sample_indices) + len(self.draft_token_ids) + self.prompt_logprob_end
+        return (len(self.sample_indices) + len(self.proposed_token_ids) + self.prompt_logprob_end
                 - self.prompt_logprob_start)
 
 
@@ -167,9 +167,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
-        # Speculative drafts for the next step, {seq_id: token ids}; a decode
-        # runs them after its last token (see serving/spec_decode).
-        self.drafts: dict[int, list[int]] = {}
+        # Proposed tokens for the next step, {seq_id: token ids} (a part's: speculative decoding's drafts); a
+        # decode runs them after its last token, one more row each, and the part keeps what the step accepted.
+        self.proposals: dict[int, list[int]] = {}
         # Called with a sequence about to be preempted, before its pages are freed (the host KV tier
         # swaps them out: serving.features.host_kv_tier).
         self.on_preempt = None
@@ -224,13 +224,15 @@ class Scheduler:
         self.running.append(seq)
         return self.bm.table(seq), start
 
-    def set_drafts(self, drafts: dict[int, list[int]]) -> None:
-        """Speculative drafts for the next step, {seq_id: token ids} (serving.spec_decode)."""
-        self.drafts = drafts
+    def set_proposals(self, proposals: dict[int, list[int]]) -> None:
+        """Proposed tokens for the next step, {seq_id: token ids}: a decode runs them after its last token
+        (as many as the step's budget and rows leave room for), and the part that proposed them takes the
+        step's tokens for it (`keep_accepted`, `StepPart.new_tokens`)."""
+        self.proposals = proposals
 
-    def keep_verified(self, item: "ScheduledSeq", num_accepted: int) -> None:
-        """A verified decode keeps the K/V of its last token and its accepted drafts (`num_accepted`
-        tokens from the item's start); the pages of the rejected ones are released."""
+    def keep_accepted(self, item: "ScheduledSeq", num_accepted: int) -> None:
+        """A decode that checked proposals keeps the K/V of its last token and its accepted proposals
+        (`num_accepted` tokens from the item's start); the pages of the rejected ones are released."""
         seq = item.seq
         seq.num_computed_tokens = item.start + num_accepted
         self.bm.trim(seq, seq.num_computed_tokens)
@@ -267,10 +269,10 @@ class Scheduler:
         end = seq.num_tokens_with_pending
         remaining = end - start
         if remaining == 1 and seats == 1:  # a decode (the caller guarantees budget and a row)
-            drafts = self.drafts.get(seq.seq_id)
-            if drafts:
-                drafts = tuple(drafts[:min(budget, rows_left) - 1])
-                return ScheduledSeq(seq, start, 1 + len(drafts), (seq.sample_index,), draft_token_ids=drafts)
+            proposed = self.proposals.get(seq.seq_id)
+            if proposed:
+                proposed = tuple(proposed[:min(budget, rows_left) - 1])
+                return ScheduledSeq(seq, start, 1 + len(proposed), (seq.sample_index,), proposed_token_ids=proposed)
             return ScheduledSeq(seq, start, 1, (seq.sample_index,))
         n = min(remaining, budget)
         plp_done = plp_last = 0
@@ -498,12 +500,12 @@ class Scheduler:
         for item in out.scheduled:
             seq = item.seq
             first_row = row
-            row += len(item.sample_indices) + len(item.draft_token_ids)
+            row += len(item.sample_indices) + len(item.proposed_token_ids)
             seq.num_in_flight -= 1
             if item.sample_indices:
                 seq.num_pending -= 1
-            if seq.status is SequenceStatus.FINISHED or item.draft_token_ids:
-                continue  # finished (aborted, stopped) meanwhile; or verified drafts (spec_decode's job)
+            if seq.status is SequenceStatus.FINISHED or item.proposed_token_ids:
+                continue  # finished (aborted, stopped) meanwhile; or checked proposals (the proposing part's job)
             self.bm.register_full_blocks(seq)
             if not item.sample_indices:
                 continue

@@ -24,6 +24,13 @@ state placed as it chooses (`weight_state`: sharded like the weights it adapts)
 and applies it before the forward (`apply_to_weights`), reading per-token fields
 it adds to the packed step (`token_fields`: each token's adapter slot).
 
+A part may also propose tokens for a decode (`Scheduler.set_proposals`:
+speculative decoding's drafts): the decode then runs them after its last
+token, one logit row each, the rows' proposals visible to every part
+(`StepView.proposals`), and the one part that overrides `sample` draws the
+step's ids in the runner's place (verification), reading an array its own
+device programs made (`device_input_spec`: the draft model's distributions).
+
 A request reaches the parts through its sampling parameters (`takes_fields`)
 and through request arguments beside them (`takes_args`: the adapter it runs
 with), which the engine keeps in `Request.part_args` and refuses when no part
@@ -119,6 +126,35 @@ class StepPart:
 
     def after_step(self) -> None:
         """Runs once the step's outputs are made."""
+
+    # --- scheduling and sampling that proposals change (speculative decoding) -------------------------
+    # Whether the part reads each step's tokens before the next is scheduled (its proposals follow them): the
+    # engine then runs its steps one at a time, without overlapped scheduling.
+    serial = False
+    # Whether the part may take back tokens a step computed (rejected proposals): the block manager then
+    # releases no page early behind a sliding window.
+    rolls_back = False
+
+    def logit_rows(self, max_num_seqs: int, max_num_batched_tokens: int) -> Optional[int]:
+        """The logit rows a step needs when the part gives a decode more than one (its proposals'); None."""
+        return None
+
+    def rows_per_decode(self) -> int:
+        """The logit rows a decode takes under the part (1 + its proposals), for planning which step buckets
+        a call needs."""
+        return 1
+
+    def device_input_spec(self) -> Optional[Any]:
+        """A `jax.ShapeDtypeStruct` of an array every step takes that the part's own device programs make (the
+        draft model's distributions: never through the host, and on a mesh over several processes each
+        process's own), set per step as `batch.device_input`; zeros when a step has none. None: no such input."""
+        return None
+
+    def sample(self, logits, raw, step: "StepView", views: dict, device_input):
+        """Traced into the step program in place of the runner's sampling, by the one part that overrides it:
+        (ids [rows] int32, logprobs as `sampler.sample` returns them) from the adjusted `logits`, the model's
+        own `raw` ones (what logprobs report), the step's packed fields `views` and the part's device input."""
+        raise NotImplementedError
 
     def holds_steps(self) -> bool:
         """Whether the part holds the engine's steps now (generation paused): `Engine.step` then schedules
@@ -243,24 +279,33 @@ class StepPart:
         return dict(NO_WARM_UP)
 
 
-class Drafts(NamedTuple):
-    """The drafted tokens a verifying step's rows follow (speculative decoding), as the step reads them.
+class Proposals(NamedTuple):
+    """The proposed tokens a step's rows follow (a part's proposals for a decode, `Scheduler.set_proposals`:
+    speculative decoding's drafts), as the step reads them.
 
-    A verifying sequence has k + 1 consecutive rows; row j predicts the token after drafts 0..j-1, so
-    a part that depends on the output so far sees those drafts as output tokens already, exactly as
+    A decode with k proposals has k + 1 consecutive rows; row j predicts the token after proposals 0..j-1,
+    so a part that depends on the output so far sees those proposals as output tokens already, exactly as
     the plain step would when it drew them one at a time."""
 
-    token: Any  # [R] i32: the draft the row checks (-1: none; the last row of a group has none)
+    token: Any  # [R] i32: the proposal the row checks (-1: none; the last row of a group has none)
     group_start: Any  # [R] i32: the first row of the row's sequence (a row on its own: itself)
 
 
 class StepView(NamedTuple):
     """What the step program gives a part's `apply_to_logits` and `record` beside its own inputs."""
 
-    token_index: Any  # [R] i32: the output position the row draws (tokens drawn before it, drafts included)
+    token_index: Any  # [R] i32: the output position the row draws (tokens drawn before it, proposals included)
     sampling: Any  # the sampler's per-row values (`sampler.SamplingInputs`: penalties, min_tokens, ...)
-    drafts: Optional[Drafts]  # what a verifying step's rows follow; None for a step that verifies nothing
+    proposals: Optional[Proposals]  # what the rows follow; None for an engine whose steps take no proposals
     state: Any = None  # the part's device state (`StepPart.step_state`), None for a part without one
+
+
+def sampler_part(parts):
+    """The one built part among `parts` that samples instead of the runner (`StepPart.sample`), or None."""
+    found = [p for p in parts if isinstance(p, StepPart) and type(p).sample is not StepPart.sample]
+    if len(found) > 1:
+        raise ValueError(f"two parts sample instead of the runner: {[type(p).__name__ for p in found]}")
+    return found[0] if found else None
 
 
 def logit_parts(parts) -> tuple:
@@ -285,7 +330,8 @@ def check_applied(parts, applied) -> None:
     """Refuses a part with device inputs or weight state of its own that the runner does not apply
     (`applied`: its `logit_parts` and `forward_parts`): one built from the engine, after the runner, or given
     to an engine over a runner built elsewhere. Its step would leave the part out."""
-    missing = [p for p in logit_parts(parts) + forward_parts(parts) if p not in applied]
+    sampler = sampler_part(parts)
+    missing = [p for p in logit_parts(parts) + forward_parts(parts) + ((sampler,) if sampler else ()) if p not in applied]
     if missing:
         raise ValueError(f"{type(missing[0]).__name__}: a part with device inputs of its own must be given "
                          "built (not as a function of the engine) to an engine that builds its runner")

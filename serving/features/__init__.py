@@ -15,6 +15,7 @@ options ask for, in one place, and the caller hands them to the engine
 | `logits_processors` | custom logits processors, run inside the step | logits_processors |
 | `pause` | pausing generation (abort, wait, keep) and resuming it, by holding the engine's steps | (always on) |
 | `multimodal` | a vision-language model's images: placed in the prompt at admission (encoder outputs cached by image digest), their rows and positions in every step | encoder_cache_mb, limit_mm_per_prompt (a model with a vision tower) |
+| `serving.spec_decode` (not here: a package of its own) | speculative decoding: `SpecVerifier` checks the drafts in the step, `SpecDecoder` proposes them and keeps what was accepted | speculative_method, num_speculative_tokens, speculative_model |
 | `lora` | LoRA adapters: registration, admission by adapter, device slots adapting the weights in the step | enable_lora, max_loras, max_lora_rank, max_cpu_loras |
 """
 
@@ -30,10 +31,12 @@ from serving.features.sampling_controls import SamplingControlsPart
 from serving.features.structured_output import StructuredOutputsPart
 
 
-def build_parts(options: dict, cfg) -> list:
+def build_parts(options: dict, cfg, draft=None) -> list:
     """The step parts `options` (every option of `serving.core.engine_args`, resolved) ask for, for a model of
     config `cfg`: parts, and functions that build one from the engine (`Engine(parts=...)`), in the order the
-    engine calls them. Raises ValueError naming the option when one cannot be built (before anything loads)."""
+    engine calls them. `draft`: an in-memory (config, params) draft model for speculative_method "draft" in
+    place of the speculative_model checkpoint. Raises ValueError naming the option when one cannot be built
+    (before anything loads)."""
     parts = []
     tier = []  # the host tier, once the engine has built it
     if host_kv_tier.capacity_from_options(options):
@@ -57,4 +60,11 @@ def build_parts(options: dict, cfg) -> list:
     if options.get("logits_processors"):
         parts.append(LogitsProcessors(options["logits_processors"],
                                       ProcessorConfig(vocab_size=cfg.vocab_size, max_num_seqs=options["max_num_seqs"])))
+    if options.get("speculative_method"):  # last: its drafts see the other parts' state (a grammar's)
+        from serving.spec_decode import SpecDecoder
+        from serving.spec_decode.verifier import SpecVerifier
+
+        parts.append(SpecVerifier(options["speculative_method"], options["num_speculative_tokens"],
+                                  options["max_num_seqs"], cfg.vocab_size))
+        parts.append(lambda engine: SpecDecoder.for_engine(engine, draft=draft))
     return parts

@@ -226,7 +226,7 @@ def step_samples(batch) -> list:
     """One `Sample` per logit row of the packed step (`input_batch.StepBatch`), padding included."""
     token_index = batch.shape.split(batch.ibuf, batch.fbuf)["token_index"]
     drafts = {}  # row -> the drafts before it (a speculative group's rows)
-    for first, _, _, group in batch.draft_groups:
+    for first, _, _, group in batch.proposal_groups:
         for j in range(len(group) + 1):
             drafts[first + j] = group[:j]
     samples = []

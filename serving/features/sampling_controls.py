@@ -42,7 +42,7 @@ import numpy as np
 from serving.core import step_parts
 from serving.core.sampling_params import CONTROL_FIELDS, InvalidParameterError
 from serving.core.sequence import SequenceStatus
-from serving.core.step_parts import Drafts, StepPart
+from serving.core.step_parts import Proposals, StepPart
 
 # Multi-token bad words: how many a request may give and how many tokens each may have. The step
 # checks every slot's words against its last MAX_BAD_WORD_TOKENS - 1 output tokens.
@@ -214,7 +214,7 @@ def _load(state: ControlState, slot, *row) -> ControlState:
 load_jit = step_parts.state_program(jax.jit(_load, donate_argnums=(0,)))
 
 
-def _row_counts(state: ControlState, idx, drafts: Optional[Drafts]):
+def _row_counts(state: ControlState, idx, drafts: Optional[Proposals]):
     """Per row: its slot's output-token counts, plus one for each draft before the row in its group."""
     counts = state.counts[idx]
     if drafts is None:
@@ -228,7 +228,7 @@ def _row_counts(state: ControlState, idx, drafts: Optional[Drafts]):
     return counts.at[r_idx, tok].add(earlier.astype(counts.dtype))
 
 
-def _row_recent(state: ControlState, idx, drafts: Optional[Drafts]):
+def _row_recent(state: ControlState, idx, drafts: Optional[Proposals]):
     """Per row: the last output tokens of its slot followed by the drafts before the row (the last L)."""
     recent = state.recent[idx]
     if drafts is None:
@@ -268,7 +268,7 @@ def _apply_rows(logits, state: ControlState, slot, token_index, s, drafts):
     return jnp.where(has[:, None], x, logits)
 
 
-def apply(logits, state: ControlState, slot, token_index, s, drafts: Optional[Drafts] = None):
+def apply(logits, state: ControlState, slot, token_index, s, drafts: Optional[Proposals] = None):
     """The logits the sampler sees: each row with a slot adjusted by its controls (`s`: the sampler's
     inputs, which carry the per-row penalties and min_tokens of `sampling_table`; `drafts`: what a
     verifying step's rows follow, None for a step that verifies nothing)."""
@@ -276,7 +276,7 @@ def apply(logits, state: ControlState, slot, token_index, s, drafts: Optional[Dr
                         lambda: logits)
 
 
-def record(state: ControlState, slot, ids, drafts: Optional[Drafts] = None) -> ControlState:
+def record(state: ControlState, slot, ids, drafts: Optional[Proposals] = None) -> ControlState:
     """Adds each row's emitted token to its slot's counts and recent tokens (rows without a slot, and
     rows a verification did not emit (-1): nothing). Only sampling rows carry a slot.
 
@@ -354,13 +354,13 @@ class SamplingControlsPart(StepPart):
         return slots
 
     def apply_to_logits(self, slot, logits, step):
-        return apply(logits, step.state, slot, step.token_index, step.sampling, step.drafts)
+        return apply(logits, step.state, slot, step.token_index, step.sampling, step.proposals)
 
     def step_state(self):
         return init_state(self.num_slots, self.vocab)
 
     def record(self, slot, state, ids, step):
-        return record(state, slot, ids, step.drafts)
+        return record(state, slot, ids, step.proposals)
 
     def state_programs(self) -> tuple:
         empty = tuple(x[0] for x in init_state(1, self.vocab))  # into slot 0, which nothing holds yet

@@ -270,7 +270,7 @@ def batch_mask(batch, width: int) -> Optional[np.ndarray]:
         if mask is None:
             mask = np.full((batch.shape.S, width), -1, np.int32)
         mask[row] = grammar.masks[sample_index]
-    for first, seq, sample_index, drafts in batch.draft_groups:
+    for first, seq, sample_index, drafts in batch.proposal_groups:
         grammar = grammar_of(seq.request)
         if grammar is not None:
             if mask is None:

@@ -3,7 +3,8 @@
 Per engine step, with speculation on:
 
 1. `propose()` (before scheduling, `before_schedule`) asks the proposer for up to k drafts for
-   every running sequence that decodes next; they go to `scheduler.drafts`.
+   every running sequence that decodes next; they go to the scheduler as its proposals
+   (`Scheduler.set_proposals`).
    A sequence is never given more drafts than its `max_tokens` and the
    context window leave room for.
    Drafts a request's grammar (structured outputs) does not allow are cut
@@ -11,11 +12,13 @@ Per engine step, with speculation on:
 2. The scheduler gives such a decode 1 + k query tokens (the last token and
    the drafts) under the one token budget, and KV slots for all of them;
    `pack_step` gives it k + 1 logit rows with the drafts, and `pack` adds
-   where a draft model's distributions of them are.
+   where a draft model's distributions of them are (the step's device input
+   and each row's `q_index`).
 3. The engine's one step program (`serving.core.model_runner._step`) runs
-   the target's forward over the whole ragged batch and verifies on device,
-   row j's grammar mask and sampling controls seeing drafts 0..j-1; only the
-   emitted ids come back.
+   the target's forward over the whole ragged batch and verifies on device
+   (`serving.spec_decode.verifier.SpecVerifier`, the step part that samples
+   in its place), row j's grammar mask and sampling controls seeing drafts
+   0..j-1; only the emitted ids come back.
 4. `new_tokens()` rolls each verified sequence back to what was
    accepted (`num_computed_tokens`, pages past it released) and yields the
    accepted tokens one at a time, so a stop condition met mid-way ends the
@@ -36,8 +39,9 @@ from serving.core.model_runner import compilation_count as step_compilation_coun
 from serving.core.sequence import SequenceStatus
 from serving.core.step_parts import StepPart
 from serving.spec_decode import draft_model
+from serving.spec_decode.verifier import Q_INDEX
 from serving.spec_decode.ngram import NgramProposer
-from serving.core.spec_options import check_options, default_draft_dir
+from serving.spec_decode.options import check_options, default_draft_dir
 from serving.features.structured_output import grammar_of
 
 
@@ -64,13 +68,16 @@ class SpecStats:
 class SpecDecoder(StepPart):
     """Speculation as a part of the engine's step (`serving.core.step_parts`): before scheduling it
     reads the scheduler's running sequences and hands it their drafts; it adds where the drafts'
-    distributions are to the packed step, which verifies them; it tells the scheduler what was
-    accepted and yields the accepted tokens."""
+    distributions are to the packed step, which verifies them (`SpecVerifier`); it tells the scheduler
+    what was accepted and yields the accepted tokens."""
+
+    serial = True  # the next step's drafts follow this step's tokens
 
     @classmethod
     def for_engine(cls, engine, draft=None) -> "SpecDecoder":
-        """The part for `engine` (`Engine(..., speculator=...)`), from its options; `draft`: an
-        in-memory (config, params) draft model instead of the `speculative_model` checkpoint."""
+        """The part for `engine` (built once its scheduler and runner exist, `serving.features.build_parts`),
+        from its options; `draft`: an in-memory (config, params) draft model instead of the
+        `speculative_model` checkpoint."""
         c = engine.config
         return cls(engine.scheduler, engine.block_manager, engine.runner, max_model_len=engine.max_model_len,
                    max_num_seqs=c.max_num_seqs, method=c.speculative_method, k=c.num_speculative_tokens,
@@ -137,7 +144,7 @@ class SpecDecoder(StepPart):
             grammar = grammar_of(seq.request)
             if grammar is not None and drafts.get(seq.seq_id):
                 drafts[seq.seq_id] = grammar.valid_drafts(seq.sample_index, drafts[seq.seq_id])
-        self.scheduler.set_drafts(drafts)
+        self.scheduler.set_proposals(drafts)
 
     # --- 3. verify (in the engine's step) -------------------------------------------------------
     def pack(self, batch) -> None:
@@ -146,9 +153,9 @@ class SpecDecoder(StepPart):
         q_base = getattr(self.proposer, "q_base", None)
         if q_base is None:
             return
-        batch.draft_probs = self.proposer.draft_probs
-        q_index = batch.shape.split(batch.ibuf, batch.fbuf)["q_index"]  # a view: writes reach the buffer
-        for first, seq, _, drafts in batch.draft_groups:
+        batch.device_input = self.proposer.draft_probs
+        q_index = batch.views()[Q_INDEX]  # a view: writes reach the buffer
+        for first, seq, _, drafts in batch.proposal_groups:
             base = q_base.get(seq.seq_id)
             if base is not None:
                 q_index[first:first + len(drafts)] = np.arange(base, base + len(drafts))
@@ -159,7 +166,7 @@ class SpecDecoder(StepPart):
         st = self.stats
         row = 0
         for it in out.scheduled:
-            first, nd = row, len(it.draft_token_ids)
+            first, nd = row, len(it.proposed_token_ids)
             row += len(it.sample_indices) + nd
             seq = it.seq
             if not nd or seq.status is not SequenceStatus.RUNNING:
@@ -177,7 +184,7 @@ class SpecDecoder(StepPart):
             for j in range(a):
                 st.accepted_per_position[j] += 1
             # K/V is valid for the last token and the accepted drafts; the rest is rolled back.
-            self.scheduler.keep_verified(it, len(accepted))
+            self.scheduler.keep_accepted(it, len(accepted))
             for j, tok in enumerate(accepted):
                 seq.token_ids.append(tok)
                 yield seq, tok, first + j
@@ -185,6 +192,10 @@ class SpecDecoder(StepPart):
                     break  # a stop condition: the remaining accepted tokens are dropped
             else:
                 self.block_manager.register_full_blocks(seq)
+
+    def engine_stats(self) -> dict:
+        return {"spec_decode": dataclasses.replace(self.stats,
+                                                   accepted_per_position=list(self.stats.accepted_per_position))}
 
     def after_step(self) -> None:
         """Frees the proposer's state of sequences that finished this step (so an idle engine holds nothing)."""

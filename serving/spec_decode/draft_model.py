@@ -33,7 +33,7 @@ from model.forward import forward
 from serving.core.block_manager import BlockManager
 from serving.core.input_batch import Buckets, StepShape, sampling_row
 from serving.core.sampler import inverse_cdf
-from serving.core.rejection_sampler import DRAFT_STREAM, stream_uniforms
+from serving.spec_decode.rejection_sampler import DRAFT_STREAM, stream_uniforms
 
 
 def _draw(logits, temperature, key_data, sample_index, token_index):
@@ -144,14 +144,14 @@ class DraftModelProposer:
         self.computed: dict[int, int] = {}  # seq_id -> tokens whose draft K/V is in the cache
         # Committed to the device like the drafting call's output, so both are the same jit input. The
         # runner's own, when it has them: a step given them reads no drafts, and announces none.
-        no_drafts = getattr(runner, "no_drafts", None)
+        no_drafts = getattr(runner, "no_device_input", None)
         if no_drafts is None or no_drafts.shape != (max_num_seqs * self.k, cfg.vocab_size):
             no_drafts = _put(np.zeros((max_num_seqs * self.k, cfg.vocab_size), np.float32), placement)
         self.no_drafts = no_drafts
         self.draft_probs = self.no_drafts
         self.q_base: dict[int, int] = {}  # seq_id -> row of its first draft in `draft_probs`
         if runner is not None and hasattr(runner, "register_replay"):
-            runner.register_replay("draft", self._replay, step_inputs={"draft_probs": lambda: self.draft_probs})
+            runner.register_replay("draft", self._replay, step_inputs={"device_input": lambda: self.draft_probs})
 
     # --- bookkeeping ---------------------------------------------------------------------
     def forget(self, live_seq_ids) -> None:

@@ -1,15 +1,12 @@
-"""The speculative-decoding options (`speculative_method`, `num_speculative_tokens`) and what they imply.
-
-Declared with the engine's other options (`engine_args`) and read by the engine to size its logit rows, so
-they live in `serving/core`; the speculation itself is `serving.spec_decode`, which the engine reaches
-only through the part its caller builds (`Engine(..., speculator=...)`).
-"""
+"""The speculative-decoding options (`speculative_method`, `num_speculative_tokens`, declared with the
+engine's other options in `serving.core.engine_args`): their checks and what they imply (the logit rows a
+step needs, the embedded draft model)."""
 
 from __future__ import annotations
 
 import os
 
-METHODS = ("draft", "ngram")
+from serving.core.engine_args import SPECULATIVE_METHODS as METHODS
 
 
 def default_draft_dir() -> str:
