@@ -31,3 +31,18 @@ def check_names(plan, names, cfg: ModelConfig, missing_for: str, part_of: str, s
     if unexpected:
         more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
         raise ConversionError(f"unexpected tensors (not part of {part_of}): {unexpected[:5]}{more}")
+
+
+def in_our_layout(name: str, t, data, scale, data_decl, scale_decl, method: str):
+    """A quantized weight read as `[out, in]` data and per-output-row scales (`scale`, flat or `[out, G]`), in our
+    layout: the data relaid out as the plan says (`t.relayout`), the scales reshaped to the declared output
+    dims; a `ConversionError` naming `name` where the family's layout is not a reshape of `[out, in]`."""
+    import math
+
+    import numpy as np
+
+    ours = np.ascontiguousarray(t.relayout(data))
+    if ours.shape != tuple(data_decl.shape) or scale.size != math.prod(scale_decl.shape):
+        raise ConversionError(f"tensor {name}: its layout in this family is not a reshape of [out, in]; "
+                              f"quant_method {method!r} is not read for it")
+    return ours, np.ascontiguousarray(np.reshape(scale, scale_decl.shape))

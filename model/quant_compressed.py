@@ -24,11 +24,9 @@ other bit widths, types, strategies and formats (nvfp4, mxfp4, sparse and transf
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from model.hf_checks import ConversionError
+from model.hf_checks import ConversionError, in_our_layout
 from model.quant_gptq import unpack_int4
 
 METHOD = "compressed-tensors"
@@ -172,8 +170,4 @@ def _weight(t, files, fmt, data_decl, scale_decl):
             scale = np.broadcast_to(scale.reshape(-1, 1), (out, 1))[:, 0]
         else:  # fp8 blocks: each block's scale over its rows
             scale = np.repeat(scale, fmt.block[0], axis=0)[:out]
-    ours = np.ascontiguousarray(t.relayout(data))
-    if ours.shape != tuple(data_decl.shape) or scale.size != math.prod(scale_decl.shape):
-        raise ConversionError(f"tensor {base}: its layout in this family is not a reshape of [out, in]; "
-                              f"quant_method {METHOD!r} is not read for it")
-    return ours, np.ascontiguousarray(scale.reshape(scale_decl.shape))
+    return in_our_layout(base, t, data, scale, data_decl, scale_decl, METHOD)

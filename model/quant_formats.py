@@ -36,7 +36,7 @@ import numpy as np
 from absl import logging
 
 from model.config import ModelConfig
-from model.hf_checks import ConversionError, check_names
+from model.hf_checks import ConversionError, check_names, in_our_layout
 from model.quant import grouped_kind, quantize, quantize_grouped
 
 # safetensors dtype names -> numpy dtypes (what `_read_raw` maps).
@@ -237,8 +237,4 @@ def _fp8_weight(t, files: _Files, fmt: QuantFormat, data_decl, scale_decl) -> tu
     out = data.shape[0]
     scale = np.asarray(files.read(t.hf + "_scale_inv"), np.float32)
     rows = np.repeat(scale, fmt.block[0], axis=0)[:out]
-    ours = np.ascontiguousarray(t.relayout(data))
-    if ours.shape != tuple(data_decl.shape) or rows.size != math.prod(scale_decl.shape):
-        raise ConversionError(f"tensor {t.hf}: its layout in this family is not a reshape of [out, in]; "
-                     f"quant_method {fmt.method!r} is not read for it")
-    return ours, np.ascontiguousarray(rows.reshape(scale_decl.shape))
+    return in_our_layout(t.hf, t, data, rows, data_decl, scale_decl, fmt.method)

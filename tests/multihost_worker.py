@@ -236,8 +236,7 @@ def export_and_import(llm: LLM) -> dict:
     first = sp.clone()
     first.max_tokens = 1
     exports = []
-    req = engine.make_request("export", prompt, first)
-    req.kv_export = kt.Exporter(exports.append)
+    req = engine.make_request("export", prompt, first, part_args={"kv_export": kt.Exporter(exports.append)})
     engine.enqueue(req)
     _run(engine)
     (exp,) = exports
@@ -255,9 +254,7 @@ def import_payload(engine, payload: bytes) -> list[int]:
     header, body = kt.decode_payload(payload, keys, engine.cfg, dtype, engine.max_model_len)
     imp = kt.to_import(header, body, engine.cfg, dtype)
     prompt, sp = export_job()
-    req = engine.make_request("import", prompt, sp)
-    kt.check_import(req, imp)
-    req.kv_import = imp
+    req = engine.make_request("import", prompt, sp, part_args={"kv_import": imp})
     engine.enqueue(req)
     return list(_run(engine)["import"].outputs[0].token_ids)
 

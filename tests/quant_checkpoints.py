@@ -256,6 +256,22 @@ def edited_quantization_config(hf_dir: str, directory: str, **changes) -> str:
     return directory
 
 
+def logprob_differences(params_cfg, ref, prompts) -> list:
+    """Max |Δ logprob| of each prompt's positions between the converted model (`params_cfg`: (config, params),
+    run by the engine's step through `test_hf_parity.Runner`) and transformers' `ref`."""
+    import numpy as np
+
+    from test_hf_parity import Runner, hf_logits, run_one_call
+
+    def log_softmax(x):
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    cfg, params = params_cfg
+    ours = run_one_call(Runner(cfg, params, seed=0), prompts)
+    return [float(np.abs(log_softmax(ours[s]) - log_softmax(hf_logits(ref, ids))).max()) for s, ids in enumerate(prompts)]
+
+
 def assert_serves_greedy_tokens(hf_dir: str, ref, prompts, cache_dir: str, weight_dtype: str | None = None) -> None:
     """`LLM` on the checkpoint draws, for 16 greedy tokens, what transformers' `ref` (the float model with the
     dequantized weights) generates."""

@@ -57,8 +57,7 @@ def prefill(engine, rid, prompt, sp, cache_salt=None, lora_name=None) -> bytes:
     exports = []
     first = sp.clone()
     first.max_tokens, first.n, first.min_tokens = 1, 1, min(first.min_tokens, 1)
-    req = engine.make_request(rid, prompt, first, cache_salt=cache_salt, part_args={"lora_name": lora_name})
-    req.kv_export = kt.Exporter(exports.append)
+    req = engine.make_request(rid, prompt, first, cache_salt=cache_salt, part_args={"lora_name": lora_name, "kv_export": kt.Exporter(exports.append)})
     engine.enqueue(req)
     run_to_completion(engine)
     (exp,) = exports
@@ -73,9 +72,7 @@ def decode(engine, payload: bytes):
 def submit_import(engine, rid, prompt, sp, payload: bytes, cache_salt=None, lora_name=None):
     header, body = decode(engine, payload)
     imp = kt.to_import(header, body, engine.cfg, engine.runner.kv_dtype)
-    req = engine.make_request(rid, prompt, sp, cache_salt=cache_salt, part_args={"lora_name": lora_name})
-    kt.check_import(req, imp)
-    req.kv_import = imp
+    req = engine.make_request(rid, prompt, sp, cache_salt=cache_salt, part_args={"lora_name": lora_name, "kv_import": imp})
     engine.enqueue(req)
 
 

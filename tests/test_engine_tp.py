@@ -96,16 +96,13 @@ def test_kv_export_and_import_are_identical_at_tp_1_and_2(params, single_device_
         shardings = [x.sharding for x in dec.runner.cache.k]
         for i, p in enumerate(batch):
             exports = []
-            req = pre.make_request(f"pre{src}{dst}-{i}", p, first)
-            req.kv_export = kt.Exporter(exports.append)
+            req = pre.make_request(f"pre{src}{dst}-{i}", p, first, part_args={"kv_export": kt.Exporter(exports.append)})
             pre.enqueue(req)
             run_to_completion(pre)
             payload = kt.encode_payload(exports[0], pre.cfg, pre.runner.kv_dtype, keys)
             header, body = kt.decode_payload(payload, keys, dec.cfg, dec.runner.kv_dtype, dec.max_model_len)
             imp = kt.to_import(header, body, dec.cfg, dec.runner.kv_dtype)
-            req = dec.make_request(f"dec{src}{dst}-{i}", p, sp)
-            kt.check_import(req, imp)
-            req.kv_import = imp
+            req = dec.make_request(f"dec{src}{dst}-{i}", p, sp, part_args={"kv_import": imp})
             dec.enqueue(req)
         outs = run_to_completion(dec)
         got = [list(outs[f"dec{src}{dst}-{i}"].outputs[0].token_ids) for i in range(len(batch))]

@@ -174,8 +174,7 @@ def test_kv_export_import_carries_the_adapter(llm):
     first = sp.clone()
     first.max_tokens = 1
     exports = []
-    req = engine.make_request("pre", p, first, part_args={"lora_name": "sql"})
-    req.kv_export = kt.Exporter(exports.append)
+    req = engine.make_request("pre", p, first, part_args={"lora_name": "sql", "kv_export": kt.Exporter(exports.append)})
     engine.enqueue(req)
     run_to_completion(engine)
     payload = kt.encode_payload(exports[0], engine.cfg, engine.runner.kv_dtype, keys)
@@ -188,9 +187,7 @@ def test_kv_export_import_carries_the_adapter(llm):
             kt.check_import(wrong, imp)
         engine.drop_request(wrong)
     engine.reset_prefix_cache()
-    req = engine.make_request("resume", p, sp, part_args={"lora_name": "sql"})
-    kt.check_import(req, imp)
-    req.kv_import = imp
+    req = engine.make_request("resume", p, sp, part_args={"lora_name": "sql", "kv_import": imp})
     engine.enqueue(req)
     assert list(run_to_completion(engine)["resume"].outputs[0].token_ids) == want
 

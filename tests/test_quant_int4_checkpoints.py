@@ -18,18 +18,13 @@ from model.checkpoint import load_checkpoint  # noqa: E402
 from model.convert_hf import ConversionError, convert  # noqa: E402
 from model.quant import GroupQuantizedArray, dequantize_grouped  # noqa: E402
 from quant_checkpoints import (  # noqa: E402
-    assert_serves_greedy_tokens, awq_checkpoint, edited_quantization_config, gptq_checkpoint,
+    assert_serves_greedy_tokens, awq_checkpoint, edited_quantization_config, gptq_checkpoint, logprob_differences,
 )
-from test_hf_parity import Runner, hf_logits, make_hf_model, run_one_call  # noqa: E402
+from test_hf_parity import make_hf_model  # noqa: E402
 
 SMALL = dict(vocab_size=320, hidden_size=256, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
 PROMPTS = [[5, 17, 101, 33, 250, 7, 64, 300, 12], [9, 8, 200, 41, 3, 77]]
-
-
-def log_softmax(x):
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
 @pytest.fixture(scope="module", params=[32, 128])
@@ -56,9 +51,7 @@ def test_gptq_weights_load_as_int4_with_group_scales(gptq):
 def test_gptq_matches_the_dequantized_model(gptq):
     _, _, ref, out = gptq
     cfg, params = load_checkpoint(out)
-    ours = {s: log_softmax(v) for s, v in run_one_call(Runner(cfg, params, seed=0), PROMPTS).items()}
-    for s, ids in enumerate(PROMPTS):
-        diff = np.abs(ours[s] - log_softmax(hf_logits(ref, ids))).max()
+    for s, diff in enumerate(logprob_differences((cfg, params), ref, PROMPTS)):
         print(f"gptq g{cfg.weight_dtype} prompt {s}: max |dlogprob| {diff:.2e}")
         assert diff < 1e-4, (s, diff)
 
@@ -106,9 +99,7 @@ def test_awq_gemm_matches_the_dequantized_model_and_serves_its_greedy_tokens(awq
     down = params.layers[0].w_down
     np.testing.assert_allclose(np.asarray(dequantize_grouped(down)),
                                ref.model.layers[0].mlp.down_proj.weight.detach().numpy(), rtol=1e-6, atol=1e-7)
-    ours = {s: log_softmax(v) for s, v in run_one_call(Runner(cfg, params, seed=0), PROMPTS).items()}
-    for s, ids in enumerate(PROMPTS):
-        diff = np.abs(ours[s] - log_softmax(hf_logits(ref, ids))).max()
+    for s, diff in enumerate(logprob_differences((cfg, params), ref, PROMPTS)):
         print(f"awq prompt {s}: max |dlogprob| {diff:.2e}")
         assert diff < 1e-4, (s, diff)
     assert_serves_greedy_tokens(hf_dir, ref, PROMPTS, str(tmp_path / "cache" / "jax"))

@@ -153,8 +153,7 @@ def _ship(engine, rid, prompt_, sp) -> bytes:
     exports = []
     first = sp.clone()
     first.max_tokens = 1
-    req = engine.make_request(rid, prompt_, first)
-    req.kv_export = kt.Exporter(exports.append)
+    req = engine.make_request(rid, prompt_, first, part_args={"kv_export": kt.Exporter(exports.append)})
     engine.enqueue(req)
     run_to_completion(engine)
     return kt.encode_payload(exports[0], engine.cfg, engine.runner.kv_dtype, KEYS)
@@ -165,9 +164,7 @@ def _resume(engine, rid, prompt_, sp, payload: bytes) -> None:
     header, body = kt.decode_payload(payload, KEYS, engine.cfg, engine.runner.kv_dtype, engine.max_model_len)
     imp = kt.to_import(header, body, engine.cfg, engine.runner.kv_dtype)
     shipped = dict(prompt_, multi_modal_data={"image": imp.encoded_images})
-    req = engine.make_request(rid, shipped, sp)
-    kt.check_import(req, imp)
-    req.kv_import = imp
+    req = engine.make_request(rid, shipped, sp, part_args={"kv_import": imp})
     engine.enqueue(req)
 
 

@@ -267,9 +267,9 @@ class ServingContext:
 
         async def pump(i: int):
             try:
+                part_args = {**kv_transfer.part_args(), **lora_routes.part_args()}  # (a shipped prefill, an adapter)
                 async for out in self.engine.generate(prompts[i], params, ids[i], cache_salt=cache_salt,
-                                                      priority=getattr(req, "priority", 0),
-                                                      **kv_transfer.engine_kwargs(), **lora_routes.engine_kwargs()):
+                                                      priority=getattr(req, "priority", 0), part_args=part_args):
                     queue.put_nowait((i, out))
             except InvalidParameterError as e:
                 queue.put_nowait((i, self.api_error(e, kind, req)))

@@ -59,10 +59,11 @@ def resolve_model(engine, base_name: str, model: Optional[str]) -> bool:
     return False
 
 
-def engine_kwargs() -> dict:
-    """`AsyncEngine.generate` keyword arguments for the current request's adapter (none for the base model)."""
+def part_args() -> dict:
+    """The request arguments (`Engine.make_request(part_args=...)`) of the current request's adapter (none for
+    the base model)."""
     name = current_lora.get()
-    return {} if name is None else {"part_args": {"lora_name": name}}
+    return {} if name is None else {"lora_name": name}
 
 
 def adapter_cards(engine, base_name: str, max_model_len: int) -> list:

@@ -82,18 +82,16 @@ class AsyncEngine:
 
     # --- the caller side -------------------------------------------------------------------------
     async def generate(self, prompt: PromptType, params: Optional[SamplingParams] = None,
-                       request_id: str = "", *, cache_salt: Optional[str] = None, kv_import=None,
-                       kv_export=None, priority: int = 0,
+                       request_id: str = "", *, cache_salt: Optional[str] = None, priority: int = 0,
                        part_args: Optional[dict] = None) -> AsyncIterator[RequestOutput]:
         """Yields cumulative outputs of one request until it finishes.
 
         `cache_salt` isolates the request's prefix-cache pages and `priority` orders it under the priority
         scheduling policy, and `part_args` are the request arguments the engine's parts read
-        (`Engine.make_request`: the LoRA adapter it runs with).
-        `kv_import` (a `kv_transfer.KVImport`) resumes the request from a shipped prefill instead of
-        computing its prompt; `kv_export` (a `kv_transfer.Exporter`) gathers its prompt's K/V on the engine
-        thread when its first token is sampled (see `serving.disaggregation.kv_transfer`). Each hook's
-        `check(engine, request)` refuses what it cannot do before anything is queued.
+        (`Engine.make_request`): the LoRA adapter it runs with ("lora_name"), a shipped prefill it resumes
+        from ("kv_import", a `kv_transfer.KVImport`), the exporter its prompt's K/V goes to once its first
+        token is drawn ("kv_export", a `kv_transfer.Exporter`; see `serving.disaggregation.kv_transfer`);
+        their parts refuse what they cannot do before anything is queued.
 
         Raises `InvalidParameterError` (bad prompt or parameter, nothing queued),
         `ValueError` (request id in use) or `EngineDeadError`.
@@ -110,14 +108,6 @@ class AsyncEngine:
         else:
             req = make()
         req.stream = True
-        try:
-            for hook in (kv_import, kv_export):
-                if hook is not None:
-                    hook.check(self.engine, req)
-        except BaseException:
-            self.engine.drop_request(req)  # never queued: the parts let go of it (its LoRA adapter)
-            raise
-        req.kv_import, req.kv_export = kv_import, kv_export
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:

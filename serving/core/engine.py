@@ -531,8 +531,9 @@ class Engine:
         req = seq.request
         if req.part_state and not seq.is_finished:
             tok = self._replaced(seq, tok)
-        if req.kv_export is not None and seq.num_output_tokens == 1:
-            self.export_prompt_kv(seq, tok, result, row)  # before a finish frees the pages
+        if req.part_state:
+            for part in self.parts:  # before a finish can free the sequence's pages
+                part.before_output(seq, tok, result, row)
         self.outputs.on_token(seq, tok, row, result, now, it)
         if req.part_state and not seq.is_finished:
             for part in self.parts:
@@ -552,16 +553,6 @@ class Engine:
                 for other in self.parts:
                     other.token_replaced(seq)
         return tok
-
-    # --- shipping a prefill's KV between engines ----------------------------------------------------
-    # The request carries the hooks, set by the caller that asked for the transfer
-    # (`serving.disaggregation.kv_transfer`: an `Exporter` as `kv_export`, a `KVImport` as `kv_import`);
-    # they run their device programs through the runner (`run_on_cache`), so the engine needs no more.
-    def export_prompt_kv(self, seq: Sequence, first_token: int, result, row: int) -> None:
-        """Hands the prompt's pages and its first sampled token (row `row` of `result`) to the request's
-        exporter, which gathers them on the device before a finish can free them."""
-        table = self.block_manager.table(seq)[:self.block_manager.blocks_needed(seq.num_prompt_tokens)]
-        seq.request.kv_export.export(self.runner, seq.request, table, int(first_token), result, row)
 
     # --- outputs and stats ---------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -198,7 +198,7 @@ class Scheduler:
             i -= 1
         self.waiting.insert(i, seq)
 
-    def admit_imported(self, seq: Sequence) -> Optional[tuple[list[int], int]]:
+    def admit_computed(self, seq: Sequence) -> Optional[tuple[list[int], int]]:
         """Admits a sequence whose prompt K/V arrives from elsewhere (a shipped prefill) straight
         into the running batch, its prompt counted as computed.
 
@@ -214,7 +214,7 @@ class Scheduler:
         if self.bm.allocate(seq, n - start, hits) is None:
             if self.running:
                 return None  # pages free up as running sequences finish
-            raise PoolTooSmall(f"{n} imported tokens need more than the whole KV pool")
+            raise PoolTooSmall(f"{n} computed tokens need more than the whole KV pool")
         seq.num_computed_tokens = n
         seq.num_cached_tokens = start
         self.bm.register_full_blocks(seq)

@@ -81,9 +81,9 @@ class Sequence:
 
     @property
     def keeps_all_pages(self) -> bool:
-        """Whether every prompt page must stay held (its K/V is exported once the prefill ends), even
-        those a sliding window has passed (`BlockManager`)."""
-        return self.request.kv_export is not None
+        """Whether every prompt page must stay held, even those a sliding window has passed (`BlockManager`):
+        a part reads the prompt's K/V once the prefill ends (`Request.keeps_all_pages`: an export)."""
+        return self.request.keeps_all_pages
 
     def block_extra(self, start: int, end: int) -> bytes:
         """What besides its tokens decides the K/V of positions start..end (`block_digest`): the digests of
@@ -181,11 +181,9 @@ class Request:
         # Prefix-cache isolation: requests with different salts, or made under other weights, share no cached pages.
         self.cache_salt = cache_salt
         self.hash_root = weights_digest(salt_digest(cache_salt), weights_epoch)
-        # Disaggregated serving (serving.disaggregation.kv_transfer): the shipped prompt K/V this request resumes
-        # from (a `KVImport`), and the `Exporter` the engine hands this request's prompt pages to when its first
-        # token exists; set by the caller that asked for them (the engine calls their methods, never imports them).
-        self.kv_import = None
-        self.kv_export = None
+        # Whether every prompt page stays held until the request leaves (a part reads the prompt's K/V when the
+        # first token is drawn: the export of a disaggregated prefill, `serving.features.kv_exports`).
+        self.keeps_all_pages = False
         # What a part placed in the prompt besides its token ids (`StepPart.expand_prompt`; images, where each
         # one's placeholder tokens are, its digest and encoder output), None for a plain prompt: its digests
         # (`digests_between(start, end)`) name the pages that hold it (`Sequence.block_extra`).

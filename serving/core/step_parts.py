@@ -168,6 +168,10 @@ class StepPart:
         another the part's state of the request forces in its place."""
         return token
 
+    def before_output(self, seq, token: int, result, row: int) -> None:
+        """`token` (row `row` of the step's `result`) is about to enter `seq`'s output, before a stop condition
+        can finish it and free its pages: the last moment to read them (a prefill's export)."""
+
     def took_token(self, seq, token: int) -> Optional[str]:
         """`seq` took `token` (now in its output) and has not finished: the reason to finish it with now
         (e.g. "stop"), or None."""

@@ -300,7 +300,8 @@ def add_kv_transfer_routes(app: FastAPI, ctx, secret: str, dependencies=()) -> N
         try:
             async for _ in ctx.engine.generate(prompt, params, f"prefill-{uuid.uuid4().hex}", cache_salt=salt,
                                                priority=getattr(req, "priority", 0),
-                                               kv_export=kt.Exporter(exports.append), **lora_routes.engine_kwargs()):
+                                               part_args={"kv_export": kt.Exporter(exports.append),
+                                                          **lora_routes.part_args()}):
                 pass
         except InvalidParameterError as e:
             raise ctx.api_error(e, kind, req) from e

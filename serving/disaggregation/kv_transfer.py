@@ -6,9 +6,9 @@ runner only runs them over its cache (`ModelRunner.run_on_cache`, which places
 the host inputs, donates and keeps the cache's shardings), so they work under
 tensor parallelism too, and `serving.core` never imports this package.
 
-Export (prefill side): a request whose `kv_export` is an `Exporter` hands it
-the block table of its prompt when it samples its first token
-(`Engine.export_prompt_kv`); the exporter runs one jitted gather (`gather_jit`,
+Export (prefill side): a request made with the request argument `kv_export`, an
+`Exporter`, hands it the block table of its prompt when it samples its first
+token (the `serving.features.kv_exports` part); the exporter runs one jitted gather (`gather_jit`,
 page count padded to a power of two so few shapes compile) into a
 `[layers, 2, pages, page_size, kv_heads, head_dim]` device array, plus for an
 int8 / fp8 cache the `[layers, 2, pages, page_size, kv_heads]` fp32 scales
@@ -16,8 +16,8 @@ beside it. Nothing waits for them on the engine thread; the HTTP handler
 copies them to host once (`PrefillExport.host_kv`) and cuts them to the
 prompt's tokens.
 
-Import (decode side): a request whose `kv_import` is a `KVImport` is admitted
-by the engine, which then calls `KVImport.write` with the slots' pages; that
+Import (decode side): a request made with the request argument `kv_import`, a
+`KVImport`, is admitted by the `serving.features.kv_imports` part, which then calls `KVImport.write` with the slots' pages; that
 scatters the host K/V (and scales) into the donated cache at the token slots
 (`write_jit`, token count padded to a power of two, padding slots dropped, a
 sharded cache kept in its shardings). It works per token, so the two engines
@@ -268,8 +268,9 @@ def check_import(req, imp: KVImport) -> None:
 current_import: contextvars.ContextVar[Optional[KVImport]] = contextvars.ContextVar("kv_import", default=None)
 
 
-def engine_kwargs() -> dict:
-    """`generate(...)` keyword arguments for the import in the current context (none outside a decode route)."""
+def part_args() -> dict:
+    """The request arguments (`Engine.make_request(part_args=...)`) of the import in the current context (none
+    outside a decode route)."""
     imp = current_import.get()
     return {} if imp is None else {"kv_import": imp}
 

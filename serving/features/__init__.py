@@ -9,6 +9,7 @@ options ask for, in one place, and the caller hands them to the engine
 |---|---|---|
 | `host_kv_tier` | the host tier of the prefix cache and swap preemption | kv_offload_bytes, kv_offloading_size, preemption_mode |
 | `kv_pages` | (no part) the device programs that gather and scatter KV pages, shared by the host tier and KV transfer | |
+| `kv_exports` | requests whose prompt K/V is shipped once their first token is drawn (disaggregated serving) | (always on) |
 | `kv_imports` | requests resuming a prefill another engine shipped (disaggregated serving) | (always on) |
 | `structured_output` (+ `reasoning_phase`) | structured outputs and reasoning requests' thinking phase: a grammar per request, its token bitmask in every step | structured_outputs_whitespace (always on) |
 | `sampling_controls` | logit bias, allowed / bad words, min_tokens, the penalties: per-slot device rows, applied in the step | (always on) |
@@ -22,6 +23,7 @@ options ask for, in one place, and the caller hands them to the engine
 from __future__ import annotations
 
 from serving.features import host_kv_tier
+from serving.features.kv_exports import KVExports
 from serving.features.kv_imports import KVImports
 from serving.features.logits_processors import LogitsProcessors, ProcessorConfig
 from serving.features.lora import LoraManager
@@ -45,8 +47,6 @@ def build_parts(options: dict, cfg, draft=None) -> list:
             return tier[0]
 
         parts.append(build_tier)
-    # An import's write must not land on a page before the host tier has copied it out.
-    parts.append(lambda engine: KVImports.for_engine(engine, before_write=tier[0].flush if tier else None))
     # Applied to the logits in this order: sampling controls, a grammar's mask, then the custom processors.
     parts.append(SamplingControlsPart(options["max_num_seqs"], cfg.vocab_size))
     parts.append(GenerationPause())
@@ -67,4 +67,8 @@ def build_parts(options: dict, cfg, draft=None) -> list:
         parts.append(SpecVerifier(options["speculative_method"], options["num_speculative_tokens"],
                                   options["max_num_seqs"], cfg.vocab_size))
         parts.append(lambda engine: SpecDecoder.for_engine(engine, draft=draft))
+    # Last: an import is checked against the request as the other parts admitted it (its adapter), and an
+    # import's write must not land on a page before the host tier has copied it out.
+    parts.append(lambda engine: KVImports.for_engine(engine, before_write=tier[0].flush if tier else None))
+    parts.append(KVExports())
     return parts
