@@ -57,13 +57,17 @@ def test_keep_freezes_requests_and_they_continue_as_if_unpaused(llm, unpaused, r
     assert {rid: list(r.seqs[0].token_ids) for rid, r in engine.requests.items()} == frozen
     with pytest.raises(EngineUnavailableError, match="paused"):
         llm.generate([PROMPTS["a"]], GREEDY)
-    if recompute_kv:  # the same weights put back: recomputed K/V must give the same tokens
-        llm.update_weights(llm.get_weights())
+    drawn = {rid: engine.requests[rid].seqs[0].num_output_tokens for rid in PROMPTS}
+    version = llm.weight_version
+    llm.update_weights(llm.get_weights())  # the same weights put back: the tokens must not change
     recomputed = pause.resume(engine, recompute_kv=recompute_kv)
     assert recomputed == (2 if recompute_kv else 0)
     outs = run_to_completion(engine)
     assert {rid: outs[rid].outputs[0].token_ids for rid in PROMPTS} == unpaused
     assert outs["late"].outputs[0].token_ids == unpaused["a"]
+    for rid in PROMPTS:  # each token says the weights it was drawn under
+        n = drawn[rid]
+        assert outs[rid].outputs[0].weight_versions == [version] * n + [version + 1] * (GREEDY.max_tokens - n)
     assert engine.block_manager.num_used_blocks == 0 or engine.config.enable_prefix_caching
 
 

@@ -449,7 +449,7 @@ class Engine:
         it.bucket = (batch.shape.T, batch.shape.S, batch.shape.P)
         it.q_lens = tuple(n for _, _, _, n in batch.token_spans)
         it.kv_lens = tuple(start + n for _, _, start, n in batch.token_spans)
-        return _StepInFlight(out, batch, None)
+        return _StepInFlight(out, batch, None, self.weight_version)
 
     def _run(self, step: "_StepInFlight") -> "_StepInFlight":
         """Dispatches the packed step (JAX returns at once; `result()` waits)."""
@@ -483,7 +483,7 @@ class Engine:
             if not seq.is_finished:
                 self.outputs.prompt_logprobs(seq, result, row, p0, p1)
         for seq, tok, row in new_tokens:
-            self.take_token(seq, tok, row, result, now, it)
+            self.take_token(seq, tok, row, result, now, it, done.weight_version)
             touched[seq.request.request_id] = seq.request
             it.num_generation_tokens += 1
         return waited
@@ -524,11 +524,13 @@ class Engine:
             inference_time=None if scheduled is None or last is None else last - scheduled,
             n=req.params.n, max_tokens=req.params.max_tokens)
 
-    def take_token(self, seq: Sequence, tok: int, row: int, result, now: float, it: IterationStats) -> None:
+    def take_token(self, seq: Sequence, tok: int, row: int, result, now: float, it: IterationStats,
+                   weight_version: Optional[int] = None) -> None:
         """Takes a token into its sequence's output (detokenized, stop conditions checked, the parts'
         state of it advanced): the scheduler's samples, and tokens parts bring (a shipped prefill's first
-        token)."""
+        token). `weight_version`: the weights the step that drew it ran under (default: the current)."""
         req = seq.request
+        seq.weight_versions.append(self.weight_version if weight_version is None else weight_version)
         if req.part_state and not seq.is_finished:
             tok = self._replaced(seq, tok)
         if req.part_state:
@@ -635,7 +637,8 @@ class Engine:
 class _StepInFlight:
     """A packed step, once dispatched its pending results (`PendingStep`), and what processing needs."""
 
-    __slots__ = ("out", "batch", "pending")
+    __slots__ = ("out", "batch", "pending", "weight_version")
 
-    def __init__(self, out: SchedulerOutput, batch, pending):
+    def __init__(self, out: SchedulerOutput, batch, pending, weight_version: int = 0):
         self.out, self.batch, self.pending = out, batch, pending
+        self.weight_version = weight_version  # the weights the step runs under (an update may land before it is processed)

@@ -104,7 +104,8 @@ class OutputProcessor:
                 index=seq.sample_index, text=text, token_ids=seq.token_ids[seq.num_prompt_tokens:],
                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
                 logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                weight_versions=list(seq.weight_versions)))
         plp = list(req.prompt_logprobs) if req.prompt_logprobs is not None else None
         return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), plp, outs, finished,
                              req.metrics, req.seqs[0].num_cached_tokens)

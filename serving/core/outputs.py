@@ -31,6 +31,9 @@ class CompletionOutput:
     logprobs: Optional[SampleLogprobs]
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | None while running
     stop_reason: Optional[int | str] = None  # the stop string or stop token id that ended it
+    # The weight version (`LLM.weight_version`) each token was drawn under: a rollout that spans a weight
+    # update (generation paused with "keep") says which tokens came from which policy.
+    weight_versions: Optional[list[int]] = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

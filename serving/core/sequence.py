@@ -47,7 +47,7 @@ class Sequence:
         "seq_id", "request", "sample_index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "num_seats", "status", "finish_reason", "stop_reason", "logprobs", "cumulative_logprob",
         "detokenizer", "num_cached_tokens", "block_hashes", "text", "last_token_time",
-        "num_pending", "num_in_flight",
+        "num_pending", "num_in_flight", "weight_versions",
     )
 
     def __init__(self, request: "Request", token_ids: list[int], sample_index: int = 0, num_seats: int = 1):
@@ -65,6 +65,7 @@ class Sequence:
         self.stop_reason = None
         self.logprobs: Optional[list[dict[int, Logprob]]] = [] if request.params.logprobs is not None else None
         self.cumulative_logprob = 0.0
+        self.weight_versions: list[int] = []  # the engine's weight version each output token was drawn under
         self.detokenizer = None  # set by the engine's output processor
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
         self.block_hashes: list[bytes] = []  # chained digests of this sequence's full blocks
