@@ -273,6 +273,10 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag("quantization", "--weight_dtype", "fp8 (weights quantized at load); other methods are refused",
              _quantization, short=("q",)),
     VllmFlag("seed", "--seed", SAME, _same("seed", _int)),
+    VllmFlag("logprobs-mode", "--logprobs_mode", "raw_logprobs and processed_logprobs; raw_logits and "
+             "processed_logits are refused", _choice("logprobs_mode", {m: m for m in ("raw_logprobs",
+                                                                                    "processed_logprobs")},
+                                                    "use raw_logprobs or processed_logprobs")),
     VllmFlag("chat-template", "--chat_template", "same meaning: a file, or the template itself",
              _same("chat_template")),
     VllmFlag("generation-config", "--generation_config", "auto (the checkpoint's) and vllm (none, = off); a "

@@ -331,3 +331,23 @@ def test_invalid_control_values_name_the_field(field, value):
     with pytest.raises(InvalidParameterError) as e:
         SamplingParams(**{field: value}).validate(vocab_size=V)
     assert e.value.param == field
+
+
+def test_processed_logprobs_are_those_of_the_distribution_drawn_from():
+    """logprobs_mode=processed_logprobs: a token drawn with top_k=2 at temperature 0.5 reports its log-probability
+    among the two tokens top-k kept, at that temperature: computed from the raw top-2 logprobs of an engine in
+    the default mode (the same draws, since the mode changes no sampling), and 0 under top_k=1."""
+    from serving import LLM
+
+    engine = dict(max_num_seqs=2, max_num_batched_tokens=16, page_size=16, max_model_len=64, num_pages=16)
+    sp = SamplingParams(temperature=0.5, top_k=2, max_tokens=6, logprobs=2, seed=7, ignore_eos=True)
+    raw = LLM(**engine).generate(["def f("], sp)[0].outputs[0]
+    processed = LLM(logprobs_mode="processed_logprobs", **engine).generate(["def f("], sp)[0].outputs[0]
+    assert processed.token_ids == raw.token_ids
+    for tok, raw_lp, lp in zip(raw.token_ids, raw.logprobs, processed.logprobs):
+        kept = np.array([raw_lp[t].logprob for t in sorted(raw_lp, key=lambda t: raw_lp[t].rank)[:2]])
+        want = raw_lp[tok].logprob / 0.5 - np.log(np.exp(kept / 0.5).sum())  # (the normalizer cancels)
+        assert abs(lp[tok].logprob - want) < 1e-4, (lp[tok].logprob, want)
+    greedy_k1 = LLM(logprobs_mode="processed_logprobs", **engine).generate(
+        ["def f("], sp.clone(top_k=1))[0].outputs[0]
+    assert all(abs(lp[t].logprob) < 1e-6 for t, lp in zip(greedy_k1.token_ids, greedy_k1.logprobs))

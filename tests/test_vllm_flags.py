@@ -55,6 +55,7 @@ CASES = [
     (["--quantization", "fp8"], {"weight_dtype": "fp8"}),
     (["-q", "fp8"], {"weight_dtype": "fp8"}),
     (["--seed", "5"], {"seed": 5}),
+    (["--logprobs-mode", "processed_logprobs"], {"logprobs_mode": "processed_logprobs"}),
     (["--chat-template", "{{ messages }}"], {"chat_template": "{{ messages }}"}),
     (["--generation-config", "vllm"], {"generation_config": "off"}),
     (["--generation-config", "auto"], {"generation_config": "auto"}),

@@ -117,6 +117,7 @@ class Engine:
                                              backend=config.attention_backend, layout=layout,
                                              cache_dtype=self.cache_dtype, scan_layers=scans_layers(config.layer_loop),
                                              sampler_part=step_parts.sampler_part(parts),
+                                             processed_logprobs=config.logprobs_mode == "processed_logprobs",
                                              forward_parts=step_parts.forward_parts(parts),
                                              logit_parts=step_parts.logit_parts(parts))
         self.block_manager = BlockManager(num_pages, ps, config.enable_prefix_caching,

@@ -28,6 +28,7 @@ from model.quant import KV_CACHE_DTYPE_CHOICES, WEIGHT_DTYPE_CHOICES
 from serving.core.compute_dtype import CHOICES as COMPUTE_DTYPE_CHOICES
 from serving.core.sampling_params import CONTROL_FIELDS
 
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # option logprobs_mode
 SPECULATIVE_METHODS = ("draft", "ngram")  # option speculative_method (`serving.spec_decode`)
 SPECULATION = "speculative decoding"  # the part of the speculation options (`serving.spec_decode.verifier`)
 # What a preempted sequence's KV becomes (option preemption_mode; `serving.features.host_kv_tier`).
@@ -106,6 +107,11 @@ OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("attention_backend", str, "auto",
                  "Attention backend: auto, xla, reference, pallas, pallas_interpret."),
     EngineOption("seed", int, 0, "Engine seed (for requests that give none)."),
+    EngineOption("logprobs_mode", str, "raw_logprobs",
+                 "What a sampled token's logprobs are computed from, as vLLM names it: raw_logprobs (the model's "
+                 "own distribution) or processed_logprobs (the one the token was drawn from: after the logit "
+                 "adjustments, temperature, min-p and top-k/top-p; greedy rows: after the adjustments), what an "
+                 "RL trainer sampling below temperature 1 wants.", choices=LOGPROBS_MODES),
     EngineOption("kv_cache_memory_fraction", float, 0.9,
                  "Share of device memory the KV pool may take, on devices that report their memory."),
     EngineOption("host_kv_cache_bytes", int, 256 * 2**20,

@@ -32,7 +32,7 @@ from model.layer_select import selects_layers
 from model.params import param_bytes, stack_layers
 from serving.core.input_batch import Buckets, StepShape, StepBatch
 from serving.core import bucket_plan, executable_store, placement, step_parts
-from serving.core.sampler import SamplingInputs, sample
+from serving.core.sampler import SamplingInputs, filtered_logits, sample
 from serving.core.sampling_table import ROW_PARAMS
 from serving.core.step_programs import StepPrograms, compiled_total
 
@@ -63,7 +63,7 @@ def feed_tokens(tokens, feed_rows, feed):
 
 def _step(params, cache, ibuf, fbuf, feed=None, part_states=(), device_input=None, weight_states=(),
           part_inputs=(), *, cfg: ModelConfig, backend: str, shape: StepShape, layout=None, sampler_part=None,
-          forward_parts: tuple = (), logit_parts: tuple = ()):
+          forward_parts: tuple = (), logit_parts: tuple = (), processed_logprobs: bool = False):
     """One engine step: forward over the ragged batch, then each logit row's token.
 
     Every feature a row can need is an input of this one program:
@@ -102,6 +102,8 @@ def _step(params, cache, ibuf, fbuf, feed=None, part_states=(), device_input=Non
     views = [step_parts.StepView(s.token_index, s, proposals, state) for state in part_states]
     for part, inputs, view in zip(logit_parts, part_inputs, views, strict=True):
         logits = part.apply_to_logits(inputs, logits, view)
+    if processed_logprobs:  # the distribution each row draws from (`logprobs_mode`)
+        raw = jnp.where((s.temperature > 0)[:, None], filtered_logits(logits, s), logits)
     if sampler_part is not None:
         ids, logprobs = sampler_part.sample(logits, raw, step_parts.StepView(s.token_index, s, proposals), v,
                                             device_input)
@@ -121,7 +123,7 @@ def _step(params, cache, ibuf, fbuf, feed=None, part_states=(), device_input=Non
 
 # Module level, so engines with the same model and buckets share compilations.
 _step_jit = jax.jit(_step, static_argnames=("cfg", "backend", "shape", "layout", "sampler_part", "forward_parts",
-                                            "logit_parts"),
+                                            "logit_parts", "processed_logprobs"),
                     donate_argnums=(1, 5))
 
 
@@ -162,7 +164,7 @@ def compilation_count() -> int:
 
 # What `ModelRunner._program_key` holds, in order: `StepPrograms.why` names a recompile's cause by these.
 PROGRAM_KEY_FIELDS = ("program", "model config", "attention backend", "layout", "bucket", "step parts' sampler",
-                      "argument signature (tree, then shape, dtype and sharding of each leaf)",
+                      "argument signature (tree, then shape, dtype and sharding of each leaf)", "logprobs mode",
                       "step parts' weight adaptations", "step parts' device inputs")
 
 
@@ -198,7 +200,7 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int, buckets: Buckets,
                  backend: str = "auto", cache_dtype=None, layout=None,
                  scan_layers: bool = False, sampler_part=None, forward_parts: tuple = (),
-                 logit_parts: tuple = ()):
+                 logit_parts: tuple = (), processed_logprobs: bool = False):
         """`scan_layers`: stack the
         layers' weights and KV pages so the step scans over layers (`model.forward`), compiling one
         layer body whatever the depth. `sampler_part`: the step part that samples instead of the runner
@@ -210,6 +212,7 @@ class ModelRunner:
         self.cfg = cfg
         self.scan_layers = scan_layers
         self.sampler_part = sampler_part
+        self.processed_logprobs = processed_logprobs  # logprobs of the drawn distribution (`logprobs_mode`)
         self.num_pages = num_pages
         self.page_size = page_size
         self.buckets = buckets
@@ -396,6 +399,7 @@ class ModelRunner:
     def _lower_step(self, shape: StepShape):
         return _step_jit.lower(*self._abstract_inputs(shape), cfg=self.cfg, backend=self.backend, shape=shape,
                                layout=self.layout, sampler_part=self.sampler_part, forward_parts=self.forward_parts,
+                               processed_logprobs=self.processed_logprobs,
                                logit_parts=self.logit_parts)
 
     def _program_key(self, shape: StepShape):
@@ -406,6 +410,7 @@ class ModelRunner:
             self._signature = (treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves))
         return ("step", self.cfg, self.backend, self.layout, shape,
                 None if self.sampler_part is None else self.sampler_part.program_key(), self._signature,
+                self.processed_logprobs,
                 tuple(part.program_key() for part in self.forward_parts),
                 tuple(part.program_key() for part in self.logit_parts))
 
