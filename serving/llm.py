@@ -22,12 +22,12 @@ from model.quant import check_kv_cache_dtype, check_weight_dtype
 from model.tokenizer import ByteTokenizer, load_tokenizer
 from serving import model_source
 from serving.cluster import distributed, multihost
-from serving.core import compile_cache, engine_args, weights as weight_updates
+from serving.core import compile_cache, engine_args
 from serving.features.lora import LoRARequest, LoraManager, parse_lora_modules
 from serving.core.engine import Engine, EngineConfig, EngineUnavailableError
 from serving.core.outputs import RequestOutput
 from serving.core.sampling_params import InvalidParameterError, SamplingParams
-from serving.features import build_parts, pause, sleep_mode
+from serving.features import build_parts, pause, sleep_mode, weight_updates
 
 log = logging.getLogger(__name__)
 
@@ -305,7 +305,7 @@ class LLM:
             prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids)
         return self.generate(prompts, sampling_params)
 
-    # --- weights (serving.core.weights) ------------------------------------------------------------
+    # --- weights (serving.features.weight_updates) ------------------------------------------------------------
     def get_weights(self):
         """The engine's weight pytree as it serves it: the placed arrays themselves (their shardings, and
         the quantized form under weight_dtype int8 / fp8). Pass it, or arrays of its structure, to
@@ -323,7 +323,7 @@ class LLM:
         Face tensor names. A wrong structure, shape or dtype raises ValueError naming the leaf, and
         nothing is replaced. The new weights take effect at the next dispatched step (one already
         dispatched finishes under the old ones); no later request reuses prefix-cache K/V computed
-        under older weights. Call it between `generate` calls. See `serving.core.weights`."""
+        under older weights. Call it between `generate` calls. See `serving.features.weight_updates`."""
         if self.multihost is not None:
             raise NotImplementedError("update_weights in a multi-process run: every process would have to place "
                                       "its own shards; not supported yet")

@@ -1,5 +1,5 @@
 """Weight updates of a running engine: `LLM.get_weights`, `LLM.update_weights`, `LLM.reset_prefix_cache`
-(`serving.core.weights`), and a prefix cache that never serves K/V computed under older weights."""
+(`serving.features.weight_updates`), and a prefix cache that never serves K/V computed under older weights."""
 
 import jax
 import numpy as np

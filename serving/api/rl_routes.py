@@ -73,7 +73,7 @@ def load_for_update(engine, directory: str):
 def add_rl_routes(app: FastAPI, ctx, keyed: list, options: RLRouteOptions) -> None:
     """Mounts the routes (the caller mounts them only when they are enabled)."""
     from serving.features import pause, sleep_mode
-    from serving.core import weights as weight_updates
+    from serving.features import weight_updates
 
     async def on_engine(fn):
         try:

@@ -91,7 +91,7 @@ def adapter_digest(parent: Optional[bytes], adapter: bytes) -> bytes:
 
 def weights_digest(parent: Optional[bytes], epoch: int) -> Optional[bytes]:
     """The parent digest of the first block of a request admitted after the engine's weights were
-    replaced `epoch` times (`serving.core.weights`), chained from its salt root `parent`. K/V computed
+    replaced `epoch` times (`serving.features.weight_updates`), chained from its salt root `parent`. K/V computed
     under one set of weights is valid under no other, so each update starts new names and no request
     ever hits a page (or a host-tier block) written under older weights. Epoch 0, the weights the
     engine was built with, keeps `parent` as it is: an engine that never updates names its pages as

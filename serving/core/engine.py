@@ -158,7 +158,7 @@ class Engine:
         # each step's tokens (speculation's drafts: `StepPart.serial`) has the steps run one at a time.
         self.overlap = config.async_scheduling and not any(p.serial for p in self.parts)
         self._in_flight: Optional[_StepInFlight] = None  # dispatched, not yet processed
-        self.weight_version = self.weights_epoch = 0  # label and count of weight updates (`serving.core.weights`)
+        self.weight_version = self.weights_epoch = 0  # label and count of weight updates (`serving.features.weight_updates`)
         # Why the engine takes no request now (None: it does): set and cleared by whoever made it so (sleep
         # mode, `serving.features.sleep_mode`); `make_request` refuses every request meanwhile.
         self.unavailable: Optional[str] = None

@@ -275,7 +275,7 @@ class StepPart:
         """The engine forgets its cached prefix pages: the part forgets what it caches of them."""
 
     def weights_replaced(self) -> None:
-        """The engine's weights were replaced (`serving.core.weights`): the part forgets what it cached of what
+        """The engine's weights were replaced (`serving.features.weight_updates`): the part forgets what it cached of what
         the old ones computed (an image encoder's outputs)."""
 
     def warm_up(self) -> dict:

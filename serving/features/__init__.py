@@ -14,6 +14,7 @@ options ask for, in one place, and the caller hands them to the engine
 | `structured_output` (+ `reasoning_phase`) | structured outputs and reasoning requests' thinking phase: a grammar per request, its token bitmask in every step | structured_outputs_whitespace (always on) |
 | `sampling_controls` | logit bias, allowed / bad words, min_tokens, the penalties: per-slot device rows, applied in the step | (always on) |
 | `logits_processors` | custom logits processors, run inside the step | logits_processors |
+| `weight_updates` | (no part) replacing a running engine's weights, and `sleep_mode` (no part) giving its device memory back | |
 | `pause` | pausing generation (abort, wait, keep) and resuming it, by holding the engine's steps | (always on) |
 | `multimodal` | a vision-language model's images: placed in the prompt at admission (encoder outputs cached by image digest), their rows and positions in every step | encoder_cache_mb, limit_mm_per_prompt (a model with a vision tower) |
 | `serving.spec_decode` (not here: a package of its own) | speculative decoding: `SpecVerifier` checks the drafts in the step, `SpecDecoder` proposes them and keeps what was accepted | speculative_method, num_speculative_tokens, speculative_model |
