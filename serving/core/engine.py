@@ -154,6 +154,11 @@ class Engine:
                                  + getattr(self.runner, "forward_parts", ())
                                  + (getattr(self.runner, "sampler_part", None),))
         self.scheduler.gates += [gate for gate in (part.gate() for part in self.parts) if gate is not None]
+        # What the parts take of a request beside what the engine reads itself (its sampling fields, request
+        # arguments and dict-prompt keys): anything else given is refused (`make_request`).
+        self._taken_fields = {field for part in self.parts for field in part.takes_fields}
+        self._taken_args = {name for part in self.parts for name in part.takes_args}
+        self._taken_prompt_keys = {key for part in self.parts for key in part.takes_prompt_keys}
         # Overlapped scheduling needs a runner that dispatches without waiting; a part whose next inputs follow
         # each step's tokens (speculation's drafts: `StepPart.serial`) has the steps run one at a time.
         self.overlap = config.async_scheduling and not any(p.serial for p in self.parts)
@@ -215,9 +220,8 @@ class Engine:
                       cache_salt, priority, self.weights_epoch)
         req.prompt_content = content
         req.sampling_row = sampling_row(req)
-        taken = {field for part in self.parts for field in part.takes_fields}
         for field in params.part_fields():
-            if field not in taken:
+            if field not in self._taken_fields:
                 raise InvalidParameterError(field, f"{field}: given, but this engine runs "
                                                    f"{engine_args.FIELD_PARTS.get(field, 'no part that acts on it')}")
         req.part_args = self._part_args(part_args)
@@ -232,9 +236,8 @@ class Engine:
     def _part_args(self, part_args: Optional[dict]) -> dict:
         """The request arguments given (None values left out), each taken by one of the engine's parts."""
         given = {name: value for name, value in (part_args or {}).items() if value is not None}
-        taken = {name for part in self.parts for name in part.takes_args}
         for name, value in given.items():
-            if name not in taken:
+            if name not in self._taken_args:
                 field, why = engine_args.ARG_PARTS.get(name, (name, "is given, but no part of this engine takes it"))
                 raise InvalidParameterError(field, f"{field}: {value!r} {why}")
         return given
@@ -255,8 +258,7 @@ class Engine:
         if not isinstance(prompt, dict):
             return ids, None
         extra = set(prompt) - PROMPT_KEYS
-        taken = {key for part in self.parts for key in part.takes_prompt_keys}
-        for key in sorted(extra - taken):
+        for key in sorted(extra - self._taken_prompt_keys):
             raise InvalidParameterError(key, f"{key}: {engine_args.PROMPT_KEY_PARTS.get(key, 'no part takes it')}")
         content = None
         for part in self.parts:
@@ -270,8 +272,7 @@ class Engine:
 
     def _prompt_ids(self, prompt) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):
-            taken = {key for part in self.parts for key in part.takes_prompt_keys}
-            known = PROMPT_KEYS | set(engine_args.PROMPT_KEY_PARTS) | taken
+            known = PROMPT_KEYS | set(engine_args.PROMPT_KEY_PARTS) | self._taken_prompt_keys
             unknown = sorted(set(prompt) - known)
             if unknown:
                 raise InvalidParameterError("prompt", f"prompt: unknown keys {unknown} in a dict prompt (it takes "
