@@ -1,13 +1,17 @@
-"""The quick first compile against the full one: compile time of the minimal warm-up set, and step speed.
+"""Compiler options against XLA's defaults: compile time of the minimal warm-up set, and step speed.
 
-    python benchmarks/quick_compile.py              # the embedded model
+    python benchmarks/quick_compile.py              # the quick options, on the embedded model
     python benchmarks/quick_compile.py --rounds 1   # a shorter run
+    python benchmarks/quick_compile.py --options '{"xla_cpu_use_fusion_emitters": false}' \
+        --model 135m-30l --out benchmarks/results/legacy_emitters_cpu.json
 
 A server's warm-up compiles two step buckets before it serves (the batch-1
 decode and the largest bucket). With `--quick_warmup_compile` (the default)
 they compile with `step_programs.QUICK_COMPILE_OPTIONS` for the platform (XLA
 CPU: LLVM -O0) and serve until the background thread's full compiles replace
-them. This measures, in one process and one run, what that trades:
+them. This measures, in one process and one run, what that trades (or what any
+other `--options` would, on the embedded model or the 30-layer 135M shape of
+`benchmarks/startup.py` with random weights):
 
 * compile: the XLA compile of the two buckets with each option set (the
   lowering, which is the same for both, is timed apart), alternating
@@ -18,7 +22,8 @@ them. This measures, in one process and one run, what that trades:
   sampled (temperature 0.8, top_p 0.9, seeded); timed runs alternate between
   the two engines, best kept; and whether their tokens are the same.
 
-Writes benchmarks/results/quick_compile_cpu.json (or `--out`).
+Results name the two sides "defaults" and "options". Writes
+benchmarks/results/quick_compile_cpu.json (or `--out`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ import time
 import jax
 import numpy as np
 
+from model.config import LlamaConfig
+from model.params import init_params
 from serving import LLM, SamplingParams
 from serving.core import step_programs
 
@@ -66,8 +73,14 @@ class Compiling:
         return self.lowered.compile(compiler_options=self.options) if self.options else self.lowered.compile()
 
 
-def engine(options, tag: str) -> LLM:
-    llm = LLM(compilation_cache_dir="")  # nothing loaded from an earlier run: every bucket compiles here
+def engine(options, tag: str, model: str) -> LLM:
+    if model == "embedded":
+        llm = LLM(compilation_cache_dir="")  # nothing loaded from an earlier run: every bucket compiles here
+    else:  # the 30-layer 135M shape, float32 as on a CPU server
+        cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                          num_kv_heads=3, head_dim=64, tie_word_embeddings=True, max_position_embeddings=2048,
+                          dtype="float32")
+        llm = LLM(config=cfg, params=init_params(cfg, jax.random.key(0)), compilation_cache_dir="")
     programs = llm.engine.runner.programs
     lower, key = programs._lower, programs._key
     programs._lower = lambda shape: Compiling(lower(shape), options)
@@ -78,19 +91,23 @@ def engine(options, tag: str) -> LLM:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--options", default=None,
+                   help="compiler options to compare against the defaults, as JSON (default: the quick ones)")
+    p.add_argument("--model", choices=("embedded", "135m-30l"), default="embedded")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "quick_compile_cpu.json"))
     args = p.parse_args(argv)
-    quick = step_programs.QUICK_COMPILE_OPTIONS.get(jax.default_backend())
+    quick = (json.loads(args.options) if args.options
+             else step_programs.QUICK_COMPILE_OPTIONS.get(jax.default_backend()))
     if quick is None:
         raise SystemExit(f"no quick compile options for {jax.default_backend()}: nothing to compare")
 
-    full_llm, quick_llm = engine(None, "full"), engine(quick, "quick")
-    runner = full_llm.engine.runner
+    defaults_llm, options_llm = engine(None, "defaults", args.model), engine(quick, "options", args.model)
+    runner = defaults_llm.engine.runner
     order = runner.warm_up_order()
     minimal = [order[0], order[-1]]
-    compiles = {"full": {}, "quick": {}}
+    compiles = {"defaults": {}, "options": {}}
     for _ in range(args.rounds):  # alternating, so load that comes and goes falls on both
-        for name, options in (("full", None), ("quick", quick)):
+        for name, options in (("defaults", None), ("options", quick)):
             for k, v in compile_seconds(runner, minimal, options, 1).items():
                 compiles[name][k] = min(compiles[name].get(k, 1e9), v)
     for c in compiles.values():
@@ -102,14 +119,14 @@ def main(argv=None) -> dict:
     sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=64, ignore_eos=True, seed=1)
     workloads = {"batch 1 greedy": ([list(range(1, 17))], greedy), "16 greedy": (prompts, greedy),
                  "16 sampled": (prompts, sampled)}
-    for llm in (full_llm, quick_llm):  # every bucket these workloads use, compiled before timing
+    for llm in (defaults_llm, options_llm):  # every bucket these workloads use, compiled before timing
         for batch, params in workloads.values():
             llm.generate(batch, params)
-    speed = {name: {} for name in ("full", "quick")}
-    tokens = {name: {} for name in ("full", "quick")}
+    speed = {name: {} for name in ("defaults", "options")}
+    tokens = {name: {} for name in ("defaults", "options")}
     for _ in range(args.rounds):
         for work, (batch, params) in workloads.items():
-            for name, llm in (("full", full_llm), ("quick", quick_llm)):
+            for name, llm in (("defaults", defaults_llm), ("options", options_llm)):
                 t = time.perf_counter()
                 outs = llm.generate(batch, params)
                 rate = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
@@ -117,10 +134,10 @@ def main(argv=None) -> dict:
                 tokens[name][work] = [list(o.outputs[0].token_ids) for o in outs]
     result = {
         "date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "quick_options": quick, "minimal_set": [f"T={s.T},P={s.P}" for s in minimal], "rounds": args.rounds,
+        "model": args.model, "options": quick, "minimal_set": [f"T={s.T},P={s.P}" for s in minimal], "rounds": args.rounds,
         "compile_seconds": compiles, "tokens_per_second": speed,
-        "quick_vs_full_speed": {w: round(speed["quick"][w] / speed["full"][w], 2) for w in workloads},
-        "same_tokens": {w: tokens["quick"][w] == tokens["full"][w] for w in workloads},
+        "options_vs_defaults_speed": {w: round(speed["options"][w] / speed["defaults"][w], 2) for w in workloads},
+        "same_tokens": {w: tokens["options"][w] == tokens["defaults"][w] for w in workloads},
     }
     print(json.dumps(result, indent=1))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -1,0 +1,100 @@
+"""What fewer step buckets would cost in speed: small decodes padded to more rows, or to the largest page bucket.
+
+    python benchmarks/bucket_padding.py              # ~8 min on 2 cores
+    python benchmarks/bucket_padding.py --rounds 1
+
+A server compiles one step program per bucket, and on a 2-core CPU the
+30-layer 135M shape's background warm-up (49 buckets) takes about three
+minutes. Each bucket left out saves one compile but makes some steps run in a
+larger one. This measures, on that shape with random float32 weights, the
+two cuts that remove the most buckets among decode-sized steps:
+
+* **rows**: decodes of 2 and 4 rows computed in the 8-row bucket
+  (`min_token_bucket=8`: 12 buckets fewer);
+* **pages**: decode-sized steps from 8, 4 or 2 rows up run in the largest page
+  bucket, as steps of 16 rows and more already do (`Buckets.one_page_bucket`:
+  5, 10 or 15 buckets fewer).
+
+Workloads: 2, 4 and 8 requests, prompts of 40 and 300 tokens (short
+contexts take the smallest page buckets, where padding to the largest costs
+most), 48 greedy tokens each; engines with every variant built in one
+process, each workload run once untimed (its buckets compile), then timed runs
+alternate between the engines, best of `--rounds` kept. Reported: seconds per
+engine and each variant's time over the default engine's.
+
+Writes benchmarks/results/bucket_padding_cpu.json (or `--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import time
+
+import jax
+import numpy as np
+
+from model.config import LlamaConfig
+from model.params import init_params
+from serving import LLM, SamplingParams
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def build(cfg, params, one_page_from=None, **engine) -> LLM:
+    """An engine whose decode-sized steps of at least `one_page_from` rows take the largest page bucket."""
+    llm = LLM(config=cfg, params=params, compilation_cache_dir="", warmup=False, async_scheduling=False, **engine)
+    if one_page_from is not None:
+        buckets = llm.engine.buckets  # (the runner's too: one object)
+        object.__setattr__(buckets, "one_page_bucket",
+                           lambda T: one_page_from <= T <= buckets.max_num_seqs)
+    return llm
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bucket_padding_cpu.json"))
+    args = p.parse_args(argv)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                      num_kv_heads=3, head_dim=64, tie_word_embeddings=True, max_position_embeddings=2048,
+                      dtype="float32")
+    params = init_params(cfg, jax.random.key(0))
+    engines = {"default": build(cfg, params), "rows padded to 8": build(cfg, params, min_token_bucket=8),
+               "one page bucket from 8 rows": build(cfg, params, 8),
+               "one page bucket from 4 rows": build(cfg, params, 4),
+               "one page bucket from 2 rows": build(cfg, params, 2)}
+    rng = np.random.default_rng(0)
+    sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    rows = []
+    for n in (2, 4, 8):
+        for prompt_len in (40, 300):
+            prompts = [list(map(int, rng.integers(3, cfg.vocab_size, size=prompt_len))) for _ in range(n)]
+            tokens = {name: [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp)]
+                      for name, llm in engines.items()}
+            best = {}
+            for _ in range(args.rounds):
+                for name, llm in engines.items():
+                    t = time.perf_counter()
+                    llm.generate(prompts, sp)
+                    best[name] = min(best.get(name, 1e9), time.perf_counter() - t)
+            row = {"requests": n, "prompt_tokens": prompt_len, "seconds": {k: round(v, 3) for k, v in best.items()},
+                   "over_default": {k: round(v / best["default"], 3) for k, v in best.items()},
+                   "same_tokens": all(t == tokens["default"] for t in tokens.values())}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    result = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+              "model": "135M shape, 30 layers, float32, random weights", "rounds": args.rounds,
+              "buckets": {name: len(llm.engine.buckets.all_shapes()) for name, llm in engines.items()},
+              "rows": rows}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
