@@ -6,8 +6,9 @@ Features are of two kinds:
   prompt-lookup (ngram) or draft-model speculation, int8 weights, an int8 or fp8 KV cache,
   overlapped scheduling, a sliding-window family (Mistral), a mixture of experts (Qwen3-MoE; a
   sliding-window Qwen3-MoE where both meet), the host KV tier with swap preemption in a pool
-  the workload overflows, and LoRA adapters (two PEFT-format adapters, every job but one in three
-  running one of them, so each step mixes base rows and both adapters);
+  the workload overflows, LoRA adapters (two PEFT-format adapters, every job but one in three
+  running one of them, so each step mixes base rows and both adapters), and logprobs reported from
+  the processed distribution (`logprobs_mode="processed_logprobs"`);
 * request features, what a request asks for: structured outputs, sampling controls, logprobs,
   n = 2, prefix-cache hits, a cache_salt, KV export / import (disaggregated prefill), and a
   reasoning phase (a thinking budget that forces the end tag; a grammar applies after it).
@@ -21,8 +22,8 @@ KV dtypes; `MODEL_FEATURES`) on one device (on two where TP meets a quantized KV
 `TP_WITH_QUANTIZED_KV` names the physical reason), without speculation, one step at a time. Equality
 alone cannot see a feature whose handling both engines lost, so each request feature is also
 checked for its own effect (and the adapters for theirs: jobs change tokens when run without one): only allowed ids and no bad word, the grammar matched, logprobs
-reported and equal, two samples, pages hit or kept apart by the salt, the shipped prefill decoded,
-the end tag where the budget ran out.
+reported and equal (and, processed, only over the tokens the controls allow), two samples, pages hit
+or kept apart by the salt, the shipped prefill decoded, the end tag where the budget ran out.
 
 A pair that is not run names its physical reason in `EXCLUDED` (docs/architecture.md shows the
 same matrix). Two processes, the remaining feature of the matrix, runs in tests/test_multihost.py.
@@ -79,9 +80,11 @@ ENGINE_FEATURES = {
     "offload": dict(kv_offload_bytes=2**22, preemption_mode="swap", num_pages=24),
     # LoRA adapters: two, in two slots, of ranks 4 and 2 padded to 4 (`adapters`); jobs pick theirs (`LORA_OF`).
     "lora": dict(enable_lora=True, max_loras=2, max_lora_rank=4),
+    # Logprobs of the distribution a token was drawn from (vLLM's --logprobs-mode processed_logprobs).
+    "processed_logprobs": dict(logprobs_mode="processed_logprobs"),
 }
 # Features that change the model's numbers: the plain engine a configuration is compared with has them too.
-MODEL_FEATURES = ("int8_weights", "int8_kv", "fp8_kv", "sliding", "moe", "lora")
+MODEL_FEATURES = ("int8_weights", "int8_kv", "fp8_kv", "sliding", "moe", "lora", "processed_logprobs")
 # Tensor parallelism sums partial products across devices in another order than one device does, so a
 # value can move by an ulp; a quantized KV cache rounds values onto a coarse grid (fp8 keeps 3 mantissa
 # bits), and a value near a grid midpoint then lands one step away. That difference, about 1e-3 in a
@@ -112,11 +115,13 @@ EXCLUDED = {
 REQUEST_FEATURES = ("structured", "controls", "logprobs", "n2", "prefix", "salt", "kv_transfer", "thinking")
 
 
-def covering_configs(features, excluded) -> list[tuple[str, ...]]:
-    """Engine configurations (tuples of features) that together hold every allowed pair: greedily, each
-    one starts from the first pair not yet covered and takes the feature that covers most uncovered
-    pairs with those already in, while no excluded pair forms."""
+def covering_configs(features, excluded, required=None) -> list[tuple[str, ...]]:
+    """Engine configurations (tuples of features) that together hold every allowed pair (with `required`:
+    every allowed pair that holds it): greedily, each one starts from the first pair not yet covered and
+    takes the feature that covers most uncovered pairs with those already in, while no excluded pair forms."""
     left = {frozenset(p) for p in itertools.combinations(features, 2)} - set(excluded)
+    if required is not None:
+        left = {p for p in left if required in p}
     configs = []
     while left:
         config = list(min(left, key=lambda p: sorted(features.index(f) for f in p)))
@@ -132,7 +137,12 @@ def covering_configs(features, excluded) -> list[tuple[str, ...]]:
     return configs
 
 
-CONFIGS = covering_configs(list(ENGINE_FEATURES), EXCLUDED)
+# Features that switch how an engine reports rather than what it computes: their default is as much a
+# setting to cover as they are, so the other features are covered without them (where their default
+# holds), and each mode is then paired with every other feature in configurations of its own.
+MODES = ("processed_logprobs",)
+CONFIGS = covering_configs([f for f in ENGINE_FEATURES if f not in MODES], EXCLUDED) + [
+    config for mode in MODES for config in covering_configs(list(ENGINE_FEATURES), EXCLUDED, required=mode)]
 
 
 def test_the_configurations_cover_every_allowed_pair_and_no_excluded_one():
@@ -327,9 +337,9 @@ def reference(weights, adapters, config):
     return _REFERENCES[key]
 
 
-def check_effects(name, features, out, want, samples=None) -> None:
+def check_effects(name, features, out, want, samples=None, processed=False) -> None:
     """What each request feature does, seen in the output itself (`want`: the plain engine's; `samples`:
-    how many it has, by default what its n asks)."""
+    how many it has, by default what its n asks; `processed`: the engine reports processed logprobs)."""
     assert len(out.outputs) == (samples or (2 if "n2" in features else 1)), name
     for o in out.outputs:
         text = TOKENIZER.decode(o.token_ids)
@@ -345,8 +355,11 @@ def check_effects(name, features, out, want, samples=None) -> None:
             assert len(o.logprobs) == len(o.token_ids), name
             for got_entry, want_entry in zip(o.logprobs, want.outputs[0].logprobs):
                 assert sorted(got_entry) == sorted(want_entry), name
-                for tid, lp in want_entry.items():
-                    assert abs(got_entry[tid].logprob - lp.logprob) < 2e-3, (name, tid)
+                for tid, lp in want_entry.items():  # (processed, a token the grammar bans is -inf in both)
+                    got_lp = got_entry[tid].logprob
+                    assert got_lp == lp.logprob or abs(got_lp - lp.logprob) < 2e-3, (name, tid)
+                if processed and "controls" in features:  # drawn after the controls: banned ids have no mass
+                    assert set(got_entry) <= set(ALLOWED), (name, sorted(got_entry))
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=["+".join(c) for c in CONFIGS])
@@ -356,9 +369,10 @@ def test_every_pair_gives_the_plain_engines_tokens(weights, adapters, config):
     engine = llm.engine
     plain = [j for j in JOBS if "kv_transfer" not in j[1]]
     got = run_jobs(engine, plain, wave=1)
+    processed = "processed_logprobs" in config
     for name, features, _ in plain:
         assert [o.token_ids for o in got[name].outputs] == [o.token_ids for o in want[name].outputs], name
-        check_effects(name, features, got[name], want[name])
+        check_effects(name, features, got[name], want[name], processed=processed)
 
     # Prefix hits: the same prompts again, under the same salt (pages shared) or another (kept apart).
     again = [j for j in plain if "prefix" in j[1] or "salt" in j[1]]
