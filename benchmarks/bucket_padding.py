@@ -37,7 +37,7 @@ import time
 import jax
 import numpy as np
 
-from model.config import LlamaConfig
+import layer_loop
 from model.params import init_params
 from serving import LLM, SamplingParams
 
@@ -59,9 +59,7 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bucket_padding_cpu.json"))
     args = p.parse_args(argv)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-                      num_kv_heads=3, head_dim=64, tie_word_embeddings=True, max_position_embeddings=2048,
-                      dtype="float32")
+    cfg = layer_loop.config(30).replace(max_position_embeddings=2048)  # the 135M shape, as startup.py serves it
     params = init_params(cfg, jax.random.key(0))
     engines = {"default": build(cfg, params), "rows padded to 8": build(cfg, params, min_token_bucket=8),
                "one page bucket from 8 rows": build(cfg, params, 8),

@@ -38,7 +38,7 @@ import time
 import jax
 import numpy as np
 
-from model.config import LlamaConfig
+import layer_loop
 from model.params import init_params
 from serving import LLM, SamplingParams
 from serving.core import step_programs
@@ -77,9 +77,7 @@ def engine(options, tag: str, model: str) -> LLM:
     if model == "embedded":
         llm = LLM(compilation_cache_dir="")  # nothing loaded from an earlier run: every bucket compiles here
     else:  # the 30-layer 135M shape, float32 as on a CPU server
-        cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-                          num_kv_heads=3, head_dim=64, tie_word_embeddings=True, max_position_embeddings=2048,
-                          dtype="float32")
+        cfg = layer_loop.config(30).replace(max_position_embeddings=2048)  # as benchmarks/startup.py serves it
         llm = LLM(config=cfg, params=init_params(cfg, jax.random.key(0)), compilation_cache_dir="")
     programs = llm.engine.runner.programs
     lower, key = programs._lower, programs._key
