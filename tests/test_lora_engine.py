@@ -6,6 +6,7 @@ random B, different ranks and targets) are shared by the module; one engine serv
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -13,6 +14,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
+from model.quant import GroupQuantizedArray, dequantize, dequantize_grouped, is_quantized  # noqa: E402
+from model.quantize import quantize_params  # noqa: E402
 from serving import LLM, LoRARequest, SamplingParams  # noqa: E402
 from serving.spec_decode import SpecDecoder
 from serving.core.model_runner import compilation_count  # noqa: E402
@@ -237,16 +240,32 @@ def test_pipeline_stages(setup, llm):
     assert compilation_count() == before
 
 
-def test_int8_base(setup, llm):
-    """Over int8 base weights a mixed batch gives each request its tokens alone, the adapters changing them."""
+def dequantized(params):
+    """`params` with every quantized weight widened back to float32 (what its kind represents)."""
+    def widen(x):
+        if isinstance(x, GroupQuantizedArray):
+            return dequantize_grouped(x)
+        return dequantize(x) if is_quantized(x) else x
+    return jax.tree_util.tree_map(widen, params, is_leaf=is_quantized)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8", "int4_g32", "fp8_g32"])
+def test_quantized_base(setup, kind):
+    """Over quantized base weights of each kind (per-channel int8 and fp8, int4 and fp8 in groups of 32) a
+    mixed batch gives each request its tokens alone, the adapters changing them; and they are the tokens
+    of the float engine over the dequantized weights with the same adapters: each adapter's delta adds to
+    the quantized base's product as PEFT adds it to the base weight."""
     cfg, params, _, paths, _ = setup
     modules = ",".join(f"{n}={paths[n]}" for n in ("sql", "chat", "code"))
     batch = prompts(4, seed=8)
     loras = [None, "sql", "chat", "code"]
-    q = LLM(config=cfg, params=params, lora_modules=modules, weight_dtype="int8", **ENGINE)
+    q = LLM(config=cfg, params=params, lora_modules=modules, weight_dtype=kind, **ENGINE)
     mixed = greedy(q, batch, loras)
     assert mixed == [greedy(q, [p], lora)[0] for p, lora in zip(batch, loras)]
     assert mixed[1:] != [greedy(q, [p], None)[0] for p in batch[1:]]
+    _, qparams = quantize_params(params, cfg, kind)
+    widened = LLM(config=cfg, params=dequantized(qparams), lora_modules=modules, **ENGINE)
+    assert greedy(widened, batch, loras) == mixed
 
 
 @pytest.mark.parametrize("options", [
