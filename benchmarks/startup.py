@@ -82,8 +82,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_135m_checkpoint(directory: str) -> tuple[str, str]:
-    """(HF directory, converted directory) of the random 135M-shape model."""
+def write_135m_checkpoint(directory: str, convert: bool = True) -> tuple[str, str | None]:
+    """(HF directory, converted directory or None without `convert`) of the random 135M-shape model."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -91,6 +91,8 @@ def write_135m_checkpoint(directory: str) -> tuple[str, str]:
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**SHAPE_135M)).to(torch.bfloat16)
     model.save_pretrained(hf_dir, safe_serialization=True)
+    if not convert:
+        return hf_dir, None
     subprocess.run([sys.executable, "-m", "model.convert_hf", f"--hf_dir={hf_dir}", f"--out_dir={ours}"],
                    cwd=ROOT, check=True, capture_output=True)
     return hf_dir, ours
