@@ -38,6 +38,7 @@ import jax
 import numpy as np
 
 import layer_loop
+import startup
 from model.params import init_params
 from serving import LLM, SamplingParams
 
@@ -88,9 +89,7 @@ def main(argv=None) -> dict:
               "model": "135M shape, 30 layers, float32, random weights", "rounds": args.rounds,
               "buckets": {name: len(llm.engine.buckets.all_shapes()) for name, llm in engines.items()},
               "rows": rows}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    startup.save(args.out, result)
     return result
 
 

@@ -97,9 +97,7 @@ def main(argv=None) -> dict:
     peer = result["transformers"]["total_s"]
     result["vs_transformers"] = {k: round(result[k]["total_s"] / peer, 2) for k in ("ridgeline first", "ridgeline cached")}
     print(json.dumps(result, indent=1))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    startup.save(args.out, result)
     return result
 
 

@@ -39,6 +39,7 @@ import jax
 import numpy as np
 
 import layer_loop
+import startup
 from model.params import init_params
 from serving import LLM, SamplingParams
 from serving.core import step_programs
@@ -138,9 +139,7 @@ def main(argv=None) -> dict:
         "same_tokens": {w: tokens["options"][w] == tokens["defaults"][w] for w in workloads},
     }
     print(json.dumps(result, indent=1))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    startup.save(args.out, result)
     return result
 
 

@@ -123,9 +123,7 @@ def main(argv=None) -> dict:
                 rows.append(measure(name, startup.write_135m_checkpoint(d, convert=False)[0], args))
     result = {"date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "devices": len(jax.devices()), "rows": rows}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    startup.save(args.out, result)
     return result
 
 
