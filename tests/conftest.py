@@ -26,12 +26,17 @@ def _xla_accepts(flag: str) -> bool:
     return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True).returncode == 0
 
 
+def _named_in_xla_flags(flag: str) -> bool:
+    """Whether XLA_FLAGS already sets `flag` (to any value)."""
+    return flag.split("=")[0] in os.environ.get("XLA_FLAGS", "")
+
+
 # (xdist's workers inherit the flags the controlling process chose, so only that one asks.)
-if LEGACY_EMITTERS_FLAG.split("=")[0] in os.environ.get("XLA_FLAGS", "") or _xla_accepts(LEGACY_EMITTERS_FLAG):
+if _named_in_xla_flags(LEGACY_EMITTERS_FLAG) or _xla_accepts(LEGACY_EMITTERS_FLAG):
     TEST_COMPILE_FLAGS += (LEGACY_EMITTERS_FLAG,)
 SUBPROCESS_XLA_FLAGS = " ".join(TEST_COMPILE_FLAGS)
 for _flag in ("--xla_force_host_platform_device_count=8",) + TEST_COMPILE_FLAGS:
-    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+    if not _named_in_xla_flags(_flag):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
 # Engines started by the tests cache compilations in a fresh directory, never the user's.

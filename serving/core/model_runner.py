@@ -384,9 +384,8 @@ class ModelRunner:
         """What the step of `shape` is compiled for: the shapes, dtypes and shardings of its arguments
         (taken once, so a compile in another thread never touches arrays a running step donates)."""
         if self._specs is None:
-            self._specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                       (self.params, self.cache, self.feed, self.part_states, self.no_device_input,
-                                        self.weight_states))
+            self._specs = placement.specs_of((self.params, self.cache, self.feed, self.part_states,
+                                              self.no_device_input, self.weight_states))
         params, cache, feed, states, no_device_input, weights = self._specs
         sharding = None if self.layout is None else self.layout.replicated
         (_, isize), (_, fsize) = shape.offsets(shape.int_fields), shape.offsets(shape.float_fields)
