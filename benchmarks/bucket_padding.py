@@ -9,8 +9,8 @@ minutes. Each bucket left out saves one compile but makes some steps run in a
 larger one. This measures, on that shape with random float32 weights, the
 two cuts that remove the most buckets among decode-sized steps:
 
-* **rows**: decodes of 2 and 4 rows computed in the 8-row bucket
-  (`min_token_bucket=8`: 12 buckets fewer);
+* **rows**: decodes of 1, 2 and 4 rows computed in the 8-row bucket
+  (`min_token_bucket=8`: 18 buckets fewer);
 * **pages**: decode-sized steps from 8, 4 or 2 rows up run in the largest page
   bucket, as steps of 16 rows and more already do (`Buckets.one_page_bucket`:
   5, 10 or 15 buckets fewer).
@@ -19,7 +19,8 @@ Workloads: 2, 4 and 8 requests, prompts of 40 and 300 tokens (short
 contexts take the smallest page buckets, where padding to the largest costs
 most), 48 greedy tokens each; engines with every variant built in one
 process, each workload run once untimed (its buckets compile), then timed runs
-alternate between the engines, best of `--rounds` kept. Reported: seconds per
+alternate between the engines, the order rotating each round, best of
+`--rounds` kept (`attention_cpu_bench.best_of_rotating_rounds`). Reported: seconds per
 engine and each variant's time over the default engine's.
 
 Writes benchmarks/results/bucket_padding_cpu.json (or `--out`).
@@ -31,13 +32,14 @@ import argparse
 import datetime
 import json
 import os
+import functools
 import platform
-import time
 
 import jax
 import numpy as np
 
 import layer_loop
+from attention_cpu_bench import best_of_rotating_rounds
 import startup
 from model.params import init_params
 from serving import LLM, SamplingParams
@@ -74,12 +76,8 @@ def main(argv=None) -> dict:
             prompts = [list(map(int, rng.integers(3, cfg.vocab_size, size=prompt_len))) for _ in range(n)]
             tokens = {name: [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp)]
                       for name, llm in engines.items()}
-            best = {}
-            for _ in range(args.rounds):
-                for name, llm in engines.items():
-                    t = time.perf_counter()
-                    llm.generate(prompts, sp)
-                    best[name] = min(best.get(name, 1e9), time.perf_counter() - t)
+            best = best_of_rotating_rounds({name: functools.partial(llm.generate, prompts, sp)
+                                            for name, llm in engines.items()}, args.rounds)
             row = {"requests": n, "prompt_tokens": prompt_len, "seconds": {k: round(v, 3) for k, v in best.items()},
                    "over_default": {k: round(v / best["default"], 3) for k, v in best.items()},
                    "same_tokens": all(t == tokens["default"] for t in tokens.values())}

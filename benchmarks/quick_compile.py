@@ -3,7 +3,7 @@
     python benchmarks/quick_compile.py              # the quick options, on the embedded model
     python benchmarks/quick_compile.py --rounds 1   # a shorter run
     python benchmarks/quick_compile.py --options '{"xla_cpu_use_fusion_emitters": false}' \
-        --model 135m-30l --out benchmarks/results/legacy_emitters_cpu.json
+        --model 135m-30l --out benchmarks/results/legacy_emitters_135m_cpu.json
 
 A server's warm-up compiles two step buckets before it serves (the batch-1
 decode and the largest bucket). With `--quick_warmup_compile` (the default)
@@ -95,18 +95,18 @@ def main(argv=None) -> dict:
     p.add_argument("--model", choices=("embedded", "135m-30l"), default="embedded")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "quick_compile_cpu.json"))
     args = p.parse_args(argv)
-    quick = (json.loads(args.options) if args.options
-             else step_programs.QUICK_COMPILE_OPTIONS.get(jax.default_backend()))
-    if quick is None:
+    candidate = (json.loads(args.options) if args.options
+                 else step_programs.QUICK_COMPILE_OPTIONS.get(jax.default_backend()))
+    if candidate is None:
         raise SystemExit(f"no quick compile options for {jax.default_backend()}: nothing to compare")
 
-    defaults_llm, options_llm = engine(None, "defaults", args.model), engine(quick, "options", args.model)
+    defaults_llm, options_llm = engine(None, "defaults", args.model), engine(candidate, "options", args.model)
     runner = defaults_llm.engine.runner
     order = runner.warm_up_order()
     minimal = [order[0], order[-1]]
     compiles = {"defaults": {}, "options": {}}
     for _ in range(args.rounds):  # alternating, so load that comes and goes falls on both
-        for name, options in (("defaults", None), ("options", quick)):
+        for name, options in (("defaults", None), ("options", candidate)):
             for k, v in compile_seconds(runner, minimal, options, 1).items():
                 compiles[name][k] = min(compiles[name].get(k, 1e9), v)
     for c in compiles.values():
@@ -133,7 +133,7 @@ def main(argv=None) -> dict:
                 tokens[name][work] = [list(o.outputs[0].token_ids) for o in outs]
     result = {
         "date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "model": args.model, "options": quick, "minimal_set": [f"T={s.T},P={s.P}" for s in minimal], "rounds": args.rounds,
+        "model": args.model, "options": candidate, "minimal_set": [f"T={s.T},P={s.P}" for s in minimal], "rounds": args.rounds,
         "compile_seconds": compiles, "tokens_per_second": speed,
         "options_vs_defaults_speed": {w: round(speed["options"][w] / speed["defaults"][w], 2) for w in workloads},
         "same_tokens": {w: tokens["options"][w] == tokens["defaults"][w] for w in workloads},

@@ -18,12 +18,14 @@ Face checkpoint written by transformers, served from its directory as
   /update_weights` does (`rl_routes.load_for_update`; the 135M shape's HF
   directory, converted once beforehand, as a server would have);
 
-each timed `--repeats` times (best kept) against one `jax.device_put` of a
-host buffer of the same bytes (`device_put_s`), the floor of moving them.
+each against one `jax.device_put` of a host buffer of the same bytes
+(`device_put_s`), the floor of moving them: the five alternate for
+`--repeats` rounds, the order rotating (`attention_cpu_bench.best_of_rotating_rounds`),
+best kept.
 Then `--updates` rebinds in a row, counting programs compiled (must be 0),
 and the time to the first token of a 16-token prompt right after an update
-against the same request with no update before it (steady state), best of
-`--repeats` each.
+against the same request with no update before it (steady state), alternating,
+best of `--repeats` each.
 
 Writes benchmarks/results/weight_update_cpu.json (or `--out`).
 """
@@ -40,13 +42,13 @@ import datetime  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import startup  # noqa: E402
+from attention_cpu_bench import best_of_rotating_rounds  # noqa: E402
 from serving import LLM, SamplingParams  # noqa: E402
 from serving.api.rl_routes import load_for_update  # noqa: E402
 from serving.core.model_runner import compilation_count  # noqa: E402
@@ -55,15 +57,6 @@ from serving.llm import default_checkpoint_dir  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1)
 PROMPT = {"prompt_token_ids": list(range(1, 17))}
-
-
-def best_seconds(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return round(min(times), 4)
 
 
 def nbytes(tree) -> int:
@@ -79,19 +72,21 @@ def measure(name: str, checkpoint: str, args) -> dict:
     weights = llm.get_weights()
     size = nbytes(weights)
     host_buffer = np.ones(size // 4, np.float32)
-    device_put_s = best_seconds(lambda: jax.device_put(host_buffer).block_until_ready(), args.repeats)
     fresh = jax.tree_util.tree_map(jnp.copy, weights)  # new arrays, the engine's placement
     one_device = jax.device_put(weights, jax.devices()[0])
     on_host = jax.tree_util.tree_map(np.asarray, weights)
     blocked = lambda engine: jax.block_until_ready(engine.get_weights())  # noqa: E731 (placed, not just queued)
-    row = {"model": name, "weight_bytes": size, "tensor_parallel_size": tp, "device_put_s": device_put_s,
-           "rebind_s": best_seconds(lambda: (llm.update_weights(fresh), blocked(llm)), args.repeats),
-           "reshard_s": best_seconds(lambda: (sharded.update_weights(one_device), blocked(sharded)), args.repeats),
-           "host_s": best_seconds(lambda: (llm.update_weights(on_host), blocked(llm)), args.repeats),
-           "checkpoint_s": best_seconds(
-               lambda: (llm.update_weights(load_for_update(llm.engine, checkpoint)), blocked(llm)), args.repeats)}
-    for kind in ("rebind", "reshard", "host", "checkpoint"):
-        row[f"{kind}_vs_device_put"] = round(row[f"{kind}_s"] / device_put_s, 2)
+    best = best_of_rotating_rounds({
+        "device_put": lambda: jax.device_put(host_buffer).block_until_ready(),
+        "rebind": lambda: (llm.update_weights(fresh), blocked(llm)),
+        "reshard": lambda: (sharded.update_weights(one_device), blocked(sharded)),
+        "host": lambda: (llm.update_weights(on_host), blocked(llm)),
+        "checkpoint": lambda: (llm.update_weights(load_for_update(llm.engine, checkpoint)), blocked(llm)),
+    }, args.repeats)
+    row = {"model": name, "weight_bytes": size, "tensor_parallel_size": tp,
+           **{f"{kind}_s": round(seconds, 4) for kind, seconds in best.items()},
+           **{f"{kind}_vs_device_put": round(best[kind] / best["device_put"], 2)
+              for kind in ("rebind", "reshard", "host", "checkpoint")}}
     llm.generate([PROMPT], ONE_TOKEN)
     before = compilation_count()
     for _ in range(args.updates):
@@ -99,9 +94,11 @@ def measure(name: str, checkpoint: str, args) -> dict:
     llm.generate([PROMPT], ONE_TOKEN)
     row["updates"] = args.updates
     row["compiled_during_updates"] = compilation_count() - before
-    row["first_token_steady_s"] = best_seconds(lambda: llm.generate([PROMPT], ONE_TOKEN), args.repeats)
-    row["first_token_after_update_s"] = best_seconds(
-        lambda: (llm.update_weights(fresh), llm.generate([PROMPT], ONE_TOKEN)), args.repeats)
+    first_token = best_of_rotating_rounds({
+        "steady": lambda: llm.generate([PROMPT], ONE_TOKEN),
+        "after_update": lambda: (llm.update_weights(fresh), llm.generate([PROMPT], ONE_TOKEN)),
+    }, args.repeats)
+    row.update({f"first_token_{kind}_s": round(seconds, 4) for kind, seconds in first_token.items()})
     print(json.dumps(row), flush=True)
     return row
 
