@@ -129,7 +129,7 @@ class StepTimer:
         ibuf, fbuf = jax.device_put((ibuf, fbuf), jax.devices()[0])
 
         def run():
-            self.cache, ids, _, _, _ = _step_jit(self.params, self.cache, ibuf, fbuf, cfg=self.cfg, backend="auto",
+            self.cache, ids, _, _, _, _ = _step_jit(self.params, self.cache, ibuf, fbuf, cfg=self.cfg, backend="auto",
                                               shape=shape)
             np.asarray(ids)  # the engine's one sync per step
 

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import get_backend
+from model.blocks import norm
 from model.cache import BatchMetadata, KVCache, StackedKVCache, layer_offsets
 from model.config import LlamaConfig
 from model.declarations import Weights
@@ -114,6 +115,16 @@ def forward(params: Weights, cache: KVCache, tokens, md: BatchMetadata, cfg: Lla
     with jax.named_scope("logits"):
         logits = family_for_config(cfg).blocks.logits(params, x[md.logits_indices], cfg, layout)
     return logits, cache
+
+
+def forward_with_hidden(params: Weights, cache: KVCache, tokens, md: BatchMetadata, cfg: LlamaConfig,
+                        backend: str = "auto", layout=None, image_embeds=None):
+    """`forward`'s logits, every row's hidden state after the final norm `[T, embed]` (what a pooler reads:
+    `model.pooling`), and the updated cache: one forward serving both sampled and pooled rows."""
+    x, cache = forward_hidden(params, cache, tokens, md, cfg, backend, layout, image_embeds)
+    with jax.named_scope("logits"):
+        logits = family_for_config(cfg).blocks.logits(params, x[md.logits_indices], cfg, layout)
+    return logits, norm(x, params.final_norm, cfg), cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "layout"), donate_argnames=("cache",))

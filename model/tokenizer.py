@@ -44,6 +44,10 @@ class ByteTokenizer:
         ids = list(text.encode("utf-8"))
         return [self.BOS] + ids if add_special_tokens else ids
 
+    def encode_pair(self, text: str, pair: str) -> list[int]:
+        """A text pair as one prompt (a cross-encoder's input): the first text's ids, then the second's."""
+        return self.encode(text) + self.encode(pair, add_special_tokens=False)
+
     def decode(self, ids, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> str:
         """Ids past 255 carry no text, skipped or not (BOS and EOS have no spelling)."""
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")

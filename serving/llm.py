@@ -16,6 +16,8 @@ import time
 import weakref
 from typing import Optional, Sequence, Union
 
+import numpy as np
+
 from model.checkpoint import load_checkpoint, load_config
 from model.generation_config import read_generation_config
 from model.quant import check_kv_cache_dtype, check_weight_dtype
@@ -27,7 +29,10 @@ from serving.features.lora import LoRARequest, LoraManager, parse_lora_modules
 from serving.core.engine import Engine, EngineConfig, EngineUnavailableError
 from serving.core.outputs import RequestOutput
 from serving.core.sampling_params import InvalidParameterError, SamplingParams
-from serving.features import build_parts, pause, sleep_mode, weight_updates
+from serving.features import build_parts, pause, pooling_models, sleep_mode, weight_updates
+from serving.features.pooling import (PoolingModel, PoolingOutput, PoolingParams, PoolingPart, PoolingRequestOutput,
+                                      pooling_sampling_params, truncated)
+from serving.features.pooling_config import load_pooling_config
 
 log = logging.getLogger(__name__)
 
@@ -123,11 +128,13 @@ class LLM:
 
     @engine_args.with_option_keywords
     def __init__(self, checkpoint: Optional[str] = None, *, model: Optional[str] = None, config=None, params=None,
-                 tokenizer=None, warmup: Union[bool, str, None] = None, speculative_draft=None, **options):
+                 tokenizer=None, warmup: Union[bool, str, None] = None, speculative_draft=None,
+                 pooling_model: Optional[PoolingModel] = None, **options):
         """`checkpoint` (or `model`, vLLM's name for it): a Ridgeline checkpoint directory, a Hugging Face
         checkpoint directory (converted once, the copy cached) or a Hugging Face Hub id (`serving.model_source`).
         Every option of `serving.core.engine_args.OPTIONS` is a keyword here, with its declared default (the
-        signature lists them); `EngineConfig` gets those it holds. The options:
+        signature lists them); `EngineConfig` gets those it holds. `pooling_model`: the pooling config and score
+        head of an in-memory model served with runner=pooling (default: last-token embeddings). The options:
         """
         if model is not None and checkpoint is not None and model != checkpoint:
             raise ValueError(f"pass checkpoint or model, not both (got {checkpoint!r} and {model!r})")
@@ -147,6 +154,16 @@ class LLM:
         if opts["generation_config"] not in ("auto", "off"):
             raise ValueError(f"generation_config must be 'auto' or 'off', got {opts['generation_config']!r}")
         self.model_name = None  # the name MODEL gives clients by default (None: the checkpoint directory's)
+        source = None  # a pooling checkpoint, read in place (`serving.features.pooling_models`)
+        if config is None and checkpoint and opts["runner"] != "generate":
+            resolved_source = model_source.resolve_source(checkpoint)
+            if pooling_models.serves_pooling(resolved_source.checkpoint, opts["runner"]):
+                source, self.model_name = resolved_source.checkpoint, resolved_source.name
+                config, params, loaded_tokenizer, pooling_model = pooling_models.load(source, opts["pooler_config"])
+                tokenizer = tokenizer or loaded_tokenizer
+        elif config is not None and opts["runner"] == "pooling" and pooling_model is None:
+            pooling_model = PoolingModel(load_pooling_config("", pooling_models.parse_pooler_config(
+                opts["pooler_config"])))
         if config is None:
             directory = checkpoint or default_checkpoint_dir()
             if checkpoint:
@@ -168,13 +185,14 @@ class LLM:
             if hasattr(layout, "check"):
                 layout.check(config)
             tokenizer = tokenizer or _default_tokenizer(config)
-            self.checkpoint = None
+            self.checkpoint = source
         self.layout = layout
         self.config = config
         self.tokenizer = tokenizer
         engine_config = EngineConfig(**{o.name: opts[o.name] for o in engine_args.ENGINE_CONFIG_OPTIONS})
         self.engine = Engine(config, params, tokenizer, engine_config, layout=layout, generation=generation,
-                             parts=build_parts(opts, config, draft=speculative_draft))
+                             parts=build_parts(opts, config, draft=speculative_draft, pooling=pooling_model))
+        self.pooling_model = pooling_model  # None: a generation model
         self.config = self.engine.cfg  # with weight_dtype set when the engine quantized the weights
         self._register_lora_modules(opts["lora_modules"])
         self.load_seconds = time.perf_counter() - t0
@@ -239,7 +257,8 @@ class LLM:
 
     def generate(self, prompts: Union[str, list, dict, Sequence],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 lora_request=None, *, priority: Union[int, Sequence[int], None] = None) -> list[RequestOutput]:
+                 lora_request=None, *, priority: Union[int, Sequence[int], None] = None,
+                 pooling_params: Optional[Sequence[PoolingParams]] = None) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in prompt order.
 
         A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."};
@@ -261,12 +280,12 @@ class LLM:
         """
         role = self.multihost
         if role is None:
-            return self._generate(prompts, sampling_params, lora_request, priority)
+            return self._generate(prompts, sampling_params, lora_request, priority, pooling_params)
         if not role.is_leader:
             return role.follow()  # process 0's outputs, once its generate is done
         with role.operation():
             try:
-                outputs = self._generate(prompts, sampling_params, lora_request, priority)
+                outputs = self._generate(prompts, sampling_params, lora_request, priority, pooling_params)
             except BaseException as e:
                 role.failed("generate", e)
                 raise
@@ -382,11 +401,78 @@ class LLM:
         if self.multihost is not None and self.multihost.is_leader:
             self.multihost.shutdown()
 
-    def _generate(self, prompts, sampling_params, lora_request=None, priority=None) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
-                                                 and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+    # --- pooling models (runner=pooling: serving.features.pooling) ---------------------------------------------
+    def encode(self, prompts, pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None, *,
+               truncate_prompt_tokens: Optional[int] = None, lora_request=None,
+               priority: Union[int, Sequence[int], None] = None) -> list[PoolingRequestOutput]:
+        """Pools every prompt (`PoolingParams`: the task, embedding dimensions, normalization; one or one per
+        prompt) through the engine's steps; outputs in prompt order, each `outputs.data` a float32 array.
+        `truncate_prompt_tokens`: keep the first k tokens of a longer prompt (-1: the model's limit); unset, a
+        prompt over the limit is refused naming both lengths. Prompts, `lora_request` and `priority` as
+        `generate` takes them."""
+        part = self.engine.part(PoolingPart)
+        if part is None:
+            raise InvalidParameterError("pooling_params", "this model generates; pooling needs runner=pooling on an "
+                                                          "embedding or classification checkpoint")
+        prompts = _as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params or PoolingParams()] * len(prompts)
+        elif len(pooling_params) != len(prompts):
+            raise ValueError(f"{len(pooling_params)} pooling params for {len(prompts)} prompts")
+        if truncate_prompt_tokens is not None:
+            prompts = [self._truncated(p, truncate_prompt_tokens, part.max_prompt_tokens()) for p in prompts]
+        sampling = pooling_sampling_params()
+        outputs = self.generate(prompts, [sampling] * len(prompts), lora_request, priority=priority,
+                                pooling_params=list(pooling_params))
+        return [PoolingRequestOutput(o.request_id, PoolingOutput(o.pooled), o.prompt_token_ids) for o in outputs]
+
+    def embed(self, prompts, pooling_params: Optional[PoolingParams] = None, **kwargs) -> list[PoolingRequestOutput]:
+        """Embeddings (`outputs.embedding`): the model's pooler, normalized as its config says (`encode`)."""
+        return self.encode(prompts, pooling_params or PoolingParams("embed"), **kwargs)
+
+    def classify(self, prompts, **kwargs) -> list[PoolingRequestOutput]:
+        """A sequence classifier's probabilities over its labels (`outputs.probs`; `encode`)."""
+        return self.encode(prompts, PoolingParams("classify"), **kwargs)
+
+    def reward(self, prompts, **kwargs) -> list[PoolingRequestOutput]:
+        """A reward model's raw score head values (`outputs.data`; `encode`)."""
+        return self.encode(prompts, PoolingParams("reward"), **kwargs)
+
+    def score(self, data_1, data_2, **kwargs) -> list[PoolingRequestOutput]:
+        """Relevance of each text of `data_2` to `data_1` (one text: scored against each), or of pairs
+        (`outputs.score`): a one-label classifier (a cross-encoder reranker) reads each pair as one prompt
+        (`tokenizer(text_1, text_2)`), its sigmoid the score; an embedder scores the cosine similarity of the
+        two texts' embeddings."""
+        firsts, seconds = _score_pairs(data_1, data_2)
+        model = self.pooling_model
+        if model is not None and model.score_weight is not None:
+            if self.tokenizer is None or not hasattr(self.tokenizer, "encode_pair"):
+                raise ValueError("score needs a tokenizer to join the text pairs")
+            pairs = [self.tokenizer.encode_pair(a, b) for a, b in zip(firsts, seconds)]
+            return self.encode(pairs, PoolingParams("score"), **kwargs)
+        unique = list(dict.fromkeys(firsts + seconds))
+        vectors = dict(zip(unique, (o.outputs.data for o in self.embed(unique, PoolingParams("embed", normalize=True),
+                                                                       **kwargs))))
+        return [PoolingRequestOutput(f"score-{i}", PoolingOutput(np.asarray([float(vectors[a] @ vectors[b])],
+                                                                             np.float32)), [])
+                for i, (a, b) in enumerate(zip(firsts, seconds))]
+
+    def _truncated(self, prompt, k: int, limit: int):
+        """A pooling prompt cut to its first k tokens (`pooling.truncated`), as a dict of ids."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if isinstance(prompt, dict):
+            prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt.get("prompt", "")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidParameterError("prompt", "prompt: this model has no tokenizer; pass token ids")
+            prompt = self.tokenizer.encode(prompt)
+        out = {"prompt_token_ids": truncated(list(prompt), k, limit)}
+        return out if salt is None else {**out, "cache_salt": salt}
+
+    def _generate(self, prompts, sampling_params, lora_request=None, priority=None,
+                  pooling_params=None) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        pooling_params = pooling_params or [None] * len(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         elif len(sampling_params) != len(prompts):
@@ -405,9 +491,9 @@ class LLM:
             raise EngineUnavailableError("generation is paused: resume_generation() first")
         reqs = []
         try:
-            for p, sp, name, pr in zip(prompts, sampling_params, names, priority):
+            for p, sp, name, pr, pp in zip(prompts, sampling_params, names, priority, pooling_params, strict=True):
                 reqs.append(engine.make_request(f"llm-{next(self._ids)}", p, sp, priority=pr,
-                                                part_args={"lora_name": name}))
+                                                part_args={"lora_name": name, "pooling": pp}))
         except BaseException:
             for r in reqs:  # made, never queued: the parts let go of them (their adapters)
                 engine.drop_request(r)
@@ -425,6 +511,25 @@ class LLM:
         finally:
             engine.end_call()  # once idle, what its steps were padded out of may compile
         return [done[r.request_id] for r in reqs]
+
+
+def _as_prompt_list(prompts) -> list:
+    """One prompt (a string, a dict, a list of token ids) or a list of them, as a list."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                            and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
+def _score_pairs(data_1, data_2) -> tuple[list, list]:
+    """`LLM.score`'s texts as pairs: one first text against each second one, or pairs one to one."""
+    firsts = [data_1] if isinstance(data_1, str) else list(data_1)
+    seconds = [data_2] if isinstance(data_2, str) else list(data_2)
+    if len(firsts) == 1:
+        firsts = firsts * len(seconds)
+    if len(firsts) != len(seconds) or not seconds:
+        raise ValueError(f"score takes one text or as many as the other side: got {len(firsts)} and {len(seconds)}")
+    return firsts, seconds
 
 
 WARMUP_ENV_VAR = "RIDGELINE_WARMUP"

@@ -91,6 +91,18 @@ def resolve(model: str, compilation_cache_dir: Optional[str] = None) -> Resolved
     return _from_directory(snapshot, model, compilation_cache_dir, source=f"{model} ({snapshot})")
 
 
+def resolve_source(model: str) -> ResolvedModel:
+    """The directory `model` names as it is (a Hub id: its snapshot), nothing converted: a checkpoint served in
+    place (a pooling model, `serving.features.pooling_models`)."""
+    path = os.path.expanduser(model)
+    if os.path.isdir(path):
+        return ResolvedModel(path, os.path.basename(os.path.normpath(path)), path)
+    if os.path.exists(path) or not _HUB_ID.match(model):
+        return resolve(model)  # refused there, with its message
+    snapshot = hub_snapshot(model)
+    return ResolvedModel(snapshot, model, f"{model} ({snapshot})")
+
+
 def _from_directory(path: str, name: str, compilation_cache_dir, source: Optional[str] = None) -> ResolvedModel:
     """A Ridgeline checkpoint as it is; a Hugging Face one converted; anything else refused."""
     source = source or path

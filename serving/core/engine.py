@@ -119,7 +119,8 @@ class Engine:
                                              sampler_part=step_parts.sampler_part(parts),
                                              processed_logprobs=config.logprobs_mode == "processed_logprobs",
                                              forward_parts=step_parts.forward_parts(parts),
-                                             logit_parts=step_parts.logit_parts(parts))
+                                             logit_parts=step_parts.logit_parts(parts),
+                                             hidden_parts=step_parts.hidden_parts(parts))
         self.block_manager = BlockManager(num_pages, ps, config.enable_prefix_caching,
                                           window=None if any(p.rolls_back for p in built) else releasing_window(cfg))
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, model_len,
@@ -152,6 +153,7 @@ class Engine:
         engine_args.check_served(config, {part.serves for part in self.parts})
         step_parts.check_applied(self.parts, getattr(self.runner, "logit_parts", ())
                                  + getattr(self.runner, "forward_parts", ())
+                                 + getattr(self.runner, "hidden_parts", ())
                                  + (getattr(self.runner, "sampler_part", None),))
         self.scheduler.gates += [gate for gate in (part.gate() for part in self.parts) if gate is not None]
         # What the parts take of a request beside what the engine reads itself (its sampling fields, request
@@ -477,6 +479,8 @@ class Engine:
         waited = time.perf_counter() - t1
         out, batch = done.out, done.batch
         sampled = result.ids[:len(batch.sample_rows)].tolist()
+        for part in self.parts:  # what the step computed for the parts besides tokens (pooled hidden states)
+            part.read_step(batch, result)
         new_tokens = self.scheduler.update(out, sampled)
         for part in self.parts:  # tokens the parts take (verified drafts), one at a time
             new_tokens = itertools.chain(new_tokens, part.new_tokens(out, sampled))

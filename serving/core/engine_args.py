@@ -49,6 +49,8 @@ FIELD_PARTS = {
 # without the part is refused under, and why.
 ARG_PARTS = {
     "lora_name": ("lora_request", "names a LoRA adapter, but this engine serves none (enable_lora is off)"),
+    "pooling": ("pooling_params", "asks for a pooled output, but this engine serves a generation model (start it "
+                                  "with runner=pooling on an embedding or classification checkpoint)"),
 }
 LORA = "LoRA"  # the part of the LoRA options (`serving.features.lora`)
 # The keys of a dict prompt parts take (`StepPart.takes_prompt_keys`): why a prompt giving one to an engine
@@ -189,6 +191,16 @@ OPTIONS: tuple[EngineOption, ...] = (
                  "Custom logits processors applied inside the step, 'module:Class[,module:Class]' "
                  "(serving.features.logits_processors; LLM also takes a list); requests switch them "
                  "through extra_args.", engine_config=False),
+    EngineOption("runner", str, "auto",
+                 "What the model serves, as vLLM's --runner: generate (tokens), pooling (embeddings, classifier "
+                 "and reward scores: serving.features.pooling; generation requests still run on a decoder), or "
+                 "auto: pooling for a checkpoint whose architecture is a base model or a sequence classifier "
+                 "(Qwen3Model, LlamaForSequenceClassification, ...) or that holds a sentence-transformers "
+                 "modules.json, else generate.", choices=("auto", "generate", "pooling"), engine_config=False),
+    EngineOption("pooler_config", Optional[str], None,
+                 "Overrides of the checkpoint's pooling config, as JSON: pooling_type (LAST, CLS, MEAN, ALL), "
+                 "normalize, max_seq_length, matryoshka_dimensions (with runner=pooling; docs/pooling.md).",
+                 engine_config=False),
     EngineOption("tensor_parallel_size", int, 1, "Devices to shard the model over (tensor parallelism).",
                  engine_config=False),
     EngineOption("pipeline_parallel_size", int, 1,

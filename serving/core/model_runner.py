@@ -27,7 +27,7 @@ import numpy as np
 
 from model.cache import BatchMetadata, StackedKVCache, cache_builder, cache_bytes
 from model.config import ModelConfig
-from model.forward import forward
+from model.forward import forward, forward_with_hidden
 from model.layer_select import selects_layers
 from model.params import param_bytes, stack_layers
 from serving.core.input_batch import Buckets, StepShape, StepBatch
@@ -63,7 +63,8 @@ def feed_tokens(tokens, feed_rows, feed):
 
 def _step(params, cache, ibuf, fbuf, feed=None, part_states=(), device_input=None, weight_states=(),
           part_inputs=(), *, cfg: ModelConfig, backend: str, shape: StepShape, layout=None, sampler_part=None,
-          forward_parts: tuple = (), logit_parts: tuple = (), processed_logprobs: bool = False):
+          forward_parts: tuple = (), logit_parts: tuple = (), processed_logprobs: bool = False,
+          hidden_parts: tuple = ()):
     """One engine step: forward over the ragged batch, then each logit row's token.
 
     Every feature a row can need is an input of this one program:
@@ -82,7 +83,9 @@ def _step(params, cache, ibuf, fbuf, feed=None, part_states=(), device_input=Non
     * `part_inputs[i]`, the device inputs of the step part `logit_parts[i]` (`step_parts.StepPart.
       step_input_spec`), which its `apply_to_logits` applies to the logits in the parts' order, and
       `part_states[i]` its device state carried across steps (`StepPart.step_state`, None for none),
-      which it updates from the drawn ids (`record`) and the step returns.
+      which it updates from the drawn ids (`record`) and the step returns;
+    * the step parts `hidden_parts` read every row's final hidden state (`step_parts.StepPart.hidden_output`:
+      pooled embeddings), and the step returns what each made of it, left on the device until read.
     """
     v = shape.split(ibuf, fbuf)
     md, s = unpack_step(v)
@@ -93,8 +96,12 @@ def _step(params, cache, ibuf, fbuf, feed=None, part_states=(), device_input=Non
         extra.update(more)
         params, more = part.apply_to_weights(state, v, params, layout)
         extra.update(more)
+    hidden_outputs = ()
     if hasattr(layout, "forward"):  # a layout with a forward of its own (pipeline stages)
         logits, cache = layout.forward(params, cache, tokens, md, cfg, backend, **extra)
+    elif hidden_parts:
+        logits, hidden, cache = forward_with_hidden(params, cache, tokens, md, cfg, backend, layout, **extra)
+        hidden_outputs = tuple(part.hidden_output(hidden, md) for part in hidden_parts)
     else:
         logits, cache = forward(params, cache, tokens, md, cfg, backend, layout, **extra)
     raw = logits  # logprobs report the model's own distribution, as vLLM's do
@@ -114,16 +121,16 @@ def _step(params, cache, ibuf, fbuf, feed=None, part_states=(), device_input=Non
     if getattr(layout, "replicated", None) is not None:  # placed as they came: replicated
         part_states = jax.lax.with_sharding_constraint(part_states, layout.replicated)
     if feed is None:
-        return cache, ids, logprobs, None, part_states
+        return cache, ids, logprobs, None, part_states, hidden_outputs
     next_feed = jax.lax.dynamic_update_slice(jnp.zeros_like(feed), ids[:feed.shape[0]], (0,))
     if getattr(layout, "replicated", None) is not None:  # the sharding the feed was placed with
         next_feed = jax.lax.with_sharding_constraint(next_feed, layout.replicated)
-    return cache, ids, logprobs, next_feed, part_states
+    return cache, ids, logprobs, next_feed, part_states, hidden_outputs
 
 
 # Module level, so engines with the same model and buckets share compilations.
 _step_jit = jax.jit(_step, static_argnames=("cfg", "backend", "shape", "layout", "sampler_part", "forward_parts",
-                                            "logit_parts", "processed_logprobs"),
+                                            "logit_parts", "processed_logprobs", "hidden_parts"),
                     donate_argnums=(1, 5))
 
 
@@ -165,16 +172,18 @@ def compilation_count() -> int:
 # What `ModelRunner._program_key` holds, in order: `StepPrograms.why` names a recompile's cause by these.
 PROGRAM_KEY_FIELDS = ("program", "model config", "attention backend", "layout", "bucket", "step parts' sampler",
                       "argument signature (tree, then shape, dtype and sharding of each leaf)", "logprobs mode",
-                      "step parts' weight adaptations", "step parts' device inputs")
+                      "step parts' weight adaptations", "step parts' device inputs", "step parts' hidden outputs")
 
 
 class StepResult:
-    """The host copy of what one step produced."""
+    """The host copy of what one step produced; `hidden_outputs`: what each hidden part made of the step's hidden
+    states (`step_parts.StepPart.hidden_output`), still on the device: a part copies what it reads."""
 
-    __slots__ = ("ids", "chosen_logprob", "rank", "top_ids", "top_logprobs")
+    __slots__ = ("ids", "chosen_logprob", "rank", "top_ids", "top_logprobs", "hidden_outputs")
 
-    def __init__(self, ids, lp=None):
+    def __init__(self, ids, lp=None, hidden_outputs=()):
         self.ids = ids
+        self.hidden_outputs = hidden_outputs
         if lp is None:
             self.chosen_logprob = self.rank = self.top_ids = self.top_logprobs = None
         else:
@@ -184,23 +193,22 @@ class StepResult:
 class PendingStep:
     """A dispatched step whose outputs are still on the device."""
 
-    __slots__ = ("_ids", "_lp")
+    __slots__ = ("_ids", "_lp", "_hidden")
 
-    def __init__(self, ids, lp=None):
-        self._ids, self._lp = ids, lp
+    def __init__(self, ids, lp=None, hidden_outputs=()):
+        self._ids, self._lp, self._hidden = ids, lp, hidden_outputs
 
     def result(self) -> StepResult:
         """Waits for the step and copies the sampled ids (and logprobs when asked) to the host."""
-        if self._lp is None:
-            return StepResult(np.asarray(self._ids))
-        return StepResult(np.asarray(self._ids), tuple(np.asarray(x) for x in self._lp))
+        lp = None if self._lp is None else tuple(np.asarray(x) for x in self._lp)
+        return StepResult(np.asarray(self._ids), lp, self._hidden)
 
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int, buckets: Buckets,
                  backend: str = "auto", cache_dtype=None, layout=None,
                  scan_layers: bool = False, sampler_part=None, forward_parts: tuple = (),
-                 logit_parts: tuple = (), processed_logprobs: bool = False):
+                 logit_parts: tuple = (), processed_logprobs: bool = False, hidden_parts: tuple = ()):
         """`scan_layers`: stack the
         layers' weights and KV pages so the step scans over layers (`model.forward`), compiling one
         layer body whatever the depth. `sampler_part`: the step part that samples instead of the runner
@@ -208,7 +216,8 @@ class ModelRunner:
         step parts that act before the forward in every step (`step_parts.forward_parts`), each with its
         device state adapting the weights (`StepPart.weight_state`, None for none).
         `logit_parts`: the step parts whose own device inputs every step takes (`step_parts.StepPart.
-        step_input_spec`), applied to the logits in this order, with their device state (`step_state`)."""
+        step_input_spec`), applied to the logits in this order, with their device state (`step_state`).
+        `hidden_parts`: the step parts that read the final hidden states back (`StepPart.hidden_output`)."""
         self.cfg = cfg
         self.scan_layers = scan_layers
         self.sampler_part = sampler_part
@@ -220,6 +229,10 @@ class ModelRunner:
         self.layout = layout
         self.logit_parts = tuple(logit_parts)
         self.forward_parts = tuple(forward_parts)
+        self.hidden_parts = tuple(hidden_parts)
+        if self.hidden_parts and hasattr(layout, "forward"):
+            raise ValueError(f"{type(self.hidden_parts[0]).__name__} reads every row's hidden state, which a "
+                             "pipeline's stages do not return (the last stage shares only the logit rows)")
         self._small_programs: dict = {}  # executables of the cache's zeroing, the page copies, the parts' state writes
         self.params, self.cache = self.place(params, cache_dtype)
         # The last step's sampled ids, padded to the most logit rows a step has: the next step
@@ -359,8 +372,8 @@ class ModelRunner:
                 self._place_part_inputs(part_inputs, shape.S))
         # One compile path: a mesh spanning processes compiles here too, every process in the order of
         # the steps it runs (no background thread there, and no executables stored: `warm_up`).
-        self.cache, ids, lp, self.feed, self.part_states = self.programs.get(shape)(*args)
-        return ids, lp
+        self.cache, ids, lp, self.feed, self.part_states, hidden = self.programs.get(shape)(*args)
+        return ids, lp, hidden
 
     def _place_part_inputs(self, part_inputs: tuple, rows: int) -> tuple:
         """The logit parts' host arrays placed as every host input is (`step_parts.StepPart.step_inputs`);
@@ -399,7 +412,7 @@ class ModelRunner:
         return _step_jit.lower(*self._abstract_inputs(shape), cfg=self.cfg, backend=self.backend, shape=shape,
                                layout=self.layout, sampler_part=self.sampler_part, forward_parts=self.forward_parts,
                                processed_logprobs=self.processed_logprobs,
-                               logit_parts=self.logit_parts)
+                               logit_parts=self.logit_parts, hidden_parts=self.hidden_parts)
 
     def _program_key(self, shape: StepShape):
         """Everything the step program of `shape` depends on (`PROGRAM_KEY_FIELDS` names each part)."""
@@ -411,7 +424,8 @@ class ModelRunner:
                 None if self.sampler_part is None else self.sampler_part.program_key(), self._signature,
                 self.processed_logprobs,
                 tuple(part.program_key() for part in self.forward_parts),
-                tuple(part.program_key() for part in self.logit_parts))
+                tuple(part.program_key() for part in self.logit_parts),
+                tuple(part.program_key() for part in self.hidden_parts))
 
     _specs = None
     _signature = None
@@ -519,9 +533,9 @@ class ModelRunner:
     def dispatch(self, batch: StepBatch) -> "PendingStep":
         """Starts one step and returns at once (JAX dispatches asynchronously); the host
         may do other work until it calls `result()`, the one synchronisation point."""
-        ids, lp = self._run(batch.ibuf, batch.fbuf, batch.shape, batch.device_input,
-                            batch.part_inputs or None)
-        return PendingStep(ids, lp if batch.want_logprobs else None)
+        ids, lp, hidden = self._run(batch.ibuf, batch.fbuf, batch.shape, batch.device_input,
+                                    batch.part_inputs or None)
+        return PendingStep(ids, lp if batch.want_logprobs else None, hidden)
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicates pages on device before the step that writes them."""

@@ -108,7 +108,7 @@ class OutputProcessor:
                 weight_versions=list(seq.weight_versions)))
         plp = list(req.prompt_logprobs) if req.prompt_logprobs is not None else None
         return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), plp, outs, finished,
-                             req.metrics, req.seqs[0].num_cached_tokens)
+                             req.metrics, req.seqs[0].num_cached_tokens, req.pooled)
 
 
 def _find_stop(text: str, delta_len: int, stops: Seq[str]):

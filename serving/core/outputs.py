@@ -8,7 +8,7 @@ top-k alternatives. `prompt_logprobs` has `None` for the first prompt token.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclasses.dataclass
@@ -60,3 +60,6 @@ class RequestOutput:
     finished: bool
     metrics: Optional[RequestMetrics] = None
     num_cached_tokens: int = 0
+    # A pooling request's result (`serving.features.pooling`): the pooled vector [dim] (or a classifier's
+    # scores [labels], or every prompt token's hidden state [tokens, dim]) as float32; None for generation.
+    pooled: Optional[Any] = None

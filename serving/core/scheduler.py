@@ -377,7 +377,7 @@ class Scheduler:
         wanted = min(seq.num_seats, self.config.max_num_seqs)
         if self.num_seats_running + wanted > self.config.max_num_seqs:
             return False
-        hits = [] if seq.wants_prompt_logprobs else self.bm.lookup_prefix(seq)
+        hits = [] if seq.computes_whole_prompt else self.bm.lookup_prefix(seq)
         start = len(hits) * self.bm.page_size
         item = self._plan(seq, start, self.config.max_num_batched_tokens, self.config.logit_rows, wanted)
         if item is None:
@@ -440,7 +440,7 @@ class Scheduler:
             if any(g.needs(seq) for g in starving):
                 i += 1
                 continue
-            hits = [] if seq.wants_prompt_logprobs else self.bm.lookup_prefix(seq)
+            hits = [] if seq.computes_whole_prompt else self.bm.lookup_prefix(seq)
             start = len(hits) * self.bm.page_size
             item = self._plan(seq, start, budget, rows_left, group)
             if item is None:

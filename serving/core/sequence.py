@@ -124,6 +124,12 @@ class Sequence:
         return (self.request.params.prompt_logprobs is not None and self.sample_index == 0
                 and self.num_output_tokens == 0)
 
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Whether every prompt row must be computed (prompt logprobs, or a part reading every row's hidden state):
+        no prefix-cache hit may stand in for some."""
+        return self.wants_prompt_logprobs or self.request.reads_every_prompt_row
+
     def fork(self, sample_index: int) -> "Sequence":
         """A sibling sample after the prompt: same tokens so far, its own future."""
         child = Sequence(self.request, list(self.token_ids[:self.num_prompt_tokens]), sample_index)
@@ -185,6 +191,12 @@ class Request:
         # Whether every prompt page stays held until the request leaves (a part reads the prompt's K/V when the
         # first token is drawn: the export of a disaggregated prefill, `serving.features.kv_exports`).
         self.keeps_all_pages = False
+        # Whether a part reads the hidden state of every prompt row (mean, first-token or all-token pooling): the
+        # prompt is then computed whole, no prefix-cache hit skipping rows.
+        self.reads_every_prompt_row = False
+        # What a pooling part made of the prompt (`serving.features.pooling`: an embedding, a classifier's
+        # scores, every token's embedding), set in the step that ends the prompt; None for a generation request.
+        self.pooled = None
         # What a part placed in the prompt besides its token ids (`StepPart.expand_prompt`; images, where each
         # one's placeholder tokens are, its digest and encoder output), None for a plain prompt: its digests
         # (`digests_between(start, end)`) name the pages that hold it (`Sequence.block_extra`).

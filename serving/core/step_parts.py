@@ -262,6 +262,19 @@ class StepPart:
         part whose computation a stable text names (its code's digest) returns that text instead."""
         return self
 
+    # --- hidden states a step returns to the part (pooling: embeddings, score heads) ------------------
+    def hidden_output(self, hidden, md):
+        """Traced into the step program after the forward: a pytree of device arrays the part reads back from
+        the step (`read_step`), made from `hidden` [T, embed] (every token row's hidden state after the final
+        norm) and the step's batch metadata `md` (`model.cache.BatchMetadata`: the sequences' rows). None (the
+        default): the part reads no hidden state, and a step without such parts never computes it."""
+        return None
+
+    def read_step(self, batch, result) -> None:
+        """A finished step, before its tokens are taken (`batch`: the packed `input_batch.StepBatch`; `result`:
+        its `StepResult`, whose `hidden_outputs[i]` is what the part's `hidden_output` made, still on the
+        device until the part reads it)."""
+
     # --- what the engine reports -------------------------------------------------------------------
     def engine_stats(self) -> dict:
         """Fields of `EngineStats` the part fills (a snapshot; the engine's `stats()` may run on any thread)."""
@@ -325,6 +338,11 @@ def forward_parts(parts) -> tuple:
                  and any(getattr(type(p), hook) is not getattr(StepPart, hook) for hook in hooks))
 
 
+def hidden_parts(parts) -> tuple:
+    """The built parts among `parts` that read hidden states back from the step (`StepPart.hidden_output`)."""
+    return tuple(p for p in parts if isinstance(p, StepPart) and type(p).hidden_output is not StepPart.hidden_output)
+
+
 def token_fields(parts) -> tuple:
     """Every built part's fields of the packed step (`StepPart.token_fields`), in order."""
     return tuple(field for p in parts if isinstance(p, StepPart) for field in p.token_fields())
@@ -332,10 +350,11 @@ def token_fields(parts) -> tuple:
 
 def check_applied(parts, applied) -> None:
     """Refuses a part with device inputs or weight state of its own that the runner does not apply
-    (`applied`: its `logit_parts` and `forward_parts`): one built from the engine, after the runner, or given
+    (`applied`: its `logit_parts`, `forward_parts` and `hidden_parts`): one built from the engine, after the runner, or given
     to an engine over a runner built elsewhere. Its step would leave the part out."""
     sampler = sampler_part(parts)
-    missing = [p for p in logit_parts(parts) + forward_parts(parts) + ((sampler,) if sampler else ()) if p not in applied]
+    missing = [p for p in logit_parts(parts) + forward_parts(parts) + hidden_parts(parts) + ((sampler,) if sampler else ())
+               if p not in applied]
     if missing:
         raise ValueError(f"{type(missing[0]).__name__}: a part with device inputs of its own must be given "
                          "built (not as a function of the engine) to an engine that builds its runner")

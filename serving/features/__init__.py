@@ -18,6 +18,7 @@ options ask for, in one place, and the caller hands them to the engine
 | `pause` | pausing generation (abort, wait, keep) and resuming it, by holding the engine's steps | (always on) |
 | `multimodal` | a vision-language model's images: placed in the prompt at admission (encoder outputs cached by image digest), their rows and positions in every step | encoder_cache_mb, limit_mm_per_prompt (a model with a vision tower) |
 | `serving.spec_decode` (not here: a package of its own) | speculative decoding: `SpecVerifier` checks the drafts in the step, `SpecDecoder` proposes them and keeps what was accepted | speculative_method, num_speculative_tokens, speculative_model |
+| `pooling` (+ `pooling_config`, `pooling_models`) | pooling requests: embeddings, classifier / reward scores of a prompt's final hidden states, read back from the step | runner, pooler_config |
 | `lora` | LoRA adapters: registration, admission by adapter, device slots adapting the weights in the step | enable_lora, max_loras, max_lora_rank, max_cpu_loras |
 """
 
@@ -30,15 +31,17 @@ from serving.features.logits_processors import LogitsProcessors, ProcessorConfig
 from serving.features.lora import LoraManager
 from serving.features.multimodal import Multimodal
 from serving.features.pause import GenerationPause
+from serving.features.pooling import PoolingPart
 from serving.features.sampling_controls import SamplingControlsPart
 from serving.features.structured_output import StructuredOutputsPart
 
 
-def build_parts(options: dict, cfg, draft=None) -> list:
+def build_parts(options: dict, cfg, draft=None, pooling=None) -> list:
     """The step parts `options` (every option of `serving.core.engine_args`, resolved) ask for, for a model of
     config `cfg`: parts, and functions that build one from the engine (`Engine(parts=...)`), in the order the
     engine calls them. `draft`: an in-memory (config, params) draft model for speculative_method "draft" in
-    place of the speculative_model checkpoint. Raises ValueError naming the option when one cannot be built
+    place of the speculative_model checkpoint. `pooling`: the `pooling.PoolingModel` of a pooling checkpoint
+    (runner=pooling), whose requests the pooling part serves. Raises ValueError naming the option when one cannot be built
     (before anything loads)."""
     parts = []
     tier = []  # the host tier, once the engine has built it
@@ -61,6 +64,8 @@ def build_parts(options: dict, cfg, draft=None) -> list:
     if options.get("logits_processors"):
         parts.append(LogitsProcessors(options["logits_processors"],
                                       ProcessorConfig(vocab_size=cfg.vocab_size, max_num_seqs=options["max_num_seqs"])))
+    if pooling is not None:
+        parts.append(PoolingPart(pooling, cfg.hidden_size))
     if options.get("speculative_method"):  # last: its drafts see the other parts' state (a grammar's)
         from serving.spec_decode import SpecDecoder
         from serving.spec_decode.verifier import SpecVerifier

@@ -1,0 +1,82 @@
+"""Which checkpoints serve pooling, and loading them: a decoder read in place, its pooling config and score head.
+
+`runner` (the option, as vLLM's `--runner`) decides: "pooling", "generate", or "auto", which pools for a
+Hugging Face checkpoint that is a decoder's base model (`Qwen3Model`: what sentence-transformers saves for
+Qwen3-Embedding), a sequence classifier (`Qwen3ForSequenceClassification`, `LlamaForSequenceClassification`:
+rerankers and reward models) or any checkpoint with a sentence-transformers `modules.json`.
+
+A pooling decoder is read in place (`model.pooling_heads.load_decoder`: the family's tensors, with or without
+the `model.` prefix, and `score.weight`), not converted to a Ridgeline checkpoint: its weights are the
+decoder's `Weights`, so tensor parallelism, load-time quantization and LoRA apply as for generation. The
+pooling config comes from the sentence-transformers files (`pooling_config.load_pooling_config`), overridden
+by the `pooler_config` option (JSON).
+
+Encoders (`BertModel`, `XLMRobertaModel` and their classifiers: `model.families.bert`) have no KV cache and
+attend both ways; the engine's paged causal step does not run them, so they are refused here by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+from serving.features.pooling import PoolingModel
+from serving.features.pooling_config import ENCODER_ARCHITECTURES, PoolingConfigError, load_pooling_config
+
+RUNNERS = ("auto", "generate", "pooling")
+
+
+def _hf_config(directory: str) -> Optional[dict]:
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def serves_pooling(directory: str, runner: str = "auto") -> bool:
+    """Whether the checkpoint at `directory` is served as a pooling model under option `runner`."""
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
+    if runner != "auto":
+        return runner == "pooling"
+    hf = _hf_config(directory)
+    if hf is None:  # a Ridgeline checkpoint (converted from a causal LM): generation
+        return False
+    archs = hf.get("architectures") or []
+    return (os.path.isfile(os.path.join(directory, "modules.json"))
+            or any(a.endswith("ForSequenceClassification") or (a.endswith("Model") and not a.endswith("LMHeadModel"))
+                   for a in archs))
+
+
+def parse_pooler_config(value) -> Optional[dict]:
+    """The `pooler_config` option (a JSON object as text, a dict, or None) as a dict of overrides."""
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise PoolingConfigError(f"pooler_config: not JSON ({e}): {value!r}") from None
+    if not isinstance(parsed, dict):
+        raise PoolingConfigError(f"pooler_config: expected a JSON object, got {value!r}")
+    return parsed
+
+
+def load(directory: str, pooler_config=None):
+    """(config, params, tokenizer, `PoolingModel`) of the Hugging Face pooling checkpoint at `directory`."""
+    from model.pooling_heads import load_decoder
+    from model.tokenizer import load_tokenizer
+
+    hf = _hf_config(directory)
+    if hf is None:
+        raise ValueError(f"{directory}: runner=pooling needs a Hugging Face checkpoint (config.json and "
+                         "safetensors) of a decoder base model or sequence classifier")
+    encoders = [a for a in hf.get("architectures") or [] if a in ENCODER_ARCHITECTURES]
+    if encoders:
+        raise ValueError(f"{directory}: {encoders[0]} is a bidirectional encoder without a KV cache, which the "
+                         "engine's paged causal step does not run; model.families.bert computes it on its own")
+    cfg, params, score, hf = load_decoder(directory, dtype=None)
+    config = load_pooling_config(directory, parse_pooler_config(pooler_config))
+    labels = {int(k): v for k, v in (hf.get("id2label") or {}).items()} if score is not None else None
+    return cfg, params, load_tokenizer(directory, cfg.vocab_size), PoolingModel(config, score, labels)
