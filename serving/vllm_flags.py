@@ -238,6 +238,29 @@ def _uvicorn_log_level(value: str) -> dict:
 
 
 SAME = "same meaning"
+_POOLING_TASKS = ("embed", "embedding", "classify", "score", "reward")
+
+
+def _runner(value: str) -> dict:
+    if value not in ("generate", "pooling", "auto"):
+        raise VllmFlagError(f"--runner {value}: Ridgeline runs generate, pooling or auto")
+    return {"runner": value}
+
+
+def _convert(value: str) -> dict:
+    if value in ("none", "auto"):
+        return {}
+    if value in _POOLING_TASKS:
+        return {"runner": "pooling"}
+    raise VllmFlagError(f"--convert {value}: Ridgeline converts to embed, classify or reward (or none / auto)")
+
+
+def _task(value: str) -> dict:
+    if value in _POOLING_TASKS:
+        return {"runner": "pooling"}
+    if value in ("generate", "auto"):
+        return {"runner": "generate" if value == "generate" else "auto"}
+    raise VllmFlagError(f"--task {value}: Ridgeline serves generate, embed, classify, score and reward")
 VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag("model", "MODEL (--checkpoint)", "same meaning; MODEL may also come first, as `vllm serve MODEL`",
              _same("checkpoint")),
@@ -302,6 +325,13 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag("disable-log-requests", "(nothing)", "accepted, no effect: requests are never logged", _bool(None),
              kind="bool"),
     VllmFlag("uvicorn-log-level", "--uvicorn_log_level", SAME, _uvicorn_log_level),
+    VllmFlag("runner", "--runner", "generate, pooling and auto (draft is refused)", _runner),
+    VllmFlag("convert", "--runner", "embed, classify and reward: served as pooling (--runner pooling); none and "
+             "auto: unchanged", _convert),
+    VllmFlag("task", "--runner", "the older spelling: embed, classify, score, reward -> pooling; generate -> "
+             "generate", _task),
+    VllmFlag("pooler-config", "--pooler_config", "pooling_type (LAST, CLS, MEAN, ALL), normalize, dimensions "
+             "bounds (docs/pooling.md); other fields are refused when the model loads", _same("pooler_config")),
     VllmFlag("api-server-count", "(none)", "1 only; more is refused",
              _only_one("more than one API server process", "run one server per replica behind "
                        "python -m serving.router")),

@@ -246,7 +246,7 @@ class ServingContext:
         names = dict(P.API_PARAM_NAMES[kind])
         if kind == "chat" and req is not None:
             names["max_tokens"] = req.max_tokens_field()
-        if req is not None:
+        if req is not None and hasattr(req, "processor_args_field"):  # (a generating route's request)
             names["structured_outputs"] = T.structured_field(req)
             names["extra_args"] = req.processor_args_field()
         field = names.get(e.param, e.param)
@@ -256,8 +256,10 @@ class ServingContext:
     # --- running requests ------------------------------------------------------------------
 
     async def stream_outputs(self, prompts: list[list[int]], params: SamplingParams, base_id: str,
-                             kind: str, cache_salt: str | None = None, req=None) -> AsyncIterator[tuple[int, object]]:
+                             kind: str, cache_salt: str | None = None, req=None,
+                             part_args: dict | None = None) -> AsyncIterator[tuple[int, object]]:
         """Cumulative RequestOutputs of every prompt, interleaved as they come: (prompt index, output).
+        `part_args`: request arguments of every prompt's request beside the adapter's (a pooling request's).
 
         Closing this iterator (the client went away) aborts every engine request still running.
         """
@@ -267,9 +269,9 @@ class ServingContext:
 
         async def pump(i: int):
             try:
-                part_args = {**kv_transfer.part_args(), **lora_routes.part_args()}  # (a shipped prefill, an adapter)
+                given = {**kv_transfer.part_args(), **lora_routes.part_args(), **(part_args or {})}
                 async for out in self.engine.generate(prompts[i], params, ids[i], cache_salt=cache_salt,
-                                                      priority=getattr(req, "priority", 0), part_args=part_args):
+                                                      priority=getattr(req, "priority", 0), part_args=given):
                     queue.put_nowait((i, out))
             except InvalidParameterError as e:
                 queue.put_nowait((i, self.api_error(e, kind, req)))
@@ -302,12 +304,13 @@ class ServingContext:
             for rid in ids:
                 self.engine.abort(rid)
 
-    async def final_outputs(self, request: Request, prompts, params, base_id, kind, cache_salt=None, req=None) -> list:
+    async def final_outputs(self, request: Request, prompts, params, base_id, kind, cache_salt=None, req=None,
+                            part_args: dict | None = None) -> list:
         """The last output of every prompt; aborts them all if the client disconnects meanwhile."""
         finals: list = [None] * len(prompts)
 
         async def collect():
-            async for i, out in self.stream_outputs(prompts, params, base_id, kind, cache_salt, req):
+            async for i, out in self.stream_outputs(prompts, params, base_id, kind, cache_salt, req, part_args):
                 finals[i] = out
 
         await until_disconnect(request, collect())
@@ -554,6 +557,9 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
 
         add_rl_routes(app, ctx, keyed, rl_routes)  # /sleep, /wake_up, /is_sleeping, /reset_prefix_cache, ...
 
+    from serving.api.pooling_routes import add_pooling_routes
+
+    add_pooling_routes(app, ctx, keyed)  # /v1/embeddings, /pooling, /classify, /score, /rerank (a pooling model)
     from serving.api.responses_api import add_responses_routes
 
     add_responses_routes(app, ctx, keyed)  # /v1/responses (OpenAI's Responses API)

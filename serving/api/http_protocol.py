@@ -59,6 +59,7 @@ def model_not_found(model) -> APIError:
 API_PARAM_NAMES = {
     "completions": {"logprobs": "logprobs", "prompt_logprobs": "logprobs"},
     "chat": {"logprobs": "top_logprobs", "prompt_logprobs": "top_logprobs", "prompt": "messages"},
+    "pooling": {"prompt": "input", "pooling_params": "input"},  # /v1/embeddings, /pooling, /classify, /score, /rerank
 }
 
 # --- requests ----------------------------------------------------------------------------

@@ -1,0 +1,290 @@
+"""Pooling requests through the engine (`serving.features.pooling`), `LLM.embed` / `classify` / `reward` / `score`,
+and the pooling routes with the official clients.
+
+Tiny random Qwen3 checkpoints saved on the spot: an embedder as sentence-transformers saves Qwen3-Embedding
+(last-token pooling, Normalize), and a one-label `Qwen3ForSequenceClassification` (a reranker / reward model).
+References: `SentenceTransformer.encode` and transformers' logits, fp32.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from serving.core.sampling_params import InvalidParameterError, SamplingParams
+from serving.features.pooling import PoolingParams, pooling_sampling_params
+from tests.conftest import run_to_completion
+from tests.hf_tokenizer_styles import save_style
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+st = pytest.importorskip("sentence_transformers")
+
+from serving import LLM  # noqa: E402
+from serving.api.http_auth import APIKeys  # noqa: E402
+from serving.server import ServerThread  # noqa: E402
+from tests.test_pooling_models import TEXTS, _qwen3_config, cosine_distance, scale_  # noqa: E402
+
+KEY = "pool-key"
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, page_size=4, num_pages=96, max_model_len=96,
+              compilation_cache_dir="")
+LONG = "the quick brown fox jumps over the lazy dog. " * 4  # several prefill chunks of 16 tokens
+QUERY, DOCS = "what is the capital of France?", ["Paris is the capital of France.", "def f(x): return x",
+                                                 "the quick brown fox"]
+
+
+def _tokenizer_dir(directory: str) -> int:
+    """A Qwen-style byte-level tokenizer without a chat template, padding with <|endoftext|>; its vocabulary size."""
+    save_style("bytelevel_nobos", directory)
+    with open(f"{directory}/tokenizer_config.json") as f:
+        conf = json.load(f)
+    conf.pop("chat_template", None)  # with a template, sentence-transformers 6 encodes texts as chat messages
+    with open(f"{directory}/tokenizer_config.json", "w") as f:
+        json.dump({**conf, "pad_token": "<|endoftext|>"}, f)
+    return transformers.AutoTokenizer.from_pretrained(directory).vocab_size + 8
+
+
+@pytest.fixture(scope="module")
+def embedder(tmp_path_factory):
+    """(sentence-transformers directory, its HF model, an LLM over it)."""
+    from sentence_transformers.base.modules import Normalize, Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+
+    hf_dir, st_dir = str(tmp_path_factory.mktemp("hf")), str(tmp_path_factory.mktemp("st"))
+    vocab = _tokenizer_dir(hf_dir)
+    torch.manual_seed(0)
+    hf = scale_(transformers.Qwen3Model(_qwen3_config(vocab_size=vocab)).eval())
+    hf.save_pretrained(hf_dir)
+    model = st.SentenceTransformer(modules=[Transformer(hf_dir, max_seq_length=64),
+                                            Pooling(32, pooling_mode="lasttoken"), Normalize()], device="cpu")
+    model.save(st_dir)
+    return st_dir, hf, LLM(model=st_dir, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory):
+    """(HF directory, its HF model and tokenizer, an LLM over it) of a one-label Qwen3 sequence classifier."""
+    hf_dir = str(tmp_path_factory.mktemp("cls"))
+    vocab = _tokenizer_dir(hf_dir)
+    torch.manual_seed(1)
+    hf = scale_(transformers.Qwen3ForSequenceClassification(
+        _qwen3_config(vocab_size=vocab, num_labels=1, pad_token_id=0)).eval())
+    hf.save_pretrained(hf_dir)
+    tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    return hf_dir, hf, tok, LLM(model=hf_dir, **ENGINE)
+
+
+def _hf_logit(hf, ids) -> float:
+    with torch.no_grad():
+        return float(hf(torch.tensor([ids])).logits[0, 0])
+
+
+def test_embed_matches_sentence_transformers(embedder):
+    st_dir, _, llm = embedder
+    ref = st.SentenceTransformer(st_dir, device="cpu").encode(TEXTS + [LONG], convert_to_numpy=True)
+    out = llm.embed(TEXTS + [LONG])
+    ours = np.stack([o.outputs.data for o in out])
+    assert cosine_distance(ours, ref).max() < 1e-5
+    np.testing.assert_allclose(np.linalg.norm(ours, axis=-1), 1.0, rtol=1e-5)
+    assert out[0].outputs.embedding == pytest.approx(ours[0].tolist())
+    raw = llm.embed(TEXTS[:1], PoolingParams("embed", normalize=False))[0].outputs.data
+    assert abs(np.linalg.norm(raw) - 1) > 1e-3 and cosine_distance(raw, ref[0]) < 1e-5
+    with pytest.raises(InvalidParameterError, match="matryoshka"):  # the model was not trained for it
+        llm.embed(TEXTS[:1], PoolingParams("embed", dimensions=8))
+
+
+def test_pooling_and_generation_in_one_batch_equal_alone(embedder):
+    """Generation and pooling requests share steps; each gets what it gets alone."""
+    _, _, llm = embedder
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    gen_prompts = ["The capital of France", LONG]
+    alone_gen = [o.outputs[0].token_ids for o in llm.generate(gen_prompts, greedy)]
+    alone_emb = [o.outputs.data for o in llm.embed(TEXTS)]
+    engine = llm.engine
+    for i, p in enumerate(gen_prompts):
+        engine.add_request(f"g{i}", p, greedy)
+    for i, p in enumerate(TEXTS):
+        engine.add_request(f"e{i}", p, pooling_sampling_params(), part_args={"pooling": PoolingParams()})
+    done = run_to_completion(engine)
+    assert [done[f"g{i}"].outputs[0].token_ids for i in range(2)] == alone_gen
+    for i in range(len(TEXTS)):
+        np.testing.assert_allclose(done[f"e{i}"].pooled, alone_emb[i], rtol=1e-5, atol=1e-6)
+    assert engine.block_manager.num_used_blocks == 0 and not engine.requests
+
+
+def test_mean_pooling_spans_chunks_and_never_reads_the_prefix_cache(embedder, tmp_path):
+    """Mean pooling over prefill chunks of 16 equals transformers' mean; a repeated prompt is recomputed whole
+    (its cached pages would skip rows the mean needs), while last-token pooling reuses them."""
+    st_dir, hf, last_llm = embedder
+    llm = LLM(model=st_dir, pooler_config='{"pooling_type": "MEAN", "normalize": false}', **ENGINE)
+    ids = llm.tokenizer.encode(LONG)
+    assert len(ids) > 32
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).last_hidden_state[0].mean(0).numpy()
+    outs = []
+    for round_ in range(2):
+        llm.engine.add_request(f"m{round_}", ids, pooling_sampling_params(), part_args={"pooling": PoolingParams()})
+        outs.append(run_to_completion(llm.engine)[f"m{round_}"])
+    for out in outs:
+        np.testing.assert_allclose(out.pooled, ref, rtol=1e-4, atol=1e-4)
+        assert out.num_cached_tokens == 0
+    np.testing.assert_array_equal(outs[0].pooled, outs[1].pooled)
+    cached = []
+    for round_ in range(2):
+        last_llm.engine.add_request(f"l{round_}", ids, pooling_sampling_params(), part_args={"pooling": PoolingParams()})
+        cached.append(run_to_completion(last_llm.engine)[f"l{round_}"])
+    assert cached[1].num_cached_tokens > 0
+    np.testing.assert_allclose(cached[1].pooled, cached[0].pooled, rtol=1e-5, atol=1e-6)
+
+
+def test_truncation_and_length_errors(embedder):
+    _, _, llm = embedder
+    ids = llm.tokenizer.encode(LONG * 2)
+    assert len(ids) > 64  # the sentence-transformers max_seq_length
+    with pytest.raises(InvalidParameterError, match=rf"maximum input length is 64 tokens.*{len(ids)} tokens"):
+        llm.embed([ids])
+    cut = llm.embed([ids], truncate_prompt_tokens=10)[0].outputs.data
+    np.testing.assert_allclose(cut, llm.embed([ids[:10]])[0].outputs.data, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(llm.embed([ids], truncate_prompt_tokens=-1)[0].outputs.data,
+                               llm.embed([ids[:64]])[0].outputs.data, rtol=1e-5, atol=1e-6)
+    with pytest.raises(InvalidParameterError, match="score head"):
+        llm.classify(TEXTS[:1])
+
+
+def test_classifier_scores_match_transformers(classifier):
+    _, hf, tok, llm = classifier
+    ids = [tok(t)["input_ids"] for t in TEXTS]
+    logits = np.asarray([_hf_logit(hf, i) for i in ids], np.float32)
+    reward = np.concatenate([o.outputs.data for o in llm.reward(TEXTS)])
+    np.testing.assert_allclose(reward, logits, atol=1e-5)
+    probs = np.concatenate([o.outputs.data for o in llm.classify(TEXTS)])  # one label: a sigmoid
+    np.testing.assert_allclose(probs, 1 / (1 + np.exp(-logits)), atol=1e-6)
+    pair_logits = [_hf_logit(hf, tok(QUERY, d)["input_ids"]) for d in DOCS]
+    scores = [o.outputs.score for o in llm.score(QUERY, DOCS)]
+    np.testing.assert_allclose(scores, 1 / (1 + np.exp(-np.asarray(pair_logits))), atol=1e-6)
+    with pytest.raises(InvalidParameterError, match="classifier"):
+        llm.embed(TEXTS[:1])
+
+
+def test_a_generation_model_refuses_pooling(small_cfg):
+    import jax
+    from model.params import init_params
+
+    llm = LLM(config=small_cfg, params=init_params(small_cfg, jax.random.PRNGKey(0)), max_num_seqs=2,
+              max_num_batched_tokens=16, num_pages=16, page_size=4)
+    with pytest.raises(InvalidParameterError, match="runner=pooling"):
+        llm.embed([[1, 2, 3]])
+    with pytest.raises(InvalidParameterError, match="runner=pooling"):
+        llm.engine.make_request("x", [1, 2, 3], pooling_sampling_params(), part_args={"pooling": PoolingParams()})
+
+
+# --- the routes ---
+
+@pytest.fixture(scope="module")
+def embed_server(embedder):
+    thread = ServerThread(embedder[2], model_name="tiny-embed", api_keys=APIKeys.parse(KEY, False)).start()
+    yield thread, embedder
+    thread.stop()
+
+
+def post(thread, route, body, key=KEY):
+    return httpx.post(thread.url + route, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+
+def test_openai_client_embeddings_float_and_base64(embed_server):
+    thread, (_, _, llm) = embed_server
+    want = np.stack([o.outputs.data for o in llm.embed(TEXTS)])
+    client = openai.OpenAI(base_url=thread.url + "/v1", api_key=KEY, max_retries=0)
+    got = client.embeddings.create(model="tiny-embed", input=TEXTS, encoding_format="float")
+    np.testing.assert_allclose([d.embedding for d in got.data], want, rtol=1e-5, atol=1e-6)
+    assert got.usage.prompt_tokens == sum(len(llm.tokenizer.encode(t)) for t in TEXTS)
+    got64 = client.embeddings.create(model="tiny-embed", input=TEXTS[0])  # the client asks for base64
+    np.testing.assert_allclose(got64.data[0].embedding, want[0], rtol=1e-5, atol=1e-6)
+    ids = client.embeddings.create(model="tiny-embed", input=[llm.tokenizer.encode(TEXTS[1])], encoding_format="float")
+    np.testing.assert_allclose(ids.data[0].embedding, want[1], rtol=1e-5, atol=1e-6)
+    raw = post(thread, "/v1/embeddings", {"input": TEXTS[2], "encoding_format": "base64", "user": "u1"}).json()
+    np.testing.assert_allclose(np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), "<f4"), want[2], rtol=1e-5, atol=1e-6)
+    with pytest.raises(openai.BadRequestError, match="matryoshka"):
+        client.embeddings.create(model="tiny-embed", input="x", dimensions=8)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=thread.url + "/v1", api_key="wrong", max_retries=0).embeddings.create(
+            model="tiny-embed", input="x")
+
+
+def test_langchain_openai_embeddings(embed_server):
+    lc = pytest.importorskip("langchain_openai")
+    thread, (_, _, llm) = embed_server
+    emb = lc.OpenAIEmbeddings(model="tiny-embed", base_url=thread.url + "/v1", api_key=KEY,
+                              check_embedding_ctx_length=False)  # (its token counting downloads tiktoken files)
+    want = [o.outputs.data for o in llm.embed(TEXTS[:2])]
+    np.testing.assert_allclose(emb.embed_documents(TEXTS[:2]), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(emb.embed_query(TEXTS[0]), want[0], rtol=1e-5, atol=1e-6)
+
+
+def test_pooling_route_errors_keep_serving_and_free_pages(embed_server):
+    thread, (_, _, llm) = embed_server
+    tokens = post(thread, "/pooling", {"input": TEXTS[0], "task": "token_embed"}).json()
+    ids = llm.tokenizer.encode(TEXTS[0])
+    assert np.asarray(tokens["data"][0]["data"]).shape == (len(ids), 32)
+    bad = [({"input": TEXTS[0], "colour": "red"}, "colour"),  # an unknown field is not ignored
+           ({"input": []}, "input"),
+           ({"input": LONG * 2}, "maximum input length"),
+           ({"input": [10**6]}, "token ids"),
+           ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens")]
+    for body, words in bad:
+        r = post(thread, "/v1/embeddings", body)
+        assert r.status_code == 400 and words in r.text, (body, r.text)
+        assert set(r.json()["error"]) >= {"message", "type", "param", "code"}
+    r = post(thread, "/classify", {"input": "x"})
+    assert r.status_code == 400 and "score head" in r.text
+    assert post(thread, "/v1/embeddings", {"input": "still serving"}).status_code == 200
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+@pytest.fixture(scope="module")
+def rerank_server(classifier):
+    thread = ServerThread(classifier[3], model_name="tiny-rerank", api_keys=APIKeys.parse(KEY, False)).start()
+    yield thread, classifier
+    thread.stop()
+
+
+def test_score_and_rerank_routes_as_jina_and_cohere_send_them(rerank_server):
+    thread, (_, hf, tok, _) = rerank_server
+    want = 1 / (1 + np.exp(-np.asarray([_hf_logit(hf, tok(QUERY, d)["input_ids"]) for d in DOCS])))
+    score = post(thread, "/score", {"model": "tiny-rerank", "text_1": QUERY, "text_2": DOCS}).json()
+    np.testing.assert_allclose([d["score"] for d in score["data"]], want, atol=1e-6)
+    order = np.argsort(-want).tolist()
+    jina = post(thread, "/v1/rerank", {"model": "tiny-rerank", "query": QUERY, "documents": DOCS, "top_n": 2,
+                                       "return_documents": True}).json()
+    assert [r["index"] for r in jina["results"]] == order[:2]
+    assert jina["results"][0]["document"]["text"] == DOCS[order[0]]
+    np.testing.assert_allclose([r["relevance_score"] for r in jina["results"]], want[order[:2]], atol=1e-6)
+    cohere = pytest.importorskip("cohere")
+    co = cohere.ClientV2(api_key=KEY, base_url=thread.url)
+    res = co.rerank(model="tiny-rerank", query=QUERY, documents=DOCS, top_n=3)
+    assert [r.index for r in res.results] == order
+    np.testing.assert_allclose([r.relevance_score for r in res.results], want[order], atol=1e-6)
+    probs = post(thread, "/classify", {"input": [QUERY]}).json()["data"][0]
+    assert probs["num_classes"] == 1 and probs["label"] == "LABEL_0"
+    r = post(thread, "/v1/embeddings", {"input": "x"})
+    assert r.status_code == 400 and "classifier" in r.text
+
+
+def test_a_generation_server_answers_the_pooling_routes_with_a_400(small_cfg):
+    import jax
+    from model.params import init_params
+
+    llm = LLM(config=small_cfg, params=init_params(small_cfg, jax.random.PRNGKey(0)), max_num_seqs=2,
+              max_num_batched_tokens=16, num_pages=16, page_size=4)
+    thread = ServerThread(llm, model_name="gen").start()
+    try:
+        for route, body in (("/v1/embeddings", {"input": "x"}), ("/rerank", {"query": "q", "documents": ["d"]})):
+            r = httpx.post(thread.url + route, json=body, timeout=30)
+            assert r.status_code == 400 and "runner=pooling" in r.text
+    finally:
+        thread.stop()
