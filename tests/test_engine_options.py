@@ -32,7 +32,7 @@ def test_engine_config_fields_are_the_engine_options_in_order():
     assert [f.name for f in fields] == _ids(engine_args.ENGINE_CONFIG_OPTIONS)
     assert {o.name for o in OPTIONS if not o.engine_config} == {
         "generation_config", "tensor_parallel_size", "pipeline_parallel_size", "num_microbatches",
-        "compilation_cache_dir", "lora_modules", "logits_processors"}
+        "compilation_cache_dir", "lora_modules", "logits_processors", "runner", "pooler_config"}
     assert dataclasses.fields(EngineConfig) and EngineConfig.__dataclass_params__.frozen
 
 

@@ -79,6 +79,12 @@ CASES = [
     (["--disable-log-requests"], {}),
     (["--uvicorn-log-level", "warning"], {"uvicorn_log_level": "warning"}),
     (["--api-server-count", "1"], {}),
+    (["--runner", "pooling"], {"runner": "pooling"}),
+    (["--convert", "embed"], {"runner": "pooling"}),
+    (["--convert", "none"], {}),
+    (["--task", "score"], {"runner": "pooling"}),
+    (["--task", "generate"], {"runner": "generate"}),
+    (["--pooler-config", '{"pooling_type": "MEAN"}'], {"pooler_config": '{"pooling_type": "MEAN"}'}),
     # Dashed spellings of Ridgeline's own flags, and a first argument that is the model.
     (["--page-size", "8", "--no-async-scheduling"], {"page_size": 8, "async_scheduling": False}),
     (["/models/m", "--max-num-seqs", "3"], {"checkpoint": "/models/m", "max_num_seqs": 3}),
