@@ -169,6 +169,8 @@ def load_adapter(path: str, cfg, max_rank: int, name: Optional[str] = None, dtyp
             raise LoraError(f"LoRA adapter {path!r}: {kind} ({key}) is not supported; adapters hold lora_A / "
                             f"lora_B weights of linear layers")
         module = module[len(PREFIX):] if module.startswith(PREFIX) else module
+        if module not in plans and "model." + module in plans:  # trained on a base model (an embedder's)
+            module = "model." + module
         pairs.setdefault(module, {})[rest[0]] = value
     if not pairs:
         raise LoraError(f"LoRA adapter {path!r}: {WEIGHTS_FILE} holds no lora_A / lora_B weights")

@@ -62,11 +62,15 @@ log = logging.getLogger("ridgeline.router")
 
 DEFAULT_PAGE_SIZE = 16  # the server's default --page_size, until a worker reports its own
 
+# The pooling routes (`serving.api.pooling_routes`), by endpoint name: an embedding's inputs route by their
+# prefix as a completion's prompt does (last-token pooling reuses cached pages).
+POOLING_ENDPOINTS = {"embeddings": "/v1/embeddings", "pooling": "/pooling", "classify": "/classify", "score": "/score",
+                     "rerank": "/rerank", "rerank_v1": "/v1/rerank", "rerank_v2": "/v2/rerank"}
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses",
-             "messages": "/v1/messages", "count_tokens": "/v1/messages/count_tokens"}
+             "messages": "/v1/messages", "count_tokens": "/v1/messages/count_tokens", **POOLING_ENDPOINTS}
 # Served whole by one worker, in disaggregated mode too (by a decode worker): the KV shipping routes
 # take completions and chat only.
-WHOLE = frozenset({"responses", "messages", "count_tokens"})
+WHOLE = frozenset({"responses", "messages", "count_tokens", *POOLING_ENDPOINTS})
 # Request headers that go upstream: the API key (OpenAI's or Anthropic's header) and Anthropic's version.
 FORWARDED_HEADERS = ("authorization", "x-api-key", "anthropic-version", "anthropic-beta")
 
@@ -562,6 +566,17 @@ def create_router_app(service: RouterService) -> FastAPI:
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         return await anthropic("count_tokens", request)
+
+    def pooling_route(endpoint: str):
+        async def relay(request: Request):
+            try:
+                return await service.handle(endpoint, request)
+            except ClientGone:
+                return Response(status_code=499)
+        return relay
+
+    for endpoint, path in POOLING_ENDPOINTS.items():
+        app.post(path)(pooling_route(endpoint))
 
     @app.get("/v1/models")
     async def models():

@@ -74,6 +74,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kernels_pallas import get_backend
+from model.blocks import norm
 from model.cache import BatchMetadata, KVCache
 from model.config import ModelConfig
 from model.families import family_for_config
@@ -297,8 +298,9 @@ class PipelineLayout:
 
     # --- the forward pass ---------------------------------------------------------------------------
     def forward(self, params: StagedWeights, cache: KVCache, tokens, md: BatchMetadata, cfg: ModelConfig,
-                backend: str = "auto", image_embeds=None, lora=None):
-        return pipeline_forward(params, cache, tokens, md, cfg, backend, self, image_embeds=image_embeds, lora=lora)
+                backend: str = "auto", image_embeds=None, lora=None, with_hidden: bool = False):
+        return pipeline_forward(params, cache, tokens, md, cfg, backend, self, image_embeds=image_embeds, lora=lora,
+                                with_hidden=with_hidden)
 
 
 def _stack_stage_arrays(arrays, target: NamedSharding) -> jax.Array:
@@ -371,8 +373,11 @@ def stage_layer_inputs(per_layer, stage, num_stages: int):
 
 def pipeline_forward(params: StagedWeights, cache: KVCache, tokens, md: BatchMetadata, cfg: ModelConfig,
                      backend: str, layout: PipelineLayout, num_ticks: int | None = None, image_embeds=None,
-                     lora=None):
-    """Logits `[R, vocab]` (fp32) for rows `md.logits_indices`, and the updated staged cache.
+                     lora=None, with_hidden: bool = False):
+    """Logits `[R, vocab]` (fp32) for rows `md.logits_indices`, and the updated staged cache; `with_hidden`:
+    (logits, every row's hidden state after the final norm `[T, embed]`, cache), as
+    `model.forward.forward_with_hidden` (a pooling step: the last stage shares all its rows, not only the
+    logit rows).
 
     `lora` (LoRA adapters, `model.lora`): (the staged slots of `PipelineLayout.stage_lora_slots`, each
     token's slot `[T]`, the slot rank), or None. Each stage reads its own layers' slots, and every
@@ -462,7 +467,8 @@ def pipeline_forward(params: StagedWeights, cache: KVCache, tokens, md: BatchMet
         _, outs, ks, vs = jax.lax.fori_loop(0, ticks, tick, (state, outs, ks, vs))
         # Only the last stage holds the final hidden states: select the logit rows there and
         # share them with every stage (an all-reduce of [rows, embed] over `pipeline`).
-        rows = outs.reshape(padded, cfg.hidden_size)[mmd.logits_indices]
+        every = outs.reshape(padded, cfg.hidden_size)
+        rows = every[:T] if with_hidden else every[mmd.logits_indices]
         rows = jax.lax.psum(jnp.where(stage == p - 1, rows, jnp.zeros_like(rows)), PIPELINE)
         return rows, ks, vs
 
@@ -471,8 +477,13 @@ def pipeline_forward(params: StagedWeights, cache: KVCache, tokens, md: BatchMet
     run = jax.shard_map(run_stages, mesh=layout.mesh, axis_names={PIPELINE}, check_vma=False,
                         in_specs=(staged, staged, staged, rep, rep, staged, rep), out_specs=(rep, staged, staged))
     rows, new_k, new_v = run(params.stages, cache.k, cache.v, x, mmd, lora_slots, token_slots)
+    hidden = None
+    if with_hidden:  # every row came back: the logit rows are some of them
+        hidden, rows = rows, rows[md.logits_indices]
     with jax.named_scope("logits"):
         logits = blocks.logits(params, tp.constrain(rows, ("tokens", "embed")), cfg, tp)
+    if with_hidden:
+        return logits, norm(tp.constrain(hidden, ("tokens", "embed")), params.final_norm, cfg), KVCache(k=new_k, v=new_v)
     return logits, KVCache(k=new_k, v=new_v)
 
 

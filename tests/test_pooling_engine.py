@@ -288,3 +288,47 @@ def test_a_generation_server_answers_the_pooling_routes_with_a_400(small_cfg):
             assert r.status_code == 400 and "runner=pooling" in r.text
     finally:
         thread.stop()
+
+
+# --- composition: tensor parallelism, quantized weights, adapters, priorities ---
+
+def test_pooling_composes_with_tp_int8_weights_lora_and_priority(embedder, tmp_path):
+    peft = pytest.importorskip("peft")
+    from serving.features.lora import LoRARequest
+
+    st_dir, hf, llm = embedder
+    base = np.stack([o.outputs.data for o in llm.embed(TEXTS)])
+    tp = LLM(model=st_dir, tensor_parallel_size=2, **ENGINE)
+    np.testing.assert_allclose(np.stack([o.outputs.data for o in tp.embed(TEXTS)]), base, rtol=1e-5, atol=1e-5)
+    int8 = np.stack([o.outputs.data for o in LLM(model=st_dir, weight_dtype="int8", **ENGINE).embed(TEXTS)])
+    assert 1e-9 < cosine_distance(int8, base).max() < 1e-2  # quantized (not the float weights), and close
+
+    torch.manual_seed(3)  # an adapter trained on the base model, as PEFT saves it for an embedder
+    adapted = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                      init_lora_weights=False))
+    adapter_dir = str(tmp_path / "adapter")
+    adapted.save_pretrained(adapter_dir)
+    tok = llm.tokenizer
+    with torch.no_grad():
+        ref = np.stack([adapted(torch.tensor([tok.encode(t)])).last_hidden_state[0, -1].numpy() for t in TEXTS])
+    adapted.unload()  # (the module fixture's model keeps its own weights)
+    ref /= np.linalg.norm(ref, axis=-1, keepdims=True)
+    lora = LLM(model=st_dir, enable_lora=True, max_lora_rank=4, scheduling_policy="priority", **ENGINE)
+    got = np.stack([o.outputs.data for o in lora.embed(TEXTS, lora_request=LoRARequest("a", 1, adapter_dir),
+                                                       priority=[1, 0, 1, 0])])
+    assert cosine_distance(got, ref).max() < 1e-5 and cosine_distance(got, base).min() > 1e-4
+    np.testing.assert_allclose(np.stack([o.outputs.data for o in lora.embed(TEXTS)]), base, rtol=1e-5, atol=1e-5)
+
+
+def test_pooling_under_pipeline_stages_equals_one_device(embedder):
+    """Two pipeline stages (two microbatches): the last stage shares every row's hidden state, so mean pooling
+    over chunks and last-token pooling give what one device gives."""
+    st_dir, _, llm = embedder
+    base = np.stack([o.outputs.data for o in llm.embed(TEXTS + [LONG])])
+    pp = LLM(model=st_dir, pipeline_parallel_size=2, num_microbatches=2, **ENGINE)
+    np.testing.assert_allclose(np.stack([o.outputs.data for o in pp.embed(TEXTS + [LONG])]), base, rtol=1e-5,
+                               atol=1e-5)
+    mean = dict(pooler_config='{"pooling_type": "MEAN"}', **ENGINE)
+    one = LLM(model=st_dir, **mean).embed([LONG])[0].outputs.data
+    np.testing.assert_allclose(LLM(model=st_dir, pipeline_parallel_size=2, **mean).embed([LONG])[0].outputs.data,
+                               one, rtol=1e-5, atol=1e-5)

@@ -320,6 +320,14 @@ class FakeWorker:
         async def chat(request: Request):
             return await answer(request, "chat")
 
+        @app.post("/v1/embeddings")
+        async def embeddings(request: Request):
+            return await answer(request, "embeddings")
+
+        @app.post("/v2/rerank")
+        async def rerank(request: Request):
+            return await answer(request, "rerank_v2")
+
         self.stored: dict[str, dict] = {}  # response id -> the response, as a worker's store keeps it
         self.headers: list[dict] = []  # the headers of each Responses / Messages request
 
@@ -475,6 +483,19 @@ def test_conversation_sticks_to_one_worker_and_hit_rate_is_counted(fleet):
     hit = float(next(line.split()[-1] for line in metrics.splitlines()
                      if line.startswith("ridgeline:router_prefix_hit_rate ")))
     assert 0.3 < hit < 1.0  # turns 2-5 matched their earlier turns; turn 1 matched nothing
+
+
+def test_embedding_inputs_route_by_prefix_and_rerank_is_relayed(fleet):
+    workers, make = fleet
+    _, url = make()
+    long = "a shared document prefix long enough to fill several pages of the cache " * 3
+    owner = httpx.post(url + "/v1/embeddings", json={"input": long + "one"}, timeout=10).json()
+    assert owner["kind"] == "embeddings"
+    for tail in ("two", "three", "four"):  # the same prefix: the worker that holds its pages
+        assert httpx.post(url + "/v1/embeddings", json={"input": [long + tail]}, timeout=10).json() == owner
+    r = httpx.post(url + "/v2/rerank", json={"query": "q", "documents": ["d"]}, timeout=10)
+    assert r.status_code == 200 and r.json()["kind"] == "rerank_v2"
+    assert sum(len(w.requests) for w in workers) == 5
 
 
 def test_round_robin_spreads_and_client_errors_pass_through(fleet):

@@ -97,7 +97,10 @@ def _step(params, cache, ibuf, fbuf, feed=None, part_states=(), device_input=Non
         params, more = part.apply_to_weights(state, v, params, layout)
         extra.update(more)
     hidden_outputs = ()
-    if hasattr(layout, "forward"):  # a layout with a forward of its own (pipeline stages)
+    if hasattr(layout, "forward") and hidden_parts:  # pipeline stages sharing every row's hidden state
+        logits, hidden, cache = layout.forward(params, cache, tokens, md, cfg, backend, with_hidden=True, **extra)
+        hidden_outputs = tuple(part.hidden_output(hidden, md) for part in hidden_parts)
+    elif hasattr(layout, "forward"):  # a layout with a forward of its own (pipeline stages)
         logits, cache = layout.forward(params, cache, tokens, md, cfg, backend, **extra)
     elif hidden_parts:
         logits, hidden, cache = forward_with_hidden(params, cache, tokens, md, cfg, backend, layout, **extra)
@@ -230,9 +233,6 @@ class ModelRunner:
         self.logit_parts = tuple(logit_parts)
         self.forward_parts = tuple(forward_parts)
         self.hidden_parts = tuple(hidden_parts)
-        if self.hidden_parts and hasattr(layout, "forward"):
-            raise ValueError(f"{type(self.hidden_parts[0]).__name__} reads every row's hidden state, which a "
-                             "pipeline's stages do not return (the last stage shares only the logit rows)")
         self._small_programs: dict = {}  # executables of the cache's zeroing, the page copies, the parts' state writes
         self.params, self.cache = self.place(params, cache_dtype)
         # The last step's sampled ids, padded to the most logit rows a step has: the next step

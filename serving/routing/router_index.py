@@ -91,7 +91,7 @@ class PromptEncoder:
         try:
             if endpoint in CHAT_LIKE:
                 return [self.chat_prompt(as_chat(endpoint, body))]
-            prompt = body.get("prompt")
+            prompt = body.get("input" if endpoint in INPUT_ENDPOINTS else "prompt")
             if isinstance(prompt, str):
                 prompt = [prompt]
             elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
@@ -122,6 +122,8 @@ class PromptEncoder:
 
 # Endpoints whose body is a chat, or becomes one on the worker (`as_chat`).
 CHAT_LIKE = frozenset({"chat", "responses", "messages"})
+# Endpoints whose prompts are the body's "input" (the pooling routes: /v1/embeddings, /pooling, /classify).
+INPUT_ENDPOINTS = frozenset({"embeddings", "pooling", "classify"})
 
 
 def as_chat(endpoint: str, body: dict):
