@@ -332,3 +332,59 @@ def test_pooling_under_pipeline_stages_equals_one_device(embedder):
     one = LLM(model=st_dir, **mean).embed([LONG])[0].outputs.data
     np.testing.assert_allclose(LLM(model=st_dir, pipeline_parallel_size=2, **mean).embed([LONG])[0].outputs.data,
                                one, rtol=1e-5, atol=1e-5)
+
+
+def test_the_pooling_routes_count_toward_the_per_key_limit():
+    """`--max_concurrent_requests_per_key` bounds the pooling routes outside /v1/ as it does /v1/*."""
+    import asyncio
+
+    from serving.api.request_limits import KeyConcurrency
+
+    async def run():
+        release, seen = asyncio.Event(), []
+
+        async def app(scope, receive, send):  # holds every request until released
+            seen.append(scope["path"])
+            await release.wait()
+
+        limited = KeyConcurrency(app, limit=1)
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        def scope(path):
+            return {"type": "http", "method": "POST", "path": path, "headers": [(b"authorization", b"Bearer k")],
+                    "client": ("1.2.3.4", 1)}
+
+        first = asyncio.create_task(limited(scope("/rerank"), None, send))
+        await asyncio.sleep(0.01)
+        for path in ("/pooling", "/classify", "/score", "/v2/rerank", "/v1/embeddings"):
+            await limited(scope(path), None, send)
+        release.set()
+        await first
+        return seen, [m["status"] for m in sent if m["type"] == "http.response.start"]
+
+    seen, statuses = asyncio.run(run())
+    assert seen == ["/rerank"] and statuses == [429] * 5
+
+
+def test_matryoshka_dimensions_truncate_then_normalize(embedder, tmp_path):
+    """`dimensions` within the model's `matryoshka_dimensions` (config.json) keeps the first ones and normalizes
+    again, as `SentenceTransformer(truncate_dim=)` does; others are refused naming the allowed ones."""
+    import shutil
+
+    st_dir, _, llm = embedder
+    copy = str(tmp_path / "matryoshka")
+    shutil.copytree(st_dir, copy)
+    with open(f"{copy}/config.json") as f:
+        hf_config = json.load(f)
+    with open(f"{copy}/config.json", "w") as f:
+        json.dump({**hf_config, "matryoshka_dimensions": [8, 16, 32]}, f)
+    ref = st.SentenceTransformer(copy, device="cpu", truncate_dim=16).encode(TEXTS, convert_to_numpy=True)
+    short = LLM(model=copy, **ENGINE)
+    got = np.stack([o.outputs.data for o in short.embed(TEXTS, PoolingParams("embed", dimensions=16))])
+    assert got.shape == (len(TEXTS), 16) and cosine_distance(got, ref).max() < 1e-5
+    np.testing.assert_allclose(np.linalg.norm(got, axis=-1), 1.0, rtol=1e-5)
+    with pytest.raises(InvalidParameterError, match=r"\[8, 16, 32\]"):
+        short.embed(TEXTS[:1], PoolingParams("embed", dimensions=12))

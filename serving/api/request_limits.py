@@ -11,7 +11,8 @@ Three pieces, each independent of the routes it guards:
   bound a payload by what the context window can hold.
 * `KeyConcurrency` (ASGI middleware): at most `--max_concurrent_requests_per_key`
   requests of one API key (the bearer token; on an open server, the client's
-  address) in flight on the generating routes (`POST /v1/*`); one more is a 429
+  address) in flight on the routes that run engine requests (`POST /v1/*`, and the pooling routes
+  outside /v1/); one more is a 429
   with `Retry-After`. A request counts until its response (a stream included) ends.
 * `check_caps(req)`: counts that a request body may not exceed (stop strings,
   tools, logit_bias entries, ...), each a 400 naming the field. The other
@@ -133,8 +134,13 @@ def key_of(scope) -> str:
     return f"addr:{client[0]}"
 
 
+# The routes outside /v1/ that run engine requests (vLLM's pooling routes, `serving.api.pooling_routes`).
+ENGINE_ROUTES = ("/pooling", "/classify", "/score", "/rerank", "/v2/rerank")
+
+
 class KeyConcurrency:
-    """ASGI middleware: at most `limit` generating requests (`POST /v1/*`) in flight per key; then 429."""
+    """ASGI middleware: at most `limit` requests that run on the engine (`POST /v1/*` and `ENGINE_ROUTES`) in
+    flight per key; then 429."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
@@ -142,7 +148,7 @@ class KeyConcurrency:
 
     async def __call__(self, scope, receive, send):
         if (scope["type"] != "http" or not self.limit or scope["method"] != "POST"
-                or not scope["path"].startswith("/v1/")):
+                or not (scope["path"].startswith("/v1/") or scope["path"] in ENGINE_ROUTES)):
             return await self.app(scope, receive, send)
         key = key_of(scope)
         if self.in_flight.get(key, 0) >= self.limit:
