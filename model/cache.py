@@ -145,6 +145,9 @@ class BatchMetadata:
     # [T] int32 the exclusive end of the bidirectional span each token is in (an image's tokens, for a
     # config whose `vision.bidirectional`; 0 for a token in none), or None: attention is causal.
     span_end: Any = None
+    # [T] int32 each token's token type (a cross-encoder's second text: 1), for a config with `type_vocab_size`;
+    # None: every token type 0.
+    token_types: Any = None
 
 
 def pad_slot(num_pages: int, page_size: int) -> int:

@@ -115,6 +115,11 @@ class LlamaConfig:
     vision: VisionConfig | None = None
     image_token_id: int | None = None
     mrope_section: tuple[int, ...] | None = None
+    # A bidirectional encoder (BERT, XLM-RoBERTa: `model.families.encoder`): attention both ways within a prompt,
+    # learned absolute positions from `position_offset` and `type_vocab_size` token-type embeddings.
+    bidirectional: bool = False
+    position_offset: int = 0
+    type_vocab_size: int = 0
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -235,12 +240,12 @@ class LlamaConfig:
             return cls.from_dict(json.load(f))
 
 
-HIDDEN_ACTS = ("silu", "gelu_tanh")
+HIDDEN_ACTS = ("silu", "gelu_tanh", "gelu", "relu")  # gelu (exact, erf) and relu: the encoders' plain MLP
 _FAMILY_FIELDS = ("architecture", "attention_bias", "qk_norm", "sliding_window", "layer_types", "rope_local_theta",
                   "norm_offset", "scale_embeddings", "hidden_act", "sandwich_norms", "query_pre_attn_scalar",
                   "attn_logit_softcap", "final_logit_softcap", "num_experts", "num_experts_per_tok",
                   "moe_intermediate_size", "moe_router", "norm_topk_prob", "shared_expert_intermediate_size",
-                  "vision", "image_token_id", "mrope_section")
+                  "vision", "image_token_id", "mrope_section", "bidirectional", "position_offset", "type_vocab_size")
 
 # The config type of every family today. Code outside the Llama implementation (serving,
 # sharding) annotates with this name, so a family with a config class of its own changes this

@@ -50,6 +50,8 @@ def forward_hidden(params: Weights, cache: KVCache, tokens, md: BatchMetadata, c
     per_layer = blocks.layer_inputs(cfg)
     with jax.named_scope("embed"):
         x = merge_image_embeds(blocks.embed(params, tokens, cfg, layout), tokens, image_embeds, cfg, md.span_end)
+        if blocks.position_embed is not None:
+            x = blocks.position_embed(params, x, md, cfg, layout)
     if isinstance(cache, StackedKVCache):
         return _scan_layers(blocks, params, cache, x, md, per_layer, cfg, impl, layout)
     new_k, new_v = [], []
@@ -124,7 +126,12 @@ def forward_with_hidden(params: Weights, cache: KVCache, tokens, md: BatchMetada
     x, cache = forward_hidden(params, cache, tokens, md, cfg, backend, layout, image_embeds)
     with jax.named_scope("logits"):
         logits = family_for_config(cfg).blocks.logits(params, x[md.logits_indices], cfg, layout)
-    return logits, norm(x, params.final_norm, cfg), cache
+    return logits, final_hidden_norm(params, x, cfg), cache
+
+
+def final_hidden_norm(params: Weights, x, cfg: LlamaConfig):
+    """The final norm a pooler reads after (none for a family whose last layer ends normalized: an encoder)."""
+    return x if params.final_norm is None else norm(x, params.final_norm, cfg)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "layout"), donate_argnames=("cache",))

@@ -160,10 +160,12 @@ class HFTokenizer:
         """The ids transformers' `tokenizer(text, add_special_tokens=...)` gives."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_pair(self, text: str, pair: str) -> list[int]:
-        """The ids transformers' `tokenizer(text, pair)` gives: the pair template of the tokenizer's post-processor
-        (BERT's `[CLS] a [SEP] b [SEP]`; a plain concatenation where it has none)."""
-        return self._tok.encode(text, pair, add_special_tokens=True).ids
+    def encode_pair(self, text: str, pair: str) -> tuple[list[int], list[int]]:
+        """(ids, token type ids) as transformers' `tokenizer(text, pair)` gives them: the pair template of the
+        tokenizer's post-processor (BERT's `[CLS] a [SEP] b [SEP]`, the second text type 1; a plain
+        concatenation where it has none)."""
+        encoding = self._tok.encode(text, pair, add_special_tokens=True)
+        return encoding.ids, encoding.type_ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True,
                spaces_between_special_tokens: bool = True) -> str:

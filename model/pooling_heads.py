@@ -27,16 +27,18 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from model.blocks import norm
 from model.cache import BatchMetadata, KVCache
 from model.config import LlamaConfig, UnsupportedModelError
 from model.convert_hf import ConversionError, _open, read_weights, weight_files
 from model.declarations import Weights
 from model.families import family_for_hf_config, from_hf_config
-from model.forward import forward_hidden
+from model.families import bert
+from model.families.encoder import ENCODER
+from model.forward import final_hidden_norm, forward_hidden
 from model.params import unflatten_params
 
 SCORE_TENSOR = "score.weight"
+ENCODER_PREFIXES = ("bert.", "roberta.")  # an encoder classifier's body, under its base model's prefix
 _SUFFIXES = ("ForSequenceClassification", "Model", "ForCausalLM")
 
 
@@ -45,7 +47,7 @@ def final_hidden(params: Weights, cache: KVCache, tokens, md: BatchMetadata, cfg
     """`[T, embed]` every row's hidden state after the final norm (in the compute dtype), and the
     updated cache. `md.logits_indices` is not read."""
     x, cache = forward_hidden(params, cache, tokens, md, cfg, backend, layout, image_embeds)
-    return norm(x, params.final_norm, cfg), cache
+    return final_hidden_norm(params, x, cfg), cache
 
 
 def score_logits(hidden, score_weight):
@@ -62,8 +64,11 @@ def causal_architecture(arch: str) -> str:
 
 
 def decoder_config(hf: dict[str, Any], dtype: str | None = None) -> tuple[LlamaConfig, Any]:
-    """(our config, its family) for the HF config of a decoder base model / classifier / causal LM."""
+    """(our config, its family) for the HF config of a decoder base model / classifier / causal LM, or of an
+    encoder (a family of its own architectures: `model.families.encoder`)."""
     archs = hf.get("architectures") or []
+    if any(a in ENCODER.architectures for a in archs):
+        return ENCODER.config_from_hf(hf, dtype), ENCODER
     causal = dict(hf, architectures=[causal_architecture(a) for a in archs])
     family = family_for_hf_config(causal)
     cfg = from_hf_config(causal, dtype)
@@ -75,6 +80,9 @@ def _stored(name: str, located: dict[str, str]) -> str | None:
         return name
     if name.startswith("model.") and name[len("model."):] in located:  # a base model's names
         return name[len("model."):]
+    for prefix in ENCODER_PREFIXES:  # an encoder classifier's body
+        if prefix + name in located:
+            return prefix + name
     return None
 
 
@@ -107,13 +115,77 @@ def load_decoder(hf_dir: str, dtype: str | None = "float32"):
     flat = read_weights(plan, located, np.dtype(cfg.jnp_dtype), progress=False)
     params = unflatten_params(cfg, {k: jnp.asarray(v) for k, v in flat.items()})
     score = None
-    if any(a.endswith("ForSequenceClassification") for a in hf.get("architectures") or []):
+    if family is ENCODER:
+        score = encoder_head(hf, located) if cfg.architecture.endswith("ForSequenceClassification") else None
+    elif any(a.endswith("ForSequenceClassification") for a in hf.get("architectures") or []):
         if SCORE_TENSOR not in located:
             raise ConversionError(f"{hf_dir}: a sequence classifier without {SCORE_TENSOR}")
         with _open(located[SCORE_TENSOR]) as f:
-            score = np.asarray(f.get_tensor(SCORE_TENSOR), np.float32)
-        labels = int(hf.get("num_labels") or len(hf.get("id2label") or {}) or score.shape[0])
-        if score.shape != (labels, cfg.hidden_size):
-            raise ConversionError(f"{SCORE_TENSOR} has shape {list(score.shape)}, expected [{labels}, "
+            weight = np.asarray(f.get_tensor(SCORE_TENSOR), np.float32)
+        labels = int(hf.get("num_labels") or len(hf.get("id2label") or {}) or weight.shape[0])
+        if weight.shape != (labels, cfg.hidden_size):
+            raise ConversionError(f"{SCORE_TENSOR} has shape {list(weight.shape)}, expected [{labels}, "
                                   f"{cfg.hidden_size}]")
+        score = LinearHead(weight)
     return cfg, params, score, hf
+
+
+class LinearHead:
+    """A decoder classifier's `score` head on the pooled last token: `weight [labels, hidden] @ x` (fp32, host)."""
+
+    def __init__(self, weight: np.ndarray):
+        self.weight = np.asarray(weight, np.float32)
+        self.num_labels = int(self.weight.shape[0])
+
+    def __call__(self, pooled: np.ndarray) -> np.ndarray:
+        return self.weight @ np.asarray(pooled, np.float32)
+
+
+class TanhHead:
+    """An encoder classifier's head on the pooled first token: `out(tanh(dense(x)))` (fp32, host): BERT's pooler
+    then `classifier`, XLM-RoBERTa's `classifier.dense` then `classifier.out_proj`."""
+
+    def __init__(self, dense_w, dense_b, out_w, out_b):
+        self.dense_w, self.dense_b, self.out_w, self.out_b = (np.asarray(a, np.float32)
+                                                              for a in (dense_w, dense_b, out_w, out_b))
+        self.num_labels = int(self.out_w.shape[0])
+
+    def __call__(self, pooled: np.ndarray) -> np.ndarray:
+        return self.out_w @ np.tanh(self.dense_w @ np.asarray(pooled, np.float32) + self.dense_b) + self.out_b
+
+
+def encoder_head(hf: dict[str, Any], located: dict[str, str]) -> TanhHead:
+    """The classifier head of a `BertForSequenceClassification` / `XLMRobertaForSequenceClassification`."""
+    bert_style = any(a.startswith("Bert") for a in hf.get("architectures") or [])
+    dense, out = ("bert.pooler.dense", "classifier") if bert_style else ("classifier.dense", "classifier.out_proj")
+    arrays = []
+    for name in (dense + ".weight", dense + ".bias", out + ".weight", out + ".bias"):
+        if name not in located:
+            raise ConversionError(f"a sequence classifier without {name}")
+        with _open(located[name]) as f:
+            arrays.append(f.get_tensor(name))
+    return TanhHead(*arrays)
+
+
+def load_encoder(hf_dir: str, dtype: str | None = "float32") -> tuple[bert.EncoderConfig, dict]:
+    """`(cfg, weights)` of the dense reference (`model.families.bert.encoder_forward`) from an encoder checkpoint
+    directory (config.json + safetensors)."""
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hf = json.load(f)
+    try:
+        cfg = bert.config_from_hf(hf, dtype)
+    except UnsupportedModelError as e:
+        raise ConversionError(str(e)) from None
+    prefix = bert.ENCODERS[cfg.architecture].prefix
+    located = weight_files(hf_dir)
+    weights = {}
+    for name, shape in bert.checkpoint_shapes(cfg).items():
+        stored = next((n for n in (name, prefix + name) if n in located), None)
+        if stored is None:
+            raise ConversionError(f"{hf_dir}: missing tensor {name} of a {cfg.num_layers}-layer {cfg.architecture}")
+        with _open(located[stored]) as f:
+            array = f.get_tensor(stored)
+        if tuple(array.shape) != shape:
+            raise ConversionError(f"tensor {stored} has shape {list(array.shape)}, but config.json implies {list(shape)}")
+        weights[name] = jnp.asarray(np.asarray(array, np.float32), cfg.dtype)
+    return cfg, weights

@@ -44,9 +44,11 @@ class ByteTokenizer:
         ids = list(text.encode("utf-8"))
         return [self.BOS] + ids if add_special_tokens else ids
 
-    def encode_pair(self, text: str, pair: str) -> list[int]:
-        """A text pair as one prompt (a cross-encoder's input): the first text's ids, then the second's."""
-        return self.encode(text) + self.encode(pair, add_special_tokens=False)
+    def encode_pair(self, text: str, pair: str) -> tuple[list[int], list[int]]:
+        """A text pair as one prompt (a cross-encoder's input): (the first text's ids then the second's, their
+        token types: 0 then 1)."""
+        first, second = self.encode(text), self.encode(pair, add_special_tokens=False)
+        return first + second, [0] * len(first) + [1] * len(second)
 
     def decode(self, ids, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> str:
         """Ids past 255 carry no text, skipped or not (BOS and EOS have no spelling)."""

@@ -445,11 +445,14 @@ class LLM:
         two texts' embeddings."""
         firsts, seconds = _score_pairs(data_1, data_2)
         model = self.pooling_model
-        if model is not None and model.score_weight is not None:
+        if model is not None and model.head is not None:
             if self.tokenizer is None or not hasattr(self.tokenizer, "encode_pair"):
                 raise ValueError("score needs a tokenizer to join the text pairs")
             pairs = [self.tokenizer.encode_pair(a, b) for a, b in zip(firsts, seconds)]
-            return self.encode(pairs, PoolingParams("score"), **kwargs)
+            typed = self.config.type_vocab_size > 1  # (an encoder's second text is token type 1)
+            return self.encode([ids for ids, _ in pairs],
+                               [PoolingParams("score", token_type_ids=tuple(types) if typed else None)
+                                for _, types in pairs], **kwargs)
         unique = list(dict.fromkeys(firsts + seconds))
         vectors = dict(zip(unique, (o.outputs.data for o in self.embed(unique, PoolingParams("embed", normalize=True),
                                                                        **kwargs))))

@@ -74,11 +74,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kernels_pallas import get_backend
-from model.blocks import norm
 from model.cache import BatchMetadata, KVCache
 from model.config import ModelConfig
 from model.families import family_for_config
-from model.forward import merge_image_embeds
+from model.forward import final_hidden_norm, merge_image_embeds
 from model.lora import attach_layer, slot_axes
 from model.params import is_array_info, pytree_dataclass
 from sharding.layout import Layout
@@ -483,7 +482,7 @@ def pipeline_forward(params: StagedWeights, cache: KVCache, tokens, md: BatchMet
     with jax.named_scope("logits"):
         logits = blocks.logits(params, tp.constrain(rows, ("tokens", "embed")), cfg, tp)
     if with_hidden:
-        return logits, norm(tp.constrain(hidden, ("tokens", "embed")), params.final_norm, cfg), KVCache(k=new_k, v=new_v)
+        return logits, final_hidden_norm(params, tp.constrain(hidden, ("tokens", "embed")), cfg), KVCache(k=new_k, v=new_v)
     return logits, KVCache(k=new_k, v=new_v)
 
 

@@ -388,3 +388,63 @@ def test_matryoshka_dimensions_truncate_then_normalize(embedder, tmp_path):
     np.testing.assert_allclose(np.linalg.norm(got, axis=-1), 1.0, rtol=1e-5)
     with pytest.raises(InvalidParameterError, match=r"\[8, 16, 32\]"):
         short.embed(TEXTS[:1], PoolingParams("embed", dimensions=12))
+
+
+# --- encoders through the engine: BERT and XLM-RoBERTa (model.families.encoder) ---
+
+@pytest.mark.parametrize("arch,mode", [("BertModel", "mean"), ("XLMRobertaModel", "cls")])
+def test_encoder_embedders_through_the_engine_match_sentence_transformers(tmp_path, arch, mode):
+    from sentence_transformers.base.modules import Normalize, Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+
+    from tests.test_pooling_models import _encoder_config, _wordpiece_dir
+
+    hf_dir, st_dir = str(tmp_path / "hf"), str(tmp_path / "st")
+    _, vocab = _wordpiece_dir(hf_dir)
+    torch.manual_seed(2)
+    config_cls = transformers.BertConfig if arch == "BertModel" else transformers.XLMRobertaConfig
+    extra = {} if arch == "BertModel" else {"type_vocab_size": 1}
+    scale_(getattr(transformers, arch)(_encoder_config(config_cls, vocab, **extra)).eval()).save_pretrained(hf_dir)
+    st.SentenceTransformer(modules=[Transformer(hf_dir, max_seq_length=48), Pooling(32, pooling_mode=mode),
+                                    Normalize()], device="cpu").save(st_dir)
+    ref = st.SentenceTransformer(st_dir, device="cpu").encode(TEXTS, convert_to_numpy=True)
+    llm = LLM(model=st_dir, **ENGINE)
+    ours = np.stack([o.outputs.data for o in llm.embed(TEXTS)])
+    assert cosine_distance(ours, ref).max() < 1e-5
+    again = np.stack([o.outputs.data for o in llm.embed(TEXTS[::-1])])[::-1]  # other batches, cached pages
+    np.testing.assert_allclose(again, ours, rtol=1e-5, atol=1e-6)
+    with pytest.raises(InvalidParameterError, match="does not generate"):
+        llm.generate(TEXTS[:1], SamplingParams(max_tokens=2))
+    ids = llm.tokenizer.encode(" ".join(TEXTS))
+    assert len(ids) > 16  # longer than a step: refused, naming both lengths
+    with pytest.raises(InvalidParameterError, match=rf"maximum input length is 16 tokens.*{len(ids)} tokens"):
+        llm.embed([ids])
+
+
+def test_encoder_cross_encoder_and_classifier_through_the_engine(tmp_path):
+    from tests.test_pooling_models import _encoder_config, _wordpiece_dir
+
+    bert_dir = str(tmp_path / "bert")
+    tok, vocab = _wordpiece_dir(bert_dir)
+    torch.manual_seed(3)
+    bert = scale_(transformers.BertForSequenceClassification(_encoder_config(transformers.BertConfig, vocab,
+                                                                            num_labels=1)).eval())
+    bert.save_pretrained(bert_dir)
+    pairs = [(TEXTS[0], TEXTS[1]), (TEXTS[0], TEXTS[2]), (TEXTS[3], TEXTS[1])]
+    ref = st.CrossEncoder(bert_dir, device="cpu").predict(pairs)
+    llm = LLM(model=bert_dir, **dict(ENGINE, max_num_batched_tokens=48))
+    got = [o.outputs.score for o in llm.score([a for a, _ in pairs], [b for _, b in pairs])]
+    np.testing.assert_allclose(got, ref, atol=1e-5)
+
+    xlmr_dir = str(tmp_path / "xlmr")
+    _wordpiece_dir(xlmr_dir)
+    torch.manual_seed(4)
+    xlmr = scale_(transformers.XLMRobertaForSequenceClassification(_encoder_config(
+        transformers.XLMRobertaConfig, vocab, type_vocab_size=1, num_labels=2)).eval())
+    xlmr.save_pretrained(xlmr_dir)
+    with torch.no_grad():
+        logits = np.concatenate([xlmr(torch.tensor([tok(t)["input_ids"]])).logits.numpy() for t in TEXTS])
+    probs = np.stack([o.outputs.data for o in LLM(model=xlmr_dir, **dict(ENGINE, max_num_batched_tokens=48))
+                      .classify(TEXTS)])
+    want = np.exp(logits - logits.max(-1, keepdims=True))
+    np.testing.assert_allclose(probs, want / want.sum(-1, keepdims=True), atol=1e-5)

@@ -256,9 +256,9 @@ def test_decoder_sequence_classifier_matches_transformers(tmp_path, arch, num_la
     with torch.no_grad():
         ref = np.concatenate([hf(torch.tensor([p])).logits.float().numpy() for p in prompts])
     cfg, params, score, _ = load_decoder(hf_dir)
-    assert score.shape == (num_labels, 32)
+    assert score.weight.shape == (num_labels, 32) and score.num_labels == num_labels
     hidden, md = _decoder_rows(cfg, params, prompts)
-    ours = np.asarray(score_logits(pooling.pool_last_packed(hidden, md.cu_q_lens)[:len(prompts)], score))
+    ours = np.asarray(score_logits(pooling.pool_last_packed(hidden, md.cu_q_lens)[:len(prompts)], score.weight))
     diff = np.abs(ours - ref).max()
     print(arch, "max |score diff|", diff)
     assert ours.shape == (len(prompts), num_labels) and diff < SCORE_TOL
@@ -289,7 +289,8 @@ def _encoder_config(cls, vocab, **kw):
 
 
 def _run_encoder(directory, batch, token_types=True):
-    from model.families.bert import encoder_forward, load_encoder
+    from model.families.bert import encoder_forward
+    from model.pooling_heads import load_encoder
 
     cfg, weights = load_encoder(directory)
     types = jnp.asarray(batch["token_type_ids"]) if token_types and "token_type_ids" in batch else None

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 
 from model.config import CONFIGS_DIR, LlamaConfig, ModelConfig, UnsupportedModelError
 from model.families.base import ForwardBlocks, ModelFamily, TensorPlan
+from model.families.encoder import ENCODER
 from model.families.gemma import GEMMA2, GEMMA3
 from model.families.gemma3_vl import GEMMA3_VL
 from model.families.llama import LLAMA
@@ -54,7 +55,7 @@ __all__ = ["FAMILIES", "ForwardBlocks", "ModelFamily", "TensorPlan", "config_by_
            "active_params", "expert_params", "is_expert_weight", "supported_architectures"]
 
 FAMILIES: tuple[ModelFamily, ...] = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3, MIXTRAL, QWEN2_MOE, QWEN3_MOE,
-                                     QWEN2_5_VL_FAMILY, GEMMA3_VL)
+                                     QWEN2_5_VL_FAMILY, GEMMA3_VL, ENCODER)
 
 
 def supported_architectures() -> list[str]:

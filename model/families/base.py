@@ -52,6 +52,9 @@ class ForwardBlocks:
     # (cfg) -> pytree of arrays with a leading [num_layers] dim: what differs per layer (RoPE
     # frequencies, sliding window), as data; `attention` gets layer i's slice.
     layer_inputs: Callable
+    # (params, x, md, cfg, layout) -> x: what the batch adds to the token embeddings before the first layer
+    # (an encoder's learned positions and token types); None: nothing.
+    position_embed: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,20 +17,17 @@ Heads (`classifier_logits`):
   `classifier.out_proj` (no pooler).
 
 Weights are a flat dict of arrays named as in the HF checkpoint, without the `bert.` / `roberta.`
-prefix a classifier adds (`load_encoder` strips it): linear weights stay `[out, in]`.
+prefix a classifier adds (`model.pooling_heads.load_encoder` strips it): linear weights stay `[out, in]`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from model.config import UnsupportedModelError
 
@@ -129,31 +126,6 @@ def checkpoint_shapes(cfg: EncoderConfig) -> dict[str, tuple[int, ...]]:
         shapes.update({"classifier.dense.weight": (h, h), "classifier.dense.bias": (h,),
                        "classifier.out_proj.weight": (cfg.num_labels, h), "classifier.out_proj.bias": (cfg.num_labels,)})
     return shapes
-
-
-def load_encoder(hf_dir: str, dtype: str | None = "float32") -> tuple[EncoderConfig, dict[str, jax.Array]]:
-    """`(cfg, weights)` from an encoder checkpoint directory (config.json + safetensors)."""
-    from model.convert_hf import ConversionError, _open, weight_files
-
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        hf = json.load(f)
-    try:
-        cfg = config_from_hf(hf, dtype)
-    except UnsupportedModelError as e:
-        raise ConversionError(str(e)) from None
-    prefix = ENCODERS[cfg.architecture].prefix
-    located = weight_files(hf_dir)
-    weights = {}
-    for name, shape in checkpoint_shapes(cfg).items():
-        stored = next((n for n in (name, prefix + name) if n in located), None)
-        if stored is None:
-            raise ConversionError(f"{hf_dir}: missing tensor {name} of a {cfg.num_layers}-layer {cfg.architecture}")
-        with _open(located[stored]) as f:
-            array = f.get_tensor(stored)
-        if tuple(array.shape) != shape:
-            raise ConversionError(f"tensor {stored} has shape {list(array.shape)}, but config.json implies {list(shape)}")
-        weights[name] = jnp.asarray(np.asarray(array, np.float32), cfg.dtype)
-    return cfg, weights
 
 
 def _layer_norm(x, w, b, eps):

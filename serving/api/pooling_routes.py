@@ -21,6 +21,7 @@ longer input is a 400 naming both lengths. Bodies are strict: an unknown field i
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 import uuid
@@ -124,13 +125,21 @@ def add_pooling_routes(app: FastAPI, ctx, keyed: list) -> None:
         except InvalidParameterError as e:
             raise P.APIError(str(e), param=e.param, code="invalid_value") from None
 
-    async def pooled(request: Request, req, prompts: list[list[int]], params: PoolingParams, prefix: str) -> list:
-        """Each prompt's pooled array, in order (every request aborted if the client goes away)."""
+    async def pooled(request: Request, req, prompts: list[list[int]], params, prefix: str) -> list:
+        """Each prompt's pooled array, in order (every request aborted if the client goes away); `params`: one
+        `PoolingParams` for all, or one per prompt."""
         ctx.check_model(req.model)
         # Prefix-cache pages (last-token pooling shares them) are bound to the client's API key, as elsewhere.
         salt = ctx.api_keys.cache_salt(request, None)
-        finals = await ctx.final_outputs(request, prompts, pooling_sampling_params(), f"{prefix}-{uuid.uuid4().hex}",
-                                         "pooling", salt, req, part_args={"pooling": params})
+        base = f"{prefix}-{uuid.uuid4().hex}"
+        if isinstance(params, PoolingParams):
+            finals = await ctx.final_outputs(request, prompts, pooling_sampling_params(), base, "pooling", salt, req,
+                                             part_args={"pooling": params})
+        else:  # one request per prompt, each with its own parameters, all at once
+            finals = await asyncio.gather(*(
+                ctx.final_outputs(request, [p], pooling_sampling_params(), f"{base}-{i}", "pooling", salt, req,
+                                  part_args={"pooling": pp}) for i, (p, pp) in enumerate(zip(prompts, params))))
+            finals = [f[0] for f in finals]
         return [np.asarray(out.pooled, np.float32) for out in finals]
 
     def usage(prompts: list[list[int]]) -> dict:
@@ -143,7 +152,7 @@ def add_pooling_routes(app: FastAPI, ctx, keyed: list) -> None:
         return vec.tolist()
 
     def default_task() -> str:
-        return "embed" if part().model.score_weight is None else "classify"
+        return "embed" if part().model.head is None else "classify"
 
     @app.post("/v1/embeddings", dependencies=keyed)
     async def embeddings(req: EmbeddingRequest, request: Request):
@@ -187,11 +196,15 @@ def add_pooling_routes(app: FastAPI, ctx, keyed: list) -> None:
     async def scores(request: Request, req, firsts: list[str], seconds: list[str]) -> tuple[list[float], list]:
         """The relevance of each (first, second) text pair, and the prompts it read."""
         truncate = req.truncate_prompt_tokens
-        if part().model.score_weight is not None:  # a cross-encoder: each pair is one prompt
+        if part().model.head is not None:  # a cross-encoder: each pair is one prompt
             if not hasattr(ctx.tokenizer, "encode_pair"):
                 raise P.APIError("this model has no tokenizer to join text pairs", code="invalid_value")
-            prompts = [truncate_to(ctx.tokenizer.encode_pair(a, b), truncate) for a, b in zip(firsts, seconds)]
-            values = await pooled(request, req, prompts, pooling_params("score"), "score")
+            pairs = [ctx.tokenizer.encode_pair(a, b) for a, b in zip(firsts, seconds)]
+            prompts = [truncate_to(ids, truncate) for ids, _ in pairs]
+            typed = getattr(ctx.engine_core().cfg, "type_vocab_size", 0) > 1  # an encoder's second text: type 1
+            params = [PoolingParams("score", token_type_ids=tuple(types[:len(ids)]) if typed else None)
+                      for ids, (_, types) in zip(prompts, pairs)]
+            values = await pooled(request, req, prompts, params, "score")
             return [float(v[0]) for v in values], prompts
         texts = list(dict.fromkeys(firsts + seconds))  # an embedder: the cosine of the two embeddings
         prompts = input_ids(texts, truncate)

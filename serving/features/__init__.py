@@ -31,7 +31,7 @@ from serving.features.logits_processors import LogitsProcessors, ProcessorConfig
 from serving.features.lora import LoraManager
 from serving.features.multimodal import Multimodal
 from serving.features.pause import GenerationPause
-from serving.features.pooling import PoolingPart
+from serving.features.pooling import BidirectionalPooling, PoolingPart
 from serving.features.sampling_controls import SamplingControlsPart
 from serving.features.structured_output import StructuredOutputsPart
 
@@ -64,7 +64,10 @@ def build_parts(options: dict, cfg, draft=None, pooling=None) -> list:
     if options.get("logits_processors"):
         parts.append(LogitsProcessors(options["logits_processors"],
                                       ProcessorConfig(vocab_size=cfg.vocab_size, max_num_seqs=options["max_num_seqs"])))
-    if pooling is not None:
+    if pooling is not None and cfg.bidirectional:  # an encoder: whole prompts, attention both ways
+        parts.append(BidirectionalPooling(pooling, cfg.hidden_size, cfg.max_position_embeddings - cfg.position_offset,
+                                          cfg.type_vocab_size))
+    elif pooling is not None:
         parts.append(PoolingPart(pooling, cfg.hidden_size))
     if options.get("speculative_method"):  # last: its drafts see the other parts' state (a grammar's)
         from serving.spec_decode import SpecDecoder

@@ -29,12 +29,14 @@ cached prefix, as any prefill does, so it shares cached pages.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
 from model import pooling as poolers
+from serving.core.input_batch import TokenField
 from serving.core.sampling_params import InvalidParameterError, SamplingParams
+from serving.core.scheduler import AdmissionGate
 from serving.core.step_parts import StepPart
 from serving.features.pooling_config import PoolingConfig, PoolingConfigError
 
@@ -51,6 +53,8 @@ class PoolingParams:
     task: str = "embed"
     dimensions: Optional[int] = None
     normalize: Optional[bool] = None
+    # An encoder's token types, one per prompt token (a cross-encoder's text pair: 0s then 1s); None: all 0.
+    token_type_ids: Optional[tuple] = None
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -70,16 +74,17 @@ def pooling_sampling_params() -> SamplingParams:
 
 @dataclasses.dataclass
 class PoolingModel:
-    """What a pooling checkpoint adds to its decoder: the pooling config and the score head (`[labels, hidden]`
-    fp32, None for an embedder); `labels`: the classifier's label names by index (`config.json`'s id2label)."""
+    """What a pooling checkpoint adds to its body: the pooling config and the classifier's score head (a host
+    function of the pooled fp32 vector with `num_labels`: `model.pooling_heads.LinearHead` / `TanhHead`; None
+    for an embedder); `labels`: the classifier's label names by index (`config.json`'s id2label)."""
 
     config: PoolingConfig
-    score_weight: Optional[np.ndarray] = None
+    head: Optional[Callable] = None
     labels: Optional[dict] = None
 
     @property
     def num_labels(self) -> int:
-        return 0 if self.score_weight is None else int(self.score_weight.shape[0])
+        return 0 if self.head is None else int(self.head.num_labels)
 
 
 @dataclasses.dataclass
@@ -158,10 +163,10 @@ class PoolingPart(StepPart):
         if p.n != 1 or p.max_tokens != 1 or p.temperature != 0:
             raise InvalidParameterError("pooling_params", "pooling_params: a pooling request draws one greedy "
                                                           "sample of one token (pooling_sampling_params())")
-        if params.task in HEAD_TASKS and self.model.score_weight is None:
+        if params.task in HEAD_TASKS and self.model.head is None:
             raise InvalidParameterError("task", f"task: {params.task} needs a sequence classifier's score head; "
                                                 "this model is an embedder (use embed)")
-        if params.task in ("embed", "token_embed") and self.model.score_weight is not None:
+        if params.task in ("embed", "token_embed") and self.model.head is not None:
             raise InvalidParameterError("task", f"task: {params.task} is not served by a sequence classifier "
                                                 "(use classify, score or reward)")
         if params.task == "score" and self.model.num_labels != 1:
@@ -231,7 +236,7 @@ class PoolingPart(StepPart):
         if params.task == "embed":
             vec = vec[:params.dimensions] if params.dimensions else vec
             return _normalized(vec) if _normalizes(config, params) else vec
-        logits = (self.model.score_weight @ vec.astype(np.float32)).astype(np.float32)
+        logits = np.asarray(self.model.head(vec), np.float32)
         if params.task == "reward":
             return logits
         if params.task == "score" or logits.shape[0] == 1:
@@ -243,6 +248,71 @@ class PoolingPart(StepPart):
         c = self.model.config
         return {"pooling": {"pooling_type": c.pooling_type, "normalize": c.normalize, "labels": self.model.num_labels,
                             "max_seq_length": c.max_seq_length}}
+
+
+class WholePrompts(AdmissionGate):
+    """An encoder's prompt runs in one step: a token attends to the ones after it, which a chunk would not hold."""
+
+    def chunk_end(self, seq, start: int, end: int) -> int:
+        return end if end >= seq.num_prompt_tokens else start
+
+
+class BidirectionalPooling(PoolingPart):
+    """`PoolingPart` for an encoder (`model.families.encoder`): every prompt in one step (`WholePrompts`), each
+    token's span end its prompt's end (attention both ways), its token type from the request, no prefix-cache
+    hit (a page's K/V depend on the tokens after it), and pooling requests only (an encoder has no head to
+    generate with)."""
+
+    def __init__(self, model: PoolingModel, hidden_size: int, max_positions: int, type_vocab_size: int,
+                 max_model_len: Optional[int] = None):
+        super().__init__(model, hidden_size, max_model_len)
+        self.max_positions, self.type_vocab_size = max_positions, max(type_vocab_size, 1)
+        self.max_step_tokens: Optional[int] = None
+
+    def attach(self, engine) -> None:
+        super().attach(engine)
+        self.max_step_tokens = engine.config.max_num_batched_tokens
+
+    def gate(self):
+        return WholePrompts()
+
+    def max_prompt_tokens(self) -> int:
+        return min([super().max_prompt_tokens(), self.max_positions]
+                   + ([self.max_step_tokens] if self.max_step_tokens else []))
+
+    def admit(self, request) -> None:
+        params = request.part_args.get("pooling")
+        if params is None:
+            raise InvalidParameterError("prompt", "this model is an encoder: it embeds, classifies and scores "
+                                                  "prompts (pooling requests), it does not generate")
+        super().admit(request)
+        request.reads_every_prompt_row = True
+        types = params.token_type_ids
+        if types is not None and (len(types) != len(request.prompt_token_ids)
+                                  or not all(0 <= int(t) < self.type_vocab_size for t in types)):
+            raise InvalidParameterError("token_type_ids", f"token_type_ids: one per prompt token "
+                                                          f"({len(request.prompt_token_ids)}), each below "
+                                                          f"{self.type_vocab_size}")
+
+    def token_fields(self) -> tuple:
+        return (TokenField("pool_span_end"), TokenField("pool_token_type"))
+
+    def pack(self, batch) -> None:
+        v = batch.views()
+        spans, types = v["pool_span_end"], v["pool_token_type"]
+        spans[:] = 0
+        types[:] = 0
+        for seq, row, start, count in batch.token_spans:
+            spans[row:row + count] = start + count  # the whole prompt (`WholePrompts`): its end
+            given = seq.request.part_args.get("pooling")
+            if given is not None and given.token_type_ids is not None:
+                types[row:row + count] = given.token_type_ids[start:start + count]
+
+    def apply_to_inputs(self, views, md):
+        return dataclasses.replace(md, span_end=views["pool_span_end"], token_types=views["pool_token_type"]), {}
+
+    def program_key(self):
+        return "bidirectional-pooling-part-v1"
 
 
 def _normalizes(config: PoolingConfig, params: PoolingParams) -> bool:

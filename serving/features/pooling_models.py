@@ -22,7 +22,7 @@ import os
 from typing import Optional
 
 from serving.features.pooling import PoolingModel
-from serving.features.pooling_config import ENCODER_ARCHITECTURES, PoolingConfigError, load_pooling_config
+from serving.features.pooling_config import PoolingConfigError, load_pooling_config
 
 RUNNERS = ("auto", "generate", "pooling")
 
@@ -72,11 +72,7 @@ def load(directory: str, pooler_config=None):
     if hf is None:
         raise ValueError(f"{directory}: runner=pooling needs a Hugging Face checkpoint (config.json and "
                          "safetensors) of a decoder base model or sequence classifier")
-    encoders = [a for a in hf.get("architectures") or [] if a in ENCODER_ARCHITECTURES]
-    if encoders:
-        raise ValueError(f"{directory}: {encoders[0]} is a bidirectional encoder without a KV cache, which the "
-                         "engine's paged causal step does not run; model.families.bert computes it on its own")
-    cfg, params, score, hf = load_decoder(directory, dtype=None)
+    cfg, params, head, hf = load_decoder(directory, dtype=None)
     config = load_pooling_config(directory, parse_pooler_config(pooler_config))
-    labels = {int(k): v for k, v in (hf.get("id2label") or {}).items()} if score is not None else None
-    return cfg, params, load_tokenizer(directory, cfg.vocab_size), PoolingModel(config, score, labels)
+    labels = {int(k): v for k, v in (hf.get("id2label") or {}).items()} if head is not None else None
+    return cfg, params, load_tokenizer(directory, cfg.vocab_size), PoolingModel(config, head, labels)
