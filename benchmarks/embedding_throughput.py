@@ -1,12 +1,14 @@
 """Embeddings per second on CPU: `LLM.embed` against `SentenceTransformer.encode` on the same checkpoint and inputs.
 
-    python benchmarks/embedding_throughput.py               # ~3 min on 2 cores
+    python benchmarks/embedding_throughput.py               # ~5 min on 2 cores: MiniLM-L6 (BERT)
+    python benchmarks/embedding_throughput.py --model qwen3 # the decoder embedder of the same size
     python benchmarks/embedding_throughput.py --inputs 64 --rounds 1
 
-The checkpoint is a decoder embedder of the MiniLM-L6 shape (hidden 384, 6 layers, 12 heads, MLP 1536),
-saved with random weights as sentence-transformers saves Qwen3-Embedding: a `Qwen3Model` with last-token
-pooling and Normalize (`modules.json`), a byte-level BPE tokenizer. The inputs are `--inputs` texts of
-64-256 tokens (random lengths, fixed seed). Both sides embed the same texts in fp32:
+The checkpoint has the MiniLM-L6 shape (hidden 384, 6 layers, 12 heads, MLP 1536) with random weights, saved
+by sentence-transformers: `--model bert` (default) is all-MiniLM-L6-v2's kind, a `BertModel` (vocabulary
+30,522) with mean pooling and Normalize and a WordPiece tokenizer; `--model qwen3` a `Qwen3Model` with
+last-token pooling and Normalize (Qwen3-Embedding's kind) and a byte-level BPE tokenizer. The inputs are
+`--inputs` texts of 64-256 tokens (random lengths, fixed seed). Both sides embed the same texts in fp32:
 
 * **sentence-transformers**: `SentenceTransformer.encode(texts, batch_size=--st_batch)` (it sorts by
   length and pads each batch), torch on every core;
@@ -19,10 +21,7 @@ the ratio says how close each gets to the cores' matmul rate, and how much paddi
 
 Both embed the whole list `--rounds` times, alternating, best kept; the ratio is texts per second, ours
 over sentence-transformers'. Embeddings are checked equal (cosine distance) before timing. Writes
-benchmarks/results/embedding_throughput_cpu.json (or `--out`).
-
-The issue's MiniLM-L6 is a BERT encoder, which the engine does not run (docs/pooling.md, "What is not
-built"); this shape is the decoder embedder of the same size.
+benchmarks/results/embedding_throughput_<model>_cpu.json (or `--out`).
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ import os
 import platform
 import sys
 import tempfile
-import time
 
 import numpy as np
 
@@ -44,13 +42,13 @@ import startup  # noqa: E402
 from attention_cpu_bench import best_of_rotating_rounds  # noqa: E402
 
 SHAPE = dict(hidden_size=384, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=12,
-             num_key_value_heads=12, head_dim=32, max_position_embeddings=512)
+             max_position_embeddings=512)
 WORDS = ("the quick brown fox jumps over the lazy dog while a naive cafe serves coffee to the capital of "
          "France and def f(x): return x for every token in the corpus").split()
 
 
-def write_checkpoint(directory: str) -> str:
-    """The sentence-transformers directory of a random MiniLM-L6-shaped Qwen3 embedder."""
+def write_checkpoint(directory: str, model: str = "bert") -> str:
+    """The sentence-transformers directory of a random MiniLM-L6-shaped embedder (`model`: bert or qwen3)."""
     import torch
     import transformers
     from sentence_transformers import SentenceTransformer
@@ -60,6 +58,8 @@ def write_checkpoint(directory: str) -> str:
     from tests.hf_tokenizer_styles import save_style
 
     hf_dir, st_dir = os.path.join(directory, "hf"), os.path.join(directory, "st")
+    if model == "bert":
+        return _write_bert(hf_dir, st_dir)
     save_style("bytelevel_nobos", hf_dir)
     path = os.path.join(hf_dir, "tokenizer_config.json")
     with open(path) as f:
@@ -69,9 +69,34 @@ def write_checkpoint(directory: str) -> str:
         json.dump({**conf, "pad_token": "<|endoftext|>"}, f)
     vocab = transformers.AutoTokenizer.from_pretrained(hf_dir).vocab_size + 8
     torch.manual_seed(0)
-    model = transformers.Qwen3Model(transformers.Qwen3Config(vocab_size=vocab, **SHAPE)).eval()
-    model.save_pretrained(hf_dir)
+    qwen = transformers.Qwen3Model(transformers.Qwen3Config(vocab_size=vocab, num_key_value_heads=12, head_dim=32,
+                                                            **SHAPE)).eval()
+    qwen.save_pretrained(hf_dir)
     st = SentenceTransformer(modules=[Transformer(hf_dir, max_seq_length=256), Pooling(384, pooling_mode="lasttoken"),
+                                      Normalize()], device="cpu")
+    st.save(st_dir)
+    return st_dir
+
+
+def _write_bert(hf_dir: str, st_dir: str) -> str:
+    """all-MiniLM-L6-v2's kind: a BertModel (random weights) with a WordPiece tokenizer, mean pooling, Normalize."""
+    import string
+
+    import torch
+    import transformers
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Normalize, Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+
+    pieces = list(string.ascii_lowercase) + ["##" + c for c in string.ascii_lowercase] + list(".,:()") + list(WORDS)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list(dict.fromkeys(pieces))
+    os.makedirs(hf_dir, exist_ok=True)
+    with open(os.path.join(hf_dir, "vocab.txt"), "w") as f:
+        f.write("\n".join(vocab) + "\n")
+    transformers.BertTokenizerFast(os.path.join(hf_dir, "vocab.txt"), do_lower_case=True).save_pretrained(hf_dir)
+    torch.manual_seed(0)
+    transformers.BertModel(transformers.BertConfig(vocab_size=30522, **SHAPE)).eval().save_pretrained(hf_dir)
+    st = SentenceTransformer(modules=[Transformer(hf_dir, max_seq_length=256), Pooling(384, pooling_mode="mean"),
                                       Normalize()], device="cpu")
     st.save(st_dir)
     return st_dir
@@ -95,14 +120,16 @@ def make_texts(tokenizer, n: int, seed: int = 0) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=("bert", "qwen3"), default="bert")
     ap.add_argument("--inputs", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--st_batch", type=int, default=32)
     ap.add_argument("--max_num_seqs", type=int, default=32)
     ap.add_argument("--max_num_batched_tokens", type=int, default=2048)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                  "embedding_throughput_cpu.json"))
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    args.out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                        f"embedding_throughput_{args.model}_cpu.json")
 
     import torch
     from sentence_transformers import SentenceTransformer
@@ -110,7 +137,7 @@ def main() -> None:
     from serving import LLM
 
     with tempfile.TemporaryDirectory() as tmp:
-        st_dir = write_checkpoint(tmp)
+        st_dir = write_checkpoint(tmp, args.model)
         st = SentenceTransformer(st_dir, device="cpu")
         llm = LLM(model=st_dir, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   max_model_len=512, page_size=16, compilation_cache_dir="", warmup=True, enable_prefix_caching=False)
@@ -129,14 +156,15 @@ def main() -> None:
     rate = {name: len(texts) / seconds for name, seconds in best.items()}
     ratio = rate["ridgeline"] / rate["sentence_transformers"]
     h, f, layers = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["num_hidden_layers"]
-    flops_per_token = 2 * layers * (4 * h * h + 3 * h * f)  # the linear layers (attention's scores apart)
+    mlp = 2 if args.model == "bert" else 3  # BERT's plain MLP (up, down); Qwen3's gated one (gate, up, down)
+    flops_per_token = 2 * layers * (4 * h * h + mlp * h * f)  # the linear layers (attention's scores apart)
     gflops = {name: sum(lengths) * flops_per_token / seconds / 1e9 for name, seconds in best.items()}
     for name in best:
         print(f"{name:>22}: {best[name]:.2f} s, {rate[name]:.1f} texts/s, {sum(lengths) / best[name]:.0f} tokens/s, "
               f"{gflops[name]:.0f} GFLOP/s in the linear layers")
     print(f"ridgeline / sentence-transformers: {ratio:.2f}x")
     startup.save(args.out, {
-        "benchmark": "embedding_throughput", "date": datetime.date.today().isoformat(),
+        "benchmark": "embedding_throughput", "model": args.model, "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch_threads": torch.get_num_threads(),
         "shape": SHAPE, "inputs": len(texts), "tokens": sum(lengths), "st_batch": args.st_batch,
         "engine": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},

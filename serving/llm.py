@@ -155,7 +155,7 @@ class LLM:
             raise ValueError(f"generation_config must be 'auto' or 'off', got {opts['generation_config']!r}")
         self.model_name = None  # the name MODEL gives clients by default (None: the checkpoint directory's)
         source = None  # a pooling checkpoint, read in place (`serving.features.pooling_models`)
-        if config is None and checkpoint and opts["runner"] != "generate":
+        if config is None and checkpoint:
             resolved_source = model_source.resolve_source(checkpoint)
             if pooling_models.serves_pooling(resolved_source.checkpoint, opts["runner"]):
                 source, self.model_name = resolved_source.checkpoint, resolved_source.name

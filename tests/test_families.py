@@ -30,6 +30,7 @@ from model.families.qwen2_moe import QWEN2_MOE
 from model.families.qwen3_moe import QWEN3_MOE
 from model.families.qwen2_5_vl import QWEN2_5_VL_FAMILY
 from model.families.gemma3_vl import GEMMA3_VL
+from model.families.encoder import ENCODER
 from model.params import abstract_params, flatten_params, init_params
 
 CONFIGS = {
@@ -50,12 +51,13 @@ CONFIGS = {
 
 def test_the_registered_families():
     assert FAMILIES == (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3, MIXTRAL, QWEN2_MOE, QWEN3_MOE,
-                        QWEN2_5_VL_FAMILY, GEMMA3_VL)
+                        QWEN2_5_VL_FAMILY, GEMMA3_VL, ENCODER)
     assert supported_architectures() == ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                          "MistralForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
                                          "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
                                          "Qwen3MoeForCausalLM", "Qwen2_5_VLForConditionalGeneration",
-                                         "Gemma3ForConditionalGeneration"]
+                                         "Gemma3ForConditionalGeneration", "BertModel", "XLMRobertaModel",
+                                         "BertForSequenceClassification", "XLMRobertaForSequenceClassification"]
     for family in FAMILIES:
         assert family_for_architectures(family.architectures) is family
         assert family_for_architectures([], model_type=family.model_types[0]) is family

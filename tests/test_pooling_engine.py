@@ -413,12 +413,25 @@ def test_encoder_embedders_through_the_engine_match_sentence_transformers(tmp_pa
     assert cosine_distance(ours, ref).max() < 1e-5
     again = np.stack([o.outputs.data for o in llm.embed(TEXTS[::-1])])[::-1]  # other batches, cached pages
     np.testing.assert_allclose(again, ours, rtol=1e-5, atol=1e-6)
+    tp = LLM(model=st_dir, tensor_parallel_size=2, weight_dtype="int8" if mode == "cls" else "auto", **ENGINE)
+    sharded = np.stack([o.outputs.data for o in tp.embed(TEXTS)])
+    assert cosine_distance(sharded, ours).max() < (1e-2 if mode == "cls" else 1e-6)  # int8 weights: close
     with pytest.raises(InvalidParameterError, match="does not generate"):
         llm.generate(TEXTS[:1], SamplingParams(max_tokens=2))
     ids = llm.tokenizer.encode(" ".join(TEXTS))
     assert len(ids) > 16  # longer than a step: refused, naming both lengths
     with pytest.raises(InvalidParameterError, match=rf"maximum input length is 16 tokens.*{len(ids)} tokens"):
         llm.embed([ids])
+
+
+def test_an_encoder_is_refused_as_a_generation_model(tmp_path):
+    from tests.test_pooling_models import _encoder_config, _wordpiece_dir
+
+    hf_dir = str(tmp_path / "bert")
+    _, vocab = _wordpiece_dir(hf_dir)
+    transformers.BertModel(_encoder_config(transformers.BertConfig, vocab)).save_pretrained(hf_dir)
+    with pytest.raises(ValueError, match="is an encoder"):
+        LLM(model=hf_dir, runner="generate", **ENGINE)
 
 
 def test_encoder_cross_encoder_and_classifier_through_the_engine(tmp_path):

@@ -218,7 +218,7 @@ def layer_inputs(cfg: LlamaConfig) -> LayerInputs:
 ENCODER = ModelFamily(
     name="encoder (BERT / XLM-RoBERTa)",
     architectures=ARCHITECTURES,
-    model_types=(),
+    model_types=("bert", "xlm-roberta"),
     config_class=LlamaConfig,
     config_from_hf=config_from_hf,
     declare_weights=EncoderWeights.declare,

@@ -64,6 +64,9 @@ def build_parts(options: dict, cfg, draft=None, pooling=None) -> list:
     if options.get("logits_processors"):
         parts.append(LogitsProcessors(options["logits_processors"],
                                       ProcessorConfig(vocab_size=cfg.vocab_size, max_num_seqs=options["max_num_seqs"])))
+    if pooling is None and cfg.bidirectional:
+        raise ValueError(f"runner: {cfg.architecture} is an encoder, which embeds, classifies and scores (runner=pooling "
+                         "or auto); it does not generate")
     if pooling is not None and cfg.bidirectional:  # an encoder: whole prompts, attention both ways
         parts.append(BidirectionalPooling(pooling, cfg.hidden_size, cfg.max_position_embeddings - cfg.position_offset,
                                           cfg.type_vocab_size))

@@ -2,8 +2,10 @@
 
 `runner` (the option, as vLLM's `--runner`) decides: "pooling", "generate", or "auto", which pools for a
 Hugging Face checkpoint that is a decoder's base model (`Qwen3Model`: what sentence-transformers saves for
-Qwen3-Embedding), a sequence classifier (`Qwen3ForSequenceClassification`, `LlamaForSequenceClassification`:
-rerankers and reward models) or any checkpoint with a sentence-transformers `modules.json`.
+Qwen3-Embedding) or an encoder (`BertModel`, `XLMRobertaModel`), a sequence classifier
+(`Qwen3ForSequenceClassification`, `LlamaForSequenceClassification`, `BertForSequenceClassification`,
+`XLMRobertaForSequenceClassification`: rerankers and reward models) or any checkpoint with a
+sentence-transformers `modules.json`.
 
 A pooling decoder is read in place (`model.pooling_heads.load_decoder`: the family's tensors, with or without
 the `model.` prefix, and `score.weight`), not converted to a Ridgeline checkpoint: its weights are the
@@ -11,8 +13,10 @@ decoder's `Weights`, so tensor parallelism, load-time quantization and LoRA appl
 pooling config comes from the sentence-transformers files (`pooling_config.load_pooling_config`), overridden
 by the `pooler_config` option (JSON).
 
-Encoders (`BertModel`, `XLMRobertaModel` and their classifiers: `model.families.bert`) have no KV cache and
-attend both ways; the engine's paged causal step does not run them, so they are refused here by name.
+Encoders (`BertModel`, `XLMRobertaModel` and their classifiers) are a registry family of their own
+(`model.families.encoder`), read in place the same way; their classifier heads (BERT's pooler and classifier,
+XLM-RoBERTa's dense and out_proj) are host functions (`model.pooling_heads.TanhHead`), a decoder classifier's
+`score` a `LinearHead`. `serving.features.build_parts` serves an encoder with `BidirectionalPooling`.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import os
 from typing import Optional
 
 from serving.features.pooling import PoolingModel
-from serving.features.pooling_config import PoolingConfigError, load_pooling_config
+from serving.features.pooling_config import ENCODER_ARCHITECTURES, PoolingConfigError, load_pooling_config
 
 RUNNERS = ("auto", "generate", "pooling")
 
@@ -39,12 +43,16 @@ def serves_pooling(directory: str, runner: str = "auto") -> bool:
     """Whether the checkpoint at `directory` is served as a pooling model under option `runner`."""
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
+    hf = _hf_config(directory)
+    archs = (hf or {}).get("architectures") or []
+    encoders = [a for a in archs if a in ENCODER_ARCHITECTURES]
+    if runner == "generate" and encoders:
+        raise ValueError(f"runner: {encoders[0]} is an encoder, which embeds, classifies and scores (runner=pooling "
+                         "or auto); it does not generate")
     if runner != "auto":
         return runner == "pooling"
-    hf = _hf_config(directory)
     if hf is None:  # a Ridgeline checkpoint (converted from a causal LM): generation
         return False
-    archs = hf.get("architectures") or []
     return (os.path.isfile(os.path.join(directory, "modules.json"))
             or any(a.endswith("ForSequenceClassification") or (a.endswith("Model") and not a.endswith("LMHeadModel"))
                    for a in archs))
