@@ -14,7 +14,10 @@ last-token pooling and Normalize (Qwen3-Embedding's kind) and a byte-level BPE t
   length and pads each batch), torch on every core;
 * **ridgeline**: `LLM.embed(texts)` through the engine's continuous batching (`--max_num_batched_tokens`
   per step, chunked prefill), every step bucket compiled before timing, the prefix cache off (a repeated
-  round would otherwise find its texts' pages cached and compute only their last tokens).
+  round would otherwise find its texts' pages cached and compute only their last tokens);
+* **xla_dense** (bert only): the dense reference `model.families.bert.encoder_forward` jitted over the
+  same batches sentence-transformers makes (sorted by length, `--st_batch` each, padded to a multiple of
+  32 tokens), then mean pooling and normalization: what XLA on this CPU does without the engine.
 
 Both are bound by the linear layers' FLOPs on a CPU (2 x the linear weights per token, printed as GFLOP/s):
 the ratio says how close each gets to the cores' matmul rate, and how much padding each computes.
@@ -102,6 +105,43 @@ def _write_bert(hf_dir: str, st_dir: str) -> str:
     return st_dir
 
 
+def dense_reference(hf_dir: str, tokenizer, texts: list[str], batch: int, ref):
+    """A function embedding `texts` with the jitted dense `encoder_forward`, in sentence-transformers' batches
+    (checked against `ref` once, every shape compiled before it is returned)."""
+    import jax
+    import jax.numpy as jnp
+
+    from model import pooling
+    from model.families.bert import encoder_forward
+    from model.pooling_heads import load_encoder
+
+    cfg, weights = load_encoder(hf_dir)
+    forward = jax.jit(encoder_forward, static_argnames="cfg")
+    ids = [tokenizer.encode(t) for t in texts]
+    order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+    batches = []
+    for start in range(0, len(order), batch):
+        members = order[start:start + batch]
+        width = -(-max(len(ids[i]) for i in members) // 32) * 32
+        tokens = np.zeros((len(members), width), np.int32)
+        mask = np.zeros((len(members), width), np.int32)
+        for row, i in enumerate(members):
+            tokens[row, :len(ids[i])], mask[row, :len(ids[i])] = ids[i], 1
+        batches.append((members, jnp.asarray(tokens), jnp.asarray(mask)))
+
+    def run():
+        out = np.zeros((len(ids), cfg.hidden_size), np.float32)
+        for members, tokens, mask in batches:
+            hidden = forward(weights, tokens, mask, cfg)
+            out[members] = np.asarray(pooling.finish_embedding(pooling.pool_dense(hidden, mask, "mean"),
+                                                               normalize_output=True))
+        return out
+
+    got = run()
+    assert np.max(1 - np.sum(got * ref, -1)) < 1e-5, "the dense reference disagrees with sentence-transformers"
+    return run
+
+
 def make_texts(tokenizer, n: int, seed: int = 0) -> list[str]:
     """`n` texts of 64-256 tokens under `tokenizer`."""
     rng = np.random.default_rng(seed)
@@ -149,12 +189,15 @@ def main() -> None:
                                                                 * np.linalg.norm(ref, axis=-1))))
         print(f"{len(texts)} texts, {sum(lengths)} tokens ({min(lengths)}-{max(lengths)} each); max cosine distance "
               f"{distance:.1e}")
-        best = best_of_rotating_rounds({
-            "sentence_transformers": lambda: st.encode(texts, batch_size=args.st_batch, convert_to_numpy=True),
-            "ridgeline": lambda: llm.embed(texts),
-        }, args.rounds)
+        runs = {"sentence_transformers": lambda: st.encode(texts, batch_size=args.st_batch, convert_to_numpy=True),
+                "ridgeline": lambda: llm.embed(texts)}
+        if args.model == "bert":
+            runs["xla_dense"] = dense_reference(os.path.join(tmp, "hf"), llm.tokenizer, texts, args.st_batch, ref)
+        best = best_of_rotating_rounds(runs, args.rounds)
     rate = {name: len(texts) / seconds for name, seconds in best.items()}
     ratio = rate["ridgeline"] / rate["sentence_transformers"]
+    if "xla_dense" in rate:
+        print(f"ridgeline / the dense XLA forward: {rate['ridgeline'] / rate['xla_dense']:.2f}x")
     h, f, layers = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["num_hidden_layers"]
     mlp = 2 if args.model == "bert" else 3  # BERT's plain MLP (up, down); Qwen3's gated one (gate, up, down)
     flops_per_token = 2 * layers * (4 * h * h + mlp * h * f)  # the linear layers (attention's scores apart)
