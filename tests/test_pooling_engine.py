@@ -461,3 +461,65 @@ def test_encoder_cross_encoder_and_classifier_through_the_engine(tmp_path):
                       .classify(TEXTS)])
     want = np.exp(logits - logits.max(-1, keepdims=True))
     np.testing.assert_allclose(probs, want / want.sum(-1, keepdims=True), atol=1e-5)
+
+
+# --- pooling beside the engine's other features (tiny random decoders, mean pooling over chunked prompts) ---
+
+def _pool_family(name: str):
+    from tests.conftest import tiny_config
+
+    base = tiny_config(max_position_embeddings=128)
+    return {"dense": base,
+            "sliding": base.replace(architecture="MistralForCausalLM", sliding_window=8),
+            "moe": base.replace(architecture="Qwen3MoeForCausalLM", qk_norm=True, num_experts=4,
+                                num_experts_per_tok=2, moe_intermediate_size=32, moe_router="softmax_topk")}[name]
+
+
+# feature -> (engine options, the family, options the reference engine shares: what changes the model's numbers)
+POOL_FEATURES = {
+    "no_overlap": (dict(async_scheduling=False), "dense", {}),
+    "ngram": (dict(speculative_method="ngram", num_speculative_tokens=3), "dense", {}),
+    "int8_kv": (dict(kv_cache_dtype="int8"), "dense", dict(kv_cache_dtype="int8")),
+    # A pool of one longest sequence: prompts are preempted mid-way, swapped out and back, or started again at 0.
+    "swap": (dict(kv_offload_bytes=2**22, preemption_mode="swap", num_pages=16), "dense", {}),
+    "recompute": (dict(num_pages=16), "dense", {}),
+    "pp2": (dict(pipeline_parallel_size=2, num_microbatches=2), "dense", {}),
+    "sliding": ({}, "sliding", {}),
+    "moe": ({}, "moe", {}),
+}
+
+
+@pytest.mark.parametrize("feature", list(POOL_FEATURES))
+def test_pooling_beside_each_engine_feature_equals_the_plain_engine(feature):
+    """Mean-pooled prompts (chunked over steps of 16 tokens) and greedy generations sharing the steps give what
+    the plain engine of the same model gives: embeddings within 1e-5, the same tokens."""
+    import jax
+    from model.params import init_params
+
+    options, family, shared = POOL_FEATURES[feature]
+    cfg = _pool_family(family)
+    params = init_params(cfg, jax.random.key(7))
+    shape = dict(max_num_seqs=4, max_num_batched_tokens=16, page_size=4, num_pages=64, max_model_len=64,
+                 runner="pooling", pooler_config='{"pooling_type": "MEAN"}', compilation_cache_dir="")
+    rng = np.random.default_rng(11)
+    pooled = {f"p{i}": rng.integers(3, 97, n).tolist() for i, n in enumerate((9, 23, 31, 40))}
+    generated = {f"g{i}": rng.integers(3, 97, n).tolist() for i, n in enumerate((6, 17))}
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def run(engine_options):
+        engine = LLM(config=cfg, params=params, **{**shape, **engine_options}).engine
+        for name, ids in generated.items():
+            engine.add_request(name, ids, greedy)
+        for name, ids in pooled.items():
+            engine.add_request(name, ids, pooling_sampling_params(), part_args={"pooling": PoolingParams()})
+        done = run_to_completion(engine)
+        assert engine.block_manager.num_used_blocks == 0
+        if engine_options.get("num_pages"):
+            assert engine.stats().num_preemptions > 0  # (what the small pool is for)
+        return done
+
+    want, got = run(shared), run(options)
+    for name in generated:
+        assert got[name].outputs[0].token_ids == want[name].outputs[0].token_ids, name
+    for name in pooled:
+        np.testing.assert_allclose(got[name].pooled, want[name].pooled, rtol=1e-5, atol=1e-5, err_msg=name)
