@@ -523,3 +523,24 @@ def test_pooling_beside_each_engine_feature_equals_the_plain_engine(feature):
         assert got[name].outputs[0].token_ids == want[name].outputs[0].token_ids, name
     for name in pooled:
         np.testing.assert_allclose(got[name].pooled, want[name].pooled, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_a_lora_adapter_on_an_encoder_matches_peft(tmp_path):
+    peft = pytest.importorskip("peft")
+    from serving.features.lora import LoRARequest
+    from tests.test_pooling_models import _encoder_config, _wordpiece_dir
+
+    hf_dir, adapter_dir = str(tmp_path / "bert"), str(tmp_path / "adapter")
+    tok, vocab = _wordpiece_dir(hf_dir)
+    torch.manual_seed(2)
+    hf = scale_(transformers.BertModel(_encoder_config(transformers.BertConfig, vocab)).eval())
+    hf.save_pretrained(hf_dir)
+    adapted = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                      target_modules=["query", "value", "intermediate.dense"]))
+    adapted.save_pretrained(adapter_dir)
+    with torch.no_grad():  # a BertModel without sentence-transformers files pools its CLS token
+        ref = np.stack([adapted(**tok(t, return_tensors="pt")).last_hidden_state[0, 0].numpy() for t in TEXTS])
+    llm = LLM(model=hf_dir, enable_lora=True, max_lora_rank=4, **ENGINE)
+    got = np.stack([o.outputs.data for o in llm.embed(TEXTS, lora_request=LoRARequest("a", 1, adapter_dir))])
+    base = np.stack([o.outputs.data for o in llm.embed(TEXTS)])
+    assert cosine_distance(got, ref).max() < 1e-5 and cosine_distance(base, ref).min() > 1e-3
