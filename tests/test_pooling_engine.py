@@ -394,19 +394,9 @@ def test_matryoshka_dimensions_truncate_then_normalize(embedder, tmp_path):
 
 @pytest.mark.parametrize("arch,mode", [("BertModel", "mean"), ("XLMRobertaModel", "cls")])
 def test_encoder_embedders_through_the_engine_match_sentence_transformers(tmp_path, arch, mode):
-    from sentence_transformers.base.modules import Normalize, Transformer
-    from sentence_transformers.sentence_transformer.modules import Pooling
+    from tests.test_pooling_models import save_encoder_embedder
 
-    from tests.test_pooling_models import _encoder_config, _wordpiece_dir
-
-    hf_dir, st_dir = str(tmp_path / "hf"), str(tmp_path / "st")
-    _, vocab = _wordpiece_dir(hf_dir)
-    torch.manual_seed(2)
-    config_cls = transformers.BertConfig if arch == "BertModel" else transformers.XLMRobertaConfig
-    extra = {} if arch == "BertModel" else {"type_vocab_size": 1}
-    scale_(getattr(transformers, arch)(_encoder_config(config_cls, vocab, **extra)).eval()).save_pretrained(hf_dir)
-    st.SentenceTransformer(modules=[Transformer(hf_dir, max_seq_length=48), Pooling(32, pooling_mode=mode),
-                                    Normalize()], device="cpu").save(st_dir)
+    st_dir = save_encoder_embedder(tmp_path, arch, mode)
     ref = st.SentenceTransformer(st_dir, device="cpu").encode(TEXTS, convert_to_numpy=True)
     llm = LLM(model=st_dir, **ENGINE)
     ours = np.stack([o.outputs.data for o in llm.embed(TEXTS)])
@@ -435,14 +425,11 @@ def test_an_encoder_is_refused_as_a_generation_model(tmp_path):
 
 
 def test_encoder_cross_encoder_and_classifier_through_the_engine(tmp_path):
-    from tests.test_pooling_models import _encoder_config, _wordpiece_dir
+    from tests.test_pooling_models import _encoder_config, _wordpiece_dir, save_bert_cross_encoder
 
     bert_dir = str(tmp_path / "bert")
-    tok, vocab = _wordpiece_dir(bert_dir)
-    torch.manual_seed(3)
-    bert = scale_(transformers.BertForSequenceClassification(_encoder_config(transformers.BertConfig, vocab,
-                                                                            num_labels=1)).eval())
-    bert.save_pretrained(bert_dir)
+    tok, _ = save_bert_cross_encoder(bert_dir)
+    vocab = len(tok)
     pairs = [(TEXTS[0], TEXTS[1]), (TEXTS[0], TEXTS[2]), (TEXTS[3], TEXTS[1])]
     ref = st.CrossEncoder(bert_dir, device="cpu").predict(pairs)
     llm = LLM(model=bert_dir, **dict(ENGINE, max_num_batched_tokens=48))

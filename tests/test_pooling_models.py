@@ -299,21 +299,38 @@ def _run_encoder(directory, batch, token_types=True):
     return cfg, weights, hidden
 
 
-@pytest.mark.parametrize("arch,mode", [("BertModel", "mean"), ("XLMRobertaModel", "cls")])
-def test_encoder_embedder_matches_sentence_transformers(tmp_path, arch, mode):
+def save_encoder_embedder(tmp_path, arch: str, mode: str) -> str:
+    """A tiny random `arch` encoder with a WordPiece tokenizer, saved by sentence-transformers with `mode` pooling
+    and Normalize (max_seq_length 48); its directory."""
     st = pytest.importorskip("sentence_transformers")
     from sentence_transformers.base.modules import Normalize, Transformer
     from sentence_transformers.sentence_transformer.modules import Pooling
 
     hf_dir, st_dir = str(tmp_path / "hf"), str(tmp_path / "st")
-    tok, vocab = _wordpiece_dir(hf_dir)
+    _, vocab = _wordpiece_dir(hf_dir)
     torch.manual_seed(2)
     config_cls = transformers.BertConfig if arch == "BertModel" else transformers.XLMRobertaConfig
     extra = {} if arch == "BertModel" else {"type_vocab_size": 1}
     scale_(getattr(transformers, arch)(_encoder_config(config_cls, vocab, **extra)).eval()).save_pretrained(hf_dir)
-    model = st.SentenceTransformer(modules=[Transformer(hf_dir, max_seq_length=48), Pooling(32, pooling_mode=mode),
-                                            Normalize()], device="cpu")
-    model.save(st_dir)
+    st.SentenceTransformer(modules=[Transformer(hf_dir, max_seq_length=48), Pooling(32, pooling_mode=mode),
+                                    Normalize()], device="cpu").save(st_dir)
+    return st_dir
+
+
+def save_bert_cross_encoder(hf_dir: str):
+    """A tiny random one-label `BertForSequenceClassification` (a cross-encoder); (its tokenizer, the model)."""
+    tok, vocab = _wordpiece_dir(hf_dir)
+    torch.manual_seed(3)
+    hf = scale_(transformers.BertForSequenceClassification(_encoder_config(transformers.BertConfig, vocab,
+                                                                          num_labels=1)).eval())
+    hf.save_pretrained(hf_dir)
+    return tok, hf
+
+
+@pytest.mark.parametrize("arch,mode", [("BertModel", "mean"), ("XLMRobertaModel", "cls")])
+def test_encoder_embedder_matches_sentence_transformers(tmp_path, arch, mode):
+    st = pytest.importorskip("sentence_transformers")
+    st_dir = save_encoder_embedder(tmp_path, arch, mode)
     ref = st.SentenceTransformer(st_dir, device="cpu").encode(TEXTS, convert_to_numpy=True)
 
     pcfg = load_pooling_config(st_dir)
@@ -337,11 +354,7 @@ def test_bert_cross_encoder_matches_cross_encoder_predict(tmp_path):
     from model.families.bert import classifier_logits
 
     hf_dir = str(tmp_path / "hf")
-    tok, vocab = _wordpiece_dir(hf_dir)
-    torch.manual_seed(3)
-    hf = scale_(transformers.BertForSequenceClassification(_encoder_config(transformers.BertConfig, vocab,
-                                                                          num_labels=1)).eval())
-    hf.save_pretrained(hf_dir)
+    tok, hf = save_bert_cross_encoder(hf_dir)
     pairs = [(TEXTS[0], TEXTS[1]), (TEXTS[0], TEXTS[2]), (TEXTS[3], TEXTS[1])]
     ref = st.CrossEncoder(hf_dir, device="cpu").predict(pairs)
     batch = tok([a for a, _ in pairs], [b for _, b in pairs], padding=True, return_tensors="np")
