@@ -531,3 +531,43 @@ def test_a_lora_adapter_on_an_encoder_matches_peft(tmp_path):
     got = np.stack([o.outputs.data for o in llm.embed(TEXTS, lora_request=LoRARequest("a", 1, adapter_dir))])
     base = np.stack([o.outputs.data for o in llm.embed(TEXTS)])
     assert cosine_distance(got, ref).max() < 1e-5 and cosine_distance(base, ref).min() > 1e-3
+
+
+# --- fuzzing the pooling routes from the server's own OpenAPI schema ---
+
+POOLING_FUZZED = [("embed", "/v1/embeddings"), ("embed", "/pooling"), ("rerank", "/score"), ("rerank", "/rerank"),
+                  ("rerank", "/classify")]
+
+
+@pytest.mark.parametrize("which,path", POOLING_FUZZED, ids=[p for _, p in POOLING_FUZZED])
+def test_fuzzed_pooling_requests_never_get_a_5xx_and_free_every_page(embed_server, rerank_server, which, path):
+    import requests
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+
+    thread, served = (embed_server[0], "tiny-embed") if which == "embed" else (rerank_server[0], "tiny-rerank")
+    llm = (embed_server[1] if which == "embed" else rerank_server[1])[-1]
+    schema = schemathesis.openapi.from_dict(httpx.get(thread.url + "/openapi.json", timeout=30).json())
+    session, statuses = requests.Session(), []
+
+    def named(case):  # past the model check, to the fields behind it
+        if isinstance(case.body, dict) and "model" in case.body:
+            case.body["model"] = served
+        return case
+
+    for mode in ("positive", "negative"):
+        strategy = schema[path]["POST"].as_strategy(schemathesis.GenerationMode(mode)).map(named)
+
+        @settings(max_examples=15, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(strategy)
+        def fuzz(case):
+            r = case.call(base_url=thread.url, session=session, headers={"authorization": f"Bearer {KEY}"}, timeout=120)
+            statuses.append(r.status_code)
+            assert r.status_code < 500, (r.status_code, r.text[:500], case.body)
+            if r.status_code >= 400:
+                assert set(r.json()["error"]) >= {"message", "type", "param", "code"}, r.text[:500]
+
+        fuzz()
+    assert len(statuses) >= 15 and 200 in statuses, statuses
+    assert llm.engine.block_manager.num_used_blocks == 0 and not llm.engine.requests
