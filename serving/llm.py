@@ -32,7 +32,6 @@ from serving.core.sampling_params import InvalidParameterError, SamplingParams
 from serving.features import build_parts, pause, pooling_models, sleep_mode, weight_updates
 from serving.features.pooling import (PoolingModel, PoolingOutput, PoolingParams, PoolingPart, PoolingRequestOutput,
                                       pooling_sampling_params, truncated)
-from serving.features.pooling_config import load_pooling_config
 
 log = logging.getLogger(__name__)
 
@@ -161,9 +160,6 @@ class LLM:
                 source, self.model_name = resolved_source.checkpoint, resolved_source.name
                 config, params, loaded_tokenizer, pooling_model = pooling_models.load(source, opts["pooler_config"])
                 tokenizer = tokenizer or loaded_tokenizer
-        elif config is not None and opts["runner"] == "pooling" and pooling_model is None:
-            pooling_model = PoolingModel(load_pooling_config("", pooling_models.parse_pooler_config(
-                opts["pooler_config"])))
         if config is None:
             directory = checkpoint or default_checkpoint_dir()
             if checkpoint:
@@ -186,6 +182,8 @@ class LLM:
                 layout.check(config)
             tokenizer = tokenizer or _default_tokenizer(config)
             self.checkpoint = source
+        if opts["runner"] == "pooling" and pooling_model is None:  # a causal LM (or an in-memory model) pooling
+            pooling_model = pooling_models.default_model(self.checkpoint, opts["pooler_config"])
         self.layout = layout
         self.config = config
         self.tokenizer = tokenizer

@@ -571,3 +571,18 @@ def test_fuzzed_pooling_requests_never_get_a_5xx_and_free_every_page(embed_serve
         fuzz()
     assert len(statuses) >= 15 and 200 in statuses, statuses
     assert llm.engine.block_manager.num_used_blocks == 0 and not llm.engine.requests
+
+
+def test_the_embedded_causal_model_pools_under_runner_pooling_and_still_generates():
+    """runner=pooling on a Ridgeline checkpoint (the embedded model): last-token embeddings (the hidden state
+    after the final norm, what the model's head reads), beside generation in the same engine."""
+    llm = LLM(runner="pooling", max_num_seqs=4, max_num_batched_tokens=32, num_pages=64, compilation_cache_dir="")
+    alone = [o.outputs.data for o in llm.embed(TEXTS)]
+    assert alone[0].shape == (llm.config.hidden_size,) and not np.allclose(alone[0], alone[1])
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    want = llm.generate(TEXTS[:2], greedy)
+    both = llm.generate(TEXTS[:2] + TEXTS, [greedy] * 2 + [pooling_sampling_params()] * len(TEXTS),
+                        pooling_params=[None, None] + [PoolingParams()] * len(TEXTS))
+    assert [o.outputs[0].token_ids for o in both[:2]] == [o.outputs[0].token_ids for o in want]
+    for out, ref in zip(both[2:], alone):
+        np.testing.assert_allclose(out.pooled, ref, rtol=1e-5, atol=1e-5)

@@ -26,7 +26,8 @@ import os
 from typing import Optional
 
 from serving.features.pooling import PoolingModel
-from serving.features.pooling_config import ENCODER_ARCHITECTURES, PoolingConfigError, load_pooling_config
+from serving.features.pooling_config import (ENCODER_ARCHITECTURES, PoolingConfig, PoolingConfigError,
+                                             load_pooling_config)
 
 RUNNERS = ("auto", "generate", "pooling")
 
@@ -40,7 +41,9 @@ def _hf_config(directory: str) -> Optional[dict]:
 
 
 def serves_pooling(directory: str, runner: str = "auto") -> bool:
-    """Whether the checkpoint at `directory` is served as a pooling model under option `runner`."""
+    """Whether the checkpoint at `directory` is a Hugging Face checkpoint read in place as a pooling model under
+    option `runner` (`load`). A Ridgeline checkpoint under runner=pooling loads as for generation and pools
+    as `default_model` says."""
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
     hf = _hf_config(directory)
@@ -49,10 +52,10 @@ def serves_pooling(directory: str, runner: str = "auto") -> bool:
     if runner == "generate" and encoders:
         raise ValueError(f"runner: {encoders[0]} is an encoder, which embeds, classifies and scores (runner=pooling "
                          "or auto); it does not generate")
+    if hf is None:  # a Ridgeline checkpoint (converted from a causal LM): loaded as it is
+        return False
     if runner != "auto":
         return runner == "pooling"
-    if hf is None:  # a Ridgeline checkpoint (converted from a causal LM): generation
-        return False
     return (os.path.isfile(os.path.join(directory, "modules.json"))
             or any(a.endswith("ForSequenceClassification") or (a.endswith("Model") and not a.endswith("LMHeadModel"))
                    for a in archs))
@@ -69,6 +72,16 @@ def parse_pooler_config(value) -> Optional[dict]:
     if not isinstance(parsed, dict):
         raise PoolingConfigError(f"pooler_config: expected a JSON object, got {value!r}")
     return parsed
+
+
+def default_model(directory: Optional[str], pooler_config=None) -> PoolingModel:
+    """The pooling of a model served with runner=pooling that is not a pooling checkpoint (a causal LM, a
+    Ridgeline checkpoint, an in-memory model): its directory's sentence-transformers files if any, else last-token
+    pooling without normalization, then `pooler_config`."""
+    overrides = parse_pooler_config(pooler_config)
+    if directory:
+        return PoolingModel(load_pooling_config(directory, overrides))
+    return PoolingModel(PoolingConfig().with_overrides(overrides))
 
 
 def load(directory: str, pooler_config=None):
