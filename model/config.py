@@ -79,6 +79,9 @@ class LlamaConfig:
     # Storage of the linear layers' weights: None (the compute dtype) or "int8" / "fp8"
     # with per-output-channel scales (model.quant). Compute stays in `dtype`.
     weight_dtype: str | None = None
+    # An untied output head kept in the compute dtype under `weight_dtype`: a published quantized checkpoint that
+    # leaves it unquantized (compressed-tensors' `ignore`, `modules_to_not_convert`) is served as published.
+    float_lm_head: bool = False
     # --- what other decoder families change (`model.families`); every default is Llama's ---
     # The HF class the checkpoint came from: picks the family (`model.families.family_for_config`).
     architecture: str = "LlamaForCausalLM"
@@ -241,7 +244,7 @@ class LlamaConfig:
 
 
 HIDDEN_ACTS = ("silu", "gelu_tanh", "gelu", "relu")  # gelu (exact, erf) and relu: the encoders' plain MLP
-_FAMILY_FIELDS = ("architecture", "attention_bias", "qk_norm", "sliding_window", "layer_types", "rope_local_theta",
+_FAMILY_FIELDS = ("float_lm_head", "architecture", "attention_bias", "qk_norm", "sliding_window", "layer_types", "rope_local_theta",
                   "norm_offset", "scale_embeddings", "hidden_act", "sandwich_norms", "query_pre_attn_scalar",
                   "attn_logit_softcap", "final_logit_softcap", "num_experts", "num_experts_per_tok",
                   "moe_intermediate_size", "moe_router", "norm_topk_prob", "shared_expert_intermediate_size",

@@ -304,14 +304,15 @@ def convert(hf_dir: str, out_dir: str, dtype: str | None = None, progress: bool 
         raise ConversionError(f"--out_dir {out_dir} exists and is not a directory")
     located = weight_files(hf_dir)
     plan = stored_names(conversion_plan(cfg, family), located)
-    from model.quant_formats import checkpoint_format, read_quantized
+    from model.quant_formats import checkpoint_format, head_quantized, read_quantized
 
     qformat = checkpoint_format(hf)
     if qformat is not None:  # a published quantized checkpoint: read as the weight kind it maps to
         if weight_dtype not in (None, "auto"):
             raise ConversionError(f"--weight_dtype {weight_dtype}: the checkpoint is already quantized "
                                   f"(quant_method {qformat.method!r})")
-        cfg = cfg.replace(weight_dtype=qformat.weight_dtype)
+        cfg = cfg.replace(weight_dtype=qformat.weight_dtype,
+                          float_lm_head=not cfg.tie_word_embeddings and not head_quantized(plan, located, qformat))
         flat = read_quantized(plan, located, cfg, qformat, flatten_params(declare_weights(cfg)))
     else:
         check_tensors(plan, located, cfg, family)

@@ -172,10 +172,10 @@ class Weights:
         differ, like a mixture of experts, passes its own; every layer has the same structure)."""
         h, v, dt = cfg.hidden_size, cfg.vocab_size, cfg.jnp_dtype
         layer = layer or Layer.declare
+        head = ArrayInfo((v, h), dt, ("vocab", "embed"), normal_init(h))
         return cls(
             embed=ArrayInfo((v, h), dt, ("vocab", "embed"), normal_init(h)),
             layers=[layer(cfg) for _ in range(cfg.num_layers)],
             final_norm=ArrayInfo((h,), dt, ("norm",), ones_init),
-            lm_head=None if cfg.tie_word_embeddings else linear_weight(
-                cfg, ArrayInfo((v, h), dt, ("vocab", "embed"), normal_init(h))),
+            lm_head=None if cfg.tie_word_embeddings else head if cfg.float_lm_head else linear_weight(cfg, head),
         )

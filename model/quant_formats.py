@@ -18,8 +18,9 @@ Anything else (another `quant_method`, a variant field this reader does not impl
 
 Tensors come off disk through the safetensors header and a memory map (`_read_raw`): safetensors'
 numpy reader has no float8, and the fp8 bytes must never be widened on the host. A linear weight the
-checkpoint leaves unquantized (`modules_to_not_convert`, typically an untied `lm_head`) is quantized
-to the same kind at load from its float values (the model's weights are one kind), and logged.
+checkpoint leaves unquantized (`modules_to_not_convert`) is quantized to the same kind at load from its
+float values, and logged; an untied `lm_head` left in float (the usual case) stays float
+(`LlamaConfig.float_lm_head`, `head_quantized`), as the checkpoint's own runtime computes it.
 """
 
 from __future__ import annotations
@@ -161,6 +162,12 @@ def _reader(fmt: QuantFormat) -> WeightReader:
         return WeightReader(quant_gptq.marker, quant_gptq.tensor_names, quant_gptq.check, quant_gptq.weight)
     return WeightReader(lambda t: t.hf + "_scale_inv", lambda t, located: [t.hf, t.hf + "_scale_inv"],
                         _check_fp8, _fp8_weight)
+
+
+def head_quantized(plan, located: dict[str, str], fmt: QuantFormat) -> bool:
+    """Whether the checkpoint stores its untied output head quantized (False: float, or tied)."""
+    reader = _reader(fmt)
+    return any(t.ours == "lm_head" and reader.marker(t) in located for t in plan)
 
 
 def read_quantized(plan, located: dict[str, str], cfg: ModelConfig, fmt: QuantFormat, decl_flat: dict) -> dict:
