@@ -244,8 +244,8 @@ class LlamaConfig:
 
 
 HIDDEN_ACTS = ("silu", "gelu_tanh", "gelu", "relu")  # gelu (exact, erf) and relu: the encoders' plain MLP
-_FAMILY_FIELDS = ("float_lm_head", "architecture", "attention_bias", "qk_norm", "sliding_window", "layer_types", "rope_local_theta",
-                  "norm_offset", "scale_embeddings", "hidden_act", "sandwich_norms", "query_pre_attn_scalar",
+_FAMILY_FIELDS = ("float_lm_head", "architecture", "attention_bias", "qk_norm", "sliding_window", "layer_types",
+                  "rope_local_theta", "norm_offset", "scale_embeddings", "hidden_act", "sandwich_norms", "query_pre_attn_scalar",
                   "attn_logit_softcap", "final_logit_softcap", "num_experts", "num_experts_per_tok",
                   "moe_intermediate_size", "moe_router", "norm_topk_prob", "shared_expert_intermediate_size",
                   "vision", "image_token_id", "mrope_section", "bidirectional", "position_offset", "type_vocab_size")

@@ -48,10 +48,7 @@ def forward_hidden(params: Weights, cache: KVCache, tokens, md: BatchMetadata, c
     if layout is not None:
         impl = layout.attention_backend(impl, cfg)
     per_layer = blocks.layer_inputs(cfg)
-    with jax.named_scope("embed"):
-        x = merge_image_embeds(blocks.embed(params, tokens, cfg, layout), tokens, image_embeds, cfg, md.span_end)
-        if blocks.position_embed is not None:
-            x = blocks.position_embed(params, x, md, cfg, layout)
+    x = embed_rows(blocks, params, tokens, md, cfg, layout, image_embeds)
     if isinstance(cache, StackedKVCache):
         return _scan_layers(blocks, params, cache, x, md, per_layer, cfg, impl, layout)
     new_k, new_v = [], []
@@ -64,6 +61,17 @@ def forward_hidden(params: Weights, cache: KVCache, tokens, md: BatchMetadata, c
         new_k.append(k_pages)
         new_v.append(v_pages)
     return x, KVCache(k=new_k, v=new_v)
+
+
+def embed_rows(blocks, params, tokens, md: BatchMetadata, cfg: LlamaConfig, layout=None, image_embeds=None):
+    """The first layer's input `[T, embed]`: the family's token embeddings, an image's rows in place of its
+    placeholders (`merge_image_embeds`), then what the batch adds (an encoder's positions and token types,
+    `ForwardBlocks.position_embed`). Every driver of the layers starts here (the pipeline's too)."""
+    with jax.named_scope("embed"):
+        x = merge_image_embeds(blocks.embed(params, tokens, cfg, layout), tokens, image_embeds, cfg, md.span_end)
+        if blocks.position_embed is not None:
+            x = blocks.position_embed(params, x, md, cfg, layout)
+    return x
 
 
 def merge_image_embeds(x, tokens, image_embeds, cfg: LlamaConfig, span_end=None):

@@ -31,7 +31,7 @@ from serving.core.outputs import RequestOutput
 from serving.core.sampling_params import InvalidParameterError, SamplingParams
 from serving.features import build_parts, pause, pooling_models, sleep_mode, weight_updates
 from serving.features.pooling import (PoolingModel, PoolingOutput, PoolingParams, PoolingPart, PoolingRequestOutput,
-                                      pooling_sampling_params, truncated)
+                                      pair_prompts, pair_up, pooling_sampling_params, truncated)
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +154,7 @@ class LLM:
             raise ValueError(f"generation_config must be 'auto' or 'off', got {opts['generation_config']!r}")
         self.model_name = None  # the name MODEL gives clients by default (None: the checkpoint directory's)
         source = None  # a pooling checkpoint, read in place (`serving.features.pooling_models`)
+        resolved_source = None  # the directory `checkpoint` names, as it is (a Hub id: its snapshot)
         if config is None and checkpoint:
             resolved_source = model_source.resolve_source(checkpoint)
             if pooling_models.serves_pooling(resolved_source.checkpoint, opts["runner"]):
@@ -163,7 +164,7 @@ class LLM:
         if config is None:
             directory = checkpoint or default_checkpoint_dir()
             if checkpoint:
-                resolved = model_source.resolve(checkpoint, opts["compilation_cache_dir"])
+                resolved = model_source.checkpoint_of(resolved_source, opts["compilation_cache_dir"])
                 directory, self.model_name = resolved.checkpoint, resolved.name
             elif not os.path.isdir(directory):
                 raise FileNotFoundError(f"no checkpoint at {directory} (the embedded default model is missing)")
@@ -190,7 +191,6 @@ class LLM:
         engine_config = EngineConfig(**{o.name: opts[o.name] for o in engine_args.ENGINE_CONFIG_OPTIONS})
         self.engine = Engine(config, params, tokenizer, engine_config, layout=layout, generation=generation,
                              parts=build_parts(opts, config, draft=speculative_draft, pooling=pooling_model))
-        self.pooling_model = pooling_model  # None: a generation model
         self.config = self.engine.cfg  # with weight_dtype set when the engine quantized the weights
         self._register_lora_modules(opts["lora_modules"])
         self.load_seconds = time.perf_counter() - t0
@@ -441,16 +441,12 @@ class LLM:
         (`outputs.score`): a one-label classifier (a cross-encoder reranker) reads each pair as one prompt
         (`tokenizer(text_1, text_2)`), its sigmoid the score; an embedder scores the cosine similarity of the
         two texts' embeddings."""
-        firsts, seconds = _score_pairs(data_1, data_2)
-        model = self.pooling_model
-        if model is not None and model.head is not None:
-            if self.tokenizer is None or not hasattr(self.tokenizer, "encode_pair"):
-                raise ValueError("score needs a tokenizer to join the text pairs")
-            pairs = [self.tokenizer.encode_pair(a, b) for a, b in zip(firsts, seconds)]
-            typed = self.config.type_vocab_size > 1  # (an encoder's second text is token type 1)
-            return self.encode([ids for ids, _ in pairs],
-                               [PoolingParams("score", token_type_ids=tuple(types) if typed else None)
-                                for _, types in pairs], **kwargs)
+        firsts, seconds = pair_up(data_1, data_2)
+        part = self.engine.part(PoolingPart)
+        if part is not None and part.model.head is not None:
+            prompts, params = pair_prompts(self.tokenizer, firsts, seconds, self.config.type_vocab_size > 1,
+                                           kwargs.pop("truncate_prompt_tokens", None), part.max_prompt_tokens())
+            return self.encode(prompts, params, **kwargs)
         unique = list(dict.fromkeys(firsts + seconds))
         vectors = dict(zip(unique, (o.outputs.data for o in self.embed(unique, PoolingParams("embed", normalize=True),
                                                                        **kwargs))))
@@ -520,17 +516,6 @@ def _as_prompt_list(prompts) -> list:
                                             and isinstance(prompts[0], int)):
         return [prompts]
     return list(prompts)
-
-
-def _score_pairs(data_1, data_2) -> tuple[list, list]:
-    """`LLM.score`'s texts as pairs: one first text against each second one, or pairs one to one."""
-    firsts = [data_1] if isinstance(data_1, str) else list(data_1)
-    seconds = [data_2] if isinstance(data_2, str) else list(data_2)
-    if len(firsts) == 1:
-        firsts = firsts * len(seconds)
-    if len(firsts) != len(seconds) or not seconds:
-        raise ValueError(f"score takes one text or as many as the other side: got {len(firsts)} and {len(seconds)}")
-    return firsts, seconds
 
 
 WARMUP_ENV_VAR = "RIDGELINE_WARMUP"

@@ -78,9 +78,15 @@ def resolve(model: str, compilation_cache_dir: Optional[str] = None) -> Resolved
     """The Ridgeline checkpoint `model` names, converting (or finding the converted copy of) a Hugging Face
     checkpoint; `compilation_cache_dir` is `LLM`'s option of that name, whose directory the converted
     copies sit beside."""
+    return checkpoint_of(resolve_source(model), compilation_cache_dir)
+
+
+def resolve_source(model: str) -> ResolvedModel:
+    """The directory `model` names as it is (a Hub id: its snapshot), nothing converted: what `checkpoint_of`
+    converts, or a checkpoint served in place (a pooling model, `serving.features.pooling_models`)."""
     path = os.path.expanduser(model)
     if os.path.isdir(path):
-        return _from_directory(path, os.path.basename(os.path.normpath(path)), compilation_cache_dir)
+        return ResolvedModel(path, os.path.basename(os.path.normpath(path)), path)
     if os.path.exists(path):
         raise ModelSourceError(f"{model} is a file, not a model directory: pass a Ridgeline or Hugging Face "
                                "checkpoint directory, or a Hugging Face Hub id (org/name)")
@@ -88,24 +94,13 @@ def resolve(model: str, compilation_cache_dir: Optional[str] = None) -> Resolved
         raise ModelNotFoundError(f"no directory {model}: pass a Ridgeline or Hugging Face checkpoint directory, or a "
                                "Hugging Face Hub id (org/name)")
     snapshot = hub_snapshot(model)
-    return _from_directory(snapshot, model, compilation_cache_dir, source=f"{model} ({snapshot})")
-
-
-def resolve_source(model: str) -> ResolvedModel:
-    """The directory `model` names as it is (a Hub id: its snapshot), nothing converted: a checkpoint served in
-    place (a pooling model, `serving.features.pooling_models`)."""
-    path = os.path.expanduser(model)
-    if os.path.isdir(path):
-        return ResolvedModel(path, os.path.basename(os.path.normpath(path)), path)
-    if os.path.exists(path) or not _HUB_ID.match(model):
-        return resolve(model)  # refused there, with its message
-    snapshot = hub_snapshot(model)
     return ResolvedModel(snapshot, model, f"{model} ({snapshot})")
 
 
-def _from_directory(path: str, name: str, compilation_cache_dir, source: Optional[str] = None) -> ResolvedModel:
-    """A Ridgeline checkpoint as it is; a Hugging Face one converted; anything else refused."""
-    source = source or path
+def checkpoint_of(source: ResolvedModel, compilation_cache_dir: Optional[str] = None) -> ResolvedModel:
+    """The Ridgeline checkpoint of a resolved source directory: a Ridgeline checkpoint as it is; a Hugging Face
+    one converted (or its converted copy found); anything else refused."""
+    path, name, source = source.checkpoint, source.name, source.source
     if os.path.isfile(os.path.join(path, RIDGELINE_CONFIG)):
         return ResolvedModel(path, name, source)
     if os.path.isfile(os.path.join(path, HF_CONFIG)):

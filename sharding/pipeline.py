@@ -77,7 +77,7 @@ from kernels_pallas import get_backend
 from model.cache import BatchMetadata, KVCache
 from model.config import ModelConfig
 from model.families import family_for_config
-from model.forward import final_hidden_norm, merge_image_embeds
+from model.forward import embed_rows, final_hidden_norm
 from model.lora import attach_layer, slot_axes
 from model.params import is_array_info, pytree_dataclass
 from sharding.layout import Layout
@@ -170,6 +170,9 @@ class PipelineLayout:
         if any(PIPELINE in axes for _, axes in self.rules.axes):
             raise RuleError(f"rule table {self.rules.name!r} maps a logical axis to {PIPELINE!r}, which "
                             "pipeline parallelism reserves for stages")
+        if cfg.bidirectional:  # `StagedWeights` carries a decoder's embed / final_norm / lm_head, not these
+            raise PipelineError(f"{cfg.architecture} is an encoder: its position and token-type embeddings are not "
+                                "staged; serve it without pipeline_parallel_size")
 
     def layers_per_stage(self, cfg: ModelConfig) -> int:
         self.check(cfg)
@@ -415,8 +418,7 @@ def pipeline_forward(params: StagedWeights, cache: KVCache, tokens, md: BatchMet
     if lora is not None:
         lora_slots, token_slots, lora_rank = lora
         token_slots = _pad_to(token_slots, padded, -1).reshape(m, mb_tokens)
-    with jax.named_scope("embed"):
-        x = merge_image_embeds(blocks.embed(params, tokens, cfg, tp), tokens, image_embeds, cfg, md.span_end)
+    x = embed_rows(blocks, params, tokens, md, cfg, tp, image_embeds)
     x = jnp.pad(x, ((0, padded - T), (0, 0)))
     rope = None if md.rope_positions is None else jnp.pad(md.rope_positions, ((0, 0), (0, padded - T)))
     md = dataclasses.replace(md, positions=_pad_to(md.positions, padded, 0),

@@ -422,19 +422,28 @@ def test_an_encoder_is_refused_as_a_generation_model(tmp_path):
     transformers.BertModel(_encoder_config(transformers.BertConfig, vocab)).save_pretrained(hf_dir)
     with pytest.raises(ValueError, match="is an encoder"):
         LLM(model=hf_dir, runner="generate", **ENGINE)
+    with pytest.raises(ValueError, match="is an encoder: its position and token-type embeddings are not staged"):
+        LLM(model=hf_dir, pipeline_parallel_size=2, **ENGINE)
 
 
 def test_encoder_cross_encoder_and_classifier_through_the_engine(tmp_path):
     from tests.test_pooling_models import _encoder_config, _wordpiece_dir, save_bert_cross_encoder
 
     bert_dir = str(tmp_path / "bert")
-    tok, _ = save_bert_cross_encoder(bert_dir)
+    tok, bert = save_bert_cross_encoder(bert_dir)
     vocab = len(tok)
     pairs = [(TEXTS[0], TEXTS[1]), (TEXTS[0], TEXTS[2]), (TEXTS[3], TEXTS[1])]
     ref = st.CrossEncoder(bert_dir, device="cpu").predict(pairs)
     llm = LLM(model=bert_dir, **dict(ENGINE, max_num_batched_tokens=48))
     got = [o.outputs.score for o in llm.score([a for a, _ in pairs], [b for _, b in pairs])]
     np.testing.assert_allclose(got, ref, atol=1e-5)
+    # Truncated pairs keep their token types alike (the second text's type-1 tokens that remain).
+    cut = [o.outputs.score for o in llm.score("fox", TEXTS[1], truncate_prompt_tokens=7)]
+    batch = tok("fox", TEXTS[1], return_tensors="pt")
+    assert batch["input_ids"].shape[1] > 7 and batch["token_type_ids"][0, :7].max() == 1
+    with torch.no_grad():
+        logit = bert(**{k: v[:, :7] for k, v in batch.items()}).logits[0, 0].item()
+    np.testing.assert_allclose(cut, [1 / (1 + np.exp(-logit))], atol=1e-5)
 
     xlmr_dir = str(tmp_path / "xlmr")
     _wordpiece_dir(xlmr_dir)

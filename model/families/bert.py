@@ -128,7 +128,8 @@ def checkpoint_shapes(cfg: EncoderConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _layer_norm(x, w, b, eps):
+def layer_norm(x, w, b, eps):
+    """LayerNorm in fp32, back in `x`'s dtype (the reference's and `model.families.encoder`'s)."""
     x32 = x.astype(jnp.float32)
     mean = x32.mean(-1, keepdims=True)
     var = jnp.square(x32 - mean).mean(-1, keepdims=True)
@@ -155,7 +156,7 @@ def encoder_forward(weights, input_ids, attention_mask, cfg: EncoderConfig, toke
     x = (w["embeddings.word_embeddings.weight"][input_ids]
          + w["embeddings.position_embeddings.weight"][positions(input_ids, attention_mask, cfg)]
          + w["embeddings.token_type_embeddings.weight"][token_type_ids])
-    x = _layer_norm(x, w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"], cfg.layer_norm_eps)
+    x = layer_norm(x, w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"], cfg.layer_norm_eps)
     b, length, nh, hd = input_ids.shape[0], input_ids.shape[1], cfg.num_heads, cfg.head_dim
     bias = jnp.where(attention_mask[:, None, None, :] > 0, 0.0, jnp.finfo(jnp.float32).min)
     act = _ACTS[cfg.hidden_act]
@@ -164,10 +165,10 @@ def encoder_forward(weights, input_ids, attention_mask, cfg: EncoderConfig, toke
         q, k, v = (_dense(x, w, p + f"attention.self.{n}").reshape(b, length, nh, hd) for n in ("query", "key", "value"))
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(hd) + bias
         o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1).astype(v.dtype), v).reshape(b, length, -1)
-        x = _layer_norm(x + _dense(o, w, p + "attention.output.dense"), w[p + "attention.output.LayerNorm.weight"],
+        x = layer_norm(x + _dense(o, w, p + "attention.output.dense"), w[p + "attention.output.LayerNorm.weight"],
                         w[p + "attention.output.LayerNorm.bias"], cfg.layer_norm_eps)
         h = act(_dense(x, w, p + "intermediate.dense"))
-        x = _layer_norm(x + _dense(h, w, p + "output.dense"), w[p + "output.LayerNorm.weight"],
+        x = layer_norm(x + _dense(h, w, p + "output.dense"), w[p + "output.LayerNorm.weight"],
                         w[p + "output.LayerNorm.bias"], cfg.layer_norm_eps)
     return x
 

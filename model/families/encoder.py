@@ -151,15 +151,6 @@ def checkpoint_tensors(cfg: LlamaConfig) -> list[TensorPlan]:
     return plan
 
 
-def layer_norm(x, weight, bias, eps: float):
-    """LayerNorm in fp32, back in `x`'s dtype."""
-    x32 = x.astype(jnp.float32)
-    mean = x32.mean(-1, keepdims=True)
-    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-    y = (x32 - mean) * jax.lax.rsqrt(var + eps) * weight.astype(jnp.float32) + bias.astype(jnp.float32)
-    return y.astype(x.dtype)
-
-
 def _activation(cfg: LlamaConfig):
     if cfg.hidden_act == "relu":
         return jax.nn.relu
@@ -176,7 +167,7 @@ def position_embed(params: EncoderWeights, x, md: BatchMetadata, cfg: LlamaConfi
     types = jnp.zeros_like(md.positions) if md.token_types is None else md.token_types
     x = (x + params.positions[md.positions + cfg.position_offset].astype(x.dtype)
          + params.token_types[types].astype(x.dtype))
-    return _constrain(layout, layer_norm(x, params.embed_norm, params.embed_norm_bias, cfg.rms_norm_eps),
+    return _constrain(layout, bert.layer_norm(x, params.embed_norm, params.embed_norm_bias, cfg.rms_norm_eps),
                       ("tokens", "embed"))
 
 
@@ -192,7 +183,7 @@ def attention_block(layer: EncoderLayer, x, k_pages, v_pages, md: BatchMetadata,
     o, k_pages, v_pages = paged_attention(backend, q, k, v, k_pages, v_pages, md, cfg, sm_scale=cfg.attention_scale,
                                           span_end=md.span_end)
     out = output_projection(o, layer.wo) + layer.o_bias.astype(x.dtype)
-    x = layer_norm(x + out, layer.attn_norm, layer.attn_norm_bias, cfg.rms_norm_eps)
+    x = bert.layer_norm(x + out, layer.attn_norm, layer.attn_norm_bias, cfg.rms_norm_eps)
     return _constrain(layout, x, ("tokens", "embed")), k_pages, v_pages
 
 
@@ -200,7 +191,7 @@ def mlp_block(layer: EncoderLayer, x, cfg: LlamaConfig, layout=None):
     h = linear("te,fe->tf", x, layer.w_up) + layer.up_bias.astype(x.dtype)
     h = _constrain(layout, _activation(cfg)(h), ("tokens", "ffw"))
     out = linear("tf,ef->te", h, layer.w_down) + layer.down_bias.astype(x.dtype)
-    return _constrain(layout, layer_norm(x + out, layer.mlp_norm, layer.mlp_norm_bias, cfg.rms_norm_eps),
+    return _constrain(layout, bert.layer_norm(x + out, layer.mlp_norm, layer.mlp_norm_bias, cfg.rms_norm_eps),
                       ("tokens", "embed"))
 
 

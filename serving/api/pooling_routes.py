@@ -35,7 +35,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from serving.api import http_protocol as P
 from serving.api.http_util import ClientGone
 from serving.core.sampling_params import InvalidParameterError
-from serving.features.pooling import PoolingParams, PoolingPart, pooling_sampling_params, truncated
+from serving.features.pooling import (PoolingParams, PoolingPart, pair_prompts, pair_up, pooling_sampling_params,
+                                      truncated)
 
 Input = Union[str, list[str], list[int], list[list[int]]]
 
@@ -197,13 +198,12 @@ def add_pooling_routes(app: FastAPI, ctx, keyed: list) -> None:
         """The relevance of each (first, second) text pair, and the prompts it read."""
         truncate = req.truncate_prompt_tokens
         if part().model.head is not None:  # a cross-encoder: each pair is one prompt
-            if not hasattr(ctx.tokenizer, "encode_pair"):
-                raise P.APIError("this model has no tokenizer to join text pairs", code="invalid_value")
-            pairs = [ctx.tokenizer.encode_pair(a, b) for a, b in zip(firsts, seconds)]
-            prompts = [truncate_to(ids, truncate) for ids, _ in pairs]
-            typed = getattr(ctx.engine_core().cfg, "type_vocab_size", 0) > 1  # an encoder's second text: type 1
-            params = [PoolingParams("score", token_type_ids=tuple(types[:len(ids)]) if typed else None)
-                      for ids, (_, types) in zip(prompts, pairs)]
+            try:
+                prompts, params = pair_prompts(ctx.tokenizer, firsts, seconds,
+                                               ctx.engine_core().cfg.type_vocab_size > 1, truncate,
+                                               part().max_prompt_tokens())
+            except InvalidParameterError as e:
+                raise P.APIError(str(e), param=e.param, code="invalid_value") from None
             values = await pooled(request, req, prompts, params, "score")
             return [float(v[0]) for v in values], prompts
         texts = list(dict.fromkeys(firsts + seconds))  # an embedder: the cosine of the two embeddings
@@ -213,16 +213,10 @@ def add_pooling_routes(app: FastAPI, ctx, keyed: list) -> None:
         return [float(vectors[a] @ vectors[b]) for a, b in zip(firsts, seconds)], prompts
 
     def pairs(first, second, names: tuple[str, str]) -> tuple[list[str], list[str]]:
-        firsts = [first] if isinstance(first, str) else list(first)
-        seconds = [second] if isinstance(second, str) else list(second)
-        if not seconds:
-            raise P.APIError(f"{names[1]} must not be empty", param=names[1], code="invalid_value")
-        if len(firsts) == 1:
-            firsts = firsts * len(seconds)
-        if len(firsts) != len(seconds):
-            raise P.APIError(f"{names[0]} must hold one text or as many as {names[1]} ({len(seconds)}), got "
-                             f"{len(firsts)}", param=names[0], code="invalid_value")
-        return firsts, seconds
+        try:
+            return pair_up(first, second, names)
+        except InvalidParameterError as e:
+            raise P.APIError(str(e), param=e.param, code="invalid_value") from None
 
     @app.post("/score", dependencies=keyed)
     async def score(req: ScoreRequest, request: Request):

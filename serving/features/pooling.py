@@ -133,10 +133,10 @@ class PoolingPart(StepPart):
 
     takes_args = (_KEY,)
 
-    def __init__(self, model: PoolingModel, hidden_size: int, max_model_len: Optional[int] = None):
+    def __init__(self, model: PoolingModel, hidden_size: int):
         self.model = model
         self.hidden_size = hidden_size
-        self.max_model_len = max_model_len
+        self.max_model_len: Optional[int] = None  # the engine's context window (`attach`)
         self._slot = None  # this part's index among the runner's hidden parts (`StepResult.hidden_outputs`)
 
     def attach(self, engine) -> None:
@@ -263,9 +263,8 @@ class BidirectionalPooling(PoolingPart):
     hit (a page's K/V depend on the tokens after it), and pooling requests only (an encoder has no head to
     generate with)."""
 
-    def __init__(self, model: PoolingModel, hidden_size: int, max_positions: int, type_vocab_size: int,
-                 max_model_len: Optional[int] = None):
-        super().__init__(model, hidden_size, max_model_len)
+    def __init__(self, model: PoolingModel, hidden_size: int, max_positions: int, type_vocab_size: int):
+        super().__init__(model, hidden_size)
         self.max_positions, self.type_vocab_size = max_positions, max(type_vocab_size, 1)
         self.max_step_tokens: Optional[int] = None
 
@@ -341,3 +340,36 @@ def truncated(ids: list, truncate_prompt_tokens: Optional[int], limit: int) -> l
         raise InvalidParameterError("truncate_prompt_tokens", f"truncate_prompt_tokens: {truncate_prompt_tokens} "
                                                               f"exceeds the model's maximum input length {limit}")
     return list(ids[:truncate_prompt_tokens])
+
+
+# --- scoring text pairs (`LLM.score`, the /score and rerank routes) ------------------------------------------
+def pair_up(first, second, names: tuple = ("data_1", "data_2")) -> tuple[list, list]:
+    """Two sides of a scoring request as aligned lists: one text against each of the other side's, or pairs one
+    to one; `InvalidParameterError` naming the side (`names`, as the caller's fields are called) otherwise."""
+    firsts = [first] if isinstance(first, str) else list(first)
+    seconds = [second] if isinstance(second, str) else list(second)
+    if not seconds:
+        raise InvalidParameterError(names[1], f"{names[1]} must not be empty")
+    if len(firsts) == 1:
+        firsts = firsts * len(seconds)
+    if len(firsts) != len(seconds):
+        raise InvalidParameterError(names[0], f"{names[0]} must hold one text or as many as {names[1]} "
+                                              f"({len(seconds)}), got {len(firsts)}")
+    return firsts, seconds
+
+
+def pair_prompts(tokenizer, firsts: list, seconds: list, typed: bool, truncate: Optional[int],
+                 limit: int) -> tuple[list, list]:
+    """(prompts, `PoolingParams`) of a cross-encoder scoring each pair as one prompt (`tokenizer.encode_pair`:
+    `tokenizer(text_1, text_2)`), each cut by `truncated` with its token types alike; the types go with the
+    request when the model reads them (`typed`: an encoder's second text is type 1)."""
+    if tokenizer is None or not hasattr(tokenizer, "encode_pair"):
+        raise InvalidParameterError("prompt", "scoring text pairs needs a tokenizer to join them")
+    prompts, params = [], []
+    for a, b in zip(firsts, seconds):
+        ids, types = tokenizer.encode_pair(a, b)
+        ids = truncated(ids, truncate, limit)
+        prompts.append(ids)
+        params.append(PoolingParams("score", token_type_ids=tuple(types[:len(ids)]) if typed else None))
+    return prompts, params
+
