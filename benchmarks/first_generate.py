@@ -113,7 +113,7 @@ def child_ridgeline(args) -> dict:
     import jax
 
     from serving import LLM, SamplingParams
-    from serving.core import compile_cache
+    from serving.compilation import compile_cache
 
     import_seconds = time.perf_counter() - t_import
     spent = {name: 0.0 for name in COMPILE_EVENTS.values()}
@@ -154,7 +154,7 @@ def child_ridgeline(args) -> dict:
     assert first_tokens == second_tokens, "the first and second generate disagree"
     idle = None
     if args.idle_fill:
-        from serving.core import step_programs
+        from serving.compilation import step_programs
 
         programs = llm.engine.runner.programs
         t = time.perf_counter()

@@ -42,7 +42,7 @@ import layer_loop
 import startup
 from model.params import init_params
 from serving import LLM, SamplingParams
-from serving.core import step_programs
+from serving.compilation import step_programs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 
 from model.families import num_params  # noqa: E402
 from serving import LLM, SamplingParams  # noqa: E402
-from serving.core.compile_cache import compile_counts  # noqa: E402
+from serving.compilation.compile_cache import compile_counts  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

@@ -10,8 +10,8 @@ a process that only routes requests (`python -m serving.router`) must start with
 from model.lazy_exports import lazy_exports
 
 _EXPORTS = {
-    "AsyncEngine": "serving.core.async_engine",
-    "EngineDeadError": "serving.core.async_engine",
+    "AsyncEngine": "serving.async_engine",
+    "EngineDeadError": "serving.async_engine",
     "CompletionOutput": "serving.core.outputs",
     "ContextLengthError": "serving.core.engine",
     "Engine": "serving.core.engine",

@@ -24,7 +24,8 @@ from model.quant import check_kv_cache_dtype, check_weight_dtype
 from model.tokenizer import ByteTokenizer, load_tokenizer
 from serving import model_source
 from serving.cluster import distributed, multihost
-from serving.core import compile_cache, engine_args
+from serving.compilation import compile_cache
+from serving.core import engine_args
 from serving.features.lora import LoRARequest, LoraManager, parse_lora_modules
 from serving.core.engine import Engine, EngineConfig, EngineUnavailableError
 from serving.core.outputs import RequestOutput
@@ -102,7 +103,7 @@ class LLM:
     The environment variable `RIDGELINE_WARMUP` (off, full, background,
     as_needed) sets the default (the test suite turns it off). `compilation_cache_dir`
     points JAX's persistent compilation cache somewhere (None: the default
-    location, see `serving.core.compile_cache`; "": off), so a second start loads
+    location, see `serving.compilation.compile_cache`; "": off), so a second start loads
     its executables instead of compiling them.
 
     `tensor_parallel_size=T` shards every layer over T devices;

@@ -12,7 +12,7 @@
   converted as a directory is.
 
 Converted checkpoints live beside the compilation cache
-(`serving.core.compile_cache`): with the default `~/.cache/ridgeline/jax`
+(`serving.compilation.compile_cache`): with the default `~/.cache/ridgeline/jax`
 they are under `~/.cache/ridgeline/converted/<key>`, where the key hashes
 the source files' digests and the converter's version, so a second start
 with the same files converts nothing, and a changed file converts again.
@@ -162,7 +162,7 @@ def hub_snapshot(repo_id: str) -> str:
 
 def converted_root(compilation_cache_dir: Optional[str] = None) -> str:
     """`converted/` beside the compilation cache directory (its default place when that cache is off)."""
-    from serving.core import compile_cache
+    from serving.compilation import compile_cache
 
     cache = compile_cache.resolve_cache_dir(compilation_cache_dir) or compile_cache.default_cache_dir()
     return os.path.join(os.path.dirname(os.path.abspath(cache)), "converted")

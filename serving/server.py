@@ -9,14 +9,14 @@ The model is the first argument or `--checkpoint`: a Ridgeline checkpoint, a
 Hugging Face checkpoint directory or a Hub id (`serving.model_source`, which
 converts a Hugging Face checkpoint once and caches the result).
 
-Startup turns on JAX's persistent compilation cache (`serving.core.compile_cache`;
+Startup turns on JAX's persistent compilation cache (`serving.compilation.compile_cache`;
 `--compilation_cache_dir`, default `~/.cache/ridgeline/jax`), builds the `LLM`
 (loading the checkpoint), compiles the smallest and the largest step shape
 (with a warm cache they are loaded from disk instead), starts the engine loop
 on its own thread (`AsyncEngine`) and serves the FastAPI app from
 `serving.api.http_app` with uvicorn, while the other step shapes compile in
 the background, one at a time (`--warmup=full` compiles them all first;
-`serving.core.step_programs`). `/health` answers 200 from then on, with
+`serving.compilation.step_programs`). `/health` answers 200 from then on, with
 `{"status": "warming"}` until the last shape is compiled and `{"status":
 "ready"}` after. The port is checked before anything is loaded. The log says
 what was loaded, how big the KV pool is (pages, tokens, bytes), how long
@@ -202,7 +202,7 @@ def build_stack(llm, model_name: str | None = None, *, peak=None, metrics_window
     from serving.api.drain import Drain, DrainGate
     from serving.api.request_limits import RequestLimits, add_request_limits
 
-    from serving.core.async_engine import AsyncEngine
+    from serving.async_engine import AsyncEngine
     from serving.api.http_app import create_app
     from serving.api.http_metrics import ModelCost, ServerMetrics
 
@@ -278,7 +278,7 @@ def describe_startup(llm) -> list[str]:
         f"prefix caching {'on' if engine.config.enable_prefix_caching else 'off'}")
     lines.append(f"loaded in {llm.load_seconds:.1f} s")
     if llm.warmup_info:
-        from serving.core.compile_cache import describe_warmup
+        from serving.compilation.compile_cache import describe_warmup
 
         lines.append(describe_warmup(llm.warmup_info, getattr(llm, "compilation_cache_dir", None)))
     return lines
@@ -495,7 +495,7 @@ class _Start:
     def prepare(self) -> None:
         """Before anything loads: the multi-process runtime, the port, the compilation cache."""
         from serving.cluster import distributed
-        from serving.core import compile_cache
+        from serving.compilation import compile_cache
 
         join_from_flags()
         joined = distributed.current()
@@ -512,7 +512,7 @@ class _Start:
         import serving.api.http_auth  # noqa: F401
         import serving.api.media  # noqa: F401
         import serving.api.http_metrics  # noqa: F401
-        import serving.core.async_engine  # noqa: F401
+        import serving.async_engine  # noqa: F401
 
     def load(self) -> None:
         """The `LLM` (the engine built, the first step shapes compiled, the rest compiling meanwhile)."""

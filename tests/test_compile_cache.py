@@ -3,7 +3,7 @@
 Each start is a fresh Python process (the in-memory jit caches die with it),
 so only the persistent cache can carry executables from one start to the
 next. Compilations are counted from JAX's monitoring events
-(`serving.core.compile_cache.compile_counts`), never by timing.
+(`serving.compilation.compile_cache.compile_counts`), never by timing.
 """
 
 import json
@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from conftest import SUBPROCESS_XLA_FLAGS
-from serving.core import compile_cache
+from serving.compilation import compile_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,14 +25,14 @@ import json, sys
 sys.path.insert(0, "tests")
 cache_dir = sys.argv[1]
 warmup = json.loads(sys.argv[2]) if len(sys.argv) > 2 else True
-from serving.core import compile_cache
+from serving.compilation import compile_cache
 compile_cache.enable(cache_dir)  # before anything compiles, so the whole process is counted
 before = compile_cache.compile_counts()
 import jax
 from conftest import tiny_config
 from model.params import init_params
 from serving import LLM, SamplingParams
-from serving.core import executable_store
+from serving.compilation import executable_store
 from serving.core.model_runner import ModelRunner
 lowered = []  # step buckets traced and lowered in this process
 _lower = ModelRunner._lower_step
@@ -167,7 +167,7 @@ def test_the_step_store_names_entries_by_everything_that_shapes_the_program(tmp_
     import jax
     import jax.numpy as jnp
 
-    from serving.core import executable_store
+    from serving.compilation import executable_store
 
     store = executable_store.ExecutableStore(str(tmp_path))
     assert store.path(("step", object())) is None
@@ -188,14 +188,14 @@ def test_the_step_store_names_entries_by_everything_that_shapes_the_program(tmp_
 
 
 def test_a_small_program_prepared_from_shapes_is_the_one_a_later_call_runs(tmp_path, monkeypatch):
-    """`executable_store.prepare` compiles a small program from argument shapes alone (what a background
+    """`table.prepare` compiles a small program from argument shapes alone (what a background
     warm-up does, touching no live array); the call with real arguments then runs that executable,
     compiling and loading nothing, and a later process loads it from the store."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from serving.core import executable_store
+    from serving.compilation import executable_store, table
 
     store = executable_store.ExecutableStore(str(tmp_path))
     monkeypatch.setattr(executable_store, "current", lambda suffix=executable_store.SUFFIX: store)
@@ -204,14 +204,14 @@ def test_a_small_program_prepared_from_shapes_is_the_one_a_later_call_runs(tmp_p
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None)),
                           (pool, np.int32(3)))
     held = {}
-    exe = executable_store.prepare(jitted, "bump", held, *shapes)
+    exe = table.prepare(jitted, "bump", held, *shapes)
     assert len(held) == 1 and len(os.listdir(str(tmp_path))) == 1
-    compiled = executable_store.functions_compiled()
+    compiled = table.compiled_total("small")
     monkeypatch.setattr(jitted, "lower", lambda *a: pytest.fail("lowered again"))
     monkeypatch.setattr(store, "load", lambda key: pytest.fail("loaded again"))
-    out = executable_store.call(jitted, "bump", held, pool, np.int32(3))
+    out = table.call(jitted, "bump", held, pool, np.int32(3))
     assert list(np.asarray(out)) == [0.0, 1.0, 2.0, 4.0, 4.0, 5.0, 6.0, 7.0]
-    assert executable_store.functions_compiled() == compiled and held[next(iter(held))] is exe
+    assert table.compiled_total("small") == compiled and held[next(iter(held))] is exe
     monkeypatch.undo()
     later = executable_store.ExecutableStore(str(tmp_path))
     assert later.load(next(iter(held))) is not None  # saved for the next process
@@ -221,17 +221,17 @@ def test_a_small_program_prepared_from_shapes_is_the_one_a_later_call_runs(tmp_p
 # through the step store, then loaded from the store as a later start would load it, and run.
 FROM_JAX_CACHE = r"""
 import sys
-from serving.core import compile_cache, executable_store
+from serving.compilation import compile_cache, executable_store, table
 compile_cache.enable(sys.argv[1])
 import jax, jax.numpy as jnp
 build = lambda: (jnp.zeros((4, 16, 2, 8), jnp.float32), jnp.ones((4, 16, 2, 8), jnp.float32))
 jax.jit(build)()  # compiled, and written to JAX's persistent cache
 jax.clear_caches()
 before = compile_cache.compile_counts()
-executable_store.prepare(jax.jit(build), "zeros-and-ones", {})
+table.prepare(jax.jit(build), "zeros-and-ones", {})
 assert (compile_cache.compile_counts() - before).cache_hits == 1, "expected JAX's cache to answer"
-executable_store._TABLE.clear()  # as a later process: only the store (or JAX's cache) has it
-zeros, ones = executable_store.call(jax.jit(build), "zeros-and-ones", {})
+table._TABLE.clear()  # as a later process: only the store (or JAX's cache) has it
+zeros, ones = table.call(jax.jit(build), "zeros-and-ones", {})
 print("RESULT", float(zeros.sum()), float(ones.sum()))
 """
 
@@ -264,18 +264,18 @@ def test_an_executable_from_jaxs_cache_is_not_stored_where_it_could_not_run(tmp_
 # (here one it loaded from its persistent cache) without asking XLA or the cache again.
 LOWERED_AGAIN = r"""
 import sys
-from serving.core import compile_cache, executable_store
+from serving.compilation import compile_cache, executable_store, table
 compile_cache.enable(sys.argv[1])
 import jax, jax.numpy as jnp
 build = jax.jit(lambda: jnp.zeros((4, 16, 2, 8), jnp.float32) + 1.0)
 build()  # compiled, and written to JAX's persistent cache
 jax.clear_caches()
-executable_store.prepare(build, "ones", {})  # JAX's cache answers: not stored
-executable_store._TABLE.clear()  # the first caller is gone
-executable_store.prepare(build, "ones", {})  # the same executable again, from JAX's in-memory caches
+table.prepare(build, "ones", {})  # JAX's cache answers: not stored
+table._TABLE.clear()  # the first caller is gone
+table.prepare(build, "ones", {})  # the same executable again, from JAX's in-memory caches
 print("STORED", executable_store.entries(sys.argv[1], executable_store.FUNCTION_SUFFIX))
-executable_store._TABLE.clear()  # as a later process: only the store (or JAX's cache) has it
-print("RESULT", float(executable_store.call(build, "ones", {}).sum()))
+table._TABLE.clear()  # as a later process: only the store (or JAX's cache) has it
+print("RESULT", float(table.call(build, "ones", {}).sum()))
 """
 
 
@@ -301,7 +301,7 @@ SOURCE_EDITED = r"""
 import gc, json, os, shutil, sys
 sys.path.insert(0, "tests")
 cache_dir, phase = sys.argv[1], sys.argv[2]
-from serving.core import compile_cache
+from serving.compilation import compile_cache
 compile_cache.enable(cache_dir)
 import jax
 from conftest import tiny_config
@@ -366,20 +366,20 @@ def test_a_stored_program_that_does_not_load_or_run_compiles_instead_with_one_wa
     import numpy as np
     from jax.experimental import serialize_executable
 
-    from serving.core import executable_store
+    from serving.compilation import executable_store, table
 
     store = executable_store.ExecutableStore(str(tmp_path), executable_store.FUNCTION_SUFFIX)
     monkeypatch.setattr(executable_store, "current", lambda suffix=executable_store.SUFFIX: store)
-    monkeypatch.setattr(executable_store, "_TABLE", weakref.WeakValueDictionary())
+    monkeypatch.setattr(table, "_TABLE", weakref.WeakValueDictionary())
     # A program no earlier test compiled: one JAX's persistent cache held would not be stored (`compile_to_store`).
     offset = float(np.random.default_rng().integers(1, 2**20))
     jitted = jax.jit(lambda x: x * 3.0 - offset)
     name = repr(("scale-rows", 3, "float32", offset))  # printed from a tuple, as the KV pool's zeroing names itself
     x = jnp.arange(5.0)
-    executable_store.prepare(jitted, name, {}, x)  # compiled and stored
+    table.prepare(jitted, name, {}, x)  # compiled and stored
     (entry,) = os.listdir(str(tmp_path))
     path = os.path.join(str(tmp_path), entry)
-    executable_store._TABLE.clear()  # a later process: only the store has it
+    table._TABLE.clear()  # a later process: only the store has it
     if damage == "torn":
         with open(path, "wb") as f:
             f.write(b"torn")
@@ -388,9 +388,9 @@ def test_a_stored_program_that_does_not_load_or_run_compiles_instead_with_one_wa
     held = {}
     with caplog.at_level(logging.WARNING, logger="ridgeline.warmup"):
         want = [3.0 * i - offset for i in range(5)]
-        out = executable_store.call(jitted, name, held, x)
+        out = table.call(jitted, name, held, x)
         assert list(np.asarray(out)) == want
-        assert list(np.asarray(executable_store.call(jitted, name, held, x))) == want
+        assert list(np.asarray(table.call(jitted, name, held, x))) == want
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "scale-rows" in warnings[0] and "compiling it instead" in warnings[0]
     # Removed; not stored again either: JAX handed the first compile's executable back (`compile_to_store`).

@@ -27,7 +27,7 @@ from conftest import tiny_config
 from model.params import init_params
 from serving import LLM, SamplingParams
 from serving.core.sampler import SamplingInputs
-from serving.core import executable_store, step_programs
+from serving.compilation import executable_store, table
 from serving.spec_decode import rejection_sampler
 
 # Critical values of chi-square at p = 0.001 by degrees of freedom.
@@ -191,7 +191,7 @@ def test_sampled_token_frequencies_match_without_speculation(sharp_params, plain
     monkeypatch.setattr(rejection_sampler, "accept_random", accept_every_draft)
     # The step program is traced afresh with the biased rule: nothing compiled before may serve it.
     jax.clear_caches()
-    monkeypatch.setattr(step_programs, "_TABLE", weakref.WeakValueDictionary())
+    monkeypatch.setattr(table, "_TABLE", weakref.WeakValueDictionary())
     monkeypatch.setattr(executable_store, "current", lambda *a: None)
     freqs, _ = _frequencies(sharp_params, draft, **spec)
     stats = [two_sample(a, b) for a, b in zip(freqs, plain_frequencies)]

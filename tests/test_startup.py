@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from serving import LLM, SamplingParams
-from serving.core import step_programs
+from serving.compilation import step_programs, table
 from serving.core.model_runner import compilation_count
 from serving.server import ServerThread, check_port_free
 
@@ -42,11 +42,11 @@ def test_serving_starts_on_the_minimal_set_and_finishes_warm_up_in_the_backgroun
     runner = llm.engine.runner
     programs = runner.programs
     order = runner.warm_up_order()
-    before, steps_before = compilation_count(), step_programs.compiled_total()
+    before, steps_before = compilation_count(), table.compiled_total("step")
     info = runner.warm_up(background=True, start_thread=False, quick=True)
     assert info["background"] == len(order) - 2 > 0 and info["quick"] == 1
     # Of the step, the smallest and the largest bucket (the rest are small programs: page copies).
-    assert step_programs.compiled_total() - steps_before == 2
+    assert table.compiled_total("step") - steps_before == 2
     assert compilation_count() - before == info["compiled"]
     assert programs.is_compiled(order[0]) and programs.is_compiled(order[-1])
     assert not any(programs.is_compiled(s) for s in order[1:-1])
@@ -59,7 +59,7 @@ def test_serving_starts_on_the_minimal_set_and_finishes_warm_up_in_the_backgroun
     stats = runner.warmup_stats()
     assert not stats.ready and stats.compiled == 2 and stats.quick == 1
     assert stats.steps_in_larger_bucket > 0
-    assert stats.compiles_after_ready == 0 and step_programs.compiled_total() - steps_before == 2
+    assert stats.compiles_after_ready == 0 and table.compiled_total("step") - steps_before == 2
 
     # The background recompiles the decode bucket fully first (a new executable), then the rest; every step then
     # runs in its own, fully compiled bucket, with the same results.
@@ -119,7 +119,7 @@ def test_a_busy_port_is_reported_before_anything_loads():
 def test_a_bucket_saved_by_an_earlier_process_loads_instead_of_padding(tmp_path, monkeypatch):
     """While warm-up goes on, a step whose bucket an earlier start saved whole runs in that bucket (loading
     it is cheap); one whose bucket must compile runs padded in a larger compiled one."""
-    from serving.core import executable_store
+    from serving.compilation import executable_store
     from serving.core.input_batch import StepShape
 
     monkeypatch.setattr(executable_store, "current", lambda: executable_store.ExecutableStore(str(tmp_path)))
@@ -154,7 +154,7 @@ def test_quick_compiles_are_replaced_first_and_only_full_ones_are_saved(tmp_path
     quick options compiles fully."""
     from jax._src import monitoring
 
-    from serving.core import executable_store
+    from serving.compilation import executable_store
     from serving.core.input_batch import StepShape
 
     monkeypatch.setattr(executable_store, "current", lambda: executable_store.ExecutableStore(str(tmp_path)))
@@ -200,22 +200,22 @@ def test_quick_compiles_are_replaced_first_and_only_full_ones_are_saved(tmp_path
     assert other.wait(timeout=60) and compiles[2:] == ["small programs", (4, None)]
 
 
-def test_decode_sized_steps_share_the_largest_page_bucket():
-    """Fewer step shapes: a decode-sized step of 16 or more rows always takes the largest page bucket (its
-    attention visits each row's live pages whatever the bucket); the smallest steps and the prefill-sized
-    ones keep a bucket per page count."""
+def test_steps_of_16_tokens_or_more_share_the_largest_page_bucket():
+    """Fewer step shapes: a step of 16 or more tokens always takes the largest page bucket (a decode's
+    attention visits each row's live pages whatever the bucket, a prefill's stops at its last visible key);
+    only the smallest decodes keep a bucket per page count."""
     from serving.core.engine_args import BY_NAME
     from serving.core.input_batch import Buckets
 
     b = Buckets(max_num_batched_tokens=512, max_num_seqs=64, max_pages_per_seq=128, min_pages=4,
                 decode_step=BY_NAME["decode_bucket_step"].default)
     shapes = b.all_shapes()
-    # 1-8 tokens x 6 page counts, 16-64 tokens (multiples of 8) x 1, 128-512 x 6; 45 with powers of two alone
-    # (`decode_bucket_step=0`), 60 without the one page bucket of decode-sized steps.
-    assert len(shapes) == 4 * 6 + 7 + 3 * 6
-    assert {p for t, _, p in shapes if 16 <= t <= 64} == {128}
-    assert {p for t, _, p in shapes if t <= 8 or t > 64} == {4, 8, 16, 32, 64, 128}
-    assert (b.step_pages(8, 3), b.step_pages(16, 3), b.step_pages(64, 3), b.step_pages(128, 3)) == (4, 128, 128, 4)
+    # 1-8 tokens x 6 page counts, 16-64 tokens (multiples of 8) x 1, 128-512 x 1; 49 when the prefill-sized
+    # steps had a bucket per page count, 64 when the decode-sized ones did too.
+    assert len(shapes) == 4 * 6 + 7 + 3
+    assert {p for t, _, p in shapes if t >= 16} == {128}
+    assert {p for t, _, p in shapes if t <= 8} == {4, 8, 16, 32, 64, 128}
+    assert (b.step_pages(8, 3), b.step_pages(16, 3), b.step_pages(64, 3), b.step_pages(128, 3)) == (4, 128, 128, 128)
     assert all((t, s, b.step_pages(t, 3)) in shapes for t, s, _ in shapes)  # every step lands in the set
     with pytest.raises(ValueError, match="exceed"):
         b.step_pages(16, 129)

@@ -16,7 +16,7 @@ import jax
 import pytest
 
 from serving import LLM, SamplingParams
-from serving.core import executable_store, step_programs
+from serving.compilation import executable_store, step_programs, table
 from serving.core.bucket_plan import expected_shapes, holds_cheaply
 from serving.core.input_batch import Buckets, StepShape
 from serving.llm import resolve_warmup
@@ -36,13 +36,14 @@ def test_the_workload_of_the_first_generate_expects_its_prefill_and_its_decode()
     longest = max(p + n for p, n, _ in requests)
     assert longest > 256  # so the context's page bucket is the prompt's doubled
     assert expected_shapes(buckets, 16, requests) == [StepShape(512, 32, 32), StepShape(32, 32, 32)]
-    # One short prompt: a prefill of its own size, then a one-row decode at its context's pages.
-    assert expected_shapes(buckets, 16, [(20, 40, 1)]) == [StepShape(32, 32, 4), StepShape(1, 1, 4)]
+    # One short prompt: a prefill of its own size (16 tokens or more: the one page bucket), then a one-row
+    # decode at its context's pages.
+    assert expected_shapes(buckets, 16, [(20, 40, 1)]) == [StepShape(32, 32, 32), StepShape(1, 1, 4)]
     # n > 1 decodes every sample; one new token decodes nothing; no requests, no buckets.
     assert expected_shapes(buckets, 16, [(20, 40, 3)])[1] == StepShape(4, 4, 4)
     # Speculative decoding with 2 drafts: each decoding sequence verifies 3 rows a step.
     assert expected_shapes(buckets, 16, [(20, 40, 3)], rows_per_seq=3)[1] == StepShape(16, 16, 32)
-    assert expected_shapes(buckets, 16, [(20, 1, 1)]) == [StepShape(32, 32, 2)]
+    assert expected_shapes(buckets, 16, [(20, 1, 1)]) == [StepShape(32, 32, 32)]
     assert expected_shapes(buckets, 16, []) == []
 
 
@@ -56,7 +57,7 @@ def test_every_bucket_the_benchmark_workload_reached_pads_into_one_it_expects():
 
     buckets = Buckets(512, 64, 128, decode_step=BY_NAME["decode_bucket_step"].default)
     expected = expected_shapes(buckets, 16, [(len(p), n, 1) for p, n in workload(32, 1234, 32000)])
-    assert expected == [StepShape(512, 64, 32), StepShape(32, 32, 128)]
+    assert expected == [StepShape(512, 64, 128), StepShape(32, 32, 128)]
     reached = [(512, 64, 16), (512, 64, 32), (32, 32, 128), (24, 24, 128), (16, 16, 128), (8, 8, 32), (4, 4, 32),
                (2, 2, 32), (1, 1, 32)]
     for T, S, P in reached:
@@ -67,8 +68,9 @@ def test_padding_is_allowed_only_where_it_costs_at_most_about_twice():
     buckets = Buckets(512, 32, 32)
     decode32 = StepShape(32, 32, 32)
     assert holds_cheaply(decode32, StepShape(1, 1, 2), buckets)  # decode-sized, one page bucket for all rows
-    assert holds_cheaply(StepShape(512, 32, 32), StepShape(512, 32, 16), buckets)  # pages doubled
-    assert not holds_cheaply(StepShape(512, 32, 32), StepShape(512, 32, 8), buckets)  # pages x4
+    assert holds_cheaply(StepShape(8, 8, 16), StepShape(8, 8, 8), buckets)  # pages doubled
+    assert not holds_cheaply(StepShape(8, 8, 32), StepShape(8, 8, 8), buckets)  # pages x4
+    assert holds_cheaply(StepShape(512, 32, 32), StepShape(512, 32, 8), buckets)  # 16 tokens or more: one page bucket
     assert not holds_cheaply(StepShape(512, 32, 32), StepShape(128, 32, 32), buckets)  # tokens x4
     assert holds_cheaply(StepShape(512, 32, 32), StepShape(256, 32, 32), buckets)
     assert not holds_cheaply(StepShape(8, 8, 4), StepShape(8, 8, 8), buckets)  # smaller: never
@@ -117,19 +119,19 @@ def test_a_first_generate_compiles_what_it_expects_pads_the_rest_and_matches_com
     prompts, params = _workload(cfg.vocab_size)
 
     every = LLM(config=cfg, params=weights, num_pages=71, warmup=False, **ENGINE)
-    before = step_programs.compiled_total()
+    before = table.compiled_total("step")
     exact_tokens, exact_logprobs = _run(every, prompts, params)
-    buckets_reached = step_programs.compiled_total() - before
+    buckets_reached = table.compiled_total("step") - before
 
     llm = LLM(config=cfg, params=weights, num_pages=73, **ENGINE, warmup="as_needed")
     try:
         runner = llm.engine.runner
-        assert step_programs.compiled_total() == before + buckets_reached  # nothing compiles at construction
+        assert table.compiled_total("step") == before + buckets_reached  # nothing compiles at construction
         expected = expected_shapes(runner.buckets, runner.page_size,
                                    [(len(p), sp.max_tokens, 1) for p, sp in zip(prompts, params)])
-        before = step_programs.compiled_total()
+        before = table.compiled_total("step")
         tokens, logprobs = _run(llm, prompts, params)
-        compiled = step_programs.compiled_total() - before
+        compiled = table.compiled_total("step") - before
         stats = runner.warmup_stats()
         assert all(runner.programs.is_compiled(s) for s in expected)
         assert len(expected) <= compiled < buckets_reached and stats.steps_in_larger_bucket > 0
@@ -138,9 +140,9 @@ def test_a_first_generate_compiles_what_it_expects_pads_the_rest_and_matches_com
         assert_same_logprobs(logprobs, exact_logprobs, 1e-4)
 
         # The same calls again compile nothing.
-        before = step_programs.compiled_total()
+        before = table.compiled_total("step")
         assert _run(llm, prompts, params)[0] == exact_tokens
-        assert step_programs.compiled_total() == before
+        assert table.compiled_total("step") == before
     finally:
         llm.shutdown()
 
@@ -184,10 +186,10 @@ def test_once_idle_the_buckets_steps_were_padded_out_of_compile_and_later_calls_
         if sys.platform == "linux":
             assert os.getpriority(os.PRIO_PROCESS, programs._fill_thread.native_id) == 19
 
-        steps_before, compiled_before = programs.steps_in_larger_bucket, step_programs.compiled_total()
+        steps_before, compiled_before = programs.steps_in_larger_bucket, table.compiled_total("step")
         again_tokens, again_logprobs = _run(llm, prompts, params)
         assert programs.steps_in_larger_bucket == steps_before  # every step in its own bucket now
-        assert step_programs.compiled_total() == compiled_before
+        assert table.compiled_total("step") == compiled_before
         assert again_tokens == tokens
         assert_same_logprobs(again_logprobs, logprobs, 1e-4)
     finally:
@@ -212,9 +214,14 @@ def test_a_warm_start_loads_its_stored_buckets_in_the_background_before_steps_ne
     gc.collect()  # its executables leave the process-wide table with it
 
     loads = []  # the thread each load from the store ran on
-    load = step_programs.StepPrograms._load_stored
-    monkeypatch.setattr(step_programs.StepPrograms, "_load_stored",
-                        staticmethod(lambda *a: loads.append(threading.current_thread().name) or load(*a)))
+    load = executable_store.ExecutableStore.load
+
+    def recorded_load(store, *args):
+        if store.suffix == executable_store.SUFFIX:  # a step bucket's
+            loads.append(threading.current_thread().name)
+        return load(store, *args)
+
+    monkeypatch.setattr(executable_store.ExecutableStore, "load", recorded_load)
     second = LLM(config=cfg, params=weights, **engine, warmup="as_needed")
     try:
         programs = second.engine.runner.programs
@@ -222,9 +229,9 @@ def test_a_warm_start_loads_its_stored_buckets_in_the_background_before_steps_ne
         while not all(programs.is_compiled(s) for s in stored) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert all(programs.is_compiled(s) for s in stored)  # loaded before any call
-        before = step_programs.compiled_total()
+        before = table.compiled_total("step")
         assert _run(second, prompts, params)[0] == tokens
-        assert step_programs.compiled_total() == before
+        assert table.compiled_total("step") == before
         assert len(loads) == len(stored) and set(loads) == {"ridgeline-warmup"}
     finally:
         second.shutdown()

@@ -11,7 +11,7 @@ from model.params import flatten_params, init_params
 from model.quantize import quantize_params
 from model.tokenizer import ByteTokenizer
 from serving import LLM, SamplingParams
-from serving.core import compile_cache
+from serving.compilation import compile_cache
 from serving.core.block_manager import BlockManager
 from serving.core.model_runner import compilation_count
 from serving.core.sequence import Request

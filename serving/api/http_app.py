@@ -41,7 +41,7 @@ from serving.api import lora_routes, openai_fields
 from serving.api import reasoning as R
 from serving.api.profiling import TraceControl
 from serving.api.responses_store import ResponseStore
-from serving.core.async_engine import EngineDeadError
+from serving.async_engine import EngineDeadError
 from serving.core.engine import EngineUnavailableError
 from serving.core.engine import ContextLengthError
 from serving.api.answer_stream import DeltaTracker

@@ -64,7 +64,7 @@ def expected_shapes(buckets: Buckets, page_size: int, requests: Iterable[tuple[i
     prompt_pages = buckets.pages_for(min(_pages(longest_prompt, page_size), max_pages))
     context_pages = buckets.pages_for(min(_pages(longest_context, page_size), max_pages))
     T = buckets.tokens_for(min(prompt_tokens, buckets.max_num_batched_tokens))
-    P = context_pages if context_pages <= 2 * prompt_pages else prompt_pages
+    P = buckets.step_pages(T, context_pages if context_pages <= 2 * prompt_pages else prompt_pages)
     shapes = [buckets.step_shape(T, buckets.seqs_for(T), P)]
     if any(n > 1 for _, n, _ in requests):  # something decodes
         seqs = min(sum(s for _, _, s in requests), buckets.max_num_seqs)

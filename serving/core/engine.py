@@ -110,17 +110,14 @@ class Engine:
         self.buckets = Buckets(config.max_num_batched_tokens, rows, -(-model_len // ps),
                                config.min_token_bucket, -(-config.min_context_bucket // ps),
                                decode_step=config.decode_bucket_step, token_fields=step_parts.token_fields(parts))
-        runner_class = ModelRunner
-        if getattr(layout, "pipeline_parallel_size", 1) > 1:  # staged params and KV cache
-            from serving.core.pipeline_runner import PipelineRunner as runner_class
-        self.runner = runner or runner_class(cfg, params, num_pages=num_pages, page_size=ps, buckets=self.buckets,
-                                             backend=config.attention_backend, layout=layout,
-                                             cache_dtype=self.cache_dtype, scan_layers=scans_layers(config.layer_loop),
-                                             sampler_part=step_parts.sampler_part(parts),
-                                             processed_logprobs=config.logprobs_mode == "processed_logprobs",
-                                             forward_parts=step_parts.forward_parts(parts),
-                                             logit_parts=step_parts.logit_parts(parts),
-                                             hidden_parts=step_parts.hidden_parts(parts))
+        self.runner = runner or ModelRunner(cfg, params, num_pages=num_pages, page_size=ps, buckets=self.buckets,
+                                            backend=config.attention_backend, layout=layout,
+                                            cache_dtype=self.cache_dtype, scan_layers=scans_layers(config.layer_loop),
+                                            sampler_part=step_parts.sampler_part(parts),
+                                            processed_logprobs=config.logprobs_mode == "processed_logprobs",
+                                            forward_parts=step_parts.forward_parts(parts),
+                                            logit_parts=step_parts.logit_parts(parts),
+                                            hidden_parts=step_parts.hidden_parts(parts))
         self.block_manager = BlockManager(num_pages, ps, config.enable_prefix_caching,
                                           window=None if any(p.rolls_back for p in built) else releasing_window(cfg))
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, model_len,
@@ -582,7 +579,7 @@ class Engine:
     def warm_up(self, background: bool = False) -> dict:
         """Compiles every step shape, so serving never compiles; returns seconds and counts. With
         `background` only the smallest and the largest compile before this returns, the rest in a
-        thread while the engine serves (`serving.core.step_programs`; option `quick_warmup_compile`);
+        thread while the engine serves (`serving.compilation.step_programs`; option `quick_warmup_compile`);
         a draft model's drafting shapes compile before this returns."""
         info = self.runner.warm_up(background=background, quick=background and self.config.quick_warmup_compile)
         for part in self.parts:

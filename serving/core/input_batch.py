@@ -41,7 +41,7 @@ from serving.core.sequence import Sequence
 NUM_FLAGS = 3  # any_random, any_filter, want_logprobs
 
 
-ONE_PAGE_BUCKET_FROM = 16  # decode-sized steps of at least this many tokens use one page bucket (`Buckets`)
+ONE_PAGE_BUCKET_FROM = 16  # steps of at least this many tokens use one page bucket (`Buckets`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,9 +73,8 @@ class Buckets:
         graph sizes are 1, 2, 4, then multiples of 8). A decode step has one row per running sequence, so
         with powers of two alone 17 running sequences compute 32 rows; the multiples cap the padding of
         a decode of more than `decode_step` rows at `decode_step - 1` rows. Larger (prefill-sized) steps
-        keep the powers of two: their tokens come from a budget the scheduler fills, and each such bucket
-        has every page bucket (`all_shapes`), while a decode-sized bucket of at least
-        `ONE_PAGE_BUCKET_FROM` rows adds one."""
+        keep the powers of two: their tokens come from a budget the scheduler fills. Each added bucket
+        adds one program (it has `ONE_PAGE_BUCKET_FROM` rows or more: one page bucket)."""
         sizes = set(powers_of_two(self.max_num_batched_tokens, self.min_tokens))
         if self.decode_step:
             first = max(self.decode_step, -(-self.min_tokens // self.decode_step) * self.decode_step)
@@ -104,15 +103,19 @@ class Buckets:
         return sizes[i]
 
     def one_page_bucket(self, num_tokens_bucket: int) -> bool:
-        """Whether steps of this many tokens all take the largest page bucket: decode-sized ones (no more
-        tokens than `max_num_seqs`, one query row per sequence slot) of at least `ONE_PAGE_BUCKET_FROM`
-        rows. Their attention visits each row's live pages whatever the bucket (the page pairs of
-        `kernels_pallas.xla_attention`, the Pallas kernels' dynamic KV loop), so smaller page buckets only
-        multiply step shapes. Measured on CPU (embedded model, docs/performance.md): 16 and 64 decoding
-        rows as fast in the largest bucket as in their own; one row 1.7x slower (its few pages are then
-        one chunk of the whole bucket's pairs), which is why the smallest steps keep every page bucket.
-        A larger step gets its own power of two: there attention gathers whole tables."""
-        return ONE_PAGE_BUCKET_FROM <= num_tokens_bucket <= self.max_num_seqs
+        """Whether steps of this many tokens all take the largest page bucket: every step of at least
+        `ONE_PAGE_BUCKET_FROM` tokens. Only the smallest decodes keep a bucket per page count.
+
+        A decode-sized step (one query row per sequence) visits each row's live pages whatever the bucket
+        (the page pairs of `kernels_pallas.xla_attention`, the Pallas kernels' dynamic KV loop); a
+        prefill-sized one reads each item's pages a block at a time and skips the blocks past its last
+        visible key. So larger page buckets cost these steps little, while a bucket per page count
+        multiplies the programs a server compiles. Measured on CPU, 30-layer 135M shape
+        (docs/performance.md): 16 and 64 decoding rows as fast in the largest bucket as in their own,
+        prefill-sized steps over short contexts 0-5% slower there; but one decoding row 1.3x slower
+        (its few pages are then one block of the whole bucket's table), which is why the steps below
+        `ONE_PAGE_BUCKET_FROM` tokens keep every page bucket."""
+        return num_tokens_bucket >= ONE_PAGE_BUCKET_FROM
 
     def step_pages(self, num_tokens_bucket: int, n: int) -> int:
         """The page bucket of a step of `num_tokens_bucket` tokens whose longest block table has `n` pages."""

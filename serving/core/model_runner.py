@@ -12,8 +12,13 @@ dtype)`, `replicated` (the sharding of host inputs) and what `model.forward`
 accepts as its `layout` (`sharding.Layout` is one). With `layout=None`
 everything lives on the default device and no sharding code runs. A layout
 with a `forward` method of its own (`sharding.pipeline.PipelineLayout`) runs
-the model through it instead; its staged params and cache are placed by
-`serving.core.pipeline_runner.PipelineRunner`.
+the model through it instead, over the staged params and cache it places
+itself (`stage_params`, `init_cache`, `sharding.pipeline.copy_staged_pages`).
+Everything around the forward is the same step under stages: the logit parts'
+device inputs and states, replicated over the mesh and applied to the logits
+after the stages, which every device holds; speculative decoding's
+verification; a forward part's weight state (LoRA adapter slots), which the
+part stages like the layers (`PipelineLayout.stage_lora_slots`).
 """
 
 from __future__ import annotations
@@ -30,11 +35,13 @@ from model.config import ModelConfig
 from model.forward import forward, forward_with_hidden
 from model.layer_select import selects_layers
 from model.params import param_bytes, stack_layers
+from sharding.pipeline import copy_staged_pages
+from serving.compilation import executable_store, table
+from serving.compilation.step_programs import StepPrograms
+from serving.core import bucket_plan, placement, step_parts
 from serving.core.input_batch import Buckets, StepShape, StepBatch
-from serving.core import bucket_plan, executable_store, placement, step_parts
 from serving.core.sampler import SamplingInputs, filtered_logits, sample
 from serving.core.sampling_table import ROW_PARAMS
-from serving.core.step_programs import StepPrograms, compiled_total
 
 
 def unpack_step(v: dict) -> tuple[BatchMetadata, SamplingInputs]:
@@ -164,12 +171,14 @@ def _page_arrays(cache) -> list:
 
 
 _copy_jit = jax.jit(_copy_pages, donate_argnums=(0,))
+_copy_staged_jit = jax.jit(copy_staged_pages, static_argnames=("layout",), donate_argnums=(0,))
 
 
 def compilation_count() -> int:
     """Executables compiled so far for the step and page-copy functions (all runners)."""
-    return (_step_jit._cache_size() + _copy_jit._cache_size() + step_parts.state_programs_compiled()
-            + compiled_total() + executable_store.functions_compiled())
+    return (_step_jit._cache_size() + _copy_jit._cache_size() + _copy_staged_jit._cache_size()
+            + step_parts.state_programs_compiled()
+            + table.compiled_total())
 
 
 # What `ModelRunner._program_key` holds, in order: `StepPrograms.why` names a recompile's cause by these.
@@ -230,6 +239,7 @@ class ModelRunner:
         self.buckets = buckets
         self.backend = backend
         self.layout = layout
+        self._staged = getattr(layout, "pipeline_parallel_size", 1) > 1  # pipeline stages place their own state
         self.logit_parts = tuple(logit_parts)
         self.forward_parts = tuple(forward_parts)
         self.hidden_parts = tuple(hidden_parts)
@@ -257,7 +267,13 @@ class ModelRunner:
 
     # --- placement: the one hook for shardings -----------------------------------------------
     def place(self, params, cache_dtype=None):
-        """Puts params and a fresh (zeroed) KV cache on the device(s) of `self.layout`."""
+        """Puts params and a fresh (zeroed) KV cache on the device(s) of `self.layout`. Pipeline stages
+        (`sharding.pipeline.PipelineLayout`) place their own: `StagedWeights`, each layer on its stage's
+        devices, and per stage-local layer one `[p * pages, ...]` array whose page axis is split over
+        `pipeline` (the block manager's page ids are the same on every stage, each holding them for its layers)."""
+        if self._staged:
+            return (self.layout.stage_params(self.cfg, params),
+                    self.layout.init_cache(self.cfg, self.num_pages, self.page_size, cache_dtype))
         if self.layout is None:
             params = jax.device_put(params, jax.devices()[0])
             cache_shardings = None
@@ -274,7 +290,7 @@ class ModelRunner:
         build = cache_builder(self.cfg, self.num_pages, self.page_size, cache_dtype, cache_shardings, self.scan_layers)
         name = repr(("init-cache", self.cfg, self.num_pages, self.page_size, str(cache_dtype), self.scan_layers,
                      cache_shardings))
-        cache = executable_store.call(build, name, self._small_programs)
+        cache = table.call(build, name, self._small_programs)
         if self.layout is None:  # committed like the step's output, or the first step shape compiles twice
             cache = jax.device_put(cache, jax.devices()[0])
         return params, cache
@@ -351,8 +367,11 @@ class ModelRunner:
     def _copy(self, src, dst):
         if self.dispatch_hook is not None:
             self.dispatch_hook("copy", src, dst)
-        self.cache = executable_store.call(_copy_jit, "copy-pages", self._small_programs, self.cache,
-                                           *self._host_inputs(src, dst))
+        if self._staged:
+            self.cache = _copy_staged_jit(self.cache, *self._host_inputs(src, dst), layout=self.layout)
+        else:
+            self.cache = table.call(_copy_jit, "copy-pages", self._small_programs, self.cache,
+                                    *self._host_inputs(src, dst))
         return self.cache
 
     def _run(self, ibuf, fbuf, shape, device_input=None, part_inputs=None):
@@ -450,7 +469,7 @@ class ModelRunner:
         if self.dispatch_hook is not None:
             self.dispatch_hook("part-state", np.int32(index), *host_args, program=placement.program_ref(jitted))
         old = self._part_state(part)
-        state = executable_store.call(jitted, self._state_program_names[jitted], self._small_programs,
+        state = table.call(jitted, self._state_program_names[jitted], self._small_programs,
                                       old, *self._host_inputs(*host_args))
         if part in self.forward_parts:
             i = self.forward_parts.index(part)
@@ -591,7 +610,7 @@ class ModelRunner:
         if info["background"] and executable_store.current(executable_store.FUNCTION_SUFFIX) is not None:
             calls = self._small_program_calls()  # their argument shapes, taken now: the thread runs nothing
             self.programs.first_in_background(
-                lambda: [executable_store.prepare(jitted, name, self._small_programs, *args) for jitted, name, args in calls])
+                lambda: [table.prepare(jitted, name, self._small_programs, *args) for jitted, name, args in calls])
         else:
             self._warm_up_small_programs()
         jax.block_until_ready(self.cache)
@@ -612,7 +631,7 @@ class ModelRunner:
         if executable_store.current(executable_store.FUNCTION_SUFFIX) is not None:
             calls = self._small_program_calls()
             self.programs.first_in_background(
-                lambda: [executable_store.prepare(jitted, name, self._small_programs, *args) for jitted, name, args in calls])
+                lambda: [table.prepare(jitted, name, self._small_programs, *args) for jitted, name, args in calls])
         self.programs.start_as_needed()
         # What an earlier process saved whole loads in that thread before the steps get to it (largest first:
         # a call's first steps are its prefill).
@@ -646,7 +665,7 @@ class ModelRunner:
 
     def _small_program_calls(self) -> list:
         """(jitted, name, abstract arguments) of what `_warm_up_small_programs` runs, for
-        `executable_store.prepare` to compile from another thread without touching the live arrays."""
+        `table.prepare` to compile from another thread without touching the live arrays."""
         def abstract(*args):
             return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
                                                                sharding=getattr(x, "sharding", None)), args)

@@ -18,7 +18,7 @@ cache itself, the directory is trusted input (loading an entry runs the code in
 it): keep it where only the server's user can write. A key whose text is not
 stable across processes (an object printed with its address) is never stored.
 An entry that fails to load is removed and the program compiles as usual, with
-one warning naming it; a small program of `call` that loads but fails on its
+one warning naming it; a small program of `table.call` that loads but fails on its
 first run does the same (an argument it donated excepted: that run cannot be
 repeated). A multi-process run does not use the store.
 
@@ -33,9 +33,9 @@ a compile is told apart by whether it asked XLA at all, not only by whether
 the persistent cache answered.
 
 The runner's small programs (the KV pool's zeroing, page copies, the sampling
-controls' row load) go through `call`, which stores them the same way under their argument
-signature (`.fn` entries): a warm start then lowers nothing at all, which also
-spares it MLIR's start-up (about 0.4 s the first lowering of a process pays).
+controls' row load) are stored the same way under their argument signature
+(`.fn` entries, `table.call`): a warm start then lowers nothing at all, which
+also spares it MLIR's start-up (about 0.4 s the first lowering of a process pays).
 """
 
 from __future__ import annotations
@@ -46,22 +46,19 @@ import logging
 import os
 import pickle
 import tempfile
-import threading
 import time
-import weakref
 from typing import Optional
 
 import jax
-import numpy as np
 
-from serving.core import compile_cache
+from serving.compilation import compile_cache
 
 log = logging.getLogger("ridgeline.warmup")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SOURCE_DIRS = ("model", "kernels_pallas", "sharding", os.path.join("serving", "core"), os.path.join("serving", "features"))
 SUFFIX = ".step"
-FUNCTION_SUFFIX = ".fn"  # the small programs of `call`
+FUNCTION_SUFFIX = ".fn"  # the small programs of `table.call`
 # JAX options that change what a traced step lowers to.
 _LOWERING_OPTIONS = ("jax_default_matmul_precision", "jax_enable_x64", "jax_numpy_rank_promotion",
                      "jax_default_prng_impl", "jax_threefry_partitionable")
@@ -97,7 +94,7 @@ class ExecutableStore:
 
     def __init__(self, directory: str, suffix: str = SUFFIX):
         self.directory = directory
-        self.suffix = suffix  # SUFFIX for step executables, FUNCTION_SUFFIX for `call`'s
+        self.suffix = suffix  # SUFFIX for step executables, FUNCTION_SUFFIX for `table.call`'s
 
     def path(self, key) -> Optional[str]:
         text = repr(key)
@@ -176,106 +173,8 @@ def current(suffix: str = SUFFIX) -> Optional[ExecutableStore]:
     return ExecutableStore(os.path.join(directory, "steps"), suffix)
 
 
-_TABLE: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()  # (name, signature) -> executable
-_LOCK = threading.Lock()  # the table is filled from the engine's thread and the warm-up's
-_functions_compiled = 0  # executables `call` compiled (every caller)
-_UNTRIED: set = set()  # keys whose executable was loaded from the store and has not run yet (`_first_run`)
-
-
-def functions_compiled() -> int:
-    """Executables `call` compiled or loaded so far in this process (as `step_programs.compiled_total`
-    counts the steps': what `model_runner.compilation_count` adds up)."""
-    return _functions_compiled
-
-
-def call(jitted, name: str, held: dict, *args):
-    """`jitted(*args)` through an executable the store keeps for the arguments' signature (tree, shapes,
-    dtypes, shardings), so that a warm start neither traces nor lowers the small programs beside the step
-    (the runner's KV pool zeroing, page copies, the sampling controls' row load). `name` tells programs
-    apart (an argument-free one's signature says nothing: its name must say what it builds). `held`: the
-    caller's dict, which keeps its executables alive (the process-wide table holds them weakly, as
-    `step_programs` does). Without a store (no persistent cache, several processes) this is `jitted(*args)`.
-    A stored executable that fails on its first run is dropped and the program compiled (`_first_run`)."""
-    if current(FUNCTION_SUFFIX) is None:
-        return jitted(*args)
-    key = _key(name, args)
-    exe = _prepare(jitted, name, held, key, args)
-    return _first_run(jitted, name, held, key, exe, args) if key in _UNTRIED else exe(*args)
-
-
-def _key(name: str, args) -> tuple:
-    """`call`'s key of a program: its name and the arguments' signature (tree, shapes, dtypes, shardings)."""
-    leaves, treedef = jax.tree.flatten(args)
-    signature = (treedef, tuple((np.shape(x), np.dtype(getattr(x, "dtype", None) or np.result_type(x)).name,
-                                 getattr(x, "sharding", None)) for x in leaves))
-    return (name, signature)
-
-
-def _describe(name: str) -> str:
-    """The program's name for a log line: a name printed from a tuple (the KV pool's zeroing: its
-    config, pages, ...) by its first field."""
-    return name.split(",", 1)[0].lstrip("(").strip("'\"") if name.startswith("(") else name
-
-
-def _first_run(jitted, name: str, held: dict, key, exe, args):
-    """Runs an executable loaded from the store for the first time. Loading proves little: a payload
-    without its kernels loads and fails here ("Function ... not found"). Then the entry is removed, with
-    one warning, and the program compiled and run, so a start over a bad store still serves; unless the
-    failed run consumed a donated argument, which nothing can give back."""
-    global _functions_compiled
-    try:
-        out = exe(*args)
-    except Exception as e:
-        if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(args)):
-            raise
-        store = current(FUNCTION_SUFFIX)
-        store.discard(key, _describe(name), e)
-        exe, storable = compile_to_store(jitted.lower(*args))
-        if storable:
-            store.save(key, exe)
-        with _LOCK:
-            _functions_compiled += 1
-            _TABLE[key] = held[key] = exe
-            _UNTRIED.discard(key)
-        return exe(*args)
-    with _LOCK:
-        _UNTRIED.discard(key)
-    return out
-
-
-def prepare(jitted, name: str, held: dict, *args):
-    """The executable `call` runs for these arguments (arrays or `jax.ShapeDtypeStruct`s of them), loaded
-    or compiled now if needed, without running it: a background warm-up prepares the small programs so.
-    Needs the store (`current(FUNCTION_SUFFIX)`)."""
-    return _prepare(jitted, name, held, _key(name, args), args)
-
-
-def _prepare(jitted, name: str, held: dict, key, args):
-    """`prepare` with the key of the arguments already made (`call` makes it once)."""
-    global _functions_compiled
-    exe = held.get(key)
-    if exe is None:
-        with _LOCK:
-            exe = _TABLE.get(key)
-        if exe is None:
-            store = current(FUNCTION_SUFFIX)
-            exe = store.load(key, _describe(name))
-            if exe is not None:
-                with _LOCK:
-                    _UNTRIED.add(key)
-            else:
-                exe, storable = compile_to_store(jitted.lower(*args))
-                if storable:
-                    store.save(key, exe)
-            with _LOCK:
-                _functions_compiled += 1
-        with _LOCK:
-            _TABLE[key] = held[key] = exe
-    return exe
-
-
 def entries(directory: Optional[str], suffix: str = SUFFIX) -> int:
-    """Step executables (or with `FUNCTION_SUFFIX`, `call`'s) stored under a compilation cache directory."""
+    """Step executables (or with `FUNCTION_SUFFIX`, `table.call`'s) stored under a compilation cache directory."""
     steps = os.path.join(directory or "", "steps")
     if not directory or not os.path.isdir(steps):
         return 0

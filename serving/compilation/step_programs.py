@@ -51,13 +51,11 @@ directly, which lets startup be split:
   the closest executable this process holds; the warning of a compile after
   warm-up quotes it, and `recompile_reasons` keeps the last few.
 
-Executables are found through one module-level table keyed by everything that
-determines the program (config, backend, layout, bucket, and the shapes,
-dtypes and shardings of params, cache and host inputs), so engines over the
-same model share them, as they shared `jit`'s cache before. The table holds
-them weakly: each `StepPrograms` keeps its own, so an executable lives as long
-as some runner that uses it, and a process that builds many engines (a test
-suite, a notebook) does not keep every program it ever compiled.
+Executables are found through the process's one table of programs
+(`serving.compilation.table`), keyed by everything that determines the
+program (config, backend, layout, bucket, and the shapes, dtypes and
+shardings of params, cache and host inputs), so engines over the same model
+share them; each `StepPrograms` keeps its own alive.
 """
 
 from __future__ import annotations
@@ -71,15 +69,10 @@ import time
 import weakref
 from typing import Callable, Optional
 
-from serving.core import executable_store
+from serving.compilation import executable_store, table
 
 
 log = logging.getLogger("ridgeline.warmup")
-
-_TABLE: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()  # key -> jax.stages.Compiled
-_LOCK = threading.Lock()
-_IN_PROGRESS: dict = {}  # key -> threading.Event set when its compile ends
-_compiled_total = 0  # executables compiled by this module (every runner)
 
 # Compiler options of a quick compile, per platform (`jax.Device.platform`). XLA CPU at LLVM -O0:
 # measured on the embedded model (2 cores, benchmarks/quick_compile.py), a bucket compiles in about
@@ -166,11 +159,6 @@ def _fill_when_idle(ref, wake: threading.Condition) -> None:
                 wake.notify_all()
 
 
-def compiled_total() -> int:
-    """Executables compiled here so far (what `model_runner.compilation_count` adds to jit's caches)."""
-    return _compiled_total
-
-
 @dataclasses.dataclass(frozen=True)
 class WarmupStats:
     """Where warm-up stands, for `/health`, `/metrics` and the startup log."""
@@ -242,61 +230,25 @@ class StepPrograms:
     def _compile(self, shape, key, on_demand: bool, quick: bool = False, lowered=None):
         """(executable, how): "found" in the table, "loaded" from the store or "compiled" now (with
         `quick` and quick options for this platform: "compiled quickly", and not saved), from
-        `lowered` when the caller traced it already."""
-        while True:
-            with _LOCK:
-                exe = _TABLE.get(key)
-                if exe is not None:
-                    self._own[key] = exe
-                    self._ready.add(shape)
-                    return exe, "found"
-                pending = _IN_PROGRESS.get(key)
-                if pending is None:
-                    _IN_PROGRESS[key] = threading.Event()
-                    break
-            pending.wait()  # another thread is compiling it; then take its result
-        try:
-            exe, how = self._load_stored(shape, key), "loaded"
-            if exe is None:
-                if on_demand and self._warmed_up:
-                    self.compiles_after_ready += 1
-                    reason = self.why(key)
-                    self.recompile_reasons = (self.recompile_reasons + [reason])[-8:]
-                    log.warning("compiling step bucket T=%d, P=%d on demand after warm-up: %s", shape.T, shape.P,
-                                reason)
-                lowered = lowered or self._lower(shape)
-                if quick and self._quick_options:
-                    exe, how = lowered.compile(compiler_options=self._quick_options), "compiled quickly"
-                    self._quick.add(shape)
-                else:
-                    exe, how = self._full_compile(shape, key, lowered), "compiled"
-            self._keep(key, exe)
-            self._ready.add(shape)
-            return exe, how
-        finally:
-            with _LOCK:
-                _IN_PROGRESS.pop(key).set()
+        `lowered` when the caller traced it already (`table.get`)."""
+        def count_late_compile():
+            if on_demand and self._warmed_up:
+                self.compiles_after_ready += 1
+                reason = self.why(key)
+                self.recompile_reasons = (self.recompile_reasons + [reason])[-8:]
+                log.warning("compiling step bucket T=%d, P=%d on demand after warm-up: %s", shape.T, shape.P, reason)
 
-    def _full_compile(self, shape, key, lowered=None):
-        """Compiles `shape` with the default options and saves it whole for later processes (unless it
-        came from JAX's persistent cache, which a stored copy could not run from: `compile_to_store`)."""
-        exe, storable = executable_store.compile_to_store(lowered or self._lower(shape))
-        store = executable_store.current()
-        if store is not None and storable:
-            store.save(key, exe)
-        return exe
-
-    def _keep(self, key, exe) -> None:
-        """Makes `exe` the executable of `key`, for this runner and the process-wide table."""
-        global _compiled_total
-        with _LOCK:
-            _TABLE[key] = exe
-            self._own[key] = exe
-            _compiled_total += 1
+        exe, how = table.get(key, lambda: lowered or self._lower(shape), self._own,
+                             what=f"step bucket T={shape.T}, P={shape.P}",
+                             quick_options=self._quick_options if quick else None, on_compile=count_late_compile)
+        if how == "compiled quickly":
+            self._quick.add(shape)
+        self._ready.add(shape)
+        return exe, how
 
     def _replace_quick(self, shape, key) -> None:
         """Compiles a quickly compiled bucket fully and swaps it in (steps pick it up from the next one)."""
-        self._keep(key, self._full_compile(shape, key))
+        table.put(key, table.compile_full(key, self._lower(shape)), self._own)
         self._quick.discard(shape)
 
     def _is_stored(self, shape) -> bool:
@@ -308,19 +260,11 @@ class StepPrograms:
             found = self._stored[shape] = path is not None and os.path.exists(path)
         return found
 
-    @staticmethod
-    def _load_stored(shape, key):
-        """The executable saved by an earlier process (`executable_store`), loaded without tracing; None
-        (and one warning naming the bucket) when there is none or it does not load."""
-        store = executable_store.current()
-        return None if store is None else store.load(key, f"step bucket T={shape.T}, P={shape.P}")
-
     def why(self, key) -> str:
         """Why `key` needs a program of its own: how it differs from the closest key whose executable
         this process holds, field by field ("bucket: (T=64, S=8, P=4), closest compiled (T=32, S=8,
         P=4)"; for the argument signature, the first argument leaf that differs)."""
-        with _LOCK:
-            known = [k for k in list(self._own) + list(_TABLE.keys()) if len(k) == len(key)]
+        known = [k for k in list(self._own) + table.keys() if len(k) == len(key)]
         if not known:
             return "the first step program of this process"
         if key in known:
@@ -338,7 +282,7 @@ class StepPrograms:
 
     def is_compiled(self, shape) -> bool:
         key = self._key(shape)
-        return key in self._own or key in _TABLE
+        return key in self._own or table.holds(key)
 
     # --- choosing a bucket ----------------------------------------------------------------------
     def shape_for(self, shape):
@@ -378,10 +322,10 @@ class StepPrograms:
         self._warm_set = list(shapes)
         first = [shapes[0], shapes[-1]] if background and len(shapes) > 2 else list(shapes)
         self._rest = [s for s in shapes if s not in first]
-        compiled_before = _compiled_total
+        compiled_before = table.compiled_total("step")
         self._compile_overlapped(first, t0, len(shapes), quick=quick and bool(self._rest))
         self._warmed_up = True
-        info = {"seconds": time.perf_counter() - t0, "compiled": _compiled_total - compiled_before,
+        info = {"seconds": time.perf_counter() - t0, "compiled": table.compiled_total("step") - compiled_before,
                 "shapes": len(first), "background": len(self._rest), "quick": len(self._quick)}
         self._rest = sorted(self._quick, key=first.index) + self._rest  # their full compiles come first
         if self._rest:

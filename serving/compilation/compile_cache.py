@@ -155,7 +155,7 @@ class _Counters:
                 self._writes += 1
 
     def on_stored_load(self, seconds: float) -> None:
-        """An executable loaded whole from `serving.core.executable_store`: a cache hit, untraced."""
+        """An executable loaded whole from `serving.compilation.executable_store`: a cache hit, untraced."""
         with self._lock:
             self._requests += 1
             self._hits += 1
