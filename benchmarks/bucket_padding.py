@@ -29,7 +29,8 @@ of 16 tokens or more at the largest page bucket (`Buckets.one_page_bucket`;
 34 buckets) against prefill-sized steps with a bucket per page count, as
 before (49), on those workloads and on prefill-heavy ones (many short prompts,
 a few 200-token ones, one long one chunked), where short contexts in the
-largest page bucket would cost most.
+largest page bucket would cost most, and on `offline_throughput.py`'s mixed
+workload (32 requests, prompts and outputs of 16-256 tokens).
 
 Writes benchmarks/results/bucket_padding_cpu.json (or `--out`; with
 `--cut prefill_pages`, bucket_padding_prefill_pages_cpu.json).
@@ -79,6 +80,11 @@ def workloads(cut: str, vocab: int):
     sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     runs = [(f"{n} x {length}, 48 new", prompts(n, length), sp) for n in (2, 4, 8) for length in (40, 300)]
     if cut == "prefill_pages":
+        from offline_throughput import workload  # its mixed workload: 32 requests, prompts and outputs of 16-256
+
+        jobs = workload(32, 1234, vocab)
+        runs += [("32 mixed (offline_throughput)", [p for p, _ in jobs],
+                  [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in jobs])]
         runs += [("48 x 30, 8 new", prompts(48, 30), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)),
                  ("12 x 200, 4 new", prompts(12, 200), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)),
                  ("1 x 1500, 1 new", prompts(1, 1500), SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))]
@@ -89,6 +95,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cut", default="decodes", choices=("decodes", "prefill_pages"))
+    p.add_argument("--only", default=None, help="run only the workloads whose name contains this")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     out = args.out or os.path.join(ROOT, "benchmarks", "results", "bucket_padding_cpu.json" if args.cut == "decodes"
@@ -105,6 +112,8 @@ def main(argv=None) -> dict:
                    "one page bucket from 2 rows": build(cfg, params, 2)}
     rows = []
     for name, prompts, sp in workloads(args.cut, cfg.vocab_size):
+        if args.only and args.only not in name:
+            continue
         tokens = {engine: [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp)]
                   for engine, llm in engines.items()}
         best = best_of_rotating_rounds({engine: functools.partial(llm.generate, prompts, sp)
