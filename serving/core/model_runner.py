@@ -13,12 +13,8 @@ accepts as its `layout` (`sharding.Layout` is one). With `layout=None`
 everything lives on the default device and no sharding code runs. A layout
 with a `forward` method of its own (`sharding.pipeline.PipelineLayout`) runs
 the model through it instead, over the staged params and cache it places
-itself (`stage_params`, `init_cache`, `sharding.pipeline.copy_staged_pages`).
-Everything around the forward is the same step under stages: the logit parts'
-device inputs and states, replicated over the mesh and applied to the logits
-after the stages, which every device holds; speculative decoding's
-verification; a forward part's weight state (LoRA adapter slots), which the
-part stages like the layers (`PipelineLayout.stage_lora_slots`).
+itself (`stage_params`, `init_cache`, `sharding.pipeline.copy_staged_pages`);
+everything around the forward is the same step.
 """
 
 from __future__ import annotations
@@ -267,10 +263,9 @@ class ModelRunner:
 
     # --- placement: the one hook for shardings -----------------------------------------------
     def place(self, params, cache_dtype=None):
-        """Puts params and a fresh (zeroed) KV cache on the device(s) of `self.layout`. Pipeline stages
-        (`sharding.pipeline.PipelineLayout`) place their own: `StagedWeights`, each layer on its stage's
-        devices, and per stage-local layer one `[p * pages, ...]` array whose page axis is split over
-        `pipeline` (the block manager's page ids are the same on every stage, each holding them for its layers)."""
+        """Puts params and a fresh (zeroed) KV cache on the device(s) of `self.layout`. Pipeline stages place
+        their own: `StagedWeights`, and per stage-local layer one page array split over `pipeline` (the block
+        manager's page ids are the same on every stage, each holding them for its own layers)."""
         if self._staged:
             return (self.layout.stage_params(self.cfg, params),
                     self.layout.init_cache(self.cfg, self.num_pages, self.page_size, cache_dtype))
