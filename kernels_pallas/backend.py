@@ -18,6 +18,9 @@ class AttentionBackend:
     # Whether attention / write_kv accept the optional k_scale / v_scale of an int8 / fp8
     # cache (see `reference`). A backend without it is refused for a quantized cache.
     quantized_kv: bool = False
+    # The product `x [M, K] @ (data * scale)^T` of a group-quantized weight (`kernels_pallas.grouped_matmul`'s
+    # contract), run by the backend's kernel; None: XLA's (the weight widened as the product's operand).
+    grouped_matmul: Callable | None = None
 
 
 def pallas_supports_head_dim(head_dim: int) -> bool:

@@ -26,6 +26,7 @@ from model.config import LlamaConfig
 from model.declarations import Weights
 from model.families import family_for_config
 from model.layer_select import layer_view, split_layers
+from model.linear import grouped_matmul_kernel
 
 
 def forward_hidden(params: Weights, cache: KVCache, tokens, md: BatchMetadata, cfg: LlamaConfig,
@@ -43,8 +44,16 @@ def forward_hidden(params: Weights, cache: KVCache, tokens, md: BatchMetadata, c
     `image_embeds` `[T, embed]` (a vision-language model, `model.vision`): the rows of the tokens that
     are image placeholders (`cfg.image_token_id` inside an image, `md.span_end`) take these embeddings
     instead of the token's; the other rows are ignored."""
-    blocks = family_for_config(cfg).blocks
     impl = get_backend(backend, head_dim=cfg.head_dim)
+    # A backend with a kernel for the products with group-quantized weights (the Pallas ones) runs them too
+    # (`model.linear`); under a layout XLA partitions them (a kernel's custom call would gather the
+    # sharded weights first).
+    with grouped_matmul_kernel(impl.grouped_matmul if layout is None else None):
+        return _forward_layers(params, cache, tokens, md, cfg, impl, layout, image_embeds)
+
+
+def _forward_layers(params, cache, tokens, md, cfg, impl, layout, image_embeds):
+    blocks = family_for_config(cfg).blocks
     if layout is not None:
         impl = layout.attention_backend(impl, cfg)
     per_layer = blocks.layer_inputs(cfg)

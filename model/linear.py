@@ -2,7 +2,8 @@
 
 A weight reaches `linear` as a float array, a `QuantizedArray` (int8 / fp8 data with per-output-channel
 scales, `model.quant`), a `GroupQuantizedArray` (a published checkpoint's fp8 data with one scale per
-output row and input group: XLA widens and scales it inside the jitted step), or a `PerLayer`: every layer's matrix and the traced index of the layer that
+output row and input group: XLA widens and scales it inside the jitted step, or with the Pallas backends
+on one device `kernels_pallas.grouped_matmul` does it inside the tile), or a `PerLayer`: every layer's matrix and the traced index of the layer that
 reads it, what the scanned forward on XLA CPU passes (`model.layer_select`), where each matmul is a
 `lax.switch` over the layers whose branch j is that matmul on layer j's matrix (`selected_linear`).
 `linear` and `selected_linear` call each other, so they live here together: `model.layer_select` builds
@@ -15,6 +16,8 @@ product, so every family that computes its projections with `linear` serves adap
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 from typing import Any
@@ -42,6 +45,9 @@ def linear(spec: str, x, w, **kwargs):
     if isinstance(w, LoraWeight):  # the base product plus each token's adapter delta (`model.lora`)
         return lora_linear(spec, x, w, **kwargs)
     if isinstance(w, GroupQuantizedArray):  # group-wise scales (`model.quant`): applied to the widened data
+        kernel = _GROUPED_KERNEL.get()
+        if kernel is not None and not kwargs and _is_x_times_w_transposed(spec, x, w):
+            return kernel(x, w.data, w.scale, group=w.group)
         return jnp.einsum(spec, x, dequantize_grouped(w, x.dtype), **kwargs)
     if not isinstance(w, QuantizedArray):
         return jnp.einsum(spec, x, w, **kwargs)
@@ -50,6 +56,31 @@ def linear(spec: str, x, w, **kwargs):
         raise ValueError(f"linear {spec!r}: the output's trailing dims {out.shape} do not match the weight's "
                          f"output dims {w.scale.shape}; weights are [out..., in...]")
     return (out.astype(jnp.float32) * w.scale).astype(out.dtype)
+
+
+# The kernel a traced 2-D product with a group-quantized weight runs in: None (XLA widens and scales the
+# weight as the product's operand) or a backend's `grouped_matmul` (the Pallas one reads the weight in its
+# 1-byte storage form and scales it inside the tile). Set for one forward by `grouped_matmul_kernel`:
+# `model.forward` takes it from its attention backend on one device.
+_GROUPED_KERNEL: contextvars.ContextVar = contextvars.ContextVar("grouped_matmul_kernel", default=None)
+
+
+@contextlib.contextmanager
+def grouped_matmul_kernel(kernel):
+    """Traces the products with group-quantized weights inside the block with `kernel` (see above)."""
+    token = _GROUPED_KERNEL.set(kernel)
+    try:
+        yield
+    finally:
+        _GROUPED_KERNEL.reset(token)
+
+
+def _is_x_times_w_transposed(spec: str, x, w) -> bool:
+    """Whether `spec` is a 2-D `x [M, K] @ w [N, K]^T` ("te,fe->tf"), the kernel's one form."""
+    ins, _, out = spec.replace(" ", "").partition("->")
+    a, _, b = ins.partition(",")
+    return (x.ndim == 2 and w.data.ndim == 2 and len(a) == len(b) == 2 and a[1] == b[1] and out == a[0] + b[0]
+            and a[0] != b[0])
 
 
 @dataclasses.dataclass(frozen=True)
