@@ -3,7 +3,7 @@
 # device copy bandwidth and bf16 matmul rate, Pallas kernel parity with the references,
 # achieved bandwidth of the attention kernel vs the XLA-compiled reference for decode and
 # mixed batches (Llama-3-8B attention shapes; benchmarks/kernel_bench.py), batch-1 decode
-# with bf16 / int8 / fp8 weights (gpu_quant_decode.py), one MoE layer grouped (ragged_dot)
+# with bf16 / int8 / fp8 / block-scaled fp8 weights (gpu_quant_decode.py), one MoE layer grouped (ragged_dot)
 # against its dense reference (moe_layer_bench.py), and full-model decode MBU,
 # prefill MFU and engine throughput (gpu_model_bench.py), offline throughput of a 1B model with
 # LoRA off, on, one adapter and four adapters mixed in every step (lora_bench.py), and the 8B

@@ -1,4 +1,4 @@
-"""Batch-1 decode of a Llama-3-8B-shaped model: int8 / fp8 weights against bf16, on one GPU.
+"""Batch-1 decode of a Llama-3-8B-shaped model: int8 / fp8 / block-scaled fp8 weights against bf16, on one GPU.
 
     python benchmarks/gpu_quant_decode.py [--out DIR] [--context 1024] [--steps 30] [--rounds 3]
     python benchmarks/gpu_quant_decode.py --smoke     # CPU: tiny shapes, a few steps
@@ -8,7 +8,10 @@ weight byte: it is memory-bound, so its ceiling is bandwidth / bytes per step.
 int8 / fp8 weights (model.quant: one byte per weight, fp32 per-channel scales,
 widened to bf16 inside the matmul) halve the weight bytes, so the step time
 should roughly halve; the issue's claim to check is "the ceiling roughly
-doubles". Weights are random (quality is measured on the embedded model by
+doubles". `fp8_g128` is the block-scaled kind of the published FP8 checkpoints
+(one scale per output row and 128 inputs), whose projections the Pallas backend
+runs in `kernels_pallas.grouped_matmul` (the tile widened and scaled in
+registers) instead of XLA's widened operand. Weights are random (quality is measured on the embedded model by
 `quant_quality.py`); the KV cache holds a short context (default 1K tokens,
 134 MB in bf16, ~1% of the weights) so the comparison is about the weights.
 
@@ -80,7 +83,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="timed decode steps per round")
     ap.add_argument("--rounds", type=int, default=None, help="alternating rounds; each variant keeps its best")
     ap.add_argument("--backend", default="auto")
-    ap.add_argument("--variants", default="bf16,int8,fp8")
+    ap.add_argument("--variants", default="bf16,int8,fp8,fp8_g128")
     ap.add_argument("--budget-s", type=float, default=180.0,
                     help="stop compiling further variants after this many seconds (the rest are reported skipped)")
     args = ap.parse_args(argv)
