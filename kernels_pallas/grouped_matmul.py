@@ -29,12 +29,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 
-def grouped_matmul_reference(x, data, scale, group: int):
-    """`x [M, K] @ (data [N, K] * scale [N, ceil(K / group)] over groups)^T` in x's dtype (fp32 products)."""
+def grouped_matmul_reference(x, data, scale, group: int, out_dtype=None):
+    """`x [M, K] @ (data [N, K] * scale [N, ceil(K / group)] over groups)^T` in `out_dtype` (default x's; fp32
+    products)."""
     n, k = data.shape
     full = jnp.repeat(scale.astype(jnp.float32), group, axis=1, total_repeat_length=scale.shape[1] * group)[:, :k]
     w = data.astype(jnp.float32) * full
-    return jnp.dot(x.astype(jnp.float32), w.T, precision=lax.Precision.HIGHEST).astype(x.dtype)
+    return jnp.dot(x.astype(jnp.float32), w.T, precision=lax.Precision.HIGHEST).astype(out_dtype or x.dtype)
 
 
 def _pow2_at_most(n: int, cap: int) -> int:
@@ -59,10 +60,12 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, group: int, num_groups: int, exact: b
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("group", "block_m", "block_n", "interpret", "num_warps", "num_stages"))
-def grouped_matmul(x, data, scale, *, group: int, block_m: int | None = None, block_n: int | None = None,
-                   interpret: bool = False, num_warps: int = 4, num_stages: int = 3):
-    """`x [M, K] @ (data [N, K] * scale)^T` -> [M, N] in x's dtype, by the Pallas kernel.
+@functools.partial(jax.jit, static_argnames=("group", "out_dtype", "block_m", "block_n", "interpret", "num_warps",
+                                             "num_stages"))
+def grouped_matmul(x, data, scale, *, group: int, out_dtype=None, block_m: int | None = None,
+                   block_n: int | None = None, interpret: bool = False, num_warps: int = 4, num_stages: int = 3):
+    """`x [M, K] @ (data [N, K] * scale)^T` -> [M, N] in `out_dtype` (default x's; the fp32 accumulator
+    as it is for float32, what an LM head asks for), by the Pallas kernel.
 
     `data`: fp8 e4m3 or int8 (int4 values); `scale`: fp32 `[N, ceil(K / group)]`; `group`: a power of two
     >= 16 (the tensor-core product's smallest K). Tiles (static): `block_m` rows of x (default: M's power
@@ -87,7 +90,7 @@ def grouped_matmul(x, data, scale, *, group: int, block_m: int | None = None, bl
     kernel = functools.partial(_kernel, group=group, num_groups=num_groups, exact=x.dtype == jnp.float32)
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m + pad_m, n + pad_n), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((m + pad_m, n + pad_n), out_dtype or x.dtype),
         grid=((m + pad_m) // bm, (n + pad_n) // bn),
         in_specs=[pl.BlockSpec((bm, num_groups * group), lambda i, j: (i, 0)),
                   pl.BlockSpec((bn, num_groups * group), lambda i, j: (j, 0)),

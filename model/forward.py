@@ -45,11 +45,22 @@ def forward_hidden(params: Weights, cache: KVCache, tokens, md: BatchMetadata, c
     are image placeholders (`cfg.image_token_id` inside an image, `md.span_end`) take these embeddings
     instead of the token's; the other rows are ignored."""
     impl = get_backend(backend, head_dim=cfg.head_dim)
-    # A backend with a kernel for the products with group-quantized weights (the Pallas ones) runs them too
-    # (`model.linear`); under a layout XLA partitions them (a kernel's custom call would gather the
-    # sharded weights first).
-    with grouped_matmul_kernel(impl.grouped_matmul if layout is None else None):
+    with _grouped_kernel(impl, layout):
         return _forward_layers(params, cache, tokens, md, cfg, impl, layout, image_embeds)
+
+
+def _grouped_kernel(impl, layout):
+    """A backend with a kernel for the products with group-quantized weights (the Pallas ones) runs them
+    (`model.linear`) on one device; over several XLA partitions them (a kernel's custom call would gather
+    the sharded weights first)."""
+    one_device = layout is None or getattr(getattr(layout, "mesh", None), "size", 0) == 1
+    return grouped_matmul_kernel(impl.grouped_matmul if one_device else None)
+
+
+def _logits(params, x, cfg, backend, layout):
+    """The logits of rows `x`, the LM head's product through the same kernel as the layers'."""
+    with jax.named_scope("logits"), _grouped_kernel(get_backend(backend, head_dim=cfg.head_dim), layout):
+        return family_for_config(cfg).blocks.logits(params, x, cfg, layout)
 
 
 def _forward_layers(params, cache, tokens, md, cfg, impl, layout, image_embeds):
@@ -131,9 +142,7 @@ def forward(params: Weights, cache: KVCache, tokens, md: BatchMetadata, cfg: Lla
             backend: str = "auto", layout=None, image_embeds=None):
     """Logits `[R, vocab]` (fp32) for rows `md.logits_indices`, and the updated cache."""
     x, cache = forward_hidden(params, cache, tokens, md, cfg, backend, layout, image_embeds)
-    with jax.named_scope("logits"):
-        logits = family_for_config(cfg).blocks.logits(params, x[md.logits_indices], cfg, layout)
-    return logits, cache
+    return _logits(params, x[md.logits_indices], cfg, backend, layout), cache
 
 
 def forward_with_hidden(params: Weights, cache: KVCache, tokens, md: BatchMetadata, cfg: LlamaConfig,
@@ -141,9 +150,7 @@ def forward_with_hidden(params: Weights, cache: KVCache, tokens, md: BatchMetada
     """`forward`'s logits, every row's hidden state after the final norm `[T, embed]` (what a pooler reads:
     `model.pooling`), and the updated cache: one forward serving both sampled and pooled rows."""
     x, cache = forward_hidden(params, cache, tokens, md, cfg, backend, layout, image_embeds)
-    with jax.named_scope("logits"):
-        logits = family_for_config(cfg).blocks.logits(params, x[md.logits_indices], cfg, layout)
-    return logits, final_hidden_norm(params, x, cfg), cache
+    return _logits(params, x[md.logits_indices], cfg, backend, layout), final_hidden_norm(params, x, cfg), cache
 
 
 def final_hidden_norm(params: Weights, x, cfg: LlamaConfig):

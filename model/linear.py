@@ -46,8 +46,8 @@ def linear(spec: str, x, w, **kwargs):
         return lora_linear(spec, x, w, **kwargs)
     if isinstance(w, GroupQuantizedArray):  # group-wise scales (`model.quant`): applied to the widened data
         kernel = _GROUPED_KERNEL.get()
-        if kernel is not None and not kwargs and _is_x_times_w_transposed(spec, x, w):
-            return kernel(x, w.data, w.scale, group=w.group)
+        if kernel is not None and set(kwargs) <= {"preferred_element_type"} and _is_x_times_w_transposed(spec, x, w):
+            return kernel(x, w.data, w.scale, group=w.group, out_dtype=kwargs.get("preferred_element_type"))
         return jnp.einsum(spec, x, dequantize_grouped(w, x.dtype), **kwargs)
     if not isinstance(w, QuantizedArray):
         return jnp.einsum(spec, x, w, **kwargs)

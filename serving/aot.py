@@ -487,9 +487,14 @@ def run(args) -> dict:
     if args.pipeline_parallel_size != 1:
         raise AotError(f"--pipeline_parallel_size {args.pipeline_parallel_size}: pipeline stages are not compiled "
                        "by serving.aot yet (tensor parallelism only)")
-    if args.quantization not in (None, "none"):
-        raise AotError(f"--quantization {args.quantization}: quantized weights are not compiled by serving.aot yet")
     cfg = load_config(args.model, args.checkpoint)
+    if args.quantization not in (None, "none"):  # the weight kinds of `--weight_dtype` / a quantized checkpoint
+        from model.quant import check_weight_dtype
+
+        try:
+            cfg = cfg.replace(weight_dtype=check_weight_dtype(args.quantization))
+        except ValueError as e:
+            raise AotError(f"--quantization {args.quantization}: {e}") from None
     if args.dtype != "auto":
         cfg = cfg.replace(dtype=args.dtype)
     tp = args.tensor_parallel_size
@@ -528,7 +533,7 @@ def run(args) -> dict:
     for shape in chosen_shapes(buckets, args.buckets):
         (_, isize), (_, fsize) = shape.offsets(shape.int_fields), shape.offsets(shape.float_fields)
         step_args = (params, cache, _sds((isize,), np.int32, rep), _sds((fsize,), np.float32, rep), feed, states,
-                     None, None, step_parts.input_specs(parts, shape.S, rep))
+                     None, (), step_parts.input_specs(parts, shape.S, rep))  # no device input, no weight states
         kind = "decode" if shape.T <= buckets.max_num_seqs else "prefill"
         name = f"{kind} T={shape.T} S={shape.S} P={shape.P}"
         entry, hlo = compile_program(name, model_runner._step_jit, step_args,

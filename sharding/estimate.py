@@ -207,7 +207,8 @@ def plan(inp: PlanInputs) -> dict:
     kv_token_total = _kv_bytes_per_token(cfg, inp.kv_dt)
     kv_layer_token = kv_token_total / cfg.num_layers  # every layer caches the same per token
     st_kv_token = [kv_layer_token * len(r) / kv_ways for r in stages]
-    q_ways = shard_count(param_resolutions(cfg, sizes, rules)["layers.0.wq"][1], sizes)
+    resolved = param_resolutions(cfg, sizes, rules)
+    q_ways = shard_count(resolved.get("layers.0.wq", resolved.get("layers.0.wq.data"))[1], sizes)  # (quantized: .data)
     attn_flops_layer = 4 * cfg.num_heads * cfg.head_dim / q_ways  # per token per cached position per device
 
     free = [gpu.hbm_bytes - inp.reserve_bytes - b for b in st_bytes]

@@ -99,6 +99,23 @@ def test_llama3_8b_decode_compiles_for_one_h100():
     assert 3e-3 < decode["roofline_s"] < 8e-3
 
 
+def test_a_block_scaled_fp8_llama3_8b_decode_runs_its_projections_in_the_grouped_kernel():
+    """`--quantization fp8_g128` (the published FP8 checkpoints' kind): half the weight bytes, every projection
+    and the LM head in `kernels_pallas.grouped_matmul` (one kernel per distinct shape: q, k/v, o, gate/up,
+    down, head), none spilling, and at 64 rows the step moves no more than 1.1x its ideal bytes."""
+    _needs_plugin()
+    proc = _run("--model", "llama3-8b", "--quantization", "fp8_g128", "--buckets", "64:64:8", "--layer_loop",
+                "unroll", "--skip_small_programs", "--format", "json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["fits"] and 8e9 < report["weights_bytes"] < 9e9
+    (decode,) = report["programs"]
+    assert "error" not in decode, decode
+    grouped = [k for k in decode["kernels"] if k["name"].startswith("grouped_matmul")]
+    assert len(grouped) == 5 and not any(k["spill_bytes"] for k in decode["kernels"]), decode["kernels"]
+    assert decode["traffic_ratio"] <= 1.1
+
+
 @pytest.mark.parametrize("preset", [
     ("llama3-8b", "h100-sxm", 1, "1:1:4,64:64:8192"),
     ("qwen3-8b", "h200", 1, "64:64:8192"),

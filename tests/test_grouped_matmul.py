@@ -62,6 +62,18 @@ def test_the_kernel_matches_the_reference(kind, x_dtype, m, n, k, group):
     assert np.allclose(np.asarray(want, np.float32), dense, rtol=TOL[x_dtype], atol=TOL[x_dtype] * scale)
 
 
+def test_an_lm_head_gets_the_fp32_accumulator():
+    """`out_dtype=float32` (what `linear`'s `preferred_element_type` asks for the LM head): bf16 inputs, the
+    product returned in fp32 as accumulated."""
+    rng = np.random.default_rng(7)
+    q = quantize_grouped(jnp.asarray(rng.standard_normal((320, 256)), jnp.float32), jnp.float8_e4m3fn, 1, 128)
+    x = jnp.asarray(rng.standard_normal((3, 256)), jnp.bfloat16)
+    got = grouped_matmul(x, q.data, q.scale, group=128, out_dtype=jnp.float32, interpret=True)
+    want = grouped_matmul_reference(x, q.data, q.scale, 128, out_dtype=jnp.float32)
+    assert got.dtype == jnp.float32 and got.shape == (3, 320)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-2 * float(jnp.abs(want).max()))
+
+
 def test_bad_shapes_and_groups_are_refused():
     x = jnp.zeros((4, 256), jnp.float32)
     data = jnp.zeros((64, 256), jnp.int8)
