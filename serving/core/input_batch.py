@@ -112,9 +112,9 @@ class Buckets:
         visible key. So larger page buckets cost these steps little, while a bucket per page count
         multiplies the programs a server compiles. Measured on CPU, 30-layer 135M shape
         (docs/performance.md): 16 and 64 decoding rows as fast in the largest bucket as in their own,
-        prefill-sized steps over short contexts 0-5% slower there; but one decoding row 1.3x slower
-        (its few pages are then one block of the whole bucket's table), which is why the steps below
-        `ONE_PAGE_BUCKET_FROM` tokens keep every page bucket."""
+        batches of only short prefills up to 7% slower there (a mixed workload: no slower); but one
+        decoding row 1.3x slower (its few pages are then one block of the whole bucket's table), which is
+        why the steps below `ONE_PAGE_BUCKET_FROM` tokens keep every page bucket."""
         return num_tokens_bucket >= ONE_PAGE_BUCKET_FROM
 
     def step_pages(self, num_tokens_bucket: int, n: int) -> int:
