@@ -7,6 +7,7 @@ non-UTF-8 bodies, and the `/tokenize`, `/detokenize`, `/version` and
 `/v1/models/{id}` routes; `LLM.chat` against the chat route.
 """
 
+import json
 import os
 import re
 import types
@@ -111,11 +112,39 @@ def test_a_field_that_is_neither_openai_nor_implemented_is_a_400_naming_it(serve
             server.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
                                                   extra_body={"some_client_extension": 1})
         else:
-            complete(server, extra_body={"return_token_ids": True})
+            complete(server, extra_body={"use_beam_search": True})
     err = e.value.body
-    name = "some_client_extension" if kind == "chat" else "return_token_ids"
+    name = "some_client_extension" if kind == "chat" else "use_beam_search"
     assert e.value.status_code == 400 and err["param"] == name and name in err["message"]
     assert err["type"] == "invalid_request_error" and err["code"] == "unsupported_parameter"
+
+
+def test_return_token_ids_gives_the_prompts_and_each_tokens_ids_versions_and_keep_sizes(server):
+    """vLLM's token in / token out on /v1/completions: a token-id prompt, the choice's `prompt_token_ids` and
+    `token_ids`, and Ridgeline's `weight_versions` and (with logprobs) `keep_sizes`; a stream sends the
+    prompt's ids in a choice's first chunk and each chunk's new tokens, which add up to the same ids."""
+    prompt = [5, 80, 81, 82]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0.0, "logprobs": 1,
+            "return_token_ids": True}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    assert c["prompt_token_ids"] == prompt and len(c["token_ids"]) == 6
+    assert c["weight_versions"] == [0] * 6 and c["keep_sizes"] == [V] * 6  # raw logprobs: the whole vocabulary
+    assert len(c["logprobs"]["tokens"]) == 6
+    plain = httpx.post(server.url + "/v1/completions", json={**body, "return_token_ids": None, "logprobs": None},
+                       timeout=60).json()["choices"][0]
+    assert plain["text"] == c["text"] and all(plain.get(k) is None for k in ("token_ids", "keep_sizes"))
+    no_lp = httpx.post(server.url + "/v1/completions", json={**body, "logprobs": None}, timeout=60).json()
+    assert no_lp["choices"][0]["token_ids"] == c["token_ids"] and no_lp["choices"][0].get("keep_sizes") is None
+    chunks = [json.loads(line[6:]) for line in httpx.post(
+        server.url + "/v1/completions", json={**body, "stream": True}, timeout=60).text.splitlines()
+        if line.startswith("data: {")]
+    streamed = [ch["choices"][0] for ch in chunks if ch["choices"]]
+    assert streamed[0]["prompt_token_ids"] == prompt and all("prompt_token_ids" not in s or s["prompt_token_ids"]
+                                                             is None for s in streamed[1:])
+    assert sum((s["token_ids"] for s in streamed), []) == c["token_ids"]
+    assert sum((s["keep_sizes"] for s in streamed), []) == c["keep_sizes"]
 
 
 def test_every_unknown_field_is_named_and_echo_is_refused_on_chat(server):

@@ -185,3 +185,51 @@ def test_counts_past_int32_pack_as_the_largest_int32():
     sampling_table.write_row(views, 1, values)
     assert views["top_k"][1] == views["min_tokens"][1] == 2**31 - 1
     assert sampling_table.row_values(SimpleNamespace(params=SamplingParams(top_k=-1), seed=7))["top_k"] == 0
+
+
+def test_the_keep_mask_size_is_the_support_of_the_filtered_distribution():
+    """`LogprobsOutput.kept` of processed logprobs: per row the tokens top-k, top-p and min-p left, as numpy
+    counts them from the same logits; raw rows keep the whole vocabulary."""
+    import jax.numpy as jnp
+
+    from serving.core.sampler import SamplingInputs, filtered_logits, logprobs_of
+
+    rng = np.random.default_rng(3)
+    r, vocab = 6, 50
+    logits = rng.standard_normal((r, vocab)).astype(np.float32) * 3
+    top_k = np.array([0, 5, 0, 0, 7, 0], np.int32)
+    top_p = np.array([1.0, 1.0, 0.6, 1.0, 0.5, 1.0], np.float32)
+    min_p = np.array([0.0, 0.0, 0.0, 0.2, 0.0, 0.0], np.float32)
+    temperature = np.array([1.0, 1.0, 0.7, 1.0, 1.0, 0.0], np.float32)
+    s = SamplingInputs(jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p), jnp.asarray(min_p),
+                       jnp.zeros((r, 2), jnp.uint32), jnp.zeros(r, jnp.int32), jnp.zeros(r, jnp.int32),
+                       jnp.full(r, -1, jnp.int32), jnp.asarray(True), jnp.asarray(True), jnp.asarray(True))
+    x = jnp.asarray(logits)
+    processed = jnp.where((s.temperature > 0)[:, None], filtered_logits(x, s), x)
+    kept = np.asarray(logprobs_of(processed, jnp.zeros(r, jnp.int32), s).kept)
+    raw_kept = np.asarray(logprobs_of(x, jnp.zeros(r, jnp.int32), s).kept)
+
+    def count(row):
+        z = logits[row] / max(temperature[row], 1e-9) if temperature[row] > 0 else None
+        if z is None:
+            return vocab  # greedy: the processed logits are the raw ones
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        order = np.argsort(-p)
+        keep = np.ones(vocab, bool)
+        if min_p[row] > 0:
+            keep &= p >= min_p[row] * p.max()
+        if top_k[row] > 0:
+            keep[order[top_k[row]:]] = False
+        if top_p[row] < 1:
+            q = np.where(keep, p, 0)[order]
+            q /= q.sum()
+            before = np.cumsum(q) - q
+            cut = np.zeros(vocab, bool)
+            cut[order] = (before >= top_p[row]) & (np.arange(vocab) > 0)
+            keep &= ~cut
+        return int(keep.sum())
+
+    assert list(kept) == [count(i) for i in range(r)]
+    assert list(kept[[0, 5]]) == [vocab, vocab] and kept[1] == 5
+    assert list(raw_kept) == [vocab] * r

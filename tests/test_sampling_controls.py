@@ -351,3 +351,7 @@ def test_processed_logprobs_are_those_of_the_distribution_drawn_from():
     greedy_k1 = LLM(logprobs_mode="processed_logprobs", **engine).generate(
         ["def f("], sp.clone(top_k=1))[0].outputs[0]
     assert all(abs(lp[t].logprob) < 1e-6 for t, lp in zip(greedy_k1.token_ids, greedy_k1.logprobs))
+    # The keep-mask size of every drawn token: the two top-k kept (one under top_k=1); raw logprobs are of the
+    # whole vocabulary.
+    vocab = LLM(**engine).engine.cfg.vocab_size
+    assert processed.keep_sizes == [2] * 6 and greedy_k1.keep_sizes == [1] * 6 and raw.keep_sizes == [vocab] * 6

@@ -505,7 +505,8 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
                     lps = completion_logprobs(tokenizer, ids, entries)
                 choices.append(P.CompletionChoice(index=i * req.n + o.index, text=prefix + o.text, logprobs=lps,
                                                   finish_reason=_finish_reason(o.finish_reason),
-                                                  stop_reason=o.stop_reason))
+                                                  stop_reason=o.stop_reason,
+                                                  **_token_fields(req, out.prompt_token_ids, o, 0, len(o.token_ids))))
         return P.CompletionResponse(id=base_id, model=ctx.served_model(), choices=choices,
                                     usage=_usage(sum(lengths), completion_tokens))
 
@@ -577,6 +578,19 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
     return app
 
 
+def _token_fields(req: P.CompletionRequest, prompt_ids, o, t0: int, t1: int) -> dict:
+    """A completion choice's token fields (`return_token_ids`) for output tokens t0..t1-1 of `o`: its ids, each
+    one's weight version and, with logprobs, keep-mask size; `prompt_ids` when given (None: a later chunk)."""
+    if not req.return_token_ids:
+        return {}
+    fields = {"token_ids": list(o.token_ids[t0:t1]), "weight_versions": list((o.weight_versions or [])[t0:t1])}
+    if prompt_ids is not None:
+        fields["prompt_token_ids"] = list(prompt_ids)
+    if o.keep_sizes is not None:
+        fields["keep_sizes"] = list(o.keep_sizes[t0:t1])
+    return fields
+
+
 async def _stream_completion(ctx: ServingContext, req: P.CompletionRequest, prompts, texts, params, base_id,
                              cache_salt=None):
     """SSE chunks of a completions request: one choice entry per index and chunk, as OpenAI sends them."""
@@ -590,6 +604,7 @@ async def _stream_completion(ctx: ServingContext, req: P.CompletionRequest, prom
                 index = i * req.n + o.index
                 tr = trackers.get(index)
                 head, head_lps = "", None
+                first = tr is None
                 if tr is None:
                     tr = trackers[index] = DeltaTracker()
                     if req.echo:  # the prompt goes out in front of the first delta
@@ -611,7 +626,9 @@ async def _stream_completion(ctx: ServingContext, req: P.CompletionRequest, prom
                         top_logprobs=lps.top_logprobs + new.top_logprobs, text_offset=lps.text_offset + new.text_offset)
                 choices.append(P.CompletionChoice(index=index, text=head + delta, logprobs=lps,
                                                   finish_reason=_finish_reason(o.finish_reason),
-                                                  stop_reason=o.stop_reason))
+                                                  stop_reason=o.stop_reason,
+                                                  **_token_fields(req, out.prompt_token_ids if first else None,
+                                                                  o, t0, t1)))
             if choices:
                 yield P.sse(P.CompletionResponse(id=base_id, model=ctx.served_model(), choices=choices))
         if req.include_usage():

@@ -154,6 +154,9 @@ class CompletionRequest(_SamplingFields):
     best_of: Optional[int] = None  # only None or n (no extra candidates are drawn)
     suffix: Optional[str] = None  # refused unless empty (no insertion mode)
     max_tokens: Optional[int] = 16  # OpenAI's default for /v1/completions
+    # vLLM's token in / token out for RL rollouts: each choice carries its prompt's and its own token ids, the
+    # weight version of each token and, with logprobs, each token's keep-mask size (`CompletionOutput`).
+    return_token_ids: Optional[bool] = None
 
 
 class TextPart(_Request):
@@ -246,6 +249,14 @@ class CompletionChoice(BaseModel):
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None  # the stop string or token id that ended it (vLLM's field)
+    # With return_token_ids (vLLM's fields; a stream sends the prompt's in a choice's first chunk and each
+    # chunk's new tokens), and Ridgeline's: the weight version of each token and, with logprobs, the number
+    # of tokens the distribution each was drawn from kept (`logprobs_mode=processed_logprobs`: top-k / top-p /
+    # min-p and masks applied).
+    prompt_token_ids: Optional[list[int]] = None
+    token_ids: Optional[list[int]] = None
+    weight_versions: Optional[list[int]] = None
+    keep_sizes: Optional[list[int]] = None
 
 
 class CompletionResponse(BaseModel):

@@ -187,15 +187,15 @@ class StepResult:
     """The host copy of what one step produced; `hidden_outputs`: what each hidden part made of the step's hidden
     states (`step_parts.StepPart.hidden_output`), still on the device: a part copies what it reads."""
 
-    __slots__ = ("ids", "chosen_logprob", "rank", "top_ids", "top_logprobs", "hidden_outputs")
+    __slots__ = ("ids", "chosen_logprob", "rank", "top_ids", "top_logprobs", "kept", "hidden_outputs")
 
     def __init__(self, ids, lp=None, hidden_outputs=()):
         self.ids = ids
         self.hidden_outputs = hidden_outputs
         if lp is None:
-            self.chosen_logprob = self.rank = self.top_ids = self.top_logprobs = None
+            self.chosen_logprob = self.rank = self.top_ids = self.top_logprobs = self.kept = None
         else:
-            self.chosen_logprob, self.rank, self.top_ids, self.top_logprobs = lp
+            self.chosen_logprob, self.rank, self.top_ids, self.top_logprobs, self.kept = lp
 
 
 class PendingStep:

@@ -42,6 +42,7 @@ class OutputProcessor:
         if seq.logprobs is not None:
             seq.logprobs.append(self._logprob_entry(result, row, tok, p.logprobs))
             seq.cumulative_logprob += float(result.chosen_logprob[row])
+            seq.keep_sizes.append(int(result.kept[row]))
         reason = stop_reason = None
         held = seq.num_output_tokens < p.min_tokens  # only the length may end it yet
         if not held and not p.ignore_eos and tok in req.eos_token_ids:
@@ -105,7 +106,8 @@ class OutputProcessor:
                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
                 logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                weight_versions=list(seq.weight_versions)))
+                weight_versions=list(seq.weight_versions),
+                keep_sizes=list(seq.keep_sizes) if seq.keep_sizes is not None else None))
         plp = list(req.prompt_logprobs) if req.prompt_logprobs is not None else None
         return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), plp, outs, finished,
                              req.metrics, req.seqs[0].num_cached_tokens, req.pooled)

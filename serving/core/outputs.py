@@ -34,6 +34,10 @@ class CompletionOutput:
     # The weight version (`LLM.weight_version`) each token was drawn under: a rollout that spans a weight
     # update (generation paused with "keep") says which tokens came from which policy.
     weight_versions: Optional[list[int]] = None
+    # With logprobs: per token, how many tokens had nonzero probability in the distribution its logprobs are
+    # of; under logprobs_mode="processed_logprobs" the top-k / top-p / min-p keep-mask size (masks included),
+    # what a trainer needs to rebuild the truncated distribution it was drawn from.
+    keep_sizes: Optional[list[int]] = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -53,6 +53,9 @@ class LogprobsOutput(NamedTuple):
     rank: jax.Array  # [R] i32, 1 = most likely
     top_ids: jax.Array  # [R, MAX_LOGPROBS] i32
     top_logprobs: jax.Array  # [R, MAX_LOGPROBS] f32
+    # [R] i32: tokens of nonzero probability in the distribution these logprobs are of (under processed
+    # logprobs, the keep-mask size of top-k / top-p / min-p and the parts' masks; raw: the vocabulary)
+    kept: jax.Array
 
 
 def num_top_logprobs(vocab_size: int) -> int:
@@ -121,7 +124,8 @@ def _logprobs(logits, ids, target):
     chosen = jnp.take_along_axis(logp, chosen_id[:, None], axis=-1)[:, 0]
     rank = jnp.sum(logp > chosen[:, None], axis=-1).astype(jnp.int32) + 1
     top_lp, top_ids = jax.lax.top_k(logp, num_top_logprobs(logp.shape[-1]))
-    return LogprobsOutput(chosen, rank, top_ids.astype(jnp.int32), top_lp)
+    kept = jnp.sum(jnp.isfinite(logp), axis=-1).astype(jnp.int32)
+    return LogprobsOutput(chosen, rank, top_ids.astype(jnp.int32), top_lp, kept)
 
 
 def sample_ids(logits: jax.Array, s: SamplingInputs):
@@ -141,7 +145,7 @@ def logprobs_of(raw_logits: jax.Array, ids, s: SamplingInputs) -> LogprobsOutput
     r = raw.shape[0]
     k = num_top_logprobs(raw.shape[-1])
     empty = LogprobsOutput(jnp.zeros((r,), jnp.float32), jnp.zeros((r,), jnp.int32),
-                           jnp.zeros((r, k), jnp.int32), jnp.zeros((r, k), jnp.float32))
+                           jnp.zeros((r, k), jnp.int32), jnp.zeros((r, k), jnp.float32), jnp.zeros((r,), jnp.int32))
     return jax.lax.cond(s.want_logprobs, lambda: _logprobs(raw, ids, s.target), lambda: empty)
 
 

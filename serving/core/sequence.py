@@ -45,7 +45,7 @@ _seq_ids = itertools.count()
 class Sequence:
     __slots__ = (
         "seq_id", "request", "sample_index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
-        "num_seats", "status", "finish_reason", "stop_reason", "logprobs", "cumulative_logprob",
+        "num_seats", "status", "finish_reason", "stop_reason", "logprobs", "keep_sizes", "cumulative_logprob",
         "detokenizer", "num_cached_tokens", "block_hashes", "text", "last_token_time",
         "num_pending", "num_in_flight", "weight_versions",
     )
@@ -64,6 +64,7 @@ class Sequence:
         self.finish_reason: Optional[str] = None
         self.stop_reason = None
         self.logprobs: Optional[list[dict[int, Logprob]]] = [] if request.params.logprobs is not None else None
+        self.keep_sizes: Optional[list[int]] = [] if request.params.logprobs is not None else None  # (`sampler`'s kept)
         self.cumulative_logprob = 0.0
         self.weight_versions: list[int] = []  # the engine's weight version each output token was drawn under
         self.detokenizer = None  # set by the engine's output processor
