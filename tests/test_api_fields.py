@@ -145,6 +145,17 @@ def test_return_token_ids_gives_the_prompts_and_each_tokens_ids_versions_and_kee
                                                              is None for s in streamed[1:])
     assert sum((s["token_ids"] for s in streamed), []) == c["token_ids"]
     assert sum((s["keep_sizes"] for s in streamed), []) == c["keep_sizes"]
+    # Chat: the rendered prompt's ids at the top, each choice's tokens; streamed, the same ids.
+    chat = {"model": MODEL, "messages": CHAT, "max_tokens": 5, "temperature": 0.0, "return_token_ids": True}
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).json()
+    assert len(r["prompt_token_ids"]) == r["usage"]["prompt_tokens"] and len(r["choices"][0]["token_ids"]) == 5
+    assert r["choices"][0]["keep_sizes"] is None and r["choices"][0]["weight_versions"] == [0] * 5
+    chunks = [json.loads(line[6:]) for line in httpx.post(
+        server.url + "/v1/chat/completions", json={**chat, "stream": True}, timeout=60).text.splitlines()
+        if line.startswith("data: {")]
+    assert chunks[0]["prompt_token_ids"] == r["prompt_token_ids"]
+    assert all(ch.get("prompt_token_ids") is None for ch in chunks[1:])
+    assert sum((ch["choices"][0]["token_ids"] for ch in chunks if ch["choices"]), []) == r["choices"][0]["token_ids"]
 
 
 def test_every_unknown_field_is_named_and_echo_is_refused_on_chat(server):

@@ -544,9 +544,10 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
                 message.reasoning_content = message.reasoning = thinking
             choices.append(P.ChatChoice(index=o.index, message=message, logprobs=lps,
                                         finish_reason=T.finish_reason(_finish_reason(o.finish_reason), bool(calls)),
-                                        stop_reason=o.stop_reason))
+                                        stop_reason=o.stop_reason, **_token_fields(req, None, o, 0, len(o.token_ids))))
         usage = _usage(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs))
-        return P.ChatCompletionResponse(id=base_id, model=ctx.served_model(), choices=choices, usage=usage)
+        return P.ChatCompletionResponse(id=base_id, model=ctx.served_model(), choices=choices, usage=usage,
+                                        prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None)
 
     from serving.api.utility_routes import add_utility_routes
 
@@ -578,8 +579,8 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
     return app
 
 
-def _token_fields(req: P.CompletionRequest, prompt_ids, o, t0: int, t1: int) -> dict:
-    """A completion choice's token fields (`return_token_ids`) for output tokens t0..t1-1 of `o`: its ids, each
+def _token_fields(req, prompt_ids, o, t0: int, t1: int) -> dict:
+    """A completion or chat choice's token fields (`return_token_ids`) for output tokens t0..t1-1 of `o`: its ids, each
     one's weight version and, with logprobs, keep-mask size; `prompt_ids` when given (None: a later chunk)."""
     if not req.return_token_ids:
         return {}
@@ -648,8 +649,10 @@ async def _stream_chat(ctx: ServingContext, req: P.ChatCompletionRequest, ids, p
     splits: dict[int, R.ReasoningStream] = {}  # with a reasoning parser: reasoning and content apart per choice
     tool_streams: dict[int, T.ToolStream] = {}  # with tools: content and tool-call deltas per choice
     completion_tokens: dict[int, int] = {}
+    sent_ids: dict[int, int] = {}  # with return_token_ids: the output tokens each choice's chunks carried so far
     top_n = params.logprobs or 0
     out = None
+    prompt_sent = False
     try:
         async for _, out in ctx.stream_outputs([ids], params, base_id, "chat", cache_salt, req):
             choices = []
@@ -687,9 +690,15 @@ async def _stream_chat(ctx: ServingContext, req: P.ChatCompletionRequest, ids, p
                     d.reasoning_content = d.reasoning = thinking
                 d.tool_calls = calls or None
                 choices.append(P.ChatChunkChoice(index=o.index, delta=d, logprobs=lps, finish_reason=reason,
-                                                 stop_reason=o.stop_reason))
+                                                 stop_reason=o.stop_reason,
+                                                 **_token_fields(req, None, o, sent_ids.get(o.index, 0), t1)))
+                sent_ids[o.index] = t1
             if choices:
-                yield P.sse(P.ChatCompletionChunk(id=base_id, model=ctx.served_model(), choices=choices))
+                prompt_ids = None
+                if req.return_token_ids and not prompt_sent:
+                    prompt_ids, prompt_sent = list(out.prompt_token_ids), True
+                yield P.sse(P.ChatCompletionChunk(id=base_id, model=ctx.served_model(), choices=choices,
+                                                  prompt_token_ids=prompt_ids))
         if req.include_usage():
             prompt_len = len(ids["prompt_token_ids"]) if isinstance(ids, dict) else len(ids)
             if out is not None and getattr(out, "prompt_token_ids", None) is not None:

@@ -206,6 +206,7 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
+    return_token_ids: Optional[bool] = None  # as on completions; the prompt's ids at the response's top level
     top_logprobs: Optional[int] = None
     max_completion_tokens: Optional[int] = None
     add_generation_prompt: bool = True
@@ -292,7 +293,15 @@ class ChatResponseMessage(BaseModel):
     tool_calls: Optional[list[ToolCall]] = None
 
 
-class ChatChoice(BaseModel):
+class _TokenFields(BaseModel):
+    """A choice's token fields under `return_token_ids` (see `CompletionChoice`)."""
+
+    token_ids: Optional[list[int]] = None
+    weight_versions: Optional[list[int]] = None
+    keep_sizes: Optional[list[int]] = None
+
+
+class ChatChoice(_TokenFields):
     index: int
     message: ChatResponseMessage
     logprobs: Optional[ChatLogprobs] = None
@@ -307,6 +316,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Optional[Usage] = None
+    prompt_token_ids: Optional[list[int]] = None  # with return_token_ids (vLLM's field)
 
 
 class ChatDelta(BaseModel):
@@ -317,7 +327,7 @@ class ChatDelta(BaseModel):
     tool_calls: Optional[list[DeltaToolCall]] = None
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_TokenFields):
     index: int
     delta: ChatDelta
     logprobs: Optional[ChatLogprobs] = None
@@ -332,6 +342,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Optional[Usage] = None
+    prompt_token_ids: Optional[list[int]] = None  # with return_token_ids: in the stream's first chunk
 
 
 class ModelCard(BaseModel):
