@@ -45,7 +45,7 @@ from serving.async_engine import EngineDeadError
 from serving.core.engine import EngineUnavailableError
 from serving.core.engine import ContextLengthError
 from serving.api.answer_stream import DeltaTracker
-from serving.api.http_util import ClientGone, primed_stream, until_disconnect  # noqa: F401 (also imported from here)
+from serving.api.http_util import ClientGone, primed_stream, token_fields, until_disconnect  # noqa: F401 (also imported from here)
 from serving.core.sampling_params import InvalidParameterError, SamplingParams
 
 log = logging.getLogger("ridgeline.http")
@@ -506,7 +506,7 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
                 choices.append(P.CompletionChoice(index=i * req.n + o.index, text=prefix + o.text, logprobs=lps,
                                                   finish_reason=_finish_reason(o.finish_reason),
                                                   stop_reason=o.stop_reason,
-                                                  **_token_fields(req, out.prompt_token_ids, o, 0, len(o.token_ids))))
+                                                  **token_fields(req, out.prompt_token_ids, o, 0, len(o.token_ids))))
         return P.CompletionResponse(id=base_id, model=ctx.served_model(), choices=choices,
                                     usage=_usage(sum(lengths), completion_tokens))
 
@@ -544,7 +544,7 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
                 message.reasoning_content = message.reasoning = thinking
             choices.append(P.ChatChoice(index=o.index, message=message, logprobs=lps,
                                         finish_reason=T.finish_reason(_finish_reason(o.finish_reason), bool(calls)),
-                                        stop_reason=o.stop_reason, **_token_fields(req, None, o, 0, len(o.token_ids))))
+                                        stop_reason=o.stop_reason, **token_fields(req, None, o, 0, len(o.token_ids))))
         usage = _usage(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs))
         return P.ChatCompletionResponse(id=base_id, model=ctx.served_model(), choices=choices, usage=usage,
                                         prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None)
@@ -577,19 +577,6 @@ def create_app(engine, tokenizer, model_name: str, max_model_len: int, metrics=N
         # not exist (404), since an unsigned import could put forged pages into the shared prefix cache.
         add_kv_transfer_routes(app, ctx, kv_transfer_secret, keyed)
     return app
-
-
-def _token_fields(req, prompt_ids, o, t0: int, t1: int) -> dict:
-    """A completion or chat choice's token fields (`return_token_ids`) for output tokens t0..t1-1 of `o`: its ids, each
-    one's weight version and, with logprobs, keep-mask size; `prompt_ids` when given (None: a later chunk)."""
-    if not req.return_token_ids:
-        return {}
-    fields = {"token_ids": list(o.token_ids[t0:t1]), "weight_versions": list((o.weight_versions or [])[t0:t1])}
-    if prompt_ids is not None:
-        fields["prompt_token_ids"] = list(prompt_ids)
-    if o.keep_sizes is not None:
-        fields["keep_sizes"] = list(o.keep_sizes[t0:t1])
-    return fields
 
 
 async def _stream_completion(ctx: ServingContext, req: P.CompletionRequest, prompts, texts, params, base_id,
@@ -628,7 +615,7 @@ async def _stream_completion(ctx: ServingContext, req: P.CompletionRequest, prom
                 choices.append(P.CompletionChoice(index=index, text=head + delta, logprobs=lps,
                                                   finish_reason=_finish_reason(o.finish_reason),
                                                   stop_reason=o.stop_reason,
-                                                  **_token_fields(req, out.prompt_token_ids if first else None,
+                                                  **token_fields(req, out.prompt_token_ids if first else None,
                                                                   o, t0, t1)))
             if choices:
                 yield P.sse(P.CompletionResponse(id=base_id, model=ctx.served_model(), choices=choices))
@@ -691,7 +678,7 @@ async def _stream_chat(ctx: ServingContext, req: P.ChatCompletionRequest, ids, p
                 d.tool_calls = calls or None
                 choices.append(P.ChatChunkChoice(index=o.index, delta=d, logprobs=lps, finish_reason=reason,
                                                  stop_reason=o.stop_reason,
-                                                 **_token_fields(req, None, o, sent_ids.get(o.index, 0), t1)))
+                                                 **token_fields(req, None, o, sent_ids.get(o.index, 0), t1)))
                 sent_ids[o.index] = t1
             if choices:
                 prompt_ids = None

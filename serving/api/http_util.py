@@ -63,3 +63,16 @@ async def primed_stream(request: Request, agen):
 
 class ClientGone(Exception):
     """The client disconnected before its non-streaming response was ready."""
+
+
+def token_fields(req, prompt_ids, o, t0: int, t1: int) -> dict:
+    """A completion or chat choice's token fields (`return_token_ids`) for output tokens t0..t1-1 of `o`: their
+    ids, weight versions and, with logprobs, keep-mask sizes; `prompt_ids` when given (None: a later chunk)."""
+    if not req.return_token_ids:
+        return {}
+    fields = {"token_ids": list(o.token_ids[t0:t1]), "weight_versions": list((o.weight_versions or [])[t0:t1])}
+    if prompt_ids is not None:
+        fields["prompt_token_ids"] = list(prompt_ids)
+    if o.keep_sizes is not None:
+        fields["keep_sizes"] = list(o.keep_sizes[t0:t1])
+    return fields
