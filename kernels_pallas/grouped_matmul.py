@@ -13,8 +13,10 @@ and feeds the tensor-core product in x's dtype, accumulating in fp32. The K loop
 time (block_k = group), so a tile never straddles two scales; it is an `lax.fori_loop` of static length,
 which Triton software-pipelines (`scf.for`).
 
-Shapes a tile does not divide are padded by the wrapper (M to the row tile; N and K to the tile and the
-group with zeros, whose products add nothing): published shapes are multiples of 128 and pay nothing.
+The column tile is the largest power of two up to 128 that divides N (DeepSeek-V3's 576 rows: 64), so the
+weight is not copied to pad it. Shapes no tile of 16 or more divides are padded by the wrapper (M to the
+row tile; N and K to the tile and the group, with zeros, whose products add nothing): a copy of the
+weight in every step, which published shapes (multiples of 64, whole groups) never pay.
 Same contract as the reference; `interpret=True` runs the kernel body on CPU (the tests).
 """
 
@@ -45,6 +47,13 @@ def _pow2_at_most(n: int, cap: int) -> int:
     return p
 
 
+def _column_tile(n: int, cap: int = 128) -> int:
+    """The largest power of two up to `cap` dividing `n` when it is 16 or more (no padding of the weight),
+    else N's power of two up to `cap` (at least 16), which the wrapper pads to."""
+    divisor = n & -n  # the largest power of two dividing n
+    return min(divisor, cap) if divisor >= 16 else max(16, _pow2_at_most(n, cap))
+
+
 def _kernel(x_ref, w_ref, s_ref, o_ref, *, group: int, num_groups: int, exact: bool):
     """One [block_m, block_n] output tile: the K loop a group at a time, each weight tile widened and scaled
     by its scale column before the product."""
@@ -69,7 +78,7 @@ def grouped_matmul(x, data, scale, *, group: int, out_dtype=None, block_m: int |
 
     `data`: fp8 e4m3 or int8 (int4 values); `scale`: fp32 `[N, ceil(K / group)]`; `group`: a power of two
     >= 16 (the tensor-core product's smallest K). Tiles (static): `block_m` rows of x (default: M's power
-    of two up to 64, at least 16), `block_n` output columns (default 128, or N's power of two below it)."""
+    of two up to 64, at least 16), `block_n` output columns (default `_column_tile`)."""
     m, k = x.shape
     n, k_w = data.shape
     if k_w != k or scale.shape != (n, -(-k // group)):
@@ -78,7 +87,7 @@ def grouped_matmul(x, data, scale, *, group: int, out_dtype=None, block_m: int |
     if group < 16 or group & (group - 1):
         raise ValueError(f"grouped_matmul: group must be a power of two >= 16, got {group}")
     bm = block_m or max(16, _pow2_at_most(m, 64))
-    bn = block_n or max(16, _pow2_at_most(n, 128))
+    bn = block_n or _column_tile(n)
     num_groups = scale.shape[1]
     pad_m, pad_n, pad_k = -m % bm, -n % bn, num_groups * group - k
     if pad_m or pad_k:

@@ -57,9 +57,8 @@ def _grouped_kernel(impl, layout):
     return grouped_matmul_kernel(impl.grouped_matmul if one_device else None)
 
 
-def _logits(params, x, cfg, backend, layout):
-    """The logits of rows `x`, the LM head's product through the same kernel as the layers'."""
-    with jax.named_scope("logits"), _grouped_kernel(get_backend(backend, head_dim=cfg.head_dim), layout):
+def _logits(params, x, cfg, layout):
+    with jax.named_scope("logits"):
         return family_for_config(cfg).blocks.logits(params, x, cfg, layout)
 
 
@@ -140,17 +139,22 @@ def _scan_layers(blocks, params: Weights, cache: StackedKVCache, x, md: BatchMet
 
 def forward(params: Weights, cache: KVCache, tokens, md: BatchMetadata, cfg: LlamaConfig,
             backend: str = "auto", layout=None, image_embeds=None):
-    """Logits `[R, vocab]` (fp32) for rows `md.logits_indices`, and the updated cache."""
-    x, cache = forward_hidden(params, cache, tokens, md, cfg, backend, layout, image_embeds)
-    return _logits(params, x[md.logits_indices], cfg, backend, layout), cache
+    """Logits `[R, vocab]` (fp32) for rows `md.logits_indices`, and the updated cache (the LM head's product
+    through the same grouped kernel as the layers')."""
+    impl = get_backend(backend, head_dim=cfg.head_dim)
+    with _grouped_kernel(impl, layout):
+        x, cache = _forward_layers(params, cache, tokens, md, cfg, impl, layout, image_embeds)
+        return _logits(params, x[md.logits_indices], cfg, layout), cache
 
 
 def forward_with_hidden(params: Weights, cache: KVCache, tokens, md: BatchMetadata, cfg: LlamaConfig,
                         backend: str = "auto", layout=None, image_embeds=None):
     """`forward`'s logits, every row's hidden state after the final norm `[T, embed]` (what a pooler reads:
     `model.pooling`), and the updated cache: one forward serving both sampled and pooled rows."""
-    x, cache = forward_hidden(params, cache, tokens, md, cfg, backend, layout, image_embeds)
-    return _logits(params, x[md.logits_indices], cfg, backend, layout), final_hidden_norm(params, x, cfg), cache
+    impl = get_backend(backend, head_dim=cfg.head_dim)
+    with _grouped_kernel(impl, layout):
+        x, cache = _forward_layers(params, cache, tokens, md, cfg, impl, layout, image_embeds)
+        return _logits(params, x[md.logits_indices], cfg, layout), final_hidden_norm(params, x, cfg), cache
 
 
 def final_hidden_norm(params: Weights, x, cfg: LlamaConfig):

@@ -593,7 +593,7 @@ async def _stream_completion(ctx: ServingContext, req: P.CompletionRequest, prom
                 tr = trackers.get(index)
                 head, head_lps = "", None
                 first = tr is None
-                if tr is None:
+                if first:
                     tr = trackers[index] = DeltaTracker()
                     if req.echo:  # the prompt goes out in front of the first delta
                         head = texts[i]

@@ -69,7 +69,7 @@ import time
 import weakref
 from typing import Callable, Optional
 
-from serving.compilation import executable_store, table
+from serving.compilation import table
 
 
 log = logging.getLogger("ridgeline.warmup")
@@ -255,7 +255,7 @@ class StepPrograms:
         """Whether an earlier process saved this bucket's executable (`executable_store`)."""
         found = self._stored.get(shape)
         if found is None:
-            store = executable_store.current()
+            store = table.store("step")
             path = None if store is None else store.path(self._key(shape))
             found = self._stored[shape] = path is not None and os.path.exists(path)
         return found

@@ -65,17 +65,18 @@ def put(key, exe, held: dict, kind: str = "step") -> None:
         _COUNTS[kind] += 1
 
 
-def _store(kind: str):
-    """The store of whole executables for programs of `kind`, or None (`executable_store.current`)."""
+def store(kind: str):
+    """The store of whole executables for programs of `kind` ("step" or "small"), or None when there is none
+    (no persistent cache, several processes: `executable_store.current`)."""
     return executable_store.current() if kind == "step" else executable_store.current(executable_store.FUNCTION_SUFFIX)
 
 
 def compile_full(key, lowered, kind: str = "step"):
     """`lowered` compiled with the default options, and saved whole when the store may keep it."""
     exe, storable = executable_store.compile_to_store(lowered)
-    store = _store(kind)
-    if store is not None and storable:
-        store.save(key, exe)
+    kept = store(kind)
+    if kept is not None and storable:
+        kept.save(key, exe)
     return exe
 
 
@@ -101,8 +102,8 @@ def get(key, lower: Callable, held: dict, *, what: str, kind: str = "step", quic
                 break
         pending.wait()  # another thread is compiling it; then take its result
     try:
-        store = _store(kind)
-        exe, how = (None if store is None else store.load(key, what)), "loaded"
+        saved = store(kind)
+        exe, how = (None if saved is None else saved.load(key, what)), "loaded"
         if exe is not None and kind == "small":
             with _LOCK:
                 _UNTRIED.add(key)
@@ -131,7 +132,7 @@ def call(jitted, name: str, held: dict, *args):
     argument-free one's signature says nothing: its name must say what it builds). Without a store (no
     persistent cache, several processes) this is `jitted(*args)`. A stored executable that fails on its
     first run is dropped and the program compiled (`_first_run`)."""
-    if _store("small") is None:
+    if store("small") is None:
         return jitted(*args)
     key = _key(name, args)
     exe, _ = get(key, lambda: jitted.lower(*args), held, what=_describe(name), kind="small")
@@ -141,7 +142,7 @@ def call(jitted, name: str, held: dict, *args):
 def prepare(jitted, name: str, held: dict, *args):
     """The executable `call` runs for these arguments (arrays or `jax.ShapeDtypeStruct`s of them), loaded
     or compiled now if needed, without running it: a background warm-up prepares the small programs so.
-    Needs the store (`executable_store.current(FUNCTION_SUFFIX)`)."""
+    Needs the store (`store("small")`)."""
     return get(_key(name, args), lambda: jitted.lower(*args), held, what=_describe(name), kind="small")[0]
 
 
@@ -169,7 +170,7 @@ def _first_run(jitted, name: str, held: dict, key, exe, args):
     except Exception as e:
         if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(args)):
             raise
-        _store("small").discard(key, _describe(name), e)
+        store("small").discard(key, _describe(name), e)
         exe = compile_full(key, jitted.lower(*args), "small")
         put(key, exe, held, "small")
         with _LOCK:

@@ -32,7 +32,7 @@ from model.forward import forward, forward_with_hidden
 from model.layer_select import selects_layers
 from model.params import param_bytes, stack_layers
 from sharding.pipeline import copy_staged_pages
-from serving.compilation import executable_store, table
+from serving.compilation import table
 from serving.compilation.step_programs import StepPrograms
 from serving.core import bucket_plan, placement, step_parts
 from serving.core.input_batch import Buckets, StepShape, StepBatch
@@ -465,7 +465,7 @@ class ModelRunner:
             self.dispatch_hook("part-state", np.int32(index), *host_args, program=placement.program_ref(jitted))
         old = self._part_state(part)
         state = table.call(jitted, self._state_program_names[jitted], self._small_programs,
-                                      old, *self._host_inputs(*host_args))
+                           old, *self._host_inputs(*host_args))
         if part in self.forward_parts:
             i = self.forward_parts.index(part)
             state = jax.device_put(state, jax.tree.map(lambda x: x.sharding, old))  # (a no-op where it kept them)
@@ -602,7 +602,7 @@ class ModelRunner:
             return {"seconds": time.perf_counter() - t0, "compiled": self.compilation_count() - before,
                     "shapes": shapes, "background": 0}
         info = self.programs.warm_up(self.warm_up_order(), background=background, start_thread=False, quick=quick)
-        if info["background"] and executable_store.current(executable_store.FUNCTION_SUFFIX) is not None:
+        if info["background"] and table.store("small") is not None:
             calls = self._small_program_calls()  # their argument shapes, taken now: the thread runs nothing
             self.programs.first_in_background(
                 lambda: [table.prepare(jitted, name, self._small_programs, *args) for jitted, name, args in calls])
@@ -623,7 +623,7 @@ class ModelRunner:
         if self._spans_processes():
             return
         self._program_key(self.warm_up_order()[0])  # the argument specs, taken here before any step donates
-        if executable_store.current(executable_store.FUNCTION_SUFFIX) is not None:
+        if table.store("small") is not None:
             calls = self._small_program_calls()
             self.programs.first_in_background(
                 lambda: [table.prepare(jitted, name, self._small_programs, *args) for jitted, name, args in calls])

@@ -223,7 +223,7 @@ class KVImport:
             raise PayloadError(f"the payload carries {top_ids.shape[1]} top logprobs, the request asks for {k}")
         return StepResult(np.asarray([self.first_token]), (
             np.asarray([lp["chosen_logprob"]], np.float32), np.asarray([lp["rank"]], np.int64), top_ids,
-            np.asarray(lp["top_logprobs"], np.float32)[None], np.asarray([lp.get("kept", 0)], np.int64)))
+            np.asarray(lp["top_logprobs"], np.float32)[None], np.asarray([lp["kept"]], np.int64)))
 
     def check(self, engine, req) -> None:
         """Raises InvalidParameterError unless this import can resume `req` (every engine imports KV)."""
